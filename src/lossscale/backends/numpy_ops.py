@@ -1,0 +1,154 @@
+"""NumPy backend: the embedded default and the reference path.
+
+Variables are `np.ndarray`s updated in place (`out=`), so `assign*` never
+allocate and outside references to the array see every update.
+"""
+
+import numpy as np
+
+from lossscale.backends._common import unwrap
+
+NAME = "numpy"
+MUTABLE = True
+INT_DTYPE = "int64"
+
+
+def is_native(x):
+    return isinstance(x, (np.ndarray, np.generic))
+
+
+def asarray(x, dtype=None, like=None):
+    return np.asarray(unwrap(x), dtype=dtype)
+
+
+def full(shape, value, dtype, like=None):
+    return np.full(shape, value, dtype=dtype)
+
+
+def copy(x):
+    return np.array(unwrap(x), copy=True)
+
+
+def to_numpy(x):
+    return np.asarray(unwrap(x))
+
+
+def dtype_name(x):
+    return np.asarray(unwrap(x)).dtype.name
+
+
+def shape(x):
+    return tuple(np.shape(unwrap(x)))
+
+
+def place(x, like):
+    return np.asarray(unwrap(x))
+
+
+def read(storage):
+    return storage
+
+
+def assign(storage, value):
+    np.copyto(storage, unwrap(value), casting="same_kind")
+    return storage
+
+
+def assign_add(storage, value):
+    np.add(storage, unwrap(value), out=storage, casting="same_kind")
+    return storage
+
+
+def assign_sub(storage, value):
+    np.subtract(storage, unwrap(value), out=storage, casting="same_kind")
+    return storage
+
+
+def cast(x, dtype):
+    x = unwrap(x)
+    if isinstance(x, np.ndarray) and x.dtype == dtype:
+        return x
+    return np.asarray(x, dtype=dtype)
+
+
+def _unary(fn):
+    return lambda x: fn(unwrap(x))
+
+
+def _binary(fn):
+    return lambda x, y: fn(unwrap(x), unwrap(y))
+
+
+sqrt = _unary(np.sqrt)
+square = _unary(np.square)
+abs = _unary(np.abs)  # noqa: A001 - the seam's name for |x|
+sign = _unary(np.sign)
+exp = _unary(np.exp)
+log = _unary(np.log)
+cos = _unary(np.cos)
+floor = _unary(np.floor)
+isfinite = _unary(np.isfinite)
+logical_not = _unary(np.logical_not)
+power = _binary(np.power)
+maximum = _binary(np.maximum)
+minimum = _binary(np.minimum)
+logical_and = _binary(np.logical_and)
+
+
+def where(cond, x, y):
+    return np.where(unwrap(cond), unwrap(x), unwrap(y))
+
+
+def clip(x, lo, hi):
+    return np.clip(unwrap(x), lo, hi)
+
+
+def sum(x):  # noqa: A001 - the seam's name for a full reduction
+    return np.sum(unwrap(x))
+
+
+def unscale(grads, scale):
+    scale = unwrap(scale)
+    out = []
+    for g in grads:
+        g = unwrap(g)
+        if g.dtype.itemsize < 4:
+            g = g.astype(np.float32)
+        out.append(g / scale.astype(g.dtype))
+    return out
+
+
+def all_finite(arrays):
+    # min/max propagate NaN and expose +-inf without materialising a boolean
+    # copy of every array.
+    for a in arrays:
+        a = unwrap(a)
+        if a.size and not (np.isfinite(a.max()) and np.isfinite(a.min())):
+            return np.asarray(False)
+    return np.asarray(True)
+
+
+def global_norm(arrays):
+    total = np.float64(0.0) if not arrays else None
+    for a in arrays:
+        a = unwrap(a)
+        flat = a.reshape(-1)
+        if flat.dtype.itemsize < 4:
+            flat = flat.astype(np.float32)
+        sq = np.dot(flat, flat) if a.dtype.kind == "f" else np.sum(np.square(flat))
+        total = sq if total is None else total + sq
+    return np.sqrt(total)
+
+
+def cond(pred, true_fn, false_fn, variables):
+    if bool(unwrap(pred)):
+        true_fn()
+    else:
+        false_fn()
+
+
+def quiet():
+    # A skipped overflow step computes inf/NaN on purpose; NumPy must not
+    # warn about it.
+    return np.errstate(over="ignore", invalid="ignore", divide="ignore")
+

@@ -1,0 +1,49 @@
+"""Optimizers: the base class, the loss-scale wrapper and the update rules."""
+
+from lossscale import serialization
+from lossscale.optimizers.adam import Adam
+from lossscale.optimizers.base import Optimizer
+from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from lossscale.optimizers.sgd import SGD
+
+ALL_OPTIMIZERS = (Adam, LossScaleOptimizer, SGD)
+for _cls in ALL_OPTIMIZERS:
+    serialization.register_serializable(_cls)
+
+# Lower-case aliases accepted by `get`.
+_ALIASES = {cls.__name__.lower(): cls for cls in ALL_OPTIMIZERS if cls is not LossScaleOptimizer}
+
+
+def serialize(optimizer):
+    """Returns `{"module", "class_name", "config"}` for an optimizer."""
+    return serialization.serialize(optimizer)
+
+
+def deserialize(config, custom_objects=None):
+    """Rebuilds an optimizer from `serialize`'s output."""
+    return serialization.deserialize(config, custom_objects=custom_objects)
+
+
+def get(identifier):
+    """Returns an optimizer from an instance, a name (`"adam"`) or a config dict.
+
+    Raises:
+        ValueError: For an unknown name or an uninterpretable identifier.
+    """
+    if isinstance(identifier, Optimizer):
+        return identifier
+    if isinstance(identifier, dict):
+        return deserialize(identifier)
+    if isinstance(identifier, str):
+        cls = _ALIASES.get(identifier.lower())
+        if cls is None:
+            raise ValueError(
+                f"Unknown optimizer name. Known: {sorted(_ALIASES)}. "
+                f"Received: identifier={identifier!r}")
+        return cls()
+    raise ValueError(
+        "Could not interpret optimizer identifier: expected an Optimizer, a name or a config "
+        f"dict. Received: identifier={identifier!r}")
+
+
+__all__ = ["Adam", "LossScaleOptimizer", "Optimizer", "SGD", "deserialize", "get", "serialize"]

@@ -1,0 +1,80 @@
+"""Adam: adaptive moment estimation."""
+
+from lossscale import validation
+from lossscale.optimizers.base import Optimizer
+
+
+class Adam(Optimizer):
+    """Optimizer that implements the Adam algorithm.
+
+    ```
+    t = iterations + 1
+    alpha = learning_rate * sqrt(1 - beta_2**t) / (1 - beta_1**t)
+    m = m + (g - m) * (1 - beta_1)
+    v = v + (g**2 - v) * (1 - beta_2)
+    v_hat = max(v_hat, v)                    # amsgrad only; then v = v_hat
+    w = w - m * alpha / (sqrt(v) + epsilon)
+    ```
+
+    Args:
+        learning_rate: A float, a `LearningRateSchedule` or a callable.
+            Defaults to `0.001`.
+        beta_1: Float in [0, 1). Exponential decay rate for the 1st moment
+            estimates. Defaults to `0.9`.
+        beta_2: Float in [0, 1). Exponential decay rate for the 2nd moment
+            estimates. Defaults to `0.999`.
+        epsilon: Float > 0. A small constant for numerical stability (the
+            "epsilon hat" of the paper). Defaults to `1e-7`.
+        amsgrad: Boolean. Whether to apply the AMSGrad variant.
+        name: String. Defaults to `"adam"`.
+        **kwargs: Base optimizer arguments (see `Optimizer`).
+
+    Example:
+
+    >>> import numpy as np, lossscale as ls
+    >>> w = ls.Variable(np.array([1.0], np.float32))
+    >>> opt = ls.optimizers.Adam(learning_rate=0.1)
+    >>> opt.apply([np.array([0.5], np.float32)], [w])
+    >>> w.numpy().round(4)
+    array([0.9], dtype=float32)
+    """
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                 amsgrad=False, name="adam", **kwargs):
+        validation.check_number("beta_1", beta_1, low=0, high=1, high_open=True)
+        validation.check_number("beta_2", beta_2, low=0, high=1, high_open=True)
+        validation.check_number("epsilon", epsilon, low=0, low_open=True)
+        validation.check_bool("amsgrad", amsgrad)
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self.beta_1 = beta_1
+        self.beta_2 = beta_2
+        self.epsilon = epsilon
+        self.amsgrad = amsgrad
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self._momentums, self._velocities = self.add_optimizer_variables(
+            var_list, ["momentum", "velocity"])
+        if self.amsgrad:
+            self._velocity_hats = self.add_optimizer_variables(var_list, "velocity_hat")
+
+    def update_step(self, gradient, variable, learning_rate):
+        ops = self._ops
+        dtype = variable.dtype
+        lr = ops.cast(learning_rate, dtype)
+        gradient = ops.cast(gradient, dtype)
+        step = ops.cast(self.iterations + 1, dtype)
+        beta_1_power = ops.power(ops.cast(self.beta_1, dtype), step)
+        beta_2_power = ops.power(ops.cast(self.beta_2, dtype), step)
+        index = self._get_variable_index(variable)
+        m, v = self._momentums[index], self._velocities[index]
+        alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+        self.assign_add(m, (gradient - m.value) * (1 - self.beta_1))
+        self.assign_add(v, (ops.square(gradient) - v.value) * (1 - self.beta_2))
+        if self.amsgrad:
+            v_hat = self._velocity_hats[index]
+            self.assign(v_hat, ops.maximum(v_hat.value, v.value))
+            v = v_hat
+        self.assign_sub(variable, (m.value * alpha) / (ops.sqrt(v.value) + self.epsilon))

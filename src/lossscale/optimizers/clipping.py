@@ -1,0 +1,35 @@
+"""Gradient clipping: pure functions of a gradient list.
+
+At most one of `clipnorm` (per gradient), `global_clipnorm` (across all) and
+`clipvalue` (elementwise) is set on an optimizer; the constructor checks that.
+"""
+
+
+def clip_by_norm(ops, grad, clipnorm):
+    """Rescales `grad` so its L2 norm is at most `clipnorm`."""
+    l2sum = ops.sum(ops.square(grad))
+    # A zero gradient has norm 0; keep sqrt's argument positive so the
+    # result (and its derivative under JAX) stays finite.
+    positive = l2sum > 0
+    norm = ops.where(positive, ops.sqrt(ops.where(positive, l2sum, 1.0)), l2sum)
+    return grad * clipnorm / ops.maximum(norm, clipnorm)
+
+
+def clip_by_global_norm(ops, grads, clipnorm):
+    """Rescales all `grads` together so their global L2 norm is at most `clipnorm`."""
+    norm = ops.global_norm(grads)
+    # `norm - norm` is 0 for a finite norm and NaN otherwise, so a non-finite
+    # gradient poisons the result instead of being silently scaled to zero.
+    factor = clipnorm * ops.minimum(1.0 / norm, 1.0 / clipnorm) + (norm - norm)
+    return [g * ops.cast(factor, ops.dtype_name(g)) for g in grads]
+
+
+def clip_gradients(ops, grads, clipnorm=None, clipvalue=None, global_clipnorm=None):
+    """Applies whichever clipping option is set; returns a new list."""
+    if clipnorm is not None:
+        return [clip_by_norm(ops, g, clipnorm) for g in grads]
+    if global_clipnorm is not None:
+        return clip_by_global_norm(ops, grads, global_clipnorm)
+    if clipvalue is not None:
+        return [ops.clip(g, -clipvalue, clipvalue) for g in grads]
+    return list(grads)

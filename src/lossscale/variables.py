@@ -1,0 +1,268 @@
+"""`Variable`: a named, assignable array on one backend."""
+
+import operator
+
+import numpy as np
+
+from lossscale import initializers
+from lossscale.backends import backend_of, get_ops, unwrap
+
+AGGREGATIONS = (None, "none", "mean", "sum", "only_first_replica")
+
+
+class Variable:
+    """A named, assignable array living on one backend (NumPy, torch or JAX).
+
+    A `Variable` either wraps an existing native array (without copying: a
+    torch `nn.Parameter` wrapped here is updated in place by optimizers, and
+    a NumPy array sees every update) or creates one from an initializer,
+    shape and dtype. On JAX, arrays are immutable and `assign` rebinds.
+
+    Args:
+        initializer: A native array (NumPy `ndarray`, `torch.Tensor`,
+            `jax.Array`) to wrap, a Python number or nested list (converted
+            to a NumPy array), or an initializer (`"zeros"`, `"ones"`,
+            `"random_normal"`, `"random_uniform"`, a callable
+            `(shape, dtype)`) used with `shape`.
+        shape: Shape tuple; required with a string or callable initializer.
+        dtype: Dtype name such as `"float32"`. Defaults to the wrapped
+            array's dtype, or `"float32"` for initializers. Giving a dtype
+            different from a wrapped array's converts (copies) it.
+        trainable: Boolean, whether the variable is trained.
+        name: String name. Defaults to `"variable"`.
+        aggregation: One of `None`, `"none"`, `"mean"`, `"sum"`,
+            `"only_first_replica"`: how replicas combine this variable.
+        overwrite_with_gradient: Boolean. If `True`, optimizers assign the
+            gradient to this variable instead of applying an update rule.
+        constraint: Optional callable applied to the new value after each
+            optimizer update (e.g. a projection onto a norm ball).
+        backend: `"numpy"`, `"torch"` or `"jax"`, for variables created from
+            an initializer. Defaults to `like`'s backend, else `"numpy"`.
+        like: Optional array: new variables take its backend and device.
+
+    Example:
+
+    >>> import numpy as np, lossscale as ls
+    >>> v = ls.Variable(np.zeros(3, np.float32), name="bias")
+    >>> v.assign_add(np.ones(3, np.float32))
+    >>> v.numpy()
+    array([1., 1., 1.], dtype=float32)
+    """
+
+    _is_lossscale_variable = True
+    # Makes `ndarray <op> Variable` defer to the Variable's reflected operator.
+    __array_ufunc__ = None
+
+    def __init__(self, initializer, shape=None, dtype=None, trainable=True, name=None,
+                 aggregation="none", overwrite_with_gradient=False, constraint=None,
+                 backend=None, like=None):
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"`name` must be a string. Received: name={name!r}")
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"`aggregation` must be one of {AGGREGATIONS}. Received: aggregation={aggregation!r}"
+            )
+        if constraint is not None and not callable(constraint):
+            raise ValueError(f"`constraint` must be callable. Received: constraint={constraint!r}")
+        self.name = name or "variable"
+        self.path = self.name
+        self.trainable = bool(trainable)
+        self.aggregation = aggregation
+        self.overwrite_with_gradient = bool(overwrite_with_gradient)
+        self.constraint = constraint
+        self._storage = None
+        self._init_storage(initializer, shape, dtype, backend, like)
+
+    def _init_storage(self, initializer, shape, dtype, backend, like):
+        native = _native_or_none(initializer)
+        if native is not None:
+            if backend is not None and backend != backend_of(native):
+                raise ValueError(
+                    f"`backend` is {backend!r} but the wrapped array is a {backend_of(native)} array. "
+                    f"Received: backend={backend!r}"
+                )
+            self._ops = get_ops(backend_of(native))
+            if shape is not None and tuple(shape) != self._ops.shape(native):
+                raise ValueError(
+                    f"`shape` does not match the wrapped array's shape {self._ops.shape(native)}. "
+                    f"Received: shape={tuple(shape)}"
+                )
+            if dtype is not None and dtype != self._ops.dtype_name(native):
+                native = self._ops.cast(native, dtype)
+            self._storage = native
+            return
+        if shape is None and isinstance(initializer, (int, float)) and not isinstance(initializer, bool):
+            shape = ()
+        if shape is None:
+            raise ValueError(
+                "`shape` is required when `initializer` is not an array. "
+                f"Received: initializer={initializer!r}, shape=None"
+            )
+        shape = tuple(int(s) for s in shape)
+        dtype = dtype or "float32"
+        value = np.asarray(initializers.get(initializer)(shape, dtype), dtype=dtype)
+        if value.shape != shape:
+            raise ValueError(
+                f"The initializer returned shape {value.shape}, expected {shape}. "
+                f"Received: initializer={initializer!r}"
+            )
+        backend = backend or (backend_of(like) if like is not None else "numpy")
+        self._ops = get_ops(backend)
+        self._storage = self._ops.asarray(value, dtype=dtype, like=like)
+
+    # --- reading ---------------------------------------------------------
+    @property
+    def backend(self):
+        return self._ops.NAME
+
+    @property
+    def value(self):
+        """The native array (a detached view on torch)."""
+        return self._ops.read(self._storage)
+
+    def numpy(self):
+        """Returns the value as a NumPy array."""
+        return self._ops.to_numpy(self._storage)
+
+    @property
+    def shape(self):
+        return self._ops.shape(self._storage)
+
+    @property
+    def dtype(self):
+        return self._ops.dtype_name(self._storage)
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    # --- writing ---------------------------------------------------------
+    def _coerce(self, value, method):
+        value = unwrap(value)
+        if isinstance(value, (int, float, bool, np.number)):
+            return value
+        source = backend_of(value)
+        if source != self.backend:
+            if source != "numpy":
+                raise ValueError(
+                    f"`variable.{method}(value)` got a {source} array for a {self.backend} "
+                    f"variable (path={self.path!r}). Received: value of type {type(value).__name__}"
+                )
+            value = self._ops.asarray(value, dtype=self.dtype, like=self._storage)
+        return value
+
+    def _check_shape(self, value, method, exact):
+        value_shape = self._ops.shape(value) if not isinstance(value, (int, float, bool)) else ()
+        ok = value_shape == self.shape
+        if not ok and not exact:
+            try:
+                ok = np.broadcast_shapes(value_shape, self.shape) == self.shape
+            except ValueError:
+                ok = False
+        if not ok:
+            raise ValueError(
+                f"The shape of the target variable and the shape of the target value in "
+                f"`variable.{method}(value)` must match. variable.shape={self.shape} "
+                f"(path={self.path!r}), Received: value.shape={value_shape}"
+            )
+
+    def assign(self, value):
+        """Assigns `value` (same shape) to the variable, in place where possible."""
+        value = self._coerce(value, "assign")
+        self._check_shape(value, "assign", exact=not isinstance(value, (int, float, bool)))
+        self._storage = self._ops.assign(self._storage, value)
+
+    def assign_add(self, value):
+        """Adds `value` (broadcastable to the variable's shape) in place."""
+        value = self._coerce(value, "assign_add")
+        self._check_shape(value, "assign_add", exact=False)
+        self._storage = self._ops.assign_add(self._storage, value)
+
+    def assign_sub(self, value):
+        """Subtracts `value` (broadcastable to the variable's shape) in place."""
+        value = self._coerce(value, "assign_sub")
+        self._check_shape(value, "assign_sub", exact=False)
+        self._storage = self._ops.assign_sub(self._storage, value)
+
+    def _move_to(self, like):
+        """Re-creates this variable on `like`'s backend and device (before use)."""
+        ops = get_ops(backend_of(like))
+        if ops is self._ops and not ops.MUTABLE:
+            return
+        dtype = ops.INT_DTYPE if self.dtype.startswith("int") else self.dtype
+        self._storage = ops.asarray(self.numpy(), dtype=dtype, like=like)
+        self._ops = ops
+
+    # --- array protocol and arithmetic -----------------------------------
+    def __array__(self, dtype=None, copy=None):
+        out = self.numpy()
+        return out.astype(dtype) if dtype is not None else out
+
+    def __float__(self):
+        return float(self.numpy())
+
+    def __int__(self):
+        return int(self.numpy())
+
+    def __index__(self):
+        return int(self.numpy())
+
+    def __bool__(self):
+        return bool(self.numpy())
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __getitem__(self, idx):
+        return self.value[idx]
+
+    def __neg__(self):
+        return -self.value
+
+    def __abs__(self):
+        return abs(self.value)
+
+    def __repr__(self):
+        return (f"<Variable path={self.path}, shape={self.shape}, dtype={self.dtype}, "
+                f"backend={self.backend}, value={self.numpy()!r}>")
+
+
+def _native_or_none(x):
+    """Returns `x` as a native array if it is one (lists become NumPy), else None."""
+    if getattr(x, "_is_lossscale_variable", False):
+        raise ValueError(
+            "`initializer` cannot be another Variable; pass `variable.value` to share it. "
+            f"Received: initializer={x!r}"
+        )
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x, dtype=np.float32 if _all_floats(x) else None)
+    if isinstance(x, str) or callable(x) and not hasattr(x, "shape"):
+        return None
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return None
+    try:
+        backend_of(x)
+    except TypeError:
+        return None
+    return np.asarray(x) if isinstance(x, np.generic) else x
+
+
+def _all_floats(x):
+    flat = np.asarray(x)
+    return flat.dtype.kind == "f"
+
+
+def _forward(fn):
+    return lambda self, other: fn(self.value, unwrap(other))
+
+
+def _reflected(fn):
+    return lambda self, other: fn(unwrap(other), self.value)
+
+
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow"):
+    setattr(Variable, f"__{_name}__", _forward(getattr(operator, _name)))
+    setattr(Variable, f"__r{_name}__", _reflected(getattr(operator, _name)))
+for _name in ("lt", "le", "gt", "ge"):
+    setattr(Variable, f"__{_name}__", _forward(getattr(operator, _name)))
+del _name
