@@ -140,6 +140,15 @@ def global_norm(arrays):
     return np.sqrt(total)
 
 
+# Fused multi-tensor kernels, keyed by the exact optimizer class they
+# reproduce. Each entry has a test proving it equals `update_step`.
+FUSED_KERNELS = {}
+
+
+def fused_update(optimizer):
+    return FUSED_KERNELS.get(type(optimizer))
+
+
 def cond(pred, true_fn, false_fn, variables):
     if bool(unwrap(pred)):
         true_fn()

@@ -64,6 +64,9 @@ class BackendOps(Protocol):
     def all_finite(self, arrays: Sequence[Any]) -> Any: ...
     def global_norm(self, arrays: Sequence[Any]) -> Any: ...
 
+    def fused_update(self, optimizer: Any) -> Callable | None:
+        """A kernel `(optimizer, grads, variables, lr)` for `type(optimizer)`, or None."""
+
     # --- control flow ---------------------------------------------------
     def cond(self, pred: Any, true_fn: Callable[[], None],
              false_fn: Callable[[], None], variables: Sequence[Any]) -> None: ...

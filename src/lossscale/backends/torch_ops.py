@@ -194,6 +194,15 @@ def global_norm(arrays):
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
 
 
+# Fused multi-tensor kernels, keyed by the exact optimizer class they
+# reproduce. Each entry has a test proving it equals `update_step`.
+FUSED_KERNELS = {}
+
+
+def fused_update(optimizer):
+    return FUSED_KERNELS.get(type(optimizer))
+
+
 def cond(pred, true_fn, false_fn, variables):
     pred = unwrap(pred)
     if not isinstance(pred, torch.Tensor) or pred.device.type == "cpu":

@@ -436,7 +436,16 @@ class Optimizer(StateMixin):
         self._update_variables(grads, variables, learning_rate)
 
     def _update_variables(self, grads, variables, learning_rate):
-        """Runs the update rule on every variable."""
+        """Runs the update rule on every variable.
+
+        A backend may hold a fused (multi-tensor) kernel for this exact
+        optimizer class; it must equal the per-variable `update_step`, which
+        its tests check.
+        """
+        kernel = self._ops.fused_update(self)
+        if kernel is not None:
+            kernel(self, grads, variables, learning_rate)
+            return
         for grad, variable in zip(grads, variables):
             self.update_step(grad, variable, learning_rate)
 
