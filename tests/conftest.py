@@ -32,9 +32,9 @@ class Backend:
         return jnp.asarray(x)
 
     def numpy(self, x):
-        from lossscale.backends import get_ops, unwrap
+        from lossscale.backends import ops_for, unwrap
 
-        return np.asarray(get_ops(self.name).to_numpy(unwrap(x)))
+        return np.asarray(ops_for(unwrap(x)).to_numpy(unwrap(x)))
 
     def __repr__(self):
         return self.name

@@ -180,10 +180,18 @@ class Optimizer(StateMixin):
 
     @property
     def iterations(self):
-        """Optimizer steps taken (`raw steps // gradient_accumulation_steps`)."""
+        """Optimizer steps taken (`raw steps // gradient_accumulation_steps`).
+
+        The `Variable` itself without gradient accumulation, else an array.
+        """
         if self.gradient_accumulation_steps:
-            return self._iterations.value // self.gradient_accumulation_steps
+            return self._steps_taken()
         return self._iterations
+
+    def _steps_taken(self):
+        """`iterations` as a backend array."""
+        steps = self._iterations.value
+        return steps // self.gradient_accumulation_steps if self.gradient_accumulation_steps else steps
 
     @iterations.setter
     def iterations(self, value):
@@ -480,7 +488,7 @@ class Optimizer(StateMixin):
         return [g for g, _ in kept], [v for _, v in kept]
 
     def _update_ema(self, ops):
-        iterations = self.iterations
+        iterations = self._steps_taken()
         ema.update_moving_averages(ops, self._model_variables_moving_average,
                                    self._trainable_variables, self.ema_momentum,
                                    iterations == 0)

@@ -87,8 +87,12 @@ class LossScaleOptimizer(Optimizer):
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         self.inner_optimizer.loss_scale_factor = None
-        self.dynamic_scale = None
-        self.step_counter = None
+        # Made now on NumPy and moved to the model's backend by `build`, so
+        # they can be read (and checkpoints matched) before the first step.
+        self.step_counter = self.add_variable((), initializer=0, dtype="int64",
+                                              name="step_counter")
+        self.dynamic_scale = self.add_variable((), initializer=self.initial_scale,
+                                               dtype="float32", name="dynamic_scale")
 
     @property
     def initial_scale(self):
@@ -99,15 +103,11 @@ class LossScaleOptimizer(Optimizer):
         return self.policy.dynamic_growth_steps
 
     def build(self, var_list):
-        """Creates `step_counter` and `dynamic_scale`, then builds the inner optimizer."""
+        """Moves the wrapper's state to the model's backend and builds the inner optimizer."""
         if self.built:
             return
         var_list = self._as_variables(var_list, "var_list")
         super().build(var_list)
-        self.step_counter = self.add_variable((), initializer=0, dtype=self._ops.INT_DTYPE,
-                                              name="step_counter")
-        self.dynamic_scale = self.add_variable((), initializer=self.initial_scale,
-                                               dtype="float32", name="dynamic_scale")
         self.inner_optimizer.build(var_list)
 
     @property
@@ -147,8 +147,7 @@ class LossScaleOptimizer(Optimizer):
 
     def scale_loss(self, loss):
         """Multiplies `loss` by the current loss scale (`initial_scale` before build)."""
-        scale = self.dynamic_scale.value if self.built else self.initial_scale
-        return loss * scale
+        return loss * (self.dynamic_scale.value if self.built else self.initial_scale)
 
     @property
     def learning_rate(self):

@@ -1,0 +1,59 @@
+"""Adagrad: per-parameter rates scaled by the sum of past squared gradients."""
+
+from lossscale import validation
+from lossscale.optimizers.base import Optimizer
+
+
+class Adagrad(Optimizer):
+    """Optimizer that implements the Adagrad algorithm.
+
+    Each parameter's step shrinks with the total of its squared gradients,
+    so frequently updated parameters take smaller steps.
+
+    ```
+    accumulator = accumulator + g**2      # starts at initial_accumulator_value
+    w = w - learning_rate * g / sqrt(accumulator + epsilon)
+    ```
+
+    Args:
+        learning_rate: A float, a `LearningRateSchedule` or a callable.
+            Defaults to `0.001`.
+        initial_accumulator_value: Float >= 0. Starting value of the
+            accumulators (per-parameter momentum values). Defaults to `0.1`.
+        epsilon: Float > 0. A small constant for numerical stability.
+            Defaults to `1e-7`.
+        name: String. Defaults to `"adagrad"`.
+        **kwargs: Base optimizer arguments (see `Optimizer`).
+
+    Example:
+
+    >>> import numpy as np, lossscale as ls
+    >>> w = ls.Variable(np.array([1.0], np.float32))
+    >>> opt = ls.optimizers.Adagrad(learning_rate=0.1, initial_accumulator_value=0.0)
+    >>> opt.apply([np.array([2.0], np.float32)], [w])
+    >>> w.numpy().round(4)  # 1 - 0.1 * 2 / sqrt(4)
+    array([0.9], dtype=float32)
+    """
+
+    def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-7,
+                 name="adagrad", **kwargs):
+        validation.check_number("initial_accumulator_value", initial_accumulator_value, low=0)
+        validation.check_number("epsilon", epsilon, low=0, low_open=True)
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self.initial_accumulator_value = initial_accumulator_value
+        self.epsilon = epsilon
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self._accumulators = self.add_optimizer_variables(
+            var_list, "accumulator", initializer=float(self.initial_accumulator_value))
+
+    def update_step(self, gradient, variable, learning_rate):
+        ops = self._ops
+        lr = ops.cast(learning_rate, variable.dtype)
+        gradient = ops.cast(gradient, variable.dtype)
+        accumulator = self._accumulators[self._get_variable_index(variable)]
+        self.assign_add(accumulator, ops.square(gradient))
+        self.assign_sub(variable, lr * gradient / ops.sqrt(accumulator.value + self.epsilon))
