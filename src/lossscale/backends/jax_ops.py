@@ -4,6 +4,12 @@ JAX arrays are immutable: `assign*` return the new array and the `Variable`
 rebinds to it. Branches on traced values become `lax.cond` over the values
 of the variables they may write, so the same optimizer code traces under
 `jax.jit`.
+
+Two invariants keep `jax.jit(optimizer.stateless_apply)` from retracing:
+every write returns exactly the dtype *and weak type* of the value it
+replaces, and `cond` returns what it was given, branch for branch. Arrays
+created next to a sharded array (`like=`) are placed with its sharding, so
+optimizer slots follow the parameters they belong to.
 """
 
 import contextlib
@@ -23,12 +29,39 @@ def is_native(x):
     return isinstance(x, jax.Array)
 
 
+def _sharding_like(like, shape):
+    """The sharding a new array of `shape` should take next to `like`, or None.
+
+    Same shape: `like`'s own sharding. Another shape (a scalar next to a
+    matrix, say): replicated over `like`'s devices. Traced values carry no
+    placement, and uncommitted arrays (placed by default) need none.
+    """
+    like = unwrap(like)
+    if not isinstance(like, jax.Array) or isinstance(like, jax.core.Tracer):
+        return None
+    if not getattr(like, "committed", True) or not hasattr(like, "sharding"):
+        return None
+    sharding = like.sharding
+    if tuple(like.shape) == tuple(shape):
+        return sharding
+    if len(sharding.device_set) == 1:
+        return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return None
+
+
+def _place(x, like):
+    sharding = _sharding_like(like, x.shape)
+    return x if sharding is None else jax.device_put(x, sharding)
+
+
 def asarray(x, dtype=None, like=None):
-    return jnp.asarray(unwrap(x), dtype=dtype)
+    return _place(jnp.asarray(unwrap(x), dtype=dtype), like)
 
 
 def full(shape, value, dtype, like=None):
-    return jnp.full(tuple(shape), value, dtype=dtype)
+    return _place(jnp.full(tuple(shape), value, dtype=dtype), like)
 
 
 def copy(x):
@@ -42,15 +75,19 @@ def to_numpy(x):
 
 
 def dtype_name(x):
-    return jnp.asarray(unwrap(x)).dtype.name
+    # Read the attribute when there is one: a donated (deleted) array still
+    # knows its dtype, but `jnp.asarray` of it raises.
+    x = unwrap(x)
+    return (x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype).name
 
 
 def shape(x):
-    return tuple(jnp.shape(unwrap(x)))
+    x = unwrap(x)
+    return tuple(x.shape) if hasattr(x, "shape") else tuple(jnp.shape(x))
 
 
 def place(x, like):
-    return jnp.asarray(unwrap(x))
+    return _place(jnp.asarray(unwrap(x)), like)
 
 
 def read(storage):
@@ -58,7 +95,18 @@ def read(storage):
 
 
 def _same_dtype(storage, value):
-    return jnp.asarray(value, dtype=storage.dtype)
+    """`value` with exactly `storage`'s dtype and weak type.
+
+    A weakly typed scalar (`jnp.asarray(0.1)`) passed to a jitted
+    `stateless_apply` must come back weakly typed: a strong result would
+    change the input signature of the next step and retrace it.
+    """
+    value = jnp.asarray(value, dtype=storage.dtype)
+    if getattr(storage, "weak_type", False) and not getattr(value, "weak_type", False):
+        # `.at[...].set` is jax.numpy's public way to write into an array
+        # while keeping the target's weak type.
+        return storage.at[...].set(value)
+    return value
 
 
 def assign(storage, value):

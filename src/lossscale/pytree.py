@@ -1,0 +1,413 @@
+"""Functional use of any lossscale optimizer on pytrees of parameters.
+
+JAX users keep parameters in nested containers (a Flax `params` dict, lists,
+tuples, any registered pytree) and write pure training steps. `transform`
+turns an optimizer into a pair of pure functions over such trees:
+
+```
+tx = lossscale.pytree.transform(optimizer)
+state = tx.init(params)                               # once, eagerly
+new_params, new_state = tx.apply(grads, state, params)  # pure; jit-able
+```
+
+The math is not written again here: `apply` flattens the trees and calls the
+optimizer's own `stateless_apply`. The state is an `OptimizerState`, a
+read-only mapping from readable names (`"adam/dense_kernel_momentum"`) to
+arrays, itself a pytree: it goes through `jax.jit`, `jax.vmap` and
+checkpointing libraries like any dict of arrays.
+
+Trees are flattened with `jax.tree_util` when JAX has been imported (so
+custom pytree nodes work); otherwise nested dicts, lists and tuples of NumPy
+arrays or torch tensors are supported with the same leaf order (dict keys
+sorted, `None` an empty subtree). Importing this module imports no backend.
+"""
+
+import collections.abc
+import sys
+
+from lossscale.optimizers.base import Optimizer
+from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from lossscale.variables import Variable
+
+
+class OptimizerState(collections.abc.Mapping):
+    """The values of an optimizer's `variables`, keyed by readable names.
+
+    A read-only mapping (`state["adam/iteration"]`, `dict(state)`) and a JAX
+    pytree whose leaves are the arrays, in sorted-name order, with the names
+    as static structure. Two states with the same names therefore have the
+    same tree structure, so a state rebuilt from a checkpoint
+    (`OptimizerState(saved_dict)`) does not retrace a jitted step.
+
+    Args:
+        values: A mapping from names to arrays.
+
+    Example:
+
+    >>> import numpy as np
+    >>> from lossscale.pytree import OptimizerState
+    >>> state = OptimizerState({"sgd/iteration": np.array(3)})
+    >>> int(state["sgd/iteration"]), list(state)
+    (3, ['sgd/iteration'])
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values):
+        if not isinstance(values, collections.abc.Mapping):
+            raise TypeError(
+                "`values` must be a mapping from names to arrays. "
+                f"Received: values of type {type(values).__name__}")
+        for name in values:
+            if not isinstance(name, str):
+                raise TypeError(f"`values` keys must be strings. Received: key {name!r}")
+        _register_with_jax()
+        self._values = {name: values[name] for name in sorted(values)}
+
+    def __getitem__(self, name):
+        try:
+            return self._values[name]
+        except KeyError:
+            raise KeyError(
+                f"No optimizer variable named {name!r}. Known: {list(self._values)}") from None
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self):
+        return len(self._values)
+
+    def replace(self, **updates):
+        """Returns a copy with some values replaced (names must exist).
+
+        Names holding `/` are passed through a dict: `state.replace(**{
+        "adam/learning_rate": lr})`.
+        """
+        for name in updates:
+            self[name]  # raises a KeyError naming the known variables
+        return OptimizerState({**self._values, **updates})
+
+    def __repr__(self):
+        def describe(x):
+            shape = tuple(getattr(x, "shape", ()))
+            return f"{getattr(x, 'dtype', type(x).__name__)}{list(shape)}"
+
+        inner = ", ".join(f"{name!r}: {describe(x)}" for name, x in self._values.items())
+        return f"OptimizerState({{{inner}}})"
+
+
+_registered = False
+
+
+def _register_with_jax():
+    """Registers `OptimizerState` as a pytree node once JAX is in use.
+
+    Deferred so that importing lossscale never imports JAX: a state can only
+    meet a JAX transformation after JAX has been imported, and every state
+    passes through `OptimizerState.__init__`, which calls this.
+    """
+    global _registered
+    jax = sys.modules.get("jax")
+    if _registered or jax is None:
+        return
+    tree_util = jax.tree_util
+
+    def flatten_with_keys(state):
+        names = tuple(state._values)
+        return [(tree_util.DictKey(n), state._values[n]) for n in names], names
+
+    def unflatten(names, leaves):
+        state = object.__new__(OptimizerState)
+        state._values = dict(zip(names, leaves))
+        return state
+
+    tree_util.register_pytree_with_keys(
+        OptimizerState, flatten_with_keys, unflatten,
+        flatten_func=lambda state: (tuple(state._values.values()), tuple(state._values)))
+    _registered = True
+
+
+class Transform:
+    """An optimizer used as pure functions of parameter and gradient pytrees.
+
+    Create it with `transform(optimizer)`. `init` builds the optimizer on the
+    first parameter tree it sees (slot names follow the tree's paths) and
+    returns the initial `OptimizerState`; `apply` runs one step of the
+    optimizer's `stateless_apply` and returns new parameters (same tree
+    structure, dtypes and, on JAX, sharding) and a new state. The optimizer
+    object is never mutated by `apply`, so `jax.jit(tx.apply)` compiles once
+    and can donate its arguments.
+
+    The transform keeps the arrays it was initialised with (the optimizer's
+    variables wrap them); on JAX, donating `state` and `params` to the
+    jitted step frees them after the first step.
+
+    Args:
+        optimizer: A `lossscale.optimizers.Optimizer`, typically a
+            `LossScaleOptimizer`. Unbuilt, or built on variables with the
+            shapes of the parameter tree (to continue stateful training).
+
+    Example:
+
+    >>> import numpy as np, lossscale as ls, lossscale.pytree
+    >>> tx = ls.pytree.transform(ls.optimizers.SGD(0.5))
+    >>> params = {"w": np.ones(2, np.float32)}
+    >>> state = tx.init(params)
+    >>> params, state = tx.apply({"w": np.ones(2, np.float32)}, state, params)
+    >>> params["w"], int(state["SGD/iteration"])
+    (array([0.5, 0.5], dtype=float32), 1)
+    """
+
+    def __init__(self, optimizer):
+        if not isinstance(optimizer, Optimizer):
+            raise ValueError(
+                "`optimizer` must be a lossscale.optimizers.Optimizer instance. "
+                f"Received: optimizer={optimizer!r}")
+        self._optimizer = optimizer
+        self._treedef = None
+        self._names = None
+
+    @property
+    def optimizer(self):
+        """The wrapped optimizer (built by the first `init`)."""
+        return self._optimizer
+
+    @property
+    def names(self):
+        """The state's names, in `optimizer.variables` order (None before `init`)."""
+        return list(self._names) if self._names is not None else None
+
+    def init(self, params):
+        """Returns the optimizer state for `params`.
+
+        The first call builds the optimizer on `params`' leaves and must run
+        eagerly (not under `jax.jit`); later calls need the same tree
+        structure and return the optimizer's current (initial) values, and
+        may run under `jax.jit` or `jax.vmap`.
+
+        Args:
+            params: A pytree of arrays (the trainable parameters).
+
+        Returns:
+            An `OptimizerState`.
+        """
+        leaves, treedef, paths = _flatten(params, "params")
+        if self._treedef is None:
+            if not self._optimizer.built:
+                _check_concrete(leaves)
+                variables = [Variable(leaf, name=path or "param")
+                             for leaf, path in zip(leaves, paths)]
+                self._optimizer.build(variables)
+            self._treedef = treedef
+            self._names = _unique_names(self._optimizer.variables)
+        else:
+            self._check_structure(treedef, "params")
+        values = [v.value for v in self._optimizer.variables]
+        deleted = [n for n, x in zip(self._names, values) if _is_deleted(x)]
+        if deleted:
+            raise ValueError(
+                "The initial optimizer state was donated to a jitted step and no longer "
+                "exists; keep the state returned by `apply`, or create a new optimizer and "
+                f"transform. Deleted: {deleted}")
+        return OptimizerState(dict(zip(self._names, values)))
+
+    def apply(self, grads, state, params):
+        """Applies one optimizer step to a parameter pytree.
+
+        Pure: nothing is mutated, so it may be wrapped in `jax.jit` (with
+        `donate_argnums=(1, 2)` to update in place) or `jax.vmap`.
+
+        Args:
+            grads: A pytree of gradients with the structure of `params`.
+                With a `LossScaleOptimizer` these are the gradients of
+                `scale_loss(loss, state)`, still scaled.
+            state: The `OptimizerState` from `init` or the previous `apply`.
+            params: The current parameters.
+
+        Returns:
+            A tuple `(new_params, new_state)`.
+        """
+        if self._treedef is None:
+            raise ValueError(
+                "`apply` needs an initialised transform; call `state = tx.init(params)` first.")
+        if not isinstance(state, OptimizerState):
+            raise TypeError(
+                "`state` must be the OptimizerState returned by `init` or `apply`. "
+                f"Received: state of type {type(state).__name__}")
+        param_leaves, treedef, _ = _flatten(params, "params")
+        self._check_structure(treedef, "params")
+        grad_leaves, grad_treedef, _ = _flatten(grads, "grads")
+        if grad_treedef != treedef:
+            raise ValueError(
+                "`grads` must have the structure of `params`. "
+                f"Expected: {treedef}. Received: {grad_treedef}")
+        missing = [n for n in self._names if n not in state]
+        extra = [n for n in state if n not in self._names]
+        if missing or extra:
+            raise ValueError(
+                "`state` does not match this optimizer's variables. "
+                f"Missing: {missing}. Unexpected: {extra}")
+        new_leaves, new_values = self._optimizer.stateless_apply(
+            [state[n] for n in self._names], grad_leaves, param_leaves)
+        return _unflatten(treedef, new_leaves), OptimizerState(dict(zip(self._names, new_values)))
+
+    def scale_loss(self, loss, state):
+        """Multiplies `loss` by the loss scale held in `state`.
+
+        With a `LossScaleOptimizer` this is the current dynamic scale; with
+        another optimizer, its static `loss_scale_factor` (if any).
+        """
+        if isinstance(self._optimizer, LossScaleOptimizer):
+            return loss * self.loss_scale(state)
+        return self._optimizer.scale_loss(loss)
+
+    def loss_scale(self, state):
+        """The current dynamic loss scale in `state` (`LossScaleOptimizer` only)."""
+        if not isinstance(self._optimizer, LossScaleOptimizer):
+            raise ValueError(
+                "`loss_scale` needs a transform of a LossScaleOptimizer. "
+                f"Received: optimizer={self._optimizer!r}")
+        if self._names is None:
+            raise ValueError("`loss_scale` needs an initialised transform; call `tx.init` first.")
+        position = self._optimizer.variables.index(self._optimizer.dynamic_scale)
+        return state[self._names[position]]
+
+    def _check_structure(self, treedef, argname):
+        if treedef != self._treedef:
+            raise ValueError(
+                f"`{argname}` must have the tree structure this transform was initialised "
+                f"with. Expected: {self._treedef}. Received: {treedef}")
+
+    def __repr__(self):
+        return f"<Transform optimizer={self._optimizer!r}>"
+
+
+def transform(optimizer):
+    """Wraps `optimizer` for pure, pytree-in/pytree-out use (see `Transform`).
+
+    Args:
+        optimizer: A `lossscale.optimizers.Optimizer`.
+
+    Returns:
+        A `Transform` with `init`, `apply`, `scale_loss` and `loss_scale`.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp, lossscale as ls, lossscale.pytree
+    >>> tx = ls.pytree.transform(ls.LossScaleOptimizer(ls.optimizers.Adam(1e-3)))
+    >>> params = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.zeros(2)}}
+    >>> state = tx.init(params)
+    >>> step = jax.jit(tx.apply, donate_argnums=(1, 2))
+    >>> grads = jax.tree_util.tree_map(jnp.ones_like, params)
+    >>> params, state = step(grads, state, params)
+    """
+    return Transform(optimizer)
+
+
+# --- flattening ------------------------------------------------------------
+def _flatten(tree, argname):
+    """Returns `(leaves, treedef, paths)`; paths are `/`-joined key strings."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        leaves = [leaf for _, leaf in with_paths]
+        paths = ["/".join(_key_name(k) for k in path) for path, _ in with_paths]
+    else:
+        leaves, paths = [], []
+        treedef = _ContainerDef.of(tree, (), leaves, paths)
+    if not leaves:
+        raise ValueError(f"`{argname}` must hold at least one array. Received: {argname}={tree!r}")
+    return leaves, treedef, paths
+
+
+def _unflatten(treedef, leaves):
+    if isinstance(treedef, _ContainerDef):
+        return treedef.build(iter(leaves))
+    return sys.modules["jax"].tree_util.tree_unflatten(treedef, leaves)
+
+
+def _key_name(key):
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+class _ContainerDef:
+    """Structure of a tree of dicts, lists and tuples (used without JAX)."""
+
+    __slots__ = ("kind", "keys", "children")
+
+    def __init__(self, kind, keys=(), children=()):
+        self.kind, self.keys, self.children = kind, tuple(keys), tuple(children)
+
+    @classmethod
+    def of(cls, tree, path, leaves, paths):
+        if tree is None:
+            return cls("none")
+        if isinstance(tree, dict):
+            keys = sorted(tree)
+            return cls("dict", keys, [cls.of(tree[k], path + (str(k),), leaves, paths)
+                                      for k in keys])
+        if isinstance(tree, (list, tuple)):
+            return cls(type(tree).__name__, range(len(tree)),
+                       [cls.of(x, path + (str(i),), leaves, paths) for i, x in enumerate(tree)])
+        leaves.append(tree)
+        paths.append("/".join(path))
+        return cls("leaf")
+
+    def build(self, leaves):
+        if self.kind == "leaf":
+            return next(leaves)
+        if self.kind == "none":
+            return None
+        children = [c.build(leaves) for c in self.children]
+        if self.kind == "dict":
+            return dict(zip(self.keys, children))
+        return list(children) if self.kind == "list" else tuple(children)
+
+    def _key(self):
+        return (self.kind, self.keys, tuple(c._key() for c in self.children))
+
+    def __eq__(self, other):
+        return isinstance(other, _ContainerDef) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        if self.kind == "leaf":
+            return "*"
+        if self.kind == "none":
+            return "None"
+        inner = ", ".join(repr(c) if self.kind != "dict" else f"{k!r}: {c!r}"
+                          for k, c in zip(self.keys, self.children))
+        return {"dict": "{%s}", "list": "[%s]", "tuple": "(%s)"}[self.kind] % inner
+
+
+# --- small checks ------------------------------------------------------------
+def _unique_names(variables):
+    """State names: variable paths, with a numeric suffix where two collide."""
+    names, seen = [], {}
+    for v in variables:
+        name = v.path
+        count = seen.get(name, 0)
+        seen[name] = count + 1
+        names.append(name if count == 0 else f"{name}_{count}")
+    return names
+
+
+def _check_concrete(leaves):
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        raise ValueError(
+            "The first `tx.init(params)` builds the optimizer and must run eagerly, not "
+            "under `jax.jit`/`jax.vmap`: call it once on concrete parameters (later calls "
+            "may be traced). Received: traced params")
+
+
+def _is_deleted(x):
+    is_deleted = getattr(x, "is_deleted", None)
+    return bool(is_deleted()) if callable(is_deleted) else False
