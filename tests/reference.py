@@ -115,8 +115,8 @@ class ReferenceLossScale:
     def step(self, finite):
         if finite:
             if self.counter == self.growth_steps - 1:
-                grown = float(np.float32(self.scale * 2))
-                self.scale = grown if grown <= F32_MAX else self.scale
+                if self.scale * 2 <= F32_MAX:
+                    self.scale = self.scale * 2
                 self.counter = 0
             else:
                 self.counter += 1

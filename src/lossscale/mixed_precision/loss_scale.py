@@ -72,10 +72,10 @@ def next_loss_scale(ops, state, finite, policy):
     """
     scale, counter = state.scale, state.counter
     grow = ops.logical_and(finite, counter == policy.dynamic_growth_steps - 1)
-    grown = scale * policy.growth_factor
-    grown = ops.where(ops.isfinite(grown), grown, scale)
-    backed_off = ops.maximum(scale * policy.backoff_factor, MIN_SCALE)
+    with ops.quiet():  # the overflowing candidate is computed on purpose
+        grown = scale * policy.growth_factor
+        grown = ops.where(ops.isfinite(grown), grown, scale)
+        backed_off = ops.maximum(scale * policy.backoff_factor, MIN_SCALE)
     new_scale = ops.where(finite, ops.where(grow, grown, scale), backed_off)
-    zero = counter * 0
-    new_counter = ops.where(ops.logical_and(finite, ops.logical_not(grow)), counter + 1, zero)
+    new_counter = ops.where(ops.logical_and(finite, ops.logical_not(grow)), counter + 1, counter * 0)
     return LossScaleState(ops.cast(new_scale, "float32"), new_counter)
