@@ -1,12 +1,22 @@
 """Optimizers: the base class, the loss-scale wrapper and the update rules."""
 
 from lossscale import serialization
+from lossscale.optimizers.adadelta import Adadelta
+from lossscale.optimizers.adagrad import Adagrad
 from lossscale.optimizers.adam import Adam
+from lossscale.optimizers.adamax import Adamax
+from lossscale.optimizers.adamw import AdamW
 from lossscale.optimizers.base import Optimizer
+from lossscale.optimizers.ftrl import Ftrl
+from lossscale.optimizers.lamb import Lamb
+from lossscale.optimizers.lion import Lion
 from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from lossscale.optimizers.nadam import Nadam
+from lossscale.optimizers.rmsprop import RMSprop
 from lossscale.optimizers.sgd import SGD
 
-ALL_OPTIMIZERS = (Adam, LossScaleOptimizer, SGD)
+ALL_OPTIMIZERS = (Adadelta, Adagrad, Adam, Adamax, AdamW, Ftrl, Lamb, Lion, LossScaleOptimizer,
+                  Nadam, RMSprop, SGD)
 for _cls in ALL_OPTIMIZERS:
     serialization.register_serializable(_cls)
 
@@ -46,4 +56,6 @@ def get(identifier):
         f"dict. Received: identifier={identifier!r}")
 
 
-__all__ = ["Adam", "LossScaleOptimizer", "Optimizer", "SGD", "deserialize", "get", "serialize"]
+__all__ = ["Adadelta", "Adagrad", "Adam", "Adamax", "AdamW", "Ftrl", "Lamb", "Lion",
+           "LossScaleOptimizer", "Nadam", "Optimizer", "RMSprop", "SGD", "deserialize", "get",
+           "serialize"]

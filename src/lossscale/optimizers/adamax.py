@@ -1,0 +1,70 @@
+"""Adamax: Adam with the infinity norm in place of the second moment."""
+
+from lossscale import validation
+from lossscale.optimizers.base import Optimizer
+
+
+class Adamax(Optimizer):
+    """Optimizer that implements the Adamax algorithm.
+
+    A variant of Adam based on the infinity norm (Kingma & Ba, 2014,
+    section 7): the second moment becomes an exponentially weighted maximum
+    of gradient magnitudes, which needs no bias correction.
+
+    ```
+    t = iterations + 1
+    m = m + (g - m) * (1 - beta_1)
+    u = max(beta_2 * u, abs(g))
+    w = w - learning_rate * m / ((1 - beta_1**t) * (u + epsilon))
+    ```
+
+    Args:
+        learning_rate: A float, a `LearningRateSchedule` or a callable.
+            Defaults to `0.001`.
+        beta_1: Float in [0, 1). Exponential decay rate for the 1st moment
+            estimates. Defaults to `0.9`.
+        beta_2: Float in [0, 1). Exponential decay rate for the exponentially
+            weighted infinity norm. Defaults to `0.999`.
+        epsilon: Float > 0. A small constant for numerical stability.
+            Defaults to `1e-7`.
+        name: String. Defaults to `"adamax"`.
+        **kwargs: Base optimizer arguments (see `Optimizer`).
+
+    Example:
+
+    >>> import numpy as np, lossscale as ls
+    >>> w = ls.Variable(np.array([1.0], np.float32))
+    >>> opt = ls.optimizers.Adamax(learning_rate=0.1)
+    >>> opt.apply([np.array([0.5], np.float32)], [w])
+    >>> w.numpy().round(4)
+    array([0.9], dtype=float32)
+    """
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                 name="adamax", **kwargs):
+        validation.check_number("beta_1", beta_1, low=0, high=1, high_open=True)
+        validation.check_number("beta_2", beta_2, low=0, high=1, high_open=True)
+        validation.check_number("epsilon", epsilon, low=0, low_open=True)
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self.beta_1 = beta_1
+        self.beta_2 = beta_2
+        self.epsilon = epsilon
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self._m, self._u = self.add_optimizer_variables(var_list, ["momentum", "norm"])
+
+    def update_step(self, gradient, variable, learning_rate):
+        ops = self._ops
+        dtype = variable.dtype
+        lr = ops.cast(learning_rate, dtype)
+        gradient = ops.cast(gradient, dtype)
+        step = ops.cast(self.iterations + 1, dtype)
+        beta_1_power = ops.power(ops.cast(self.beta_1, dtype), step)
+        index = self._get_variable_index(variable)
+        m, u = self._m[index], self._u[index]
+        self.assign_add(m, (gradient - m.value) * (1 - self.beta_1))
+        self.assign(u, ops.maximum(u.value * self.beta_2, ops.abs(gradient)))
+        self.assign_sub(variable, lr * m.value / ((1 - beta_1_power) * (u.value + self.epsilon)))

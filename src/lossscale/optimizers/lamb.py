@@ -1,0 +1,82 @@
+"""Lamb: Adam steps rescaled per layer by a trust ratio."""
+
+from lossscale import validation
+from lossscale.optimizers.base import Optimizer
+
+
+class Lamb(Optimizer):
+    """Optimizer that implements the Lamb algorithm.
+
+    Lamb (You et al., 2019) computes the bias-corrected Adam direction and
+    then rescales it, per variable, by the ratio of the variable's norm to
+    the direction's norm, which keeps large-batch training stable.
+
+    ```
+    t = iterations + 1
+    m = m + (g - m) * (1 - beta_1)
+    v = v + (g**2 - v) * (1 - beta_2)
+    update = (m / (1 - beta_1**t)) / (sqrt(v / (1 - beta_2**t)) + epsilon)
+    ratio = norm(w) / norm(update) if norm(w) > 0 and norm(update) > 0 else 1
+    w = w - ratio * learning_rate * update
+    ```
+
+    Args:
+        learning_rate: A float, a `LearningRateSchedule` or a callable.
+            Defaults to `0.001`.
+        beta_1: Float in [0, 1). Exponential decay rate for the 1st moment
+            estimates. Defaults to `0.9`.
+        beta_2: Float in [0, 1). Exponential decay rate for the 2nd moment
+            estimates. Defaults to `0.999`.
+        epsilon: Float > 0. A small constant for numerical stability.
+            Defaults to `1e-7`.
+        name: String. Defaults to `"lamb"`.
+        **kwargs: Base optimizer arguments (see `Optimizer`).
+
+    Example:
+
+    >>> import numpy as np, lossscale as ls
+    >>> w = ls.Variable(np.array([3.0, 4.0], np.float32))
+    >>> opt = ls.optimizers.Lamb(learning_rate=0.1)
+    >>> opt.apply([np.array([1.0, 1.0], np.float32)], [w])
+    >>> w.numpy().round(4)  # update (1, 1), ratio 5 / sqrt(2)
+    array([2.6464, 3.6464], dtype=float32)
+    """
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                 name="lamb", **kwargs):
+        validation.check_number("beta_1", beta_1, low=0, high=1, high_open=True)
+        validation.check_number("beta_2", beta_2, low=0, high=1, high_open=True)
+        validation.check_number("epsilon", epsilon, low=0, low_open=True)
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self.beta_1 = beta_1
+        self.beta_2 = beta_2
+        self.epsilon = epsilon
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self._momentums, self._velocities = self.add_optimizer_variables(
+            var_list, ["momentum", "velocity"])
+
+    def update_step(self, gradient, variable, learning_rate):
+        ops = self._ops
+        dtype = variable.dtype
+        lr = ops.cast(learning_rate, dtype)
+        gradient = ops.cast(gradient, dtype)
+        step = ops.cast(self.iterations + 1, dtype)
+        beta_1_power = ops.power(ops.cast(self.beta_1, dtype), step)
+        beta_2_power = ops.power(ops.cast(self.beta_2, dtype), step)
+        index = self._get_variable_index(variable)
+        m, v = self._momentums[index], self._velocities[index]
+        self.assign_add(m, (gradient - m.value) * (1 - self.beta_1))
+        self.assign_add(v, (ops.square(gradient) - v.value) * (1 - self.beta_2))
+        update = (m.value / (1.0 - beta_1_power)) / (
+            ops.sqrt(v.value / (1.0 - beta_2_power)) + self.epsilon)
+        w_norm = ops.sqrt(ops.sum(ops.square(variable.value)))
+        u_norm = ops.sqrt(ops.sum(ops.square(update)))
+        # Both norms positive: the trust ratio; otherwise 1. The divisor is
+        # kept nonzero so the unselected branch is never inf or NaN.
+        both_positive = ops.logical_and(w_norm > 0, u_norm > 0)
+        ratio = ops.where(both_positive, w_norm / ops.where(u_norm > 0, u_norm, 1.0), 1.0)
+        self.assign_sub(variable, ratio * lr * update)

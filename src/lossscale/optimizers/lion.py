@@ -1,0 +1,63 @@
+"""Lion: sign-based updates from an interpolated momentum."""
+
+from lossscale import validation
+from lossscale.optimizers.base import Optimizer
+
+
+class Lion(Optimizer):
+    """Optimizer that implements the Lion algorithm.
+
+    Lion (Chen et al., 2023) steps by the sign of an interpolation between
+    the momentum and the gradient, so every update has the same magnitude
+    `learning_rate` per element; it usually wants a learning rate 3-10x
+    smaller than AdamW's and a correspondingly larger weight decay.
+
+    ```
+    w = w - learning_rate * sign(beta_1 * m + (1 - beta_1) * g)
+    m = beta_2 * m + (1 - beta_2) * g
+    ```
+
+    Args:
+        learning_rate: A float, a `LearningRateSchedule` or a callable.
+            Defaults to `0.001`.
+        beta_1: Float in (0, 1]. The rate to combine the current gradient and
+            the momentum for the update (with 0 it degenerates to SignSGD).
+            Defaults to `0.9`.
+        beta_2: Float in [0, 1). The decay rate of the momentum. Defaults to
+            `0.99`.
+        name: String. Defaults to `"lion"`.
+        **kwargs: Base optimizer arguments (see `Optimizer`).
+
+    Example:
+
+    >>> import numpy as np, lossscale as ls
+    >>> w = ls.Variable(np.array([1.0, 1.0], np.float32))
+    >>> opt = ls.optimizers.Lion(learning_rate=0.1)
+    >>> opt.apply([np.array([0.5, -3.0], np.float32)], [w])
+    >>> w.numpy()
+    array([0.9, 1.1], dtype=float32)
+    """
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.99, name="lion", **kwargs):
+        validation.check_number("beta_1", beta_1, low=0, low_open=True, high=1)
+        validation.check_number("beta_2", beta_2, low=0, high=1, high_open=True)
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self.beta_1 = beta_1
+        self.beta_2 = beta_2
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self._momentums = self.add_optimizer_variables(var_list, "momentum")
+
+    def update_step(self, gradient, variable, learning_rate):
+        ops = self._ops
+        dtype = variable.dtype
+        lr = ops.cast(learning_rate, dtype)
+        gradient = ops.cast(gradient, dtype)
+        beta_1 = ops.cast(self.beta_1, dtype)
+        beta_2 = ops.cast(self.beta_2, dtype)
+        m = self._momentums[self._get_variable_index(variable)]
+        self.assign_sub(variable, lr * ops.sign(m.value * beta_1 + gradient * (1.0 - beta_1)))
+        self.assign(m, m.value * beta_2 + gradient * (1.0 - beta_2))

@@ -1,0 +1,102 @@
+"""Nadam: Adam with Nesterov momentum."""
+
+from lossscale import validation
+from lossscale.optimizers.base import Optimizer
+
+# Dozat's momentum schedule: u_t = beta_1 * (1 - 0.5 * 0.96**t).
+_SCHEDULE_DECAY = 0.96
+
+
+class Nadam(Optimizer):
+    """Optimizer that implements the Nadam algorithm.
+
+    Adam with Nesterov momentum (Dozat, 2015): the momentum coefficient
+    follows a warming schedule `u_t`, and the update looks one step ahead.
+    The running product of the `u_t` is optimizer state; unlike Keras 3,
+    which keeps it outside its variables, it lives in the variable
+    `u_product`, so `stateless_apply`, saving and loading carry it.
+
+    ```
+    t = iterations + 1
+    u_t = beta_1 * (1 - 0.5 * 0.96**t);  u_next = beta_1 * (1 - 0.5 * 0.96**(t + 1))
+    u_product = u_product * u_t                  # once per step, starts at 1
+    m = m + (g - m) * (1 - beta_1)
+    v = v + (g**2 - v) * (1 - beta_2)
+    m_hat = u_next * m / (1 - u_product * u_next) + (1 - u_t) * g / (1 - u_product)
+    v_hat = v / (1 - beta_2**t)
+    w = w - learning_rate * m_hat / (sqrt(v_hat) + epsilon)
+    ```
+
+    Args:
+        learning_rate: A float, a `LearningRateSchedule` or a callable.
+            Defaults to `0.001`.
+        beta_1: Float in [0, 1). Exponential decay rate for the 1st moment
+            estimates. Defaults to `0.9`.
+        beta_2: Float in [0, 1). Exponential decay rate for the 2nd moment
+            estimates. Defaults to `0.999`.
+        epsilon: Float > 0. A small constant for numerical stability.
+            Defaults to `1e-7`.
+        name: String. Defaults to `"nadam"`.
+        **kwargs: Base optimizer arguments (see `Optimizer`).
+
+    Example:
+
+    >>> import numpy as np, lossscale as ls
+    >>> w = ls.Variable(np.array([1.0], np.float32))
+    >>> opt = ls.optimizers.Nadam(learning_rate=0.1)
+    >>> opt.apply([np.array([0.5], np.float32)], [w])
+    >>> w.numpy().round(4), opt.variables[-1].name
+    (array([0.8937], dtype=float32), 'u_product')
+    """
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                 name="nadam", **kwargs):
+        validation.check_number("beta_1", beta_1, low=0, high=1, high_open=True)
+        validation.check_number("beta_2", beta_2, low=0, high=1, high_open=True)
+        validation.check_number("epsilon", epsilon, low=0, low_open=True)
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self.beta_1 = beta_1
+        self.beta_2 = beta_2
+        self.epsilon = epsilon
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self._momentums, self._velocities = self.add_optimizer_variables(
+            var_list, ["momentum", "velocity"])
+        self._u_product = self.add_variable((), initializer=1.0,
+                                            dtype=self._trainable_variables[0].dtype,
+                                            name="u_product")
+
+    def _update_variables(self, grads, variables, learning_rate):
+        # The product advances once per optimizer step, before any variable
+        # is updated, and only on steps that update (not on accumulation-only
+        # or skipped steps), which keeps it in step with `iterations`.
+        ops = self._ops
+        u_product = self._u_product
+        step = ops.cast(self.iterations + 1, u_product.dtype)
+        u_t = self.beta_1 * (1.0 - 0.5 * ops.power(_SCHEDULE_DECAY, step))
+        self.assign(u_product, u_product.value * u_t)
+        super()._update_variables(grads, variables, learning_rate)
+
+    def update_step(self, gradient, variable, learning_rate):
+        ops = self._ops
+        dtype = variable.dtype
+        lr = ops.cast(learning_rate, dtype)
+        gradient = ops.cast(gradient, dtype)
+        step = ops.cast(self.iterations + 1, dtype)
+        decay = ops.cast(_SCHEDULE_DECAY, dtype)
+        beta_1 = ops.cast(self.beta_1, dtype)
+        u_t = beta_1 * (1.0 - 0.5 * ops.power(decay, step))
+        u_next = beta_1 * (1.0 - 0.5 * ops.power(decay, step + 1))
+        u_product = ops.cast(self._u_product.value, dtype)
+        u_product_next = u_product * u_next
+        beta_2_power = ops.power(ops.cast(self.beta_2, dtype), step)
+        index = self._get_variable_index(variable)
+        m, v = self._momentums[index], self._velocities[index]
+        self.assign_add(m, (gradient - m.value) * (1 - self.beta_1))
+        self.assign_add(v, (ops.square(gradient) - v.value) * (1 - self.beta_2))
+        m_hat = u_next * m.value / (1 - u_product_next) + (1 - u_t) * gradient / (1 - u_product)
+        v_hat = v.value / (1 - beta_2_power)
+        self.assign_sub(variable, m_hat * lr / (ops.sqrt(v_hat) + self.epsilon))

@@ -1,0 +1,36 @@
+"""Helpers shared by the built-in schedules (not part of the public API)."""
+
+import inspect
+
+from lossscale import validation
+from lossscale.backends import ops_for
+
+# Keras computes schedules in the dtype of `initial_learning_rate`, float32
+# for a Python float; so do we, on the backend (and device) of the step.
+DTYPE = "float32"
+
+
+def float_step(step):
+    """Returns `(ops, step)`: the step's backend module and the step as float32.
+
+    `step` may be a Python number, a NumPy array, a torch tensor, a JAX
+    array (also a tracer under `jax.jit`) or a `lossscale.Variable`.
+    """
+    ops = ops_for(step)
+    return ops, ops.cast(step, DTYPE)
+
+
+def signature_config(schedule):
+    """Every `__init__` argument of `schedule`, read from the attribute of that name."""
+    parameters = inspect.signature(type(schedule).__init__).parameters
+    return {name: getattr(schedule, name) for name in parameters if name != "self"}
+
+
+def check_name(name):
+    if not isinstance(name, str):
+        raise ValueError(f"`name` must be a string. Received: name={name!r}")
+    return name
+
+
+def check_decay_steps(name, value):
+    return validation.check_number(name, value, low=0, low_open=True)

@@ -1,0 +1,78 @@
+"""`PiecewiseConstantDecay`: constant learning rates between step boundaries."""
+
+import numbers
+
+from lossscale.schedules import _common
+from lossscale.schedules.base import LearningRateSchedule
+
+
+class PiecewiseConstantDecay(LearningRateSchedule):
+    """A `LearningRateSchedule` that uses a piecewise constant decay schedule.
+
+    ```
+    values[0]      if step <= boundaries[0]
+    values[i]      if boundaries[i - 1] < step <= boundaries[i]
+    values[-1]     if step > boundaries[-1]
+    ```
+
+    The result is a float32 scalar on the step's backend; the choice is a
+    sum of masked constants, so it traces under `jax.jit`.
+
+    Args:
+        boundaries: A non-empty list of strictly increasing numbers, the
+            steps at which the value changes.
+        values: A list of numbers, one more than `boundaries`: the value
+            for each interval.
+        name: String. Defaults to `"PiecewiseConstant"`.
+
+    Example:
+
+    >>> import lossscale as ls
+    >>> schedule = ls.schedules.PiecewiseConstantDecay([100, 110], [1.0, 0.5, 0.1])
+    >>> [round(float(schedule(s)), 6) for s in (100, 101, 111)]
+    [1.0, 0.5, 0.1]
+    """
+
+    def __init__(self, boundaries, values, name="PiecewiseConstant"):
+        boundaries, values = _number_list("boundaries", boundaries), _number_list("values", values)
+        if not boundaries or any(b >= c for b, c in zip(boundaries, boundaries[1:])):
+            raise ValueError(
+                "`boundaries` must be a non-empty list of strictly increasing numbers. "
+                f"Received: boundaries={boundaries}")
+        if len(boundaries) != len(values) - 1:
+            raise ValueError(
+                "The length of `boundaries` should be 1 less than the length of `values`. "
+                f"Received: boundaries={boundaries} of length {len(boundaries)}, and "
+                f"values={values} of length {len(values)}.")
+        _common.check_name(name)
+        self.boundaries = boundaries
+        self.values = values
+        self.name = name
+
+    def __call__(self, step):
+        ops, _ = _common.float_step(step)
+        # Compare in the step's own dtype: an integer step against a float
+        # boundary b behaves as against floor(b), like Keras's cast.
+        step = ops.asarray(step)
+        bounds, values = self.boundaries, self.values
+
+        def mask(condition):
+            return ops.cast(condition, _common.DTYPE)
+
+        result = mask(step <= bounds[0]) * values[0] + mask(step > bounds[-1]) * values[-1]
+        for low, high, value in zip(bounds[:-1], bounds[1:], values[1:-1]):
+            result = result + mask(ops.logical_and(step > low, step <= high)) * value
+        return result
+
+    def get_config(self):
+        return _common.signature_config(self)
+
+
+def _number_list(name, xs):
+    try:
+        xs = list(xs)
+    except TypeError:
+        xs = None
+    if xs is None or not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in xs):
+        raise ValueError(f"`{name}` must be a list of numbers. Received: {name}={xs!r}")
+    return xs
