@@ -184,6 +184,12 @@ def global_norm(arrays):
     return jnp.sqrt(jnp.sum(jnp.stack(squares)))
 
 
+def max_abs(arrays):
+    """Largest |x| over all arrays as a float32 scalar (NaN if any NaN)."""
+    peaks = [jnp.max(jnp.abs(unwrap(a))).astype(jnp.float32) for a in arrays]
+    return jnp.max(jnp.stack(peaks)) if peaks else jnp.asarray(0.0, jnp.float32)
+
+
 # Fused multi-tensor kernels, keyed by the exact optimizer class they
 # reproduce. Each entry has a test proving it equals `update_step`.
 FUSED_KERNELS = {}

@@ -194,6 +194,13 @@ def global_norm(arrays):
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
 
 
+def max_abs(arrays):
+    """Largest |x| over all arrays as a float32 scalar (NaN if any NaN)."""
+    arrays = [unwrap(a) for a in arrays]
+    norms = torch._foreach_norm(arrays, float("inf"))
+    return torch.stack([n.float().to(norms[0].device) for n in norms]).max()
+
+
 # Fused multi-tensor kernels, keyed by the exact optimizer class they
 # reproduce. Each entry has a test proving it equals `update_step`.
 FUSED_KERNELS = {}
