@@ -349,3 +349,53 @@ def test_no_warning_on_clean_step(backend, rng):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Adam().apply([backend.array(g) for g in random_grads(rng)], variables)
+
+
+def test_save_load_and_set_weights(backend, rng):
+    _, variables = make_vars(backend, rng)
+    opt = Adam(learning_rate=0.1)
+    opt.apply([backend.array(g) for g in random_grads(rng)], variables)
+    store = {}
+    opt.save_own_variables(store)
+    assert sorted(store, key=int) == [str(i) for i in range(len(opt.variables))]
+    assert all(isinstance(x, np.ndarray) for x in store.values())
+    other = Adam(learning_rate=0.1)
+    other.build(variables)
+    other.load_own_variables(store)
+    for a, b in zip(opt.variables, other.variables):
+        np.testing.assert_array_equal(backend.numpy(a), backend.numpy(b))
+    weights = [np.asarray(x) + 1 for x in store.values()]
+    other.set_weights(weights)
+    np.testing.assert_array_equal(backend.numpy(other.variables[2]), weights[2])
+
+
+def test_load_count_mismatch_warns_and_loads_nothing(backend, rng):
+    _, variables = make_vars(backend, rng)
+    opt = Adam()
+    opt.build(variables)
+    before = [backend.numpy(v).copy() for v in opt.variables]
+    with pytest.warns(UserWarning, match="Skipping variable loading for optimizer 'adam', because it has 8 variables whereas the saved optimizer has 1"):
+        opt.load_own_variables({"0": np.zeros(())})
+    with pytest.warns(UserWarning, match="not been called/built yet"):
+        Adam().load_own_variables({"0": np.zeros(()), "1": np.zeros(()), "2": np.zeros(())})
+    for v, b in zip(opt.variables, before):
+        np.testing.assert_array_equal(backend.numpy(v), b)
+
+
+def test_shape_mismatch_raises_before_writing(backend, rng):
+    _, variables = make_vars(backend, rng)
+    opt = Adam()
+    opt.build(variables)
+    store = {}
+    opt.save_own_variables(store)
+    store = {k: np.asarray(v) + 5 for k, v in store.items()}
+    store["5"] = np.zeros((9,), np.float32)
+    before = [backend.numpy(v).copy() for v in opt.variables]
+    with pytest.raises(ValueError, match=r"Optimizer variable 'adam/bias_velocity' has shape \(5,\).*Received: store\[5\].shape=\(9,\)"):
+        opt.load_own_variables(store)
+    with pytest.raises(ValueError, match=r"`weights` must hold one array per optimizer variable \(8\). Received: 1 arrays"):
+        opt.set_weights([np.zeros(())])
+    for v, b in zip(opt.variables, before):
+        np.testing.assert_array_equal(backend.numpy(v), b)
+    with pytest.raises(ValueError, match="has not yet been built"):
+        Adam().set_weights([])
