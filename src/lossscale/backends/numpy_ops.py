@@ -6,6 +6,7 @@ allocate and outside references to the array see every update.
 
 import numpy as np
 
+from lossscale.backends import numpy_fused
 from lossscale.backends._common import unwrap
 
 NAME = "numpy"
@@ -119,11 +120,18 @@ def unscale(grads, scale):
 
 
 def all_finite(arrays):
-    # min/max propagate NaN and expose +-inf without materialising a boolean
-    # copy of every array.
+    # One pass and no boolean copy: a sum of squares is finite exactly when
+    # every element is, except that it can overflow for large finite
+    # values, which the exact (two-pass) check below then settles.
     for a in arrays:
         a = unwrap(a)
-        if a.size and not (np.isfinite(a.max()) and np.isfinite(a.min())):
+        if not a.size:
+            continue
+        if a.dtype in (np.float32, np.float64) and a.flags.c_contiguous:
+            flat = a.reshape(-1)
+            if np.isfinite(np.dot(flat, flat)):
+                continue
+        if not (np.isfinite(a.max()) and np.isfinite(a.min())):
             return np.asarray(False)
     return np.asarray(True)
 
@@ -140,9 +148,20 @@ def global_norm(arrays):
     return np.sqrt(total)
 
 
+def max_abs(arrays):
+    """Largest |x| over all arrays as a float32 scalar (NaN if any NaN)."""
+    out = np.float32(0.0)
+    for a in arrays:
+        a = unwrap(a)
+        if a.size:
+            out = np.maximum(out, np.maximum(a.max(), -a.min()).astype(np.float32))
+    return np.asarray(out)
+
+
 # Fused multi-tensor kernels, keyed by the exact optimizer class they
-# reproduce. Each entry has a test proving it equals `update_step`.
-FUSED_KERNELS = {}
+# reproduce (a subclass may change the rule, so it gets the generic path).
+# Each entry has a test proving it equals `update_step`.
+FUSED_KERNELS = numpy_fused.kernels()
 
 
 def fused_update(optimizer):

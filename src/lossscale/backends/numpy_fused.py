@@ -1,0 +1,257 @@
+"""Fused, in-place NumPy kernels for `Adam` and `SGD`.
+
+An optimizer step is memory-bound. The generic path runs `update_step` once
+per variable, and every NumPy expression in it allocates a full-size
+temporary and makes one more pass over main memory (about a dozen for Adam).
+These kernels walk each variable in blocks small enough to stay in a core's
+L2 cache instead: a block of gradient, parameter and slots comes from memory
+once, the whole update rule runs on it with `out=` into two block-sized
+scratch buffers, and the results go back once. Blocks are shared among a few
+threads (NumPy releases the GIL inside its loops), because on many machines
+one core cannot saturate the memory bus.
+
+Each kernel performs the same float operations in the same order and dtype
+as the optimizer's `update_step`, so the results are identical bit for bit
+(`tests/test_numpy_fused.py` checks it). A variable whose arrays are not
+C-contiguous floats takes `update_step` instead.
+
+Scratch buffers belong to one optimizer (a `WeakKeyDictionary` keyed by the
+optimizer object), so they are allocated on its first step and reused
+afterwards.
+"""
+
+import os
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from lossscale.backends._common import unwrap
+
+# Elements per block. The working set of an Adam block is six arrays (g, p,
+# m, v and two scratch buffers) of BLOCK float32 values, 1.5 MiB at 2**16,
+# which stays in a 2 MiB L2 cache while keeping the per-block Python
+# overhead small next to the arithmetic.
+BLOCK = 1 << 16
+# A worker is worth its dispatch cost only with a few blocks to itself.
+MIN_ELEMENTS_PER_WORKER = 4 * BLOCK
+# Memory bandwidth saturates long before this many cores on any machine.
+MAX_WORKERS = 16
+
+_FLOAT_KINDS = ("float16", "float32", "float64")
+
+
+# --- kernels -------------------------------------------------------------
+
+
+def adam(optimizer, grads, variables, learning_rate):
+    """Fused `Adam.update_step` over every variable (amsgrad included)."""
+    constants = {}
+    jobs = []
+    for grad, variable in zip(grads, variables):
+        index = optimizer._get_variable_index(variable)
+        slots = [optimizer._momentums[index], optimizer._velocities[index]]
+        if optimizer.amsgrad:
+            slots.append(optimizer._velocity_hats[index])
+        arrays = _fusable([variable.value] + [s.value for s in slots])
+        if arrays is None:
+            optimizer.update_step(grad, variable, learning_rate)
+            continue
+        dtype = arrays[0].dtype
+        if dtype not in constants:
+            constants[dtype] = _adam_constants(optimizer, learning_rate, dtype.name)
+        jobs.append((_flat_gradient(grad, dtype), arrays, constants[dtype]))
+    _run(optimizer, jobs, _adam_block)
+
+
+def _adam_constants(optimizer, learning_rate, dtype):
+    # The same scalar expressions as `Adam.update_step`, evaluated once per
+    # dtype instead of once per variable.
+    from lossscale.backends import numpy_ops as ops
+
+    lr = ops.cast(learning_rate, dtype)
+    step = ops.cast(optimizer.iterations + 1, dtype)
+    beta_1_power = ops.power(ops.cast(optimizer.beta_1, dtype), step)
+    beta_2_power = ops.power(ops.cast(optimizer.beta_2, dtype), step)
+    alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+    return alpha, 1 - optimizer.beta_1, 1 - optimizer.beta_2, optimizer.epsilon
+
+
+def _adam_block(g, arrays, constants, t, u):
+    alpha, one_minus_beta_1, one_minus_beta_2, epsilon = constants
+    p, m, v = arrays[:3]
+    np.subtract(g, m, out=t)  # m += (g - m) * (1 - beta_1)
+    t *= one_minus_beta_1
+    m += t
+    np.square(g, out=t)  # v += (g**2 - v) * (1 - beta_2)
+    t -= v
+    t *= one_minus_beta_2
+    v += t
+    if len(arrays) == 4:  # amsgrad: v_hat = max(v_hat, v), then use v_hat
+        np.maximum(arrays[3], v, out=arrays[3])
+        v = arrays[3]
+    np.sqrt(v, out=t)  # p -= (m * alpha) / (sqrt(v) + epsilon)
+    t += epsilon
+    np.multiply(m, alpha, out=u)
+    u /= t
+    p -= u
+
+
+def sgd(optimizer, grads, variables, learning_rate):
+    """Fused `SGD.update_step` over every variable (plain, momentum, Nesterov)."""
+    from lossscale.backends import numpy_ops as ops
+
+    constants = {}
+    jobs = []
+    for grad, variable in zip(grads, variables):
+        arrays = [variable.value]
+        if optimizer.momentum != 0:
+            arrays.append(optimizer.momentums[optimizer._get_variable_index(variable)].value)
+        arrays = _fusable(arrays)
+        if arrays is None:
+            optimizer.update_step(grad, variable, learning_rate)
+            continue
+        dtype = arrays[0].dtype
+        if dtype not in constants:
+            constants[dtype] = (ops.cast(learning_rate, dtype.name),
+                                ops.cast(optimizer.momentum, dtype.name), optimizer.nesterov)
+        jobs.append((_flat_gradient(grad, dtype), arrays, constants[dtype]))
+    _run(optimizer, jobs, _sgd_block)
+
+
+def _sgd_block(g, arrays, constants, t, u):
+    lr, momentum, nesterov = constants
+    np.multiply(g, lr, out=t)
+    if len(arrays) == 1:  # p -= g * lr
+        arrays[0] -= t
+        return
+    p, m = arrays
+    m *= momentum  # m = m * momentum - g * lr
+    m -= t
+    if nesterov:  # p += m * momentum - g * lr
+        np.multiply(m, momentum, out=u)
+        u -= t
+        p += u
+    else:  # p += m
+        p += m
+
+
+def kernels():
+    """Returns `{optimizer class: kernel}` for `numpy_ops.FUSED_KERNELS`."""
+    from lossscale.optimizers.adam import Adam
+    from lossscale.optimizers.sgd import SGD
+
+    return {Adam: adam, SGD: sgd}
+
+
+# --- arrays --------------------------------------------------------------
+
+
+def _fusable(arrays):
+    """Flat views of `arrays`, or None when one is not a C-contiguous float array."""
+    dtype = arrays[0].dtype
+    for a in arrays:
+        if (not isinstance(a, np.ndarray) or a.dtype != dtype or dtype.name not in _FLOAT_KINDS
+                or not a.flags.c_contiguous or not a.flags.writeable):
+            return None
+    return [a.reshape(-1) for a in arrays]
+
+
+def _flat_gradient(grad, dtype):
+    # `update_step` casts the gradient to the variable's dtype; so does this
+    # (a copy only when the dtypes differ or the gradient is strided).
+    g = np.asarray(unwrap(grad))
+    if g.dtype != dtype:
+        g = g.astype(dtype)
+    return np.ascontiguousarray(g).reshape(-1)
+
+
+# --- scheduling ----------------------------------------------------------
+
+# Two block-sized scratch buffers per (worker, dtype), per optimizer.
+_SCRATCH = weakref.WeakKeyDictionary()
+
+
+def _scratch(optimizer, workers, dtypes):
+    buffers = _SCRATCH.get(optimizer)
+    if buffers is None:
+        buffers = _SCRATCH[optimizer] = {}
+    for worker in range(workers):
+        for dtype in dtypes:
+            if (worker, dtype) not in buffers:
+                buffers[worker, dtype] = (np.empty(BLOCK, dtype), np.empty(BLOCK, dtype))
+    return buffers
+
+
+def _blocks(jobs):
+    """Splits every job into `(job index, start, stop)` blocks of <= BLOCK elements."""
+    blocks = []
+    for j, (g, _, _) in enumerate(jobs):
+        n = g.size
+        blocks.extend((j, start, min(start + BLOCK, n)) for start in range(0, n, BLOCK))
+    return blocks
+
+
+def _partition(blocks, workers):
+    """Cuts `blocks` into `workers` consecutive runs of about equal element counts."""
+    total = sum(stop - start for _, start, stop in blocks)
+    parts, current, done = [], [], 0
+    for block in blocks:
+        current.append(block)
+        done += block[2] - block[1]
+        if done * workers >= total * (len(parts) + 1) and len(parts) < workers - 1:
+            parts.append(current)
+            current = []
+    parts.append(current)
+    return [p for p in parts if p]
+
+
+def _run(optimizer, jobs, block_fn):
+    if not jobs:
+        return
+    blocks = _blocks(jobs)
+    total = sum(stop - start for _, start, stop in blocks)
+    workers = max(1, min(_cpu_count(), MAX_WORKERS, total // MIN_ELEMENTS_PER_WORKER))
+    parts = _partition(blocks, workers)
+    scratch = _scratch(optimizer, len(parts), {g.dtype for g, _, _ in jobs})
+    # errstate is per thread: carry the caller's (quiet during a skipped
+    # step's arithmetic) into the workers.
+    errors = np.geterr()
+
+    def work(worker):
+        with np.errstate(**errors):
+            for j, start, stop in parts[worker]:
+                g, arrays, constants = jobs[j]
+                t, u = scratch[worker, g.dtype]
+                n = stop - start
+                block_fn(g[start:stop], [a[start:stop] for a in arrays], constants, t[:n], u[:n])
+
+    # The calling thread takes the first part itself.
+    futures = [_executor().submit(work, w) for w in range(1, len(parts))]
+    try:
+        work(0)
+    finally:
+        for future in futures:
+            future.result()
+
+
+def _cpu_count():
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+_pool_lock = threading.Lock()
+_pool = {"executor": None, "pid": None}
+
+
+def _executor():
+    # A forked child inherits the executor object but not its threads, so a
+    # pool is only reused in the process that created it.
+    with _pool_lock:
+        if _pool["executor"] is None or _pool["pid"] != os.getpid():
+            _pool["executor"] = ThreadPoolExecutor(
+                max_workers=min(_cpu_count(), MAX_WORKERS), thread_name_prefix="lossscale-numpy")
+            _pool["pid"] = os.getpid()
+        return _pool["executor"]

@@ -1,0 +1,149 @@
+"""`lossscale bench`: time one optimizer step for every implementation.
+
+Runs the bandwidth measurement and then each (implementation, workload)
+pair in its own subprocess, and prints a Markdown report: machine,
+bandwidth, floors, and a table of median step time, ratio to the memory
+floor and ratio to the fastest peer.
+"""
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+
+from lossscale.bench import floor, registry, runner, table, workloads
+
+DEFAULT_REPEATS = 30
+QUICK_REPEATS = 3
+
+
+def build_parser():
+    names = ", ".join(registry.load())
+    parser = argparse.ArgumentParser(
+        prog="lossscale bench",
+        description="Time one LossScaleOptimizer(Adam) step against its peers; print a "
+                    "Markdown table of median ms, ratio to the memory floor and ratio to the "
+                    "best peer.")
+    parser.add_argument("--workload", default="all", choices=workloads.NAMES + ("all",),
+                        help="Which workload to run. 'all' (default) runs many_small and large, "
+                             "plus gpu_large when torch sees a CUDA device.")
+    parser.add_argument("--impl", action="append", metavar="NAME", default=None,
+                        help=f"Run only this implementation (repeatable). One of: {names}. "
+                             "Default: every installed one.")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"Timed steps per implementation (default {DEFAULT_REPEATS}; "
+                             f"{QUICK_REPEATS} with --quick). The median is reported.")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="Untimed steps first (default: repeats // 5, at least 2; 1 with "
+                             "--quick).")
+    parser.add_argument("--quick", action="store_true",
+                        help="Tiny workloads and few steps: checks the harness, not speed.")
+    parser.add_argument("--timeout", type=float, default=1200.0,
+                        help="Seconds allowed per subprocess (default 1200).")
+    return parser
+
+
+def _machine():
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    memory = ""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = int(next(line.split()[1] for line in f if line.startswith("MemTotal")))
+        memory = f", {kib / 2**20:.0f} GiB RAM"
+    except (OSError, StopIteration, ValueError):
+        pass
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {cpus} CPUs{memory}, {platform.system()} {platform.release()}"
+
+
+def _workload_names(choice, parser):
+    if choice == "all":
+        return workloads.CPU_NAMES + (("gpu_large",) if runner.cuda_available() else ())
+    if choice == "gpu_large" and not runner.cuda_available():
+        parser.exit(2, "lossscale bench: error: --workload gpu_large needs a CUDA device, and "
+                       "torch sees none (or is not installed).\n")
+    return (choice,)
+
+
+def _run_rows(impls, names, args, explicit):
+    rows = []
+    for name in names:
+        workload = workloads.get(name, quick=args.quick)
+        for impl in impls:
+            row = {"impl": impl.name, "kind": impl.kind, "workload": name}
+            if workload.device not in impl.devices:
+                if explicit:
+                    rows.append({**row, "skipped": f"runs on {', '.join(impl.devices)} only"})
+                continue
+            missing = impl.missing()
+            if missing:
+                rows.append({**row, "skipped": f"not installed: {', '.join(missing)}"})
+                continue
+            print(f"[bench] {impl.name} on {name} ...", file=sys.stderr, flush=True)
+            job = {"kind": "step", "impl": impl.name, "workload": name, "quick": args.quick,
+                   "repeats": args.repeats, "warmup": args.warmup}
+            rows.append({**row, **runner.run_job(job, env=impl.env, timeout=args.timeout)})
+    return rows
+
+
+def main(argv=None):
+    """Runs `lossscale bench` with `argv` (default `sys.argv[1:]`); returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    available = registry.load()
+    unknown = [n for n in args.impl or () if n not in available]
+    if unknown:
+        parser.error(f"unknown --impl {unknown}; choose from {sorted(available)}")
+    if args.repeats is None:
+        args.repeats = QUICK_REPEATS if args.quick else DEFAULT_REPEATS
+    if args.repeats < 1:
+        parser.error(f"--repeats must be an integer >= 1. Received: {args.repeats}")
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else max(2, args.repeats // 5)
+    if args.warmup < 0:
+        parser.error(f"--warmup must be an integer >= 0. Received: {args.warmup}")
+    names = _workload_names(args.workload, parser)
+    impls = [available[n] for n in dict.fromkeys(args.impl)] if args.impl else list(
+        available.values())
+
+    bandwidths = {}
+    for device in dict.fromkeys(workloads.get(n).device for n in names):
+        print(f"[bench] measuring {device} memory bandwidth ...", file=sys.stderr, flush=True)
+        bandwidths[device] = runner.run_job({"kind": "floor", "device": device,
+                                             "quick": args.quick}, timeout=args.timeout)
+    floors, info = {}, {}
+    for name in names:
+        workload = workloads.get(name, quick=args.quick)
+        info[name] = workload.describe()
+        bw = bandwidths[workload.device]
+        if "gb_per_s" in bw:
+            floors[name] = floor.floor_ms(workload.size, bw["gb_per_s"])
+    rows = _run_rows(impls, names, args, explicit=bool(args.impl))
+    print(report(rows, floors, bandwidths, info, args))
+    failed = [r for r in rows if "error" in r] + [b for b in bandwidths.values() if "error" in b]
+    return 1 if failed else 0
+
+
+def report(rows, floors, bandwidths, info, args):
+    """The whole Markdown report as a string."""
+    versions = {}
+    for row in rows:
+        versions.update(row.get("versions", {}))
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"# lossscale bench ({date})", ""]
+    lines += [f"- {line}" for line in table.header(_machine(), bandwidths, floors, info)]
+    lines.append(f"- Python {platform.python_version()}; "
+                 + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())))
+    lines.append(f"- Median of {args.repeats} steps after {args.warmup} warm-up steps"
+                 + (" (--quick: tiny workloads, timings meaningless)" if args.quick else ""))
+    lines += ["", table.markdown_table(rows, floors), ""]
+    lines += [f"- `{impl.name}` ({impl.kind}): {impl.description}"
+              for impl in registry.REGISTRY.values() if any(r["impl"] == impl.name for r in rows)]
+    return "\n".join(lines)

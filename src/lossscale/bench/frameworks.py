@@ -1,0 +1,76 @@
+"""Framework plumbing shared by the implementations (runs in workers only).
+
+Every function here imports its framework lazily and is called inside a
+worker subprocess, after which the process benchmarks one implementation
+and exits; so selecting a device through the environment before the first
+import is safe.
+"""
+
+import os
+
+from lossscale.bench import workloads
+
+
+class Unavailable(Exception):
+    """An installed implementation cannot run this workload here (e.g. no GPU)."""
+
+
+def torch_device(workload):
+    """Returns `(torch, device)` for the workload's device."""
+    import torch
+
+    if workload.device == "cuda" and not torch.cuda.is_available():
+        raise Unavailable("torch sees no CUDA device")
+    return torch, torch.device(workload.device)
+
+
+def torch_tensors(workload, scaled=True):
+    """Returns `(torch, device, params, grads)` for `workload` (grads loss-scaled)."""
+    torch, device = torch_device(workload)
+    params, grads = workloads.arrays(workload)
+    if scaled:
+        grads = workloads.scaled(grads)
+    return (torch, device, [torch.from_numpy(p).to(device) for p in params],
+            [torch.from_numpy(g).to(device) for g in grads])
+
+
+def torch_sync(torch, device):
+    """A `Stepper.sync` for `device`: waits for CUDA work, nothing on the CPU."""
+    if device.type == "cuda":
+        return lambda result: torch.cuda.synchronize(device)
+    return lambda result: None
+
+
+def jax_for(workload):
+    """Imports JAX on the workload's platform and returns the `jax` module."""
+    if workload.device == "cpu":
+        # On a GPU machine JAX would otherwise put the CPU workloads on the GPU.
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    if workload.device == "cuda" and jax.default_backend() != "gpu":
+        raise Unavailable(f"jax has no GPU here (default backend {jax.default_backend()!r})")
+    return jax
+
+
+def jax_arrays(jax, workload):
+    """Returns `(params, grads)` as JAX arrays (grads loss-scaled)."""
+    params, grads = workloads.arrays(workload)
+    to_jax = jax.numpy.asarray
+    return [to_jax(p) for p in params], [to_jax(g) for g in workloads.scaled(grads)]
+
+
+def keras_for(backend, workload):
+    """Imports Keras 3 on `backend` ("torch" or "jax") for the workload's device."""
+    if os.environ.get("KERAS_BACKEND") != backend:
+        raise RuntimeError(
+            f"The Keras {backend} implementation must run with KERAS_BACKEND={backend}. "
+            f"Received: KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}")
+    if backend == "torch":
+        os.environ["KERAS_TORCH_DEVICE"] = workload.device
+        torch_device(workload)
+    else:
+        jax_for(workload)
+    import keras
+
+    return keras

@@ -1,0 +1,49 @@
+"""Ours: `lossscale.LossScaleOptimizer(Adam)` on NumPy, torch and JAX arrays."""
+
+from lossscale.bench import frameworks, workloads
+from lossscale.bench.registry import implementation
+from lossscale.bench.timing import Stepper
+
+
+def _optimizer():
+    import lossscale as ls
+
+    return ls.LossScaleOptimizer(ls.optimizers.Adam(learning_rate=1e-3),
+                                 initial_scale=workloads.LOSS_SCALE,
+                                 dynamic_growth_steps=workloads.GROWTH_STEPS)
+
+
+@implementation("lossscale-numpy", "ours", "lossscale LossScaleOptimizer(Adam), opt.apply on "
+                "NumPy arrays")
+def numpy_adam(workload):
+    params, grads = workloads.arrays(workload)
+    grads = workloads.scaled(grads)
+    opt = _optimizer()
+    return Stepper(step=lambda: opt.apply(grads, params))
+
+
+@implementation("lossscale-torch", "ours", "lossscale LossScaleOptimizer(Adam), opt.apply on "
+                "torch tensors", requires=("torch",), devices=("cpu", "cuda"))
+def torch_adam(workload):
+    torch, device, params, grads = frameworks.torch_tensors(workload)
+    opt = _optimizer()
+    return Stepper(step=lambda: opt.apply(grads, params),
+                   sync=frameworks.torch_sync(torch, device))
+
+
+@implementation("lossscale-jax", "ours", "lossscale LossScaleOptimizer(Adam), "
+                "jax.jit(opt.stateless_apply), state donated", requires=("jax",),
+                devices=("cpu", "cuda"))
+def jax_adam(workload):
+    jax = frameworks.jax_for(workload)
+    params, grads = frameworks.jax_arrays(jax, workload)
+    opt = _optimizer()
+    opt.build(params)
+    apply = jax.jit(opt.stateless_apply, donate_argnums=(0, 2))
+    state = {"optimizer": [v.value for v in opt.variables], "params": params}
+
+    def step():
+        state["params"], state["optimizer"] = apply(state["optimizer"], grads, state["params"])
+        return state["params"]
+
+    return Stepper(step=step, sync=jax.block_until_ready)

@@ -1,0 +1,51 @@
+"""PyTorch peers: `torch.amp.GradScaler` with `torch.optim.Adam`, and plain Adam."""
+
+from lossscale.bench import frameworks, workloads
+from lossscale.bench.registry import implementation
+from lossscale.bench.timing import Stepper
+
+
+def _adam(torch, params, grads, **kwargs):
+    params = [torch.nn.Parameter(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    # Keras's epsilon, so every implementation runs the same arithmetic.
+    return params, torch.optim.Adam(params, lr=1e-3, eps=1e-7, **kwargs)
+
+
+def _grad_scaler_adam(workload, **kwargs):
+    torch, device, params, grads = frameworks.torch_tensors(workload)
+    params, opt = _adam(torch, params, grads, **kwargs)
+    scaler = torch.amp.GradScaler(device.type, init_scale=workloads.LOSS_SCALE,
+                                  growth_interval=workloads.GROWTH_STEPS)
+    scaler.scale(torch.ones((), device=device))  # creates the scale, as a forward pass does
+    live = [p.grad for p in params]
+
+    def step():
+        scaler.step(opt)
+        scaler.update()
+
+    # GradScaler unscales the gradients in place; restore them, untimed.
+    return Stepper(step=step, sync=frameworks.torch_sync(torch, device),
+                   prepare=lambda: torch._foreach_copy_(live, grads))
+
+
+@implementation("torch-gradscaler-fused", "peer", "torch.amp.GradScaler + "
+                "torch.optim.Adam(fused=True)", requires=("torch",), devices=("cpu", "cuda"))
+def grad_scaler_fused(workload):
+    return _grad_scaler_adam(workload, fused=True)
+
+
+@implementation("torch-gradscaler-foreach", "peer", "torch.amp.GradScaler + "
+                "torch.optim.Adam(foreach=True)", requires=("torch",), devices=("cpu", "cuda"))
+def grad_scaler_foreach(workload):
+    return _grad_scaler_adam(workload, foreach=True)
+
+
+@implementation("torch-adam-fused-unscaled", "baseline", "torch.optim.Adam(fused=True), no "
+                "loss scaling (the cost of scaling, not a peer)", requires=("torch",),
+                devices=("cpu", "cuda"))
+def adam_fused_unscaled(workload):
+    torch, device, params, grads = frameworks.torch_tensors(workload, scaled=False)
+    _, opt = _adam(torch, params, grads, fused=True)
+    return Stepper(step=opt.step, sync=frameworks.torch_sync(torch, device))

@@ -1,0 +1,79 @@
+"""The registry of benchmarked implementations.
+
+Each implementation is one function, decorated with `@implementation(...)`
+in one of the `impl_*` modules, that builds a `timing.Stepper` for a
+workload. The function imports its frameworks itself: it only ever runs
+inside its own worker subprocess, so the harness process imports none of
+them.
+
+Kinds: `"ours"` (lossscale on some backend), `"peer"` (another library's
+loss-scaled Adam: the comparison), `"baseline"` (unscaled Adam, shown for
+the cost of scaling; not a peer).
+"""
+
+import dataclasses
+import importlib
+import importlib.metadata
+import importlib.util
+from typing import Callable
+
+KINDS = ("ours", "peer", "baseline")
+# Modules whose `@implementation` functions fill the registry, in table order.
+MODULES = ("impl_lossscale", "impl_torch", "impl_keras", "impl_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One benchmarked implementation.
+
+    Args:
+        name: Its name on the command line and in the table.
+        kind: One of `KINDS`.
+        description: What it runs, in a few words.
+        requires: Distributions it needs (checked without importing them).
+        devices: Devices it runs on (`"cpu"`, `"cuda"`).
+        env: Extra environment variables for its subprocess.
+        setup: `setup(workload) -> Stepper`.
+    """
+
+    name: str
+    kind: str
+    description: str
+    requires: tuple
+    devices: tuple
+    env: dict
+    setup: Callable
+
+    def missing(self):
+        """The required distributions that are not installed."""
+        return [r for r in self.requires if importlib.util.find_spec(r) is None]
+
+    def versions(self):
+        """`{distribution: version}` for what it requires (lossscale and numpy included)."""
+        names = dict.fromkeys(("lossscale", "numpy") + tuple(self.requires))
+        return {n: importlib.metadata.version(n) for n in names}
+
+
+REGISTRY = {}
+
+
+def implementation(name, kind, description, requires=(), devices=("cpu",), env=None):
+    """Registers the decorated `setup(workload) -> Stepper` function under `name`."""
+    if kind not in KINDS:
+        raise ValueError(f"`kind` must be one of {KINDS}. Received: kind={kind!r}")
+
+    def register(setup):
+        if name in REGISTRY:
+            raise ValueError(f"Implementation {name!r} is registered twice.")
+        REGISTRY[name] = Implementation(name, kind, description, tuple(requires),
+                                        tuple(devices), dict(env or {}), setup)
+        return setup
+
+    return register
+
+
+def load():
+    """Imports the implementation modules; returns the filled `REGISTRY`."""
+    for module in MODULES:
+        importlib.import_module(f"lossscale.bench.{module}")
+    return REGISTRY

@@ -1,0 +1,57 @@
+"""Timing one optimizer step: warm up, then time each step on its own.
+
+Each step is timed between two synchronisation points (`block_until_ready`
+for JAX, `torch.cuda.synchronize` for CUDA), so asynchronous work is
+counted in the step that launched it. Untimed `prepare` work (restoring
+gradients that a peer unscales in place) runs between steps.
+"""
+
+import dataclasses
+import gc
+import statistics
+import time
+from typing import Any, Callable
+
+
+@dataclasses.dataclass
+class Stepper:
+    """What one implementation gives the timer.
+
+    Args:
+        step: Runs one optimizer step; returns whatever `sync` waits on.
+        sync: Waits until the work of a step (given its return value, or
+            None) has finished. Defaults to doing nothing (synchronous code).
+        prepare: Optional untimed work before each step.
+    """
+
+    step: Callable[[], Any]
+    sync: Callable[[Any], Any] = lambda result: None
+    prepare: Callable[[], None] | None = None
+
+
+def time_steps(stepper, repeats, warmup):
+    """Returns the duration in seconds of each of `repeats` steps after `warmup` steps."""
+    times = []
+    for i in range(warmup + repeats):
+        if stepper.prepare is not None:
+            stepper.prepare()
+        stepper.sync(None)
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            start = time.perf_counter()
+            stepper.sync(stepper.step())
+            elapsed = time.perf_counter() - start
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        if i >= warmup:
+            times.append(elapsed)
+    return times
+
+
+def summary(times):
+    """Median and spread of step times, in milliseconds."""
+    ms = sorted(t * 1e3 for t in times)
+    return {"median_ms": statistics.median(ms), "min_ms": ms[0], "max_ms": ms[-1],
+            "steps": len(ms)}

@@ -1,0 +1,43 @@
+"""The subprocess side of the runner: one job, one JSON result line.
+
+`python -m lossscale.bench.worker '<job json>'` runs either a bandwidth
+measurement (`{"kind": "floor", "device": ..., "quick": ...}`) or one
+implementation on one workload (`{"kind": "step", "impl": ..., "workload":
+..., "repeats": ..., "warmup": ..., "quick": ...}`), then prints
+`RESULT_PREFIX` followed by the result as JSON on the last line of stdout.
+Anything else the libraries print is ignored by the parent.
+"""
+
+import json
+import sys
+
+RESULT_PREFIX = "LOSSSCALE_BENCH_RESULT "
+
+
+def run(job):
+    """Runs one job in this process; returns its result dict."""
+    from lossscale.bench import floor, registry, timing, workloads
+    from lossscale.bench.frameworks import Unavailable
+
+    if job["kind"] == "floor":
+        return floor.measure(job["device"], quick=job["quick"])
+    impl = registry.load()[job["impl"]]
+    workload = workloads.get(job["workload"], quick=job["quick"])
+    try:
+        stepper = impl.setup(workload)
+        times = timing.time_steps(stepper, job["repeats"], job["warmup"])
+    except Unavailable as e:
+        return {"skipped": str(e)}
+    return {**timing.summary(times), "versions": impl.versions()}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    result = run(json.loads(argv[0]))
+    sys.stdout.write("\n" + RESULT_PREFIX + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

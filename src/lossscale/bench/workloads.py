@@ -1,0 +1,106 @@
+"""The benchmark workloads: lists of float32 tensor shapes, and their data.
+
+- `many_small`: 400 tensors, about 1M parameters, shaped like a small
+  convolutional network (3x3 kernels, dense matrices, biases and norm
+  parameters), so per-tensor overhead dominates.
+- `large`: 16 tensors of 1024x1024, about 16M parameters, so memory
+  bandwidth dominates.
+- `gpu_large`: 64 tensors of 2048x2048, about 256M parameters, on CUDA.
+
+Parameters and gradients are random and never zero (magnitudes in
+[0.5, 1.5), random signs; gradients then times 1e-3), identical for every
+implementation (one seed). Loss-scaling implementations receive the
+gradients pre-multiplied by `LOSS_SCALE`, their initial scale, so every
+timed step is a finite, applied step that exercises the unscale and the
+finite check.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+LOSS_SCALE = 2.0 ** 15
+# Keras's, GradScaler's and jmp's default growth period: the scale stays put
+# for any benchmark shorter than this many steps.
+GROWTH_STEPS = 2000
+GRADIENT_MAGNITUDE = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One benchmark workload.
+
+    Args:
+        name: Its name on the command line.
+        shapes: One shape tuple per tensor.
+        device: `"cpu"` or `"cuda"`.
+    """
+
+    name: str
+    shapes: tuple
+    device: str
+
+    @property
+    def size(self):
+        """Total number of parameters."""
+        return sum(math.prod(s) for s in self.shapes)
+
+    def describe(self):
+        return f"{len(self.shapes)} tensors, {self.size:,} float32 parameters, {self.device}"
+
+
+def _small_network(widths, count):
+    # Alternating conv blocks (3x3 kernel + bias, scale, offset) and dense
+    # blocks (matrix + bias, scale, offset).
+    shapes, i = [], 0
+    while len(shapes) < count:
+        c = widths[i % len(widths)]
+        if i % 2 == 0:
+            shapes += [(3, 3, c, 2 * c), (2 * c,), (2 * c,), (2 * c,)]
+        else:
+            shapes += [(4 * c, 3 * c), (3 * c,), (3 * c,), (3 * c,)]
+        i += 1
+    return tuple(shapes[:count])
+
+
+def _build(name, quick):
+    if name == "many_small":
+        if quick:
+            return Workload(name, _small_network((4, 6, 8), 24), "cpu")
+        return Workload(name, _small_network((8, 12, 16, 20, 24, 28, 32, 36, 40), 400), "cpu")
+    if name == "large":
+        return Workload(name, ((128, 128),) * 2 if quick else ((1024, 1024),) * 16, "cpu")
+    if name == "gpu_large":
+        return Workload(name, ((256, 256),) * 2 if quick else ((2048, 2048),) * 64, "cuda")
+    raise ValueError(f"`workload` must be one of {NAMES}. Received: workload={name!r}")
+
+
+NAMES = ("many_small", "large", "gpu_large")
+CPU_NAMES = ("many_small", "large")
+
+
+def get(name, quick=False):
+    """Returns the `Workload` called `name`; `quick=True` gives a tiny version for tests."""
+    return _build(name, quick)
+
+
+def _nonzero(rng, shape):
+    magnitude = rng.random(shape, dtype=np.float32) + np.float32(0.5)
+    sign = rng.integers(0, 2, size=shape, dtype=np.int8) * np.int8(2) - np.int8(1)
+    return magnitude * sign.astype(np.float32)
+
+
+def arrays(workload, seed=0):
+    """Returns `(params, grads)`: lists of float32 NumPy arrays, grads unscaled."""
+    rng = np.random.default_rng(seed)
+    params, grads = [], []
+    for shape in workload.shapes:
+        params.append(_nonzero(rng, shape))
+        grads.append(_nonzero(rng, shape) * np.float32(GRADIENT_MAGNITUDE))
+    return params, grads
+
+
+def scaled(grads):
+    """The gradients multiplied by `LOSS_SCALE` (as a loss-scaled backward pass gives them)."""
+    return [g * np.float32(LOSS_SCALE) for g in grads]
