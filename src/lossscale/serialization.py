@@ -76,4 +76,4 @@ def lookup(name, custom_objects=None):
 def _load_builtins():
     # Importing the packages registers their classes.
     import lossscale.optimizers  # noqa: F401
-    import lossscale.schedules  # noqa: F401
+    import lossscale.schedules  # noqa: F401,F811

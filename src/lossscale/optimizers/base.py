@@ -2,29 +2,45 @@
 
 A subclass declares its hyperparameters as `__init__` arguments stored under
 the same attribute names, creates its slots in `build`, and writes its update
-rule once in `update_step`. Everything else (building, gradient filtering,
-clipping, weight decay, accumulation, EMA, stateless application, config,
-saving) lives here and in the small modules it composes.
+rule once in `update_step`. The apply pipeline lives here; stateless
+application (`stateless.py`), variable creation (`slots.py`), config
+(`config.py`), saving (`state.py`), gradient checks (`gradients.py`) and the
+pipeline's steps (`clipping.py`, `weight_decay.py`, `ema.py`,
+`accumulation.py`) live in the small modules it composes.
 """
 
-import inspect
 import re
-import warnings
 
 from lossscale import validation
-from lossscale.backends import _common, common_backend, get_ops
-from lossscale.optimizers import accumulation, clipping, ema
+from lossscale.backends import get_ops
+from lossscale.optimizers import accumulation, clipping, ema, gradients
+from lossscale.optimizers.config import ConfigMixin
+from lossscale.optimizers.slots import SlotsMixin
 from lossscale.optimizers.state import StateMixin
+from lossscale.optimizers.stateless import StatelessMixin
 from lossscale.optimizers.weight_decay import WeightDecayExclusions, apply_weight_decay
 from lossscale.schedules.base import LearningRateSchedule
 from lossscale.variables import Variable
+
+
+# Accepted ranges of the base keyword arguments (all but `ema_momentum` may be None).
+_BASE_BOUNDS = {
+    "weight_decay": dict(low=0, allow_none=True),
+    "clipnorm": dict(low=0, low_open=True, allow_none=True),
+    "clipvalue": dict(low=0, low_open=True, allow_none=True),
+    "global_clipnorm": dict(low=0, low_open=True, allow_none=True),
+    "ema_momentum": dict(low=0, high=1),
+    "ema_overwrite_frequency": dict(low=1, integer=True, allow_none=True),
+    "loss_scale_factor": dict(low=0, low_open=True, allow_none=True),
+    "gradient_accumulation_steps": dict(low=2, integer=True, allow_none=True),
+}
 
 
 def _snake_case(name):
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
-class Optimizer(StateMixin):
+class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
     """Abstract optimizer base class.
 
     Subclass it and override `build` (create slot variables with
@@ -94,18 +110,14 @@ class Optimizer(StateMixin):
             )
         if name is not None and not isinstance(name, str):
             raise ValueError(f"`name` must be a string or None. Received: name={name!r}")
-        check = validation.check_number
-        check("weight_decay", weight_decay, low=0, allow_none=True)
-        check("clipnorm", clipnorm, low=0, low_open=True, allow_none=True)
-        check("clipvalue", clipvalue, low=0, low_open=True, allow_none=True)
-        check("global_clipnorm", global_clipnorm, low=0, low_open=True, allow_none=True)
+        settings = dict(weight_decay=weight_decay, clipnorm=clipnorm, clipvalue=clipvalue,
+                        global_clipnorm=global_clipnorm, ema_momentum=ema_momentum,
+                        ema_overwrite_frequency=ema_overwrite_frequency,
+                        loss_scale_factor=loss_scale_factor,
+                        gradient_accumulation_steps=gradient_accumulation_steps)
+        for key, bounds in _BASE_BOUNDS.items():
+            validation.check_number(key, settings[key], **bounds)
         validation.check_bool("use_ema", use_ema)
-        check("ema_momentum", ema_momentum, low=0, high=1)
-        check("ema_overwrite_frequency", ema_overwrite_frequency, low=1, integer=True,
-              allow_none=True)
-        check("loss_scale_factor", loss_scale_factor, low=0, low_open=True, allow_none=True)
-        check("gradient_accumulation_steps", gradient_accumulation_steps, low=2, integer=True,
-              allow_none=True)
         if sum(a is not None for a in (clipnorm, clipvalue, global_clipnorm)) > 1:
             raise ValueError(
                 "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set. "
@@ -113,15 +125,9 @@ class Optimizer(StateMixin):
                 f"global_clipnorm={global_clipnorm}"
             )
         self.name = name or _snake_case(type(self).__name__)
-        self.weight_decay = weight_decay
-        self.clipnorm = clipnorm
-        self.clipvalue = clipvalue
-        self.global_clipnorm = global_clipnorm
         self.use_ema = use_ema
-        self.ema_momentum = ema_momentum
-        self.ema_overwrite_frequency = ema_overwrite_frequency
-        self.loss_scale_factor = loss_scale_factor
-        self.gradient_accumulation_steps = gradient_accumulation_steps
+        for key, value in settings.items():
+            setattr(self, key, value)
         self.built = False
         self._variables = []
         self._trainable_variables = []
@@ -143,8 +149,7 @@ class Optimizer(StateMixin):
                 self._variables.remove(self._learning_rate)
             self._learning_rate = learning_rate
             return
-        validation.check_number(
-            "learning_rate", learning_rate, low=0)
+        validation.check_number("learning_rate", learning_rate, low=0)
         if isinstance(self._learning_rate, LearningRateSchedule):
             raise TypeError(
                 "This optimizer was created with a `LearningRateSchedule` as its "
@@ -159,10 +164,8 @@ class Optimizer(StateMixin):
                                                 dtype="float32",
                                                 aggregation="only_first_replica",
                                                 name="learning_rate")
-        if len(self._variables) > 2:  # created after build: keep the documented order
-            self._variables.insert(1, self._variables.pop())
-        if self.built:
-            self._learning_rate._move_to(self._trainable_variables[0].value)
+        # Made after a callable was replaced: keep `iteration, learning_rate` first.
+        self._variables.insert(1, self._variables.pop())
 
     @property
     def learning_rate(self):
@@ -198,98 +201,6 @@ class Optimizer(StateMixin):
         validation.check_number("iterations", int(value), low=0, integer=True)
         self._iterations.assign(int(value) * (self.gradient_accumulation_steps or 1))
 
-    # --- variables ----------------------------------------------------------
-    @property
-    def variables(self):
-        """Every variable holding this optimizer's state, in creation order."""
-        return self._variables[:]
-
-    def _as_variable(self, x):
-        """Wraps a native array once (cached by identity); Variables pass through."""
-        if isinstance(x, Variable):
-            return x
-        wrapped = self._wrappers.get(id(x))
-        if wrapped is None or wrapped._storage is not x:
-            wrapped = Variable(x, name=f"param_{len(self._wrappers)}")
-            self._wrappers[id(x)] = wrapped
-        return wrapped
-
-    def _as_variables(self, xs, argname="trainable_variables"):
-        xs = list(xs)
-        variables = [self._as_variable(x) for x in xs]
-        common_backend(variables, what=f"`{argname}`")
-        return variables
-
-    def add_variable(self, shape, initializer="zeros", dtype=None, aggregation="none",
-                     layout=None, name=None):
-        """Adds a (non-trainable) variable to the optimizer.
-
-        Args:
-            shape: Shape tuple for the variable.
-            initializer: Initializer (`"zeros"`, `"ones"`, a number or a
-                callable `(shape, dtype)`). Defaults to `"zeros"`.
-            dtype: Dtype of the variable. Defaults to `"float32"`.
-            aggregation: One of `None`, `"none"`, `"mean"`, `"sum"` or
-                `"only_first_replica"`. Defaults to `"none"`.
-            layout: Optional tensor layout; stored for sharding-aware users.
-            name: String name of the variable.
-
-        Returns:
-            The new `Variable`, on the backend and device of the variables
-            the optimizer is built with (NumPy before that).
-        """
-        like = self._trainable_variables[0].value if self._trainable_variables else None
-        variable = Variable(initializer, shape=shape, dtype=dtype, trainable=False,
-                            name=name, aggregation=aggregation, like=like)
-        variable.path = f"{self.name}/{variable.name}"
-        variable.layout = layout
-        self._variables.append(variable)
-        return variable
-
-    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
-        """Adds a variable shaped like `reference_variable`.
-
-        Its name is `{reference path with "/" as "_"}_{name}`; `name`
-        defaults to `"var"`.
-
-        Returns:
-            The new `Variable`, with the reference's shape, dtype and device.
-        """
-        reference = self._as_variable(reference_variable)
-        full_name = f"{reference.path.replace('/', '_')}_{name or 'var'}"
-        variable = Variable(initializer, shape=reference.shape, dtype=reference.dtype,
-                            trainable=False, name=full_name, like=reference.value)
-        variable.path = f"{self.name}/{full_name}"
-        self._variables.append(variable)
-        return variable
-
-    def add_optimizer_variables(self, trainable_variables, name, initializer="zeros"):
-        """Adds one slot variable per trainable variable, for one or several names.
-
-        Overwrite-with-gradient variables get `None` instead of a slot.
-
-        Args:
-            trainable_variables: The model variables.
-            name: A name prefix, or a list of them (one slot per name).
-            initializer: One initializer for all names, or one per name.
-
-        Returns:
-            A list of variables for a single name, else a tuple of lists.
-        """
-        names = [name] if isinstance(name, str) else list(name)
-        inits = list(initializer) if isinstance(initializer, (list, tuple)) else [initializer] * len(names)
-        if len(names) != len(inits):
-            raise ValueError(
-                "The number of provided names must match the number of provided "
-                f"initializers. Received: name={name!r}, initializer={initializer!r}"
-            )
-        slots = tuple([] for _ in names)
-        for variable in map(self._as_variable, trainable_variables):
-            for slot, n, init in zip(slots, names, inits):
-                slot.append(None if variable.overwrite_with_gradient else
-                            self.add_variable_from_reference(variable, n, init))
-        return slots[0] if isinstance(name, str) else slots
-
     def build(self, var_list):
         """Creates the optimizer's state for `var_list` (called by `apply`)."""
         var_list = self._as_variables(var_list, "var_list")
@@ -306,49 +217,6 @@ class Optimizer(StateMixin):
             self._accumulated_gradients = [
                 self.add_variable_from_reference(v, "gradient_accumulator") for v in var_list]
         self.built = True
-
-    def _get_variable_index(self, variable):
-        return self._indices[id(variable)]
-
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
-        """Excludes variables from weight decay (call before `build`).
-
-        Args:
-            var_list: A list of variables to exclude.
-            var_names: A list of strings; a variable whose name contains any
-                of them is excluded (e.g. `["bias"]`).
-        """
-        if self.built:
-            raise ValueError(
-                "`exclude_from_weight_decay()` can only be configured before the optimizer "
-                "is built.")
-        self._exclusions = WeightDecayExclusions(
-            [self._as_variable(v) for v in var_list or ()], var_names)
-
-    # --- assignment hooks (the place backend fast paths plug into) ---------
-    def assign(self, variable, value):
-        """Assigns `value` to `variable` (a `Variable` or a mutable native array)."""
-        self._assign("assign", variable, value)
-
-    def assign_add(self, variable, value):
-        """Adds `value` to `variable`."""
-        self._assign("assign_add", variable, value)
-
-    def assign_sub(self, variable, value):
-        """Subtracts `value` from `variable`."""
-        self._assign("assign_sub", variable, value)
-
-    @staticmethod
-    def _assign(method, variable, value):
-        if isinstance(variable, Variable):
-            getattr(variable, method)(value)
-            return
-        ops = get_ops(common_backend([variable]))
-        if not ops.MUTABLE:
-            raise TypeError(
-                f"`variable` must be a lossscale.Variable on the {ops.NAME} backend, whose arrays "
-                f"are immutable. Received: variable of type {type(variable).__name__}")
-        getattr(ops, method)(variable, value)
 
     def update_step(self, gradient, variable, learning_rate):
         """Applies the update rule to one variable; subclasses implement it."""
@@ -377,7 +245,7 @@ class Optimizer(StateMixin):
         if not grads:
             return
         variables = self._resolve_variables(grads, trainable_variables)
-        _validate_gradients(grads, variables)
+        gradients.validate_gradients(grads, variables)
         if not self.built:
             self.build(variables)
         self._check_known(variables)
@@ -420,7 +288,7 @@ class Optimizer(StateMixin):
     def _apply_validated(self, grads, variables):
         ops = self._ops
         grads, variables = self._overwrite_with_gradients(ops, grads, variables)
-        grads, variables = _drop_missing(grads, variables)
+        grads, variables = gradients.drop_missing(grads, variables)
         if grads:
             if self.loss_scale_factor is not None:
                 grads = [g / self.loss_scale_factor for g in grads]
@@ -510,123 +378,6 @@ class Optimizer(StateMixin):
             return loss * self.loss_scale_factor
         return loss
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        """Stateless version of `apply` that returns modified values.
-
-        Runs the same update as `apply` against the given values and leaves
-        every variable of the optimizer and the model as it was. On NumPy and
-        torch the inputs are copied first; on JAX it traces under `jax.jit`.
-
-        Args:
-            optimizer_variables: Values for `optimizer.variables`, in order.
-            grads: Gradients to apply.
-            trainable_variables: Values for the model variables the optimizer
-                was built with, in order.
-
-        Returns:
-            A tuple `(new_trainable_values, new_optimizer_values)`.
-        """
-        if not self.built:
-            raise ValueError(
-                f"To call `stateless_apply`, {type(self).__name__} must be built (i.e. its "
-                "variables must have been created). Call `optimizer.build(trainable_variables)`.")
-        own, model = self.variables, self._trainable_variables
-        optimizer_variables, trainable_variables = list(optimizer_variables), list(trainable_variables)
-        _check_values("optimizer_variables", optimizer_variables, own)
-        _check_values("trainable_variables", trainable_variables, model)
-        grads = list(grads)
-        self._resolve_variables(grads, None)
-        _validate_gradients(grads, model)
-        ops = self._ops
-        values = [ops.copy(x) if ops.MUTABLE else x for x in trainable_variables + optimizer_variables]
-        with _common.bound(model + own, values), ops.quiet():
-            self._apply_validated(grads, model)
-            new_model = [v.value for v in model]
-            new_own = [v.value for v in own]
-        return new_model, new_own
-
-    # --- configuration --------------------------------------------------------
-    @classmethod
-    def _config_keys(cls):
-        keys = []
-        for klass in (cls, Optimizer):
-            for p in inspect.signature(klass.__init__).parameters.values():
-                if p.name != "self" and p.kind is not p.VAR_KEYWORD and p.name not in keys:
-                    keys.append(p.name)
-        return keys
-
-    def get_config(self):
-        """Returns the optimizer's config: every constructor argument, by name."""
-        from lossscale import serialization
-
-        config = {key: getattr(self, key) for key in self._config_keys() if key != "learning_rate"}
-        lr = self._learning_rate
-        config["learning_rate"] = float(lr.numpy()) if isinstance(lr, Variable) else (
-            serialization.serialize(lr))
-        return config
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        """Creates an optimizer from its config (the reverse of `get_config`).
-
-        Args:
-            config: A Python dictionary, typically the output of `get_config`.
-            custom_objects: A dictionary mapping names to user-defined
-                classes or functions needed to recreate this optimizer.
-
-        Returns:
-            An optimizer instance.
-        """
-        from lossscale import serialization
-
-        config = dict(config)
-        if isinstance(config.get("learning_rate"), dict):
-            config["learning_rate"] = serialization.deserialize(
-                config["learning_rate"], custom_objects=custom_objects)
-        return cls(**config)
-
     def __repr__(self):
         return f"<{type(self).__name__} name={self.name!r} built={self.built}>"
 
-
-def _drop_missing(grads, variables):
-    missing = [v.path for g, v in zip(grads, variables) if g is None]
-    if missing:
-        warnings.warn(f"Gradients do not exist for variables {missing} when minimizing the "
-                      "loss; they are left unchanged.", stacklevel=4)
-    kept = [(g, v) for g, v in zip(grads, variables) if g is not None]
-    return [g for g, _ in kept], [v for _, v in kept]
-
-
-def _validate_gradients(grads, variables):
-    """Checks gradients against variables before anything is written."""
-    if all(g is None for g in grads):
-        raise ValueError("No gradients provided for any variable. Received: grads=" +
-                         repr([None] * len(grads)))
-    backend = variables[0].backend
-    for g, v in zip(grads, variables):
-        if g is None:
-            continue
-        got = common_backend([g], what="`grads`")
-        if got != backend:
-            raise ValueError(
-                f"The gradient for variable {v.path!r} is a {got} array but the variables are "
-                f"{backend} arrays; all must come from one backend. Received: {type(g).__name__}")
-        shape = v._ops.shape(g)
-        if shape != v.shape:
-            raise ValueError(
-                f"The gradient for variable {v.path!r} must have the variable's shape "
-                f"{v.shape}. Received: gradient shape {shape}")
-
-
-def _check_values(argname, values, variables):
-    if len(values) != len(variables):
-        raise ValueError(
-            f"`{argname}` must be a list of arrays matching the optimizer's variables one to "
-            f"one ({len(variables)} expected). Received: {len(values)} arrays")
-    for x, v in zip(values, variables):
-        shape = v._ops.shape(x)
-        if shape != v.shape:
-            raise ValueError(
-                f"`{argname}` entry for {v.path!r} must have shape {v.shape}. "
-                f"Received: shape {shape}")

@@ -1,0 +1,52 @@
+"""Checks and filtering of the gradients and values handed to an optimizer.
+
+All checks run before anything is written, so a bad call leaves every
+variable as it was.
+"""
+
+import warnings
+
+from lossscale.backends import common_backend
+
+
+def drop_missing(grads, variables):
+    missing = [v.path for g, v in zip(grads, variables) if g is None]
+    if missing:
+        warnings.warn(f"Gradients do not exist for variables {missing} when minimizing the "
+                      "loss; they are left unchanged.", stacklevel=4)
+    kept = [(g, v) for g, v in zip(grads, variables) if g is not None]
+    return [g for g, _ in kept], [v for _, v in kept]
+
+
+def validate_gradients(grads, variables):
+    """Checks gradients against variables before anything is written."""
+    if all(g is None for g in grads):
+        raise ValueError("No gradients provided for any variable. Received: grads=" +
+                         repr([None] * len(grads)))
+    backend = variables[0].backend
+    for g, v in zip(grads, variables):
+        if g is None:
+            continue
+        got = common_backend([g], what="`grads`")
+        if got != backend:
+            raise ValueError(
+                f"The gradient for variable {v.path!r} is a {got} array but the variables are "
+                f"{backend} arrays; all must come from one backend. Received: {type(g).__name__}")
+        shape = v._ops.shape(g)
+        if shape != v.shape:
+            raise ValueError(
+                f"The gradient for variable {v.path!r} must have the variable's shape "
+                f"{v.shape}. Received: gradient shape {shape}")
+
+
+def check_values(argname, values, variables):
+    if len(values) != len(variables):
+        raise ValueError(
+            f"`{argname}` must be a list of arrays matching the optimizer's variables one to "
+            f"one ({len(variables)} expected). Received: {len(values)} arrays")
+    for x, v in zip(values, variables):
+        shape = v._ops.shape(x)
+        if shape != v.shape:
+            raise ValueError(
+                f"`{argname}` entry for {v.path!r} must have shape {v.shape}. "
+                f"Received: shape {shape}")

@@ -1,0 +1,148 @@
+"""Creating and finding an optimizer's variables (`SlotsMixin`).
+
+The base optimizer inherits these: how state variables are made (on the
+model's backend and device, named after the model variable they shadow),
+how raw native arrays are wrapped once, and the `assign*` hooks update rules
+write through.
+"""
+
+from lossscale.backends import common_backend, get_ops
+from lossscale.optimizers.weight_decay import WeightDecayExclusions
+from lossscale.variables import Variable
+
+
+class SlotsMixin:
+    """Variable creation and lookup for `Optimizer`."""
+
+    @property
+    def variables(self):
+        """Every variable holding this optimizer's state, in creation order."""
+        return self._variables[:]
+
+    def _as_variable(self, x):
+        """Wraps a native array once (cached by identity); Variables pass through."""
+        if isinstance(x, Variable):
+            return x
+        wrapped = self._wrappers.get(id(x))
+        if wrapped is None or wrapped._storage is not x:
+            wrapped = Variable(x, name=f"param_{len(self._wrappers)}")
+            self._wrappers[id(x)] = wrapped
+        return wrapped
+
+    def _as_variables(self, xs, argname="trainable_variables"):
+        xs = list(xs)
+        variables = [self._as_variable(x) for x in xs]
+        common_backend(variables, what=f"`{argname}`")
+        return variables
+
+    def add_variable(self, shape, initializer="zeros", dtype=None, aggregation="none",
+                     layout=None, name=None):
+        """Adds a (non-trainable) variable to the optimizer.
+
+        Args:
+            shape: Shape tuple for the variable.
+            initializer: Initializer (`"zeros"`, `"ones"`, a number or a
+                callable `(shape, dtype)`). Defaults to `"zeros"`.
+            dtype: Dtype of the variable. Defaults to `"float32"`.
+            aggregation: One of `None`, `"none"`, `"mean"`, `"sum"` or
+                `"only_first_replica"`. Defaults to `"none"`.
+            layout: Optional tensor layout; stored for sharding-aware users.
+            name: String name of the variable.
+
+        Returns:
+            The new `Variable`, on the backend and device of the variables
+            the optimizer is built with (NumPy before that).
+        """
+        like = self._trainable_variables[0].value if self._trainable_variables else None
+        variable = Variable(initializer, shape=shape, dtype=dtype, trainable=False,
+                            name=name, aggregation=aggregation, like=like)
+        variable.path = f"{self.name}/{variable.name}"
+        variable.layout = layout
+        self._variables.append(variable)
+        return variable
+
+    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+        """Adds a variable shaped like `reference_variable`.
+
+        Its name is `{reference path with "/" as "_"}_{name}`; `name`
+        defaults to `"var"`.
+
+        Returns:
+            The new `Variable`, with the reference's shape, dtype and device.
+        """
+        reference = self._as_variable(reference_variable)
+        full_name = f"{reference.path.replace('/', '_')}_{name or 'var'}"
+        variable = Variable(initializer, shape=reference.shape, dtype=reference.dtype,
+                            trainable=False, name=full_name, like=reference.value)
+        variable.path = f"{self.name}/{full_name}"
+        self._variables.append(variable)
+        return variable
+
+    def add_optimizer_variables(self, trainable_variables, name, initializer="zeros"):
+        """Adds one slot variable per trainable variable, for one or several names.
+
+        Overwrite-with-gradient variables get `None` instead of a slot.
+
+        Args:
+            trainable_variables: The model variables.
+            name: A name prefix, or a list of them (one slot per name).
+            initializer: One initializer for all names, or one per name.
+
+        Returns:
+            A list of variables for a single name, else a tuple of lists.
+        """
+        names = [name] if isinstance(name, str) else list(name)
+        inits = list(initializer) if isinstance(initializer, (list, tuple)) else [initializer] * len(names)
+        if len(names) != len(inits):
+            raise ValueError(
+                "The number of provided names must match the number of provided "
+                f"initializers. Received: name={name!r}, initializer={initializer!r}"
+            )
+        slots = tuple([] for _ in names)
+        for variable in map(self._as_variable, trainable_variables):
+            for slot, n, init in zip(slots, names, inits):
+                slot.append(None if variable.overwrite_with_gradient else
+                            self.add_variable_from_reference(variable, n, init))
+        return slots[0] if isinstance(name, str) else slots
+
+    def _get_variable_index(self, variable):
+        return self._indices[id(variable)]
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Excludes variables from weight decay (call before `build`).
+
+        Args:
+            var_list: A list of variables to exclude.
+            var_names: A list of strings; a variable whose name contains any
+                of them is excluded (e.g. `["bias"]`).
+        """
+        if self.built:
+            raise ValueError(
+                "`exclude_from_weight_decay()` can only be configured before the optimizer "
+                "is built.")
+        self._exclusions = WeightDecayExclusions(
+            [self._as_variable(v) for v in var_list or ()], var_names)
+
+    def assign(self, variable, value):
+        """Assigns `value` to `variable` (a `Variable` or a mutable native array)."""
+        self._assign("assign", variable, value)
+
+    def assign_add(self, variable, value):
+        """Adds `value` to `variable`."""
+        self._assign("assign_add", variable, value)
+
+    def assign_sub(self, variable, value):
+        """Subtracts `value` from `variable`."""
+        self._assign("assign_sub", variable, value)
+
+    @staticmethod
+    def _assign(method, variable, value):
+        if isinstance(variable, Variable):
+            getattr(variable, method)(value)
+            return
+        ops = get_ops(common_backend([variable]))
+        if not ops.MUTABLE:
+            raise TypeError(
+                f"`variable` must be a lossscale.Variable on the {ops.NAME} backend, whose arrays "
+                f"are immutable. Received: variable of type {type(variable).__name__}")
+        getattr(ops, method)(variable, value)
