@@ -90,7 +90,8 @@ class OptimizerState(collections.abc.Mapping):
     def __repr__(self):
         def describe(x):
             shape = tuple(getattr(x, "shape", ()))
-            return f"{getattr(x, 'dtype', type(x).__name__)}{list(shape)}"
+            dtype = str(getattr(x, "dtype", type(x).__name__)).removeprefix("torch.")
+            return f"{dtype}{list(shape)}"
 
         inner = ", ".join(f"{name!r}: {describe(x)}" for name, x in self._values.items())
         return f"OptimizerState({{{inner}}})"

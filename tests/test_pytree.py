@@ -1,0 +1,378 @@
+"""`lossscale.pytree`: pure init/apply over parameter pytrees, its state, sharding."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import lossscale as ls
+from lossscale import optimizers
+from lossscale.optimizers import LossScaleOptimizer
+from lossscale.pytree import OptimizerState, Transform, transform
+
+SCALE = 16.0
+# Leaf order of the tree below (dict keys sorted): bias, kernel, out/0, out/1.
+SHAPES = {"dense/bias": (3,), "dense/kernel": (2, 3), "out/0": (3, 2), "out/1": (2,)}
+
+
+def nested(arrays):
+    """Builds the test tree from four arrays in leaf order."""
+    bias, kernel, out0, out1 = arrays
+    return {"dense": {"kernel": kernel, "bias": bias}, "out": [out0, out1]}
+
+
+def leaves(tree):
+    return [tree["dense"]["bias"], tree["dense"]["kernel"], tree["out"][0], tree["out"][1]]
+
+
+def random_arrays(rng, scale=1.0):
+    return [(rng.normal(size=s) * scale).astype(np.float32) for s in SHAPES.values()]
+
+
+def lso(inner=None, growth=2):
+    return LossScaleOptimizer(inner or optimizers.Adam(0.05), initial_scale=SCALE,
+                              dynamic_growth_steps=growth)
+
+
+def gradient_steps(rng, steps):
+    out = []
+    for step in range(steps):
+        grads = random_arrays(rng, SCALE)
+        if step in (2, 5):
+            grads[step % 4].flat[0] = np.inf if step == 2 else np.nan
+        out.append(grads)
+    return out
+
+
+def test_round_trip_matches_stateful_apply(backend, rng):
+    """Nested dict in, same tree out, equal to stateful `apply` on the flat leaves."""
+    init, steps = random_arrays(rng), gradient_steps(rng, 8)
+    tx = transform(lso())
+    params = nested([backend.array(x) for x in init])
+    state = tx.init(params)
+    flat = [ls.Variable(backend.array(x)) for x in init]
+    reference = lso()
+    for grads in steps:
+        params, state = tx.apply(nested([backend.array(g) for g in grads]), state, params)
+        reference.apply([backend.array(g) for g in grads], flat)
+    assert set(params) == {"dense", "out"} and set(params["dense"]) == {"kernel", "bias"}
+    assert isinstance(params["out"], list) and len(params["out"]) == 2
+    for got, v in zip(leaves(params), flat):
+        assert type(got) is type(v.value)
+        np.testing.assert_allclose(backend.numpy(got), v.numpy(), rtol=1e-6, atol=1e-7)
+    for name, v in zip(tx.names, reference.variables):
+        np.testing.assert_allclose(backend.numpy(state[name]), v.numpy(), rtol=1e-6, atol=1e-7)
+    assert float(backend.numpy(tx.loss_scale(state))) == float(reference.dynamic_scale)
+    assert int(backend.numpy(state["adam/iteration"])) == 6
+    # The transform's optimizer never moved: apply is pure.
+    assert int(tx.optimizer.iterations.numpy()) == 0
+
+
+def test_state_names_follow_the_tree(backend):
+    params = nested([backend.array(np.zeros(s)) for s in SHAPES.values()])
+    tx = transform(lso())
+    state = tx.init(params)
+    slots = [f"adam/{path.replace('/', '_')}_{slot}" for path in SHAPES
+             for slot in ("momentum", "velocity")]
+    assert tx.names == ["loss_scale_optimizer/step_counter", "loss_scale_optimizer/dynamic_scale",
+                        "adam/iteration", "adam/learning_rate"] + slots
+    assert list(state) == sorted(tx.names) and len(state) == len(tx.names)
+    assert float(backend.numpy(state["loss_scale_optimizer/dynamic_scale"])) == SCALE
+    assert "'adam/dense_kernel_momentum': float32[2, 3]" in repr(state)
+
+
+def test_scale_loss(backend):
+    params = {"w": backend.array(np.ones(2))}
+    tx = transform(lso())
+    state = tx.init(params)
+    assert float(backend.numpy(tx.scale_loss(backend.array(np.float32(0.5)), state))) == SCALE / 2
+    state = state.replace(**{"loss_scale_optimizer/dynamic_scale": backend.array(np.float32(4.0))})
+    assert float(backend.numpy(tx.scale_loss(backend.array(np.float32(0.5)), state))) == 2.0
+    plain = transform(optimizers.SGD(0.1, loss_scale_factor=8.0))
+    plain_state = plain.init(params)
+    assert float(backend.numpy(plain.scale_loss(backend.array(np.float32(0.5)), plain_state))) == 4.0
+    with pytest.raises(ValueError, match="`loss_scale` needs a transform of a LossScaleOptimizer"):
+        plain.loss_scale(plain_state)
+
+
+def test_jit_checkpoint_round_trip_and_no_retrace(rng):
+    """20 jitted steps, interrupted by a save/restore through NumPy, equal an uninterrupted run."""
+    import jax
+    import jax.numpy as jnp
+
+    init, steps = random_arrays(rng), gradient_steps(rng, 20)
+    tx = transform(lso())
+    traces = []
+
+    def step(grads, state, params):
+        traces.append(1)
+        return tx.apply(grads, state, params)
+
+    step = jax.jit(step, donate_argnums=(1, 2))
+    params = nested([jnp.asarray(x) for x in init])
+    state = tx.init(params)
+    for grads in steps[:10]:
+        params, state = step(nested([jnp.asarray(g) for g in grads]), state, params)
+    saved = {name: np.asarray(x) for name, x in state.items()}
+    saved_params = jax.tree_util.tree_map(np.asarray, params)
+    # Restore: a state rebuilt from a plain dict (any key order) fits the compiled step.
+    state = OptimizerState({name: jnp.asarray(saved[name]) for name in reversed(list(saved))})
+    params = jax.tree_util.tree_map(jnp.asarray, saved_params)
+    for grads in steps[10:]:
+        params, state = step(nested([jnp.asarray(g) for g in grads]), state, params)
+    assert len(traces) == 1
+
+    uninterrupted = transform(lso())
+    p = nested([jnp.asarray(x) for x in init])
+    s = uninterrupted.init(p)
+    for grads in steps:
+        p, s = uninterrupted.apply(nested([jnp.asarray(g) for g in grads]), s, p)
+    for a, b in zip(leaves(params), leaves(p)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(s)
+    for name in s:
+        np.testing.assert_allclose(np.asarray(state[name]), np.asarray(s[name]), rtol=1e-6,
+                                   atol=1e-7)
+
+
+def test_state_is_a_keyed_pytree():
+    import jax
+    import jax.numpy as jnp
+
+    tx = transform(lso())
+    state = tx.init({"w": jnp.ones(3)})
+    paths = [jax.tree_util.keystr(path) for path, _ in
+             jax.tree_util.tree_flatten_with_path(state)[0]]
+    assert paths == [f"[{name!r}]" for name in sorted(tx.names)]
+    doubled = jax.tree_util.tree_map(lambda x: x * 2, state)
+    assert isinstance(doubled, OptimizerState) and float(doubled["adam/learning_rate"]) == np.float32(0.1)
+
+
+def test_half_precision_gradients_on_float32_params():
+    """float16/bfloat16 gradients give exactly the float32 result for the same values."""
+    import jax
+    import jax.numpy as jnp
+
+    tx = transform(lso(growth=100))
+    params = {"w": jnp.ones((2, 2)), "b": jnp.zeros(2)}
+    state = tx.init(params)
+    # Tiny true gradients: scaled by 16 they are representable in half precision.
+    true = {"w": jnp.asarray([[3e-6, -1e-5], [2e-4, 7e-7]]), "b": jnp.asarray([-2e-6, 5e-3])}
+    step = jax.jit(tx.apply)
+    for dtype in ("float16", "bfloat16"):
+        grads = jax.tree_util.tree_map(lambda g: (g * SCALE).astype(dtype), true)
+        as_float32 = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
+        new_params, new_state = step(grads, state, params)
+        expected_params, expected_state = step(as_float32, state, params)
+        for a, b in zip(jax.tree_util.tree_leaves([new_params, new_state]),
+                        jax.tree_util.tree_leaves([expected_params, expected_state])):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert int(new_state["adam/iteration"]) == 1
+        overflow = {"w": grads["w"].at[0, 0].set(jnp.inf), "b": grads["b"]}
+        skipped_params, skipped_state = step(overflow, state, params)
+        assert int(skipped_state["adam/iteration"]) == 0
+        assert float(tx.loss_scale(skipped_state)) == SCALE / 2
+
+
+def test_vmap_over_an_ensemble(rng):
+    """Each member of a vmapped ensemble takes its own skip/scale decision."""
+    import jax
+    import jax.numpy as jnp
+
+    members = [random_arrays(rng) for _ in range(2)]
+    grads = [random_arrays(rng, SCALE) for _ in range(2)]
+    grads[1][2].flat[0] = np.inf
+    tx = transform(lso())
+    tx.init(nested([jnp.asarray(x) for x in members[0]]))  # builds, eagerly
+    stacked = nested([jnp.stack([jnp.asarray(m[i]) for m in members]) for i in range(4)])
+    stacked_grads = nested([jnp.stack([jnp.asarray(g[i]) for g in grads]) for i in range(4)])
+    state = jax.vmap(tx.init)(stacked)
+    new_params, new_state = jax.jit(jax.vmap(tx.apply))(stacked_grads, state, stacked)
+    np.testing.assert_array_equal(np.asarray(new_state["adam/iteration"]), [1, 0])
+    np.testing.assert_array_equal(np.asarray(new_state["loss_scale_optimizer/dynamic_scale"]),
+                                  [SCALE, SCALE / 2])
+    for k in range(2):
+        single = transform(lso())
+        p = nested([jnp.asarray(x) for x in members[k]])
+        p, _ = single.apply(nested([jnp.asarray(g) for g in grads[k]]), single.init(p), p)
+        for a, b in zip(leaves(new_params), leaves(p)):
+            np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_prebuilt_optimizer_continues_stateful_training():
+    import jax.numpy as jnp
+
+    opt = lso()
+    variables = [ls.Variable(jnp.ones(3)), ls.Variable(jnp.zeros(2))]
+    opt.apply([jnp.full(3, SCALE), jnp.full(2, SCALE)], variables)
+    tx = transform(opt)
+    state = tx.init([v.value for v in variables])
+    assert int(state["adam/iteration"]) == 1
+    params, state = tx.apply([jnp.full(3, SCALE), jnp.full(2, SCALE)], state,
+                             [v.value for v in variables])
+    opt.apply([jnp.full(3, SCALE), jnp.full(2, SCALE)], variables)
+    for a, v in zip(params, variables):
+        np.testing.assert_allclose(np.asarray(a), v.numpy(), rtol=1e-6)
+
+
+def test_errors(rng):
+    import jax
+    import jax.numpy as jnp
+
+    with pytest.raises(ValueError, match=r"`optimizer` must be a lossscale.optimizers.Optimizer "
+                                         r"instance. Received: optimizer='adam'"):
+        transform("adam")
+    tx = transform(lso())
+    params = {"a": jnp.ones(2), "b": [jnp.ones(3)]}
+    with pytest.raises(ValueError, match=r"`apply` needs an initialised transform"):
+        tx.apply(params, None, params)
+    with pytest.raises(ValueError, match=r"`loss_scale` needs an initialised transform"):
+        tx.loss_scale(None)
+    with pytest.raises(ValueError, match=r"`params` must hold at least one array. Received: params=\{\}"):
+        tx.init({})
+    with pytest.raises(ValueError, match=r"The first `tx.init\(params\)` builds the optimizer and "
+                                         r"must run eagerly"):
+        jax.jit(tx.init)(params)
+    assert not tx.optimizer.built
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"`params` must have the tree structure this transform "
+                                         r"was initialised with. Expected: .*Received: "):
+        tx.init({"a": jnp.ones(2)})
+    with pytest.raises(ValueError, match=r"`grads` must have the structure of `params`"):
+        tx.apply({"a": jnp.ones(2), "b": jnp.ones(3)}, state, params)
+    with pytest.raises(TypeError, match=r"`state` must be the OptimizerState returned by `init` "
+                                        r"or `apply`. Received: state of type dict"):
+        tx.apply(params, dict(state), params)
+    partial = OptimizerState({k: v for k, v in state.items() if k != "adam/iteration"})
+    with pytest.raises(ValueError, match=r"`state` does not match this optimizer's variables. "
+                                         r"Missing: \['adam/iteration'\]. Unexpected: \[\]"):
+        tx.apply(params, partial, params)
+    with pytest.raises(ValueError, match=r"must have shape \(2,\)"):
+        tx.apply(params, state, {"a": jnp.ones(4), "b": [jnp.ones(3)]})
+    with pytest.raises(KeyError, match=r"No optimizer variable named 'adam/nope'"):
+        state.replace(**{"adam/nope": 1})
+    with pytest.raises(TypeError, match=r"`values` must be a mapping from names to arrays. "
+                                        r"Received: values of type list"):
+        OptimizerState([1, 2])
+    with pytest.raises(TypeError, match=r"`values` keys must be strings. Received: key 3"):
+        OptimizerState({3: np.ones(1)})
+
+
+def test_donated_initial_state_cannot_be_reused():
+    import jax
+    import jax.numpy as jnp
+
+    tx = transform(lso())
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    jax.jit(tx.apply, donate_argnums=(1, 2))({"w": jnp.ones(3)}, state, params)
+    with pytest.raises(ValueError, match=r"The initial optimizer state was donated to a jitted "
+                                         r"step and no longer exists"):
+        tx.init({"w": jnp.ones(3)})
+
+
+_NO_JAX = textwrap.dedent("""
+    import sys, json
+    import numpy as np
+    import lossscale as ls, lossscale.pytree as lp
+    assert "jax" not in sys.modules and "torch" not in sys.modules
+    tx = lp.transform(ls.optimizers.SGD(0.5))
+    params = {"b": (np.ones(2, np.float32), None), "a": [np.zeros(1, np.float32)]}
+    state = tx.init(params)
+    grads = {"b": (np.full(2, 2.0, np.float32), None), "a": [np.ones(1, np.float32)]}
+    new, state = tx.apply(grads, state, params)
+    assert "jax" not in sys.modules
+    try:
+        tx.apply({"a": [np.ones(1, np.float32)]}, state, params)
+    except ValueError as e:
+        error = str(e)
+    print(json.dumps({"new": {"a": new["a"][0].tolist(), "b": new["b"][0].tolist(),
+                              "b_type": type(new["b"]).__name__, "none": new["b"][1]},
+                      "names": tx.names, "iteration": int(state["SGD/iteration"]),
+                      "error": error}))
+""")
+
+
+def test_without_jax_nested_containers_work():
+    """NumPy trees flatten without importing JAX, with JAX's leaf order and error text."""
+    out = subprocess.run([sys.executable, "-c", _NO_JAX], capture_output=True, text=True,
+                         timeout=60, check=True)
+    result = json.loads(out.stdout)
+    assert result["new"] == {"a": [-0.5], "b": [0.0, 0.0], "b_type": "tuple", "none": None}
+    assert result["names"] == ["SGD/iteration", "SGD/learning_rate"]
+    assert result["iteration"] == 1
+    assert result["error"] == ("`grads` must have the structure of `params`. Expected: "
+                               "{'a': [*], 'b': (*, None)}. Received: {'a': [*]}")
+
+
+_SHARDED = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import lossscale as ls, lossscale.pytree as lp
+
+    assert len(jax.devices()) == 4
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    specs = {"w": P("data", "model"), "b": P("model"), "s": P()}
+    rng = np.random.default_rng(0)
+    host = {"w": rng.normal(size=(8, 6)), "b": rng.normal(size=(6,)), "s": rng.normal(size=())}
+    host = {k: v.astype(np.float32) for k, v in host.items()}
+    grads = [{k: (rng.normal(size=v.shape) * 64).astype(np.float16) for k, v in host.items()}
+             for _ in range(3)]
+    grads[1]["w"][0, 0] = np.inf
+
+    def run(place):
+        tx = lp.transform(ls.LossScaleOptimizer(ls.optimizers.Adam(0.05), initial_scale=64.0))
+        params = {k: place(k, v) for k, v in host.items()}
+        state = tx.init(params)
+        step = jax.jit(tx.apply, donate_argnums=(1, 2))
+        for g in grads:
+            params, state = step({k: place(k, v) for k, v in g.items()}, state, params)
+        return tx, params, state
+
+    sharded = lambda k, v: jax.device_put(v, NamedSharding(mesh, specs[k]))
+    tx, params, state = run(sharded)
+    _, plain_params, plain_state = run(lambda k, v: jnp.asarray(v))
+    spec = lambda x: list(x.sharding.spec) if hasattr(x.sharding, "spec") else "single"
+    print(json.dumps({
+        "params": {k: spec(v) for k, v in params.items()},
+        "state": {k: spec(v) for k, v in state.items()},
+        "devices": {k: len(v.sharding.device_set) for k, v in state.items()},
+        "param_diff": max(float(np.max(np.abs(np.asarray(params[k]) - np.asarray(plain_params[k]))))
+                          for k in host),
+        "state_diff": max(float(np.max(np.abs(np.asarray(state[k], np.float64)
+                                               - np.asarray(plain_state[k], np.float64))))
+                          for k in state),
+        "iteration": int(state["adam/iteration"]),
+    }))
+""")
+
+
+def test_sharded_step_keeps_sharding_and_matches_unsharded():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    w, b, s = ["data", "model"], ["model"], []
+    assert result["params"] == {"w": w, "b": b, "s": s}
+    assert result["state"] == {
+        "adam/b_momentum": b, "adam/b_velocity": b, "adam/iteration": s,
+        "adam/learning_rate": s, "adam/s_momentum": s, "adam/s_velocity": s,
+        "adam/w_momentum": w, "adam/w_velocity": w,
+        "loss_scale_optimizer/dynamic_scale": s, "loss_scale_optimizer/step_counter": s}
+    assert set(result["devices"].values()) == {4}
+    assert result["iteration"] == 2
+    assert result["param_diff"] <= 1e-6 and result["state_diff"] <= 1e-6
+
+
+def test_transform_repr_and_class():
+    tx = transform(optimizers.SGD(0.1))
+    assert isinstance(tx, Transform) and tx.names is None
+    assert repr(tx) == "<Transform optimizer=<SGD name='SGD' built=False>>"
