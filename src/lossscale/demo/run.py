@@ -1,0 +1,124 @@
+"""`run_demo`: the three runs, the table, the picture and the saved numbers."""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+import time
+
+from lossscale.demo import data as digits
+from lossscale.demo import report
+from lossscale.demo.models import make_model
+from lossscale.demo.training import RUNS, train_run
+
+# Import name -> what to install, for a clear message when one is missing.
+_NEEDS = {"sklearn": "scikit-learn", "matplotlib": "matplotlib", "tqdm": "tqdm"}
+_BACKEND_NEEDS = {"torch": {"torch": "torch"}, "jax": {"jax": "jax"}, "numpy": {}}
+
+
+class MissingDependencyError(RuntimeError):
+    """Raised when a package the demo needs is not installed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoResult:
+    """What `run_demo` produced.
+
+    Attributes:
+        runs: The three `RunResult`s: float32, float16 without loss scaling,
+            float16 with `LossScaleOptimizer`.
+        table: The comparison table (Markdown).
+        summary: Two sentences reading the table.
+        plot_path: The PNG's path.
+        results_path: The JSON file with every measured number.
+        seconds: Wall time of the whole demo.
+    """
+
+    runs: tuple
+    table: str
+    summary: str
+    plot_path: str
+    results_path: str
+    seconds: float
+
+
+def check_dependencies(backend):
+    """Raises `MissingDependencyError` naming every missing package and how to install it."""
+    needs = {**_NEEDS, **_BACKEND_NEEDS[backend]}
+    missing = [pip for module, pip in needs.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise MissingDependencyError(
+            f"`lossscale demo --backend {backend}` needs {', '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not installed. Install the demo extra: "
+            f"pip install 'lossscale[demo]'" + (" jax" if backend == "jax" else ""))
+
+
+def _header(config):
+    return "\n".join([
+        "lossscale demo: a 64-{h}-10 ReLU network on scikit-learn's 8x8 digits (1,437 training "
+        "and 360 test images, shipped inside scikit-learn), trained three times with the same "
+        "seed, initial weights and batches.".format(h=config.hidden_units),
+        f"backend={config.backend} steps={config.steps} batch={config.batch_size} "
+        f"Adam(learning_rate={config.learning_rate:g}) seed={config.seed} "
+        f"initial_scale={config.initial_scale:g} growth_steps={config.growth_steps}",
+        "float16 runs keep float32 master weights and run the forward and backward passes on a "
+        "float16 copy; the gradients they produce are float16.",
+        f"Every run multiplies its loss by loss_weight={config.loss_weight:g} (--loss-weight): "
+        "a stand-in for the averaging over 10^5-10^6 loss terms that puts large models' "
+        "gradients below float16's normal range (6.1e-05). Adam's epsilon is multiplied too, "
+        "so the float32 run trains as on the plain loss. With --loss-weight 1 this small "
+        "network's gradients mostly fit in float16 and loss scaling has little to fix.",
+    ])
+
+
+def _progress_bar(label, config):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=config.steps, desc=f"{label:<28}", unit="step",
+                disable=not config.progress, file=sys.stderr, dynamic_ncols=True)
+
+
+def run_demo(config, stream=None):
+    """Trains the three runs, prints the table and writes the PNG and a JSON file.
+
+    Args:
+        config: A `DemoConfig`.
+        stream: Where to print (defaults to `sys.stdout`); progress bars go
+            to `sys.stderr`.
+
+    Returns:
+        A `DemoResult`.
+
+    Raises:
+        MissingDependencyError: When a package the demo needs is missing.
+    """
+    stream = stream or sys.stdout
+    check_dependencies(config.backend)
+    start = time.perf_counter()
+    print(_header(config), file=stream, flush=True)
+    data = digits.load_digits(config.seed)
+    batches = digits.batch_indices(len(data.y_train), config.batch_size, config.steps,
+                                   config.seed)
+    weights = digits.initial_weights(config.seed, config.hidden_units)
+    runs = tuple(
+        train_run(spec, make_model(config.backend, weights), data, batches, config,
+                  _progress_bar(spec.label, config))
+        for spec in RUNS)
+    table, summary = report.table(runs), report.summary(runs)
+    os.makedirs(config.out, exist_ok=True)
+    plot_path = os.path.join(config.out, "demo.png")
+    results_path = os.path.join(config.out, "results.json")
+    from lossscale.demo.plot import save_plot
+
+    save_plot(runs, plot_path, f"lossscale demo ({config.backend} backend, "
+                               f"loss_weight={config.loss_weight:g})")
+    seconds = time.perf_counter() - start
+    with open(results_path, "w", encoding="utf-8") as f:
+        json.dump({"config": dataclasses.asdict(config), "seconds": seconds,
+                   "runs": [r.to_dict() for r in runs], "table": table, "summary": summary},
+                  f, indent=1)
+    print("\n" + table + "\n\n" + report.LEGEND + "\n\n" + summary, file=stream)
+    print(f"\nPlot: {plot_path}\nNumbers: {results_path}\nTotal time: {seconds:.1f} s",
+          file=stream, flush=True)
+    return DemoResult(runs, table, summary, plot_path, results_path, seconds)
