@@ -123,16 +123,17 @@ def all_finite(arrays):
     # One pass and no boolean copy: a sum of squares is finite exactly when
     # every element is, except that it can overflow for large finite
     # values, which the exact (two-pass) check below then settles.
-    for a in arrays:
-        a = unwrap(a)
-        if not a.size:
-            continue
-        if a.dtype in (np.float32, np.float64) and a.flags.c_contiguous:
-            flat = a.reshape(-1)
-            if np.isfinite(np.dot(flat, flat)):
+    with np.errstate(over="ignore", invalid="ignore"):
+        for a in arrays:
+            a = unwrap(a)
+            if not a.size:
                 continue
-        if not (np.isfinite(a.max()) and np.isfinite(a.min())):
-            return np.asarray(False)
+            if a.dtype in (np.float32, np.float64) and a.flags.c_contiguous:
+                flat = a.reshape(-1)
+                if np.isfinite(np.dot(flat, flat)):
+                    continue
+            if not (np.isfinite(a.max()) and np.isfinite(a.min())):
+                return np.asarray(False)
     return np.asarray(True)
 
 

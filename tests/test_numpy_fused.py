@@ -1,0 +1,243 @@
+"""The fused NumPy kernels equal the per-variable `update_step`, bit for bit.
+
+Every case runs the same seeded steps twice: once with the kernel registered
+in `numpy_ops.FUSED_KERNELS` (counting its calls, so no case passes
+vacuously) and once with the entry removed, which sends `_update_variables`
+down the generic per-variable path. Model and optimizer variables must then
+be identical after every step. `small_blocks` shrinks the block size and
+forces several workers so that block splitting and threading are exercised
+on small arrays.
+"""
+
+import gc
+import tracemalloc
+import warnings
+import weakref
+
+import numpy as np
+import pytest
+
+import lossscale as ls
+from lossscale.backends import numpy_fused, numpy_ops
+from lossscale.optimizers import SGD, Adam
+
+SHAPES = [(3, 4), (7,), (), (0, 3), (37, 29), (1500,)]
+
+ADAM_CASES = [
+    {},
+    {"amsgrad": True},
+    {"weight_decay": 0.01, "clipnorm": 1.0},
+    {"amsgrad": True, "global_clipnorm": 0.5, "weight_decay": 0.004},
+    {"clipvalue": 0.05, "beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-4},
+    {"gradient_accumulation_steps": 2, "learning_rate": 0.01},
+]
+SGD_CASES = [
+    {},
+    {"momentum": 0.9},
+    {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01, "clipvalue": 0.5},
+    {"momentum": 0.5, "nesterov": True, "global_clipnorm": 1.0},
+    {"momentum": 0.7, "clipnorm": 0.3, "learning_rate": 0.1},
+]
+CASES = [(Adam, c) for c in ADAM_CASES] + [(SGD, c) for c in SGD_CASES]
+
+
+@pytest.fixture(params=["default_blocks", "small_blocks"])
+def blocks(request, monkeypatch):
+    if request.param == "small_blocks":
+        monkeypatch.setattr(numpy_fused, "BLOCK", 64)
+        monkeypatch.setattr(numpy_fused, "MIN_ELEMENTS_PER_WORKER", 128)
+        monkeypatch.setattr(numpy_fused, "_cpu_count", lambda: 3)
+    return request.param
+
+
+def _data(shapes, steps, dtype="float32", seed=0):
+    rng = np.random.default_rng(seed)
+    weights = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(dtype) for s in shapes] for _ in range(steps)]
+    return weights, grads
+
+
+def _snapshot(opt, weights):
+    return [np.array(w, copy=True) for w in weights] + [v.numpy().copy() for v in opt.variables]
+
+
+def _run(monkeypatch, cls, make, weights, grads, fused):
+    """Applies every step of `grads`; returns a snapshot after each and the kernel's calls."""
+    calls = []
+    with monkeypatch.context() as m:
+        if fused:
+            kernel = numpy_ops.FUSED_KERNELS[cls]
+            m.setitem(numpy_ops.FUSED_KERNELS, cls,
+                      lambda *args: calls.append(1) or kernel(*args))
+        else:
+            m.delitem(numpy_ops.FUSED_KERNELS, cls)
+        opt = make()
+        weights = [w.copy() for w in weights]
+        snapshots = []
+        for step in grads:
+            opt.apply([g.copy() for g in step], weights)
+            snapshots.append(_snapshot(opt, weights))
+    return snapshots, len(calls)
+
+
+def _assert_same(monkeypatch, cls, make, weights, grads):
+    fused, calls = _run(monkeypatch, cls, make, weights, grads, fused=True)
+    generic, generic_calls = _run(monkeypatch, cls, make, weights, grads, fused=False)
+    assert calls > 0 and generic_calls == 0
+    for step, (a, b) in enumerate(zip(fused, generic)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert x.dtype == y.dtype
+            np.testing.assert_array_equal(x, y, err_msg=f"step {step}, array {i}")
+
+
+def test_registered_for_exact_classes_only():
+    assert numpy_ops.FUSED_KERNELS == {Adam: numpy_fused.adam, SGD: numpy_fused.sgd}
+    assert numpy_ops.fused_update(Adam()) is numpy_fused.adam
+    assert numpy_ops.fused_update(SGD()) is numpy_fused.sgd
+    # A subclass may change the rule: it gets the generic path.
+    assert numpy_ops.fused_update(ls.optimizers.AdamW()) is None
+
+
+@pytest.mark.parametrize("cls,config", CASES, ids=lambda x: getattr(x, "__name__", str(x)))
+def test_fused_equals_update_step(monkeypatch, blocks, cls, config):
+    weights, grads = _data(SHAPES, steps=4)
+    _assert_same(monkeypatch, cls, lambda: cls(**config), weights, grads)
+
+
+@pytest.mark.parametrize("cls,config", CASES, ids=lambda x: getattr(x, "__name__", str(x)))
+def test_fused_equals_update_step_under_loss_scaling(monkeypatch, blocks, cls, config):
+    scale = 2.0 ** 10
+    weights, grads = _data(SHAPES, steps=7, seed=1)
+    grads = [[g * np.float32(scale) for g in step] for step in grads]
+    grads[1][4][3, 5] = np.inf  # overflow: skipped, scale halves
+    grads[3][0][1, 2] = np.nan
+    grads[4][5][-1] = -np.inf
+    grads[4][1][0] = np.nan
+
+    def make():
+        return ls.LossScaleOptimizer(cls(**config), initial_scale=scale, dynamic_growth_steps=2)
+
+    _assert_same(monkeypatch, cls, make, weights, grads)
+
+
+@pytest.mark.parametrize("cls,config", [(Adam, {"amsgrad": True}),
+                                        (SGD, {"momentum": 0.9, "nesterov": True})])
+@pytest.mark.parametrize("dtype", ["float16", "float64"])
+def test_other_float_dtypes(monkeypatch, blocks, cls, config, dtype):
+    weights, grads = _data(SHAPES, steps=3, dtype=dtype, seed=2)
+    _assert_same(monkeypatch, cls, lambda: cls(**config), weights, grads)
+
+
+@pytest.mark.parametrize("cls,config", [(Adam, {}), (SGD, {"momentum": 0.9})])
+def test_mixed_dtypes_and_half_gradients(monkeypatch, blocks, cls, config):
+    # float32 and float64 variables in one optimizer, float16 gradients for
+    # the float32 ones (cast like `update_step` casts them).
+    rng = np.random.default_rng(3)
+    weights = [rng.standard_normal((40, 9)).astype("float32"),
+               rng.standard_normal((300,)).astype("float64")]
+    grads = [[rng.standard_normal((40, 9)).astype("float16"),
+              rng.standard_normal((300,)).astype("float64")] for _ in range(3)]
+    _assert_same(monkeypatch, cls, lambda: cls(**config), weights, grads)
+
+
+@pytest.mark.parametrize("cls,config", [(Adam, {"amsgrad": True}), (SGD, {"momentum": 0.9})])
+def test_strided_arrays_take_update_step(monkeypatch, blocks, cls, config):
+    rng = np.random.default_rng(4)
+    weights = [np.asfortranarray(rng.standard_normal((30, 20)).astype("float32")),
+               rng.standard_normal((500,)).astype("float32")]
+    grads = [[rng.standard_normal((30, 20)).astype("float32")[:, ::-1],
+              rng.standard_normal((1000,)).astype("float32")[::2]] for _ in range(3)]
+    _assert_same(monkeypatch, cls, lambda: cls(**config), weights, grads)
+
+
+def test_learning_rate_callable_and_schedule(monkeypatch, blocks):
+    weights, grads = _data(SHAPES, steps=3, seed=5)
+    schedule = ls.schedules.ExponentialDecay(0.01, decay_steps=1, decay_rate=0.5)
+    _assert_same(monkeypatch, Adam, lambda: Adam(learning_rate=schedule), weights, grads)
+    _assert_same(monkeypatch, SGD, lambda: SGD(learning_rate=lambda: 0.02, momentum=0.3),
+                 weights, grads)
+
+
+def test_stateless_apply_matches_and_mutates_nothing(monkeypatch, blocks):
+    weights, grads = _data(SHAPES, steps=1, seed=6)
+    results = []
+    for fused in (True, False):
+        with monkeypatch.context() as m:
+            if not fused:
+                m.delitem(numpy_ops.FUSED_KERNELS, Adam)
+            opt = ls.LossScaleOptimizer(Adam(amsgrad=True), initial_scale=4.0)
+            opt.build(weights)
+            before = _snapshot(opt, weights)
+            new_weights, new_state = opt.stateless_apply(
+                [v.numpy() for v in opt.variables], [g * np.float32(4) for g in grads[0]],
+                weights)
+            for x, y in zip(before, _snapshot(opt, weights)):
+                np.testing.assert_array_equal(x, y)
+            results.append([np.asarray(a) for a in new_weights + new_state])
+    for x, y in zip(*results):
+        np.testing.assert_array_equal(x, y)
+    assert not np.array_equal(results[0][4], weights[4])
+
+
+def test_non_finite_gradients_without_loss_scaling_stay_quiet(monkeypatch, blocks):
+    # `apply` silences NumPy's floating-point warnings; the worker threads
+    # must inherit that.
+    weights, grads = _data([(50, 50)], steps=2, seed=7)
+    grads[0][0][0, 0] = np.inf
+    grads[1][0][1, 1] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_same(monkeypatch, Adam, Adam, weights, grads)
+
+
+def test_kernel_allocates_no_full_size_temporaries():
+    n = 1 << 20
+    rng = np.random.default_rng(8)
+    weights = [rng.standard_normal(n).astype("float32") for _ in range(3)]
+    grads = [rng.standard_normal(n).astype("float32") for _ in range(3)]
+    for opt in (Adam(amsgrad=True), SGD(momentum=0.9, nesterov=True)):
+        opt.apply(grads, weights)  # builds; the scratch buffers are made here
+        variables = opt._trainable_variables
+        tracemalloc.start()
+        try:
+            numpy_ops.fused_update(opt)(opt, grads, variables, opt.learning_rate)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < n * 4 // 8, f"{type(opt).__name__} allocated {peak} bytes"
+
+
+def test_scratch_belongs_to_the_optimizer(monkeypatch):
+    monkeypatch.setattr(numpy_fused, "_cpu_count", lambda: 1)
+    weights, grads = _data([(5, 5)], steps=1)
+    opt = Adam()
+    opt.apply(grads[0], weights)
+    buffers = numpy_fused._SCRATCH[opt]
+    assert {key[1] for key in buffers} == {np.dtype("float32")}
+    assert all(t.shape == (numpy_fused.BLOCK,) for pair in buffers.values() for t in pair)
+    opt.apply(grads[0], weights)
+    assert numpy_fused._SCRATCH[opt] is buffers
+    alive, count = weakref.ref(opt), len(numpy_fused._SCRATCH)
+    del opt, buffers
+    gc.collect()
+    assert alive() is None and len(numpy_fused._SCRATCH) == count - 1
+
+
+def test_partition_balances_blocks():
+    jobs = [(np.empty(n), None, None) for n in (10, 300, 0, 70)]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(numpy_fused, "BLOCK", 64)
+        blocks = numpy_fused._blocks(jobs)
+    assert sum(stop - start for _, start, stop in blocks) == 380
+    assert all(0 < stop - start <= 64 for _, start, stop in blocks)
+    parts = numpy_fused._partition(blocks, 3)
+    assert len(parts) == 3 and [b for p in parts for b in p] == blocks
+    sizes = [sum(stop - start for _, start, stop in p) for p in parts]
+    assert max(sizes) - min(sizes) <= 64
+
+
+def test_executor_is_recreated_after_fork(monkeypatch):
+    first = numpy_fused._executor()
+    assert numpy_fused._executor() is first
+    monkeypatch.setitem(numpy_fused._pool, "pid", -1)
+    assert numpy_fused._executor() is not first
