@@ -17,6 +17,7 @@ behaviour, independently of `src/`), and runs the scenarios below with it:
   after `load_own_variables`.
 """
 
+import doctest
 import json
 import math
 
@@ -237,3 +238,9 @@ def check_resume(backend, make, steps_before=3, **kwargs):
     assert sorted(got) == sorted(want)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def check_doctest(module):
+    """The runnable example in `module`'s public docstrings holds."""
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import optimizer_cases as cases
+from lossscale.optimizers import adadelta as adadelta_module
 from lossscale.optimizers import Adadelta
 
 
@@ -75,3 +76,7 @@ def test_defaults_follow_keras():
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         Adadelta(**kwargs)
+
+
+def test_docstring_example():
+    cases.check_doctest(adadelta_module)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import optimizer_cases as cases
+from lossscale.optimizers import adagrad as adagrad_module
 from lossscale.optimizers import Adagrad
 
 
@@ -73,3 +74,7 @@ def test_defaults_follow_keras():
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         Adagrad(**kwargs)
+
+
+def test_docstring_example():
+    cases.check_doctest(adagrad_module)

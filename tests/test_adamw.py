@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import optimizer_cases as cases
+from lossscale.optimizers import adamw as adamw_module
 from lossscale.optimizers import Adam, AdamW
 
 
@@ -86,3 +87,7 @@ def test_defaults_follow_keras():
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         AdamW(**kwargs)
+
+
+def test_docstring_example():
+    cases.check_doctest(adamw_module)

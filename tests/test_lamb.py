@@ -6,8 +6,9 @@ import re
 import numpy as np
 import pytest
 
-import optimizer_cases as cases
 import lossscale as ls
+import optimizer_cases as cases
+from lossscale.optimizers import lamb as lamb_module
 from lossscale.optimizers import Lamb
 
 
@@ -87,3 +88,7 @@ def test_defaults_follow_keras():
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         Lamb(**kwargs)
+
+
+def test_docstring_example():
+    cases.check_doctest(lamb_module)

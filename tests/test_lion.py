@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import optimizer_cases as cases
+from lossscale.optimizers import lion as lion_module
 from lossscale.optimizers import Lion
 
 
@@ -76,3 +77,7 @@ def test_defaults_follow_keras():
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         Lion(**kwargs)
+
+
+def test_docstring_example():
+    cases.check_doctest(lion_module)

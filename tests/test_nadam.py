@@ -6,8 +6,9 @@ import re
 import numpy as np
 import pytest
 
-import optimizer_cases as cases
 import lossscale as ls
+import optimizer_cases as cases
+from lossscale.optimizers import nadam as nadam_module
 from lossscale.optimizers import Nadam
 
 
@@ -115,3 +116,7 @@ def test_wrapper_saves_u_product(backend):
     store = {}
     wrapped.save_own_variables(store)
     assert float(store[str(len(store) - 1)]) == pytest.approx(0.9 * (1 - 0.5 * 0.96), rel=1e-6)
+
+
+def test_docstring_example():
+    cases.check_doctest(nadam_module)

@@ -2,6 +2,8 @@
 
 import numbers
 
+import numpy as np
+
 from lossscale.schedules import _common
 from lossscale.schedules.base import LearningRateSchedule
 
@@ -68,11 +70,9 @@ class PiecewiseConstantDecay(LearningRateSchedule):
         return _common.signature_config(self)
 
 
-def _number_list(name, xs):
-    try:
-        xs = list(xs)
-    except TypeError:
-        xs = None
+def _number_list(name, received):
+    """`received` as a list of plain numbers (JSON-friendly config), or a clear error."""
+    xs = list(received) if isinstance(received, (list, tuple)) else None
     if xs is None or not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in xs):
-        raise ValueError(f"`{name}` must be a list of numbers. Received: {name}={xs!r}")
-    return xs
+        raise ValueError(f"`{name}` must be a list of numbers. Received: {name}={received!r}")
+    return [x.item() if isinstance(x, np.generic) else x for x in xs]
