@@ -11,7 +11,8 @@ import pathlib
 import subprocess
 import sys
 
-from lossscale.bench.worker import RESULT_PREFIX
+# The worker prints this before its JSON result, on the last line of stdout.
+RESULT_PREFIX = "LOSSSCALE_BENCH_RESULT "
 
 
 def _environment(extra):

@@ -4,14 +4,14 @@
 measurement (`{"kind": "floor", "device": ..., "quick": ...}`) or one
 implementation on one workload (`{"kind": "step", "impl": ..., "workload":
 ..., "repeats": ..., "warmup": ..., "quick": ...}`), then prints
-`RESULT_PREFIX` followed by the result as JSON on the last line of stdout.
+`runner.RESULT_PREFIX` followed by the result as JSON on the last line of stdout.
 Anything else the libraries print is ignored by the parent.
 """
 
 import json
 import sys
 
-RESULT_PREFIX = "LOSSSCALE_BENCH_RESULT "
+from lossscale.bench.runner import RESULT_PREFIX
 
 
 def run(job):

@@ -1,0 +1,96 @@
+"""`lossscale bench` end to end (tiny `--quick` mode), its CLI errors and the runner.
+
+Timings are never asserted: only the report's shape.
+"""
+
+import re
+
+import pytest
+
+from lossscale import bench
+from lossscale.bench import runner, table, worker
+
+ROW = re.compile(r"^\| (\S+) \| (\S+) \| (\d+\.\d{3}) \| (\d+\.\d\dx) \| (\d+\.\d\dx) \|$")
+
+
+def _table_rows(out):
+    lines = [line for line in out.splitlines() if line.startswith("|")]
+    assert lines[0] == "| " + " | ".join(table.COLUMNS) + " |"
+    assert lines[1] == "|---|---|---:|---:|---:|"
+    return lines[2:]
+
+
+def test_quick_run_prints_one_row_per_implementation(capsys):
+    # Three subprocesses: the bandwidth floor and one per implementation.
+    status = bench.main(["--quick", "--workload", "many_small", "--impl", "lossscale-numpy",
+                         "--impl", "torch-gradscaler-foreach", "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = [ROW.match(line) for line in _table_rows(out)]
+    assert all(rows), out
+    assert [(m[1], m[2]) for m in rows] == [("lossscale-numpy", "many_small"),
+                                            ("torch-gradscaler-foreach", "many_small")]
+    assert rows[1][5] == "1.00x"  # the only peer is the best peer
+    assert "Bandwidth (cpu):" in out and "Median of 2 steps after 1 warm-up" in out
+    assert "floor" in out and "torch 2." in out
+
+
+def test_worker_runs_a_step_job_in_process():
+    result = worker.run({"kind": "step", "impl": "lossscale-numpy", "workload": "large",
+                         "quick": True, "repeats": 3, "warmup": 1})
+    assert result["steps"] == 3
+    assert 0 < result["min_ms"] <= result["median_ms"] <= result["max_ms"]
+    assert set(result["versions"]) == {"lossscale", "numpy"}
+
+
+def test_runner_reports_a_failing_worker():
+    result = runner.run_job({"kind": "step", "impl": "no-such-impl", "workload": "large",
+                             "quick": True, "repeats": 1, "warmup": 0})
+    assert set(result) == {"error"}
+    assert "KeyError" in result["error"] and "no-such-impl" in result["error"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--impl", "nope"], "unknown --impl ['nope']"),
+    (["--repeats", "0"], "--repeats must be an integer >= 1. Received: 0"),
+    (["--warmup", "-1"], "--warmup must be an integer >= 0. Received: -1"),
+    (["--workload", "tiny"], "invalid choice: 'tiny'"),
+])
+def test_bad_arguments(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_gpu_workload_without_cuda_fails_loudly(monkeypatch, capsys):
+    monkeypatch.setattr(runner, "cuda_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--workload", "gpu_large", "--quick"])
+    assert exc.value.code == 2
+    assert "--workload gpu_large needs a CUDA device" in capsys.readouterr().err
+
+
+def test_all_runs_only_cpu_workloads_without_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(runner, "cuda_available", lambda: False)
+    calls = []
+    monkeypatch.setattr(runner, "run_job", lambda job, env=None, timeout=None: calls.append(
+        (job, env)) or ({"gb_per_s": 10.0, "method": "fake", "bytes": 8}
+                        if job["kind"] == "floor" else {"median_ms": 1.0}))
+    assert bench.main(["--quick", "--impl", "keras-jax", "--impl", "lossscale-numpy"]) == 0
+    steps = [(job["impl"], job["workload"], env) for job, env in calls if job["kind"] == "step"]
+    assert steps == [("keras-jax", "many_small", {"KERAS_BACKEND": "jax"}),
+                     ("lossscale-numpy", "many_small", {}),
+                     ("keras-jax", "large", {"KERAS_BACKEND": "jax"}),
+                     ("lossscale-numpy", "large", {})]
+    assert [job["device"] for job, _ in calls if job["kind"] == "floor"] == ["cpu"]
+    assert len(_table_rows(capsys.readouterr().out)) == 4
+
+
+def test_failures_give_exit_status_one_and_a_row(monkeypatch, capsys):
+    monkeypatch.setattr(runner, "run_job", lambda job, env=None, timeout=None: (
+        {"gb_per_s": 10.0, "method": "fake", "bytes": 8} if job["kind"] == "floor"
+        else {"error": "exit status 1: boom"}))
+    assert bench.main(["--quick", "--workload", "large", "--impl", "lossscale-numpy"]) == 1
+    rows = _table_rows(capsys.readouterr().out)
+    assert rows == ["| lossscale-numpy | large | failed: exit status 1: boom | - | - |"]
