@@ -1,6 +1,14 @@
 """`LossScaleOptimizer`: dynamic loss scaling around any optimizer."""
 
-from lossscale.mixed_precision.loss_scale import LossScalePolicy, LossScaleState, next_loss_scale
+import dataclasses
+import functools
+import warnings
+
+from lossscale.mixed_precision.loss_scale import (HISTORY_LENGTH, NO_ERROR, LossScalePolicy,
+                                                  LossScaleState, may_apply, next_loss_scale,
+                                                  state_fields)
+from lossscale.mixed_precision.telemetry import (LossScaleError, UnscaledLossWarning, as_numpy,
+                                                 failure_message, summarize)
 from lossscale.optimizers.base import Optimizer
 
 # Base-optimizer arguments and their defaults: the wrapper accepts only the
@@ -18,22 +26,45 @@ class LossScaleOptimizer(Optimizer):
     Loss scaling multiplies the loss by a large factor, the "loss scale", so
     that small float16 gradients do not flush to zero; the gradients are
     divided by the same factor before the inner optimizer applies them. The
-    scale adapts:
+    scale adapts (with the default settings, exactly as Keras 3's wrapper):
 
     ```
     grads = grads / scale            # overwrite-with-gradient ones untouched
     if all(isfinite(grads)):
         inner_optimizer.apply(grads)
         if counter == dynamic_growth_steps - 1:
-            scale, counter = scale * 2, 0   # skipped if scale * 2 overflows
+            scale, counter = scale * growth_factor, 0
+            # not taken if it overflows float32; capped at max_scale; with
+            # growth_policy="headroom", not taken unless
+            # max|scaled grads| * growth_factor < 65504 / HEADROOM_MARGIN
         else:
             counter += 1
     else:                            # the step is skipped entirely
-        scale, counter = max(scale / 2, float32 tiny), 0
+        counter = 0
+        if this is the hysteresis-th overflow in a row or later:
+            scale = max(scale * backoff_factor, float32 tiny)
+            # below min_scale: LossScaleError instead
+        # more than max_consecutive_skips in a row: LossScaleError
     ```
 
     A skipped step changes no model variable and no inner optimizer
     variable (not even `iterations`).
+
+    Beyond Keras (all off by default): `growth_factor`, `backoff_factor`,
+    `hysteresis`, `max_scale`, `growth_policy="headroom"`; fail-fast limits
+    `min_scale` and `max_consecutive_skips`, which raise `LossScaleError`
+    (naming the step, the last scales and the variables with non-finite
+    gradients) instead of skipping steps forever; and `telemetry`
+    (skipped-step counters, last overflow, per-variable non-finite flags),
+    read with `summary()`. All of it is optimizer state, so it survives
+    `stateless_apply`, `jax.jit` and checkpoints.
+
+    With `min_scale` or `max_consecutive_skips` set, each `apply` reads one
+    scalar (the error flag) back to the host: on an accelerator that is one
+    device synchronisation per step. `stateless_apply` never raises (it may
+    run under `jax.jit`): once a limit is crossed the state freezes and every
+    later step is skipped; call `check(optimizer_variables)` on the host to
+    raise the error.
 
     Args:
         inner_optimizer: The `lossscale.optimizers.Optimizer` instance to wrap.
@@ -43,8 +74,21 @@ class LossScaleOptimizer(Optimizer):
             low gets raised.
         dynamic_growth_steps: Int. How often to update the scale upwards.
             After every `dynamic_growth_steps` steps with finite gradients,
-            the loss scale is doubled.
+            the loss scale is multiplied by `growth_factor`.
         name: String. The name to use for the wrapper's variables.
+        growth_factor: Float > 1. Defaults to 2.
+        backoff_factor: Float in (0, 1). Defaults to 0.5.
+        hysteresis: Int >= 1. Overflowing steps in a row, each skipped,
+            before the scale backs off. Defaults to 1 (back off at once).
+        min_scale: Float or `None`. A backoff below it raises
+            `LossScaleError`.
+        max_scale: Float or `None`. Growth stops here.
+        max_consecutive_skips: Int or `None`. More skipped steps in a row
+            raise `LossScaleError`.
+        growth_policy: `"fixed"` (default) or `"headroom"`.
+        telemetry: Boolean. Record skip counters, the last scales and which
+            variables had non-finite gradients (one extra reduction per
+            gradient each step). On whenever a fail-fast limit is set.
         **kwargs: Base optimizer arguments are accepted only at their
             defaults; set them on the `inner_optimizer` instead.
 
@@ -65,7 +109,11 @@ class LossScaleOptimizer(Optimizer):
     _owns_step_state = False
 
     def __init__(self, inner_optimizer, initial_scale=2.0 ** 15, dynamic_growth_steps=2000,
-                 name=None, **kwargs):
+                 name=None, *, growth_factor=2.0, backoff_factor=0.5, hysteresis=1,
+                 min_scale=None, max_scale=None, max_consecutive_skips=None,
+                 growth_policy="fixed", telemetry=False, **kwargs):
+        arguments = dict(locals())  # first: holds exactly the named arguments
+        settings = {f.name: arguments[f.name] for f in dataclasses.fields(LossScalePolicy)}
         if not kwargs.pop("dynamic", True):
             raise ValueError(
                 "LossScaleOptimizer no longer supports `dynamic=False`. Instead, set "
@@ -78,29 +126,33 @@ class LossScaleOptimizer(Optimizer):
         if kwargs:
             raise ValueError(
                 f"LossScaleOptimizer does not support arguments: {sorted(kwargs)}. Accepted: "
-                "inner_optimizer, initial_scale, dynamic_growth_steps, name")
+                f"inner_optimizer, name, {', '.join(settings)}")
         if not isinstance(inner_optimizer, Optimizer):
             raise ValueError(
                 "`inner_optimizer` must be a lossscale.optimizers.Optimizer instance. "
                 f"Received: inner_optimizer={inner_optimizer!r}")
-        self.policy = LossScalePolicy(initial_scale, dynamic_growth_steps)
+        self.policy = LossScalePolicy(**settings)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         self.inner_optimizer.loss_scale_factor = None
+        self._loss_scaled = False  # set by `scale_loss`; read by `apply` (no array)
         # Made now on NumPy and moved to the model's backend by `build`, so
         # they can be read (and checkpoints matched) before the first step.
-        self.step_counter = self.add_variable((), initializer=0, dtype="int64",
-                                              name="step_counter")
-        self.dynamic_scale = self.add_variable((), initializer=self.initial_scale,
-                                               dtype="float32", name="dynamic_scale")
+        # Keras's order first: step_counter, then dynamic_scale.
+        self._state = {}
+        for f in sorted(state_fields(self.policy), key=lambda f: f.name != "counter"):
+            if f.metadata["per"] == "step":
+                self._state[f.name] = self._add_state_variable(f, f.metadata["variable"] or f.name)
+            elif f.metadata["per"] == "history":
+                self._state[f.name] = tuple(self._add_state_variable(f, f"{f.name}_{i}")
+                                            for i in range(HISTORY_LENGTH))
+        self.step_counter = self._state["counter"]
+        self.dynamic_scale = self._state["scale"]
 
-    @property
-    def initial_scale(self):
-        return self.policy.initial_scale
-
-    @property
-    def dynamic_growth_steps(self):
-        return self.policy.dynamic_growth_steps
+    def _add_state_variable(self, field, name):
+        initial = field.metadata["initial"]
+        return self.add_variable((), initializer=self.initial_scale if initial is None else initial,
+                                 dtype=field.metadata["dtype"], name=name)
 
     def build(self, var_list):
         """Moves the wrapper's state to the model's backend and builds the inner optimizer."""
@@ -108,12 +160,40 @@ class LossScaleOptimizer(Optimizer):
             return
         var_list = self._as_variables(var_list, "var_list")
         super().build(var_list)
+        for f in state_fields(self.policy):
+            if f.metadata["per"] == "variable":
+                self._state[f.name] = tuple(
+                    self.add_variable((), initializer="zeros", dtype=f.metadata["dtype"],
+                                      name=f"{v.path.replace('/', '_')}_{f.name}")
+                    for v in var_list)
         self.inner_optimizer.build(var_list)
 
     @property
     def variables(self):
         """The wrapper's own variables, then the inner optimizer's."""
         return self._variables + self.inner_optimizer.variables
+
+    # --- one step -----------------------------------------------------------
+    def apply(self, grads, trainable_variables=None):
+        """Applies the unscaled gradients unless they overflow; adapts the scale.
+
+        Warns once (`UnscaledLossWarning`) if `scale_loss` was never called.
+        With `min_scale` or `max_consecutive_skips` set, raises
+        `LossScaleError` when the state records a failure (see `check`).
+        """
+        if not self._loss_scaled:
+            self._loss_scaled = True  # warn once per optimizer
+            warnings.warn(
+                f"LossScaleOptimizer {self.name!r} is applying gradients, but its `scale_loss()` "
+                "was never called: the gradients are divided by the loss scale "
+                f"({self.initial_scale:g} at the start) without having been multiplied by it, so "
+                "every update is that many times too small. Compute gradients of "
+                "`optimizer.scale_loss(loss)`. If the loss is scaled by other means, silence "
+                "this with warnings.filterwarnings('ignore', "
+                "category=lossscale.mixed_precision.UnscaledLossWarning).",
+                UnscaledLossWarning, stacklevel=2)
+        super().apply(grads, trainable_variables)
+        self.check()
 
     def _apply_validated(self, grads, variables):
         ops = self._ops
@@ -125,13 +205,55 @@ class LossScaleOptimizer(Optimizer):
             grads[i] = g
         # Checking the unscaled gradients also catches a finite gradient that
         # overflows when divided by a tiny scale.
-        finite = self.check_finite(grads)
-        ops.cond(finite, lambda: self.inner_optimizer.apply(grads, variables), lambda: None,
+        finite, peak, variable_finite = self._inspect(ops, grads, variables, scaled, scale)
+        state = self._read_state()
+        ops.cond(may_apply(ops, state, finite, self.policy),
+                 lambda: self.inner_optimizer.apply(grads, variables), lambda: None,
                  self._trainable_variables + self.inner_optimizer.variables)
-        state = next_loss_scale(ops, LossScaleState(scale, self.step_counter.value), finite,
-                                self.policy)
-        self.dynamic_scale.assign(state.scale)
-        self.step_counter.assign(state.counter)
+        state = next_loss_scale(ops, state, finite, self.policy, peak=peak,
+                                variable_finite=variable_finite)
+        for name, target in self._state.items():
+            value = getattr(state, name)
+            for variable, x in zip(target, value) if isinstance(target, tuple) else [(target, value)]:
+                variable.assign(x)
+
+    def _inspect(self, ops, grads, variables, scaled, scale):
+        """Returns `(finite, peak, variable_finite)` for `next_loss_scale`, in one pass.
+
+        `peak` (the largest scaled magnitude) only with the headroom policy,
+        `variable_finite` only when telemetry is recorded.
+        """
+        policy = self.policy
+        headroom = policy.growth_policy == "headroom"
+        if not policy.records_details:
+            if not headroom:
+                return self.check_finite(grads), None, ()
+            unscaled = [grads[i] for i in scaled if ops.shape(grads[i]).count(0) == 0]
+            peak = ops.max_abs(unscaled) if unscaled else scale * 0
+            finite = ops.isfinite(peak)
+            others = [g for i, g in enumerate(grads) if g is not None and i not in scaled]
+            if others:
+                finite = ops.logical_and(finite, ops.all_finite(others))
+            return finite, peak * scale, ()
+        # One reduction per gradient: its largest magnitude, NaN or inf when
+        # it holds one, gives both its own flag and (reduced) the global ones.
+        peaks = {i: ops.max_abs([g]) for i, g in enumerate(grads)
+                 if g is not None and ops.shape(g).count(0) == 0}
+        finite = ops.isfinite(_largest(ops, list(peaks.values()), scale))
+        peak = _largest(ops, [peaks[i] for i in scaled if i in peaks], scale) * scale
+        variable_finite = [None] * len(self._trainable_variables)
+        for i, p in peaks.items():
+            variable_finite[self._get_variable_index(variables[i])] = ops.isfinite(p)
+        return finite, peak if headroom else None, tuple(variable_finite)
+
+    def _read_state(self, values=None):
+        """The `LossScaleState` of the variables, or of `values` ({variable id: value})."""
+        def read(v):
+            return v.value if values is None else values[id(v)]
+
+        return LossScaleState(**{
+            name: tuple(map(read, target)) if isinstance(target, tuple) else read(target)
+            for name, target in self._state.items()})
 
     def check_finite(self, grads):
         """Returns a backend boolean scalar: whether every non-`None` gradient is finite."""
@@ -147,8 +269,68 @@ class LossScaleOptimizer(Optimizer):
 
     def scale_loss(self, loss):
         """Multiplies `loss` by the current loss scale (`initial_scale` before build)."""
+        self._loss_scaled = True
         return loss * (self.dynamic_scale.value if self.built else self.initial_scale)
 
+    # --- reading the state on the host ---------------------------------------
+    def summary(self, optimizer_variables=None):
+        """Returns the loss-scale state as a dict of Python values, for loggers.
+
+        Reads the values back to the host (a device synchronisation on an
+        accelerator): call it when logging, not inside the step.
+
+        Args:
+            optimizer_variables: Optional values for `optimizer.variables`
+                (as passed to and returned by `stateless_apply`). Defaults to
+                the optimizer's own variables.
+
+        Returns:
+            A dict with `dynamic_scale` and `step_counter`, and, as the
+            settings track them, `consecutive_skips`, `steps`,
+            `skipped_steps`, `last_overflow_step`, `scale_history`,
+            `nonfinite_variables` (paths), `error` and `error_step`.
+        """
+        state = self._read_state(self._values_by_id(optimizer_variables))
+        values = as_numpy(self._ops, {
+            f.name: getattr(state, f.name) for f in state_fields(self.policy)})
+        values.setdefault("nonfinite", [])
+        return summarize(values, self.policy,
+                                   [v.path for v in self._trainable_variables])
+
+    def check(self, optimizer_variables=None):
+        """Raises `LossScaleError` if the state records a crossed limit.
+
+        `apply` calls it after every step when `min_scale` or
+        `max_consecutive_skips` is set (reading one scalar); call it
+        yourself after `stateless_apply` (for example every few steps of a
+        `jax.jit` loop), with the values it returned. Without those limits
+        there is nothing to check and nothing is read.
+
+        Args:
+            optimizer_variables: Optional values for `optimizer.variables`.
+                Defaults to the optimizer's own variables.
+        """
+        if not self.policy.fails_fast:
+            return
+        values = self._values_by_id(optimizer_variables)
+        error = self._state["error"]
+        code = self._ops.to_numpy(error.value if values is None else values[id(error)])
+        if int(code) != NO_ERROR:
+            raise LossScaleError(
+                failure_message(self.summary(optimizer_variables), self.policy))
+
+    def _values_by_id(self, optimizer_variables):
+        if optimizer_variables is None:
+            return None
+        optimizer_variables = list(optimizer_variables)
+        own = self.variables
+        if len(optimizer_variables) != len(own):
+            raise ValueError(
+                "`optimizer_variables` must hold one value per optimizer variable "
+                f"({len(own)}). Received: {len(optimizer_variables)} values")
+        return {id(v): x for v, x in zip(own, optimizer_variables)}
+
+    # --- delegation to the inner optimizer -----------------------------------
     @property
     def learning_rate(self):
         return self.inner_optimizer.learning_rate
@@ -169,15 +351,16 @@ class LossScaleOptimizer(Optimizer):
         """Delegates to the inner optimizer."""
         self.inner_optimizer.finalize_variable_values(var_list)
 
+    # --- configuration ----------------------------------------------------------
     def get_config(self):
+        """Keras's keys, plus each beyond-Keras setting that differs from its default.
+
+        With the defaults the config equals Keras's, so Keras can read it.
+        """
         from lossscale import serialization
 
-        return {
-            "name": self.name,
-            "inner_optimizer": serialization.serialize(self.inner_optimizer),
-            "initial_scale": self.initial_scale,
-            "dynamic_growth_steps": self.dynamic_growth_steps,
-        }
+        return {"name": self.name, "inner_optimizer": serialization.serialize(self.inner_optimizer),
+                **self.policy.non_default_settings()}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -187,3 +370,21 @@ class LossScaleOptimizer(Optimizer):
         inner = serialization.deserialize(config.pop("inner_optimizer"),
                                           custom_objects=custom_objects)
         return cls(inner, **config)
+
+
+def _largest(ops, peaks, like):
+    """The largest of scalar `peaks` (NaN if any is NaN); 0 when there are none."""
+    if not peaks:
+        return like * 0
+    return functools.reduce(ops.maximum, peaks)
+
+
+def _policy_property(name):
+    return property(lambda self: getattr(self.policy, name),
+                    doc=f"The `{name}` setting (read-only; see the class docstring).")
+
+
+# Each setting reads through to the policy: the dataclass is the one list.
+for _field in dataclasses.fields(LossScalePolicy):
+    setattr(LossScaleOptimizer, _field.name, _policy_property(_field.name))
+del _field

@@ -1,0 +1,102 @@
+"""Reading the loss-scale state for people: `summary` dicts and error messages.
+
+Everything here runs on the host, on NumPy values read from the state, and
+only when asked (`LossScaleOptimizer.summary()` / `check()`), never inside a
+training step.
+"""
+
+import numpy as np
+
+from lossscale.mixed_precision import loss_scale
+
+_REASONS = {
+    loss_scale.BELOW_MIN_SCALE: "the loss scale would fall below `min_scale`",
+    loss_scale.TOO_MANY_SKIPS: "more than `max_consecutive_skips` steps in a row were skipped",
+}
+
+
+class LossScaleError(RuntimeError):
+    """Training cannot go on: the loss scale collapsed or steps keep overflowing.
+
+    Raised by `LossScaleOptimizer` when `min_scale` or
+    `max_consecutive_skips` is set and crossed. The failing steps were
+    skipped, so no model or inner-optimizer variable was changed by them.
+    """
+
+
+class UnscaledLossWarning(UserWarning):
+    """`LossScaleOptimizer.apply` ran although `scale_loss` was never called.
+
+    Silence it, when the loss is scaled by other means, with
+    `warnings.filterwarnings("ignore", category=UnscaledLossWarning)`.
+    """
+
+
+def summarize(values, policy, variable_paths):
+    """Turns the state's values into a dict for loggers.
+
+    Args:
+        values: `{field name: NumPy value}` for every field `policy` tracks
+            (tuple fields as lists of values).
+        policy: The `LossScalePolicy`.
+        variable_paths: Paths of the model variables, in build order.
+
+    Returns:
+        A dict keyed by the state variables' names: `dynamic_scale` (float),
+        `step_counter` (int) and, when tracked, `consecutive_skips`,
+        `steps`, `skipped_steps`, `last_overflow_step` (`None` before the
+        first overflow), `scale_history` (the scales of the last steps,
+        oldest first), `nonfinite_variables` (paths of the variables whose
+        gradients were non-finite at the last overflow), `error` (`None` or
+        the reason) and `error_step`.
+    """
+    out = {}
+    for f in loss_scale.state_fields(policy):
+        name, value = f.metadata["variable"] or f.name, values[f.name]
+        if f.name == "scale_history":
+            taken = min(int(values["steps"]), loss_scale.HISTORY_LENGTH)
+            out[name] = [float(x) for x in value[len(value) - taken:]] if taken else []
+        elif f.name == "nonfinite":
+            out["nonfinite_variables"] = [p for p, bad in zip(variable_paths, value) if bool(bad)]
+        elif f.name == "error":
+            out[name] = _REASONS.get(int(value))
+        elif f.name in ("last_overflow_step", "error_step"):
+            out[name] = None if int(value) < 0 else int(value)
+        elif f.metadata["dtype"] == "float32":
+            out[name] = float(value)
+        else:
+            out[name] = int(value)
+    return out
+
+
+def failure_message(summary, policy):
+    """The `LossScaleError` message for a summary whose `error` is set."""
+    step = summary["error_step"]
+    limits = (f"min_scale={policy.min_scale}, max_consecutive_skips="
+              f"{policy.max_consecutive_skips}, hysteresis={policy.hysteresis}, "
+              f"backoff_factor={policy.backoff_factor}")
+    history = ", ".join(f"{s:g}" for s in summary["scale_history"])
+    bad = summary["nonfinite_variables"]
+    lines = [
+        f"Loss scaling failed at step {step}: {summary['error']} "
+        f"({limits}).",
+        f"Steps skipped in a row: {summary['consecutive_skips']}; in total: "
+        f"{summary['skipped_steps']} of {summary['steps']}.",
+        f"Loss scale of the last steps, oldest first: [{history}]; now "
+        f"{summary['dynamic_scale']:g}.",
+        "Variables whose gradients were non-finite at that step: "
+        + (repr(bad) if bad else "none (the overflow came from gradients of variables not "
+           "passed to `apply`, or from the unscaling itself)") + ".",
+        "Gradients that stay inf/NaN however small the loss scale gets usually come from "
+        "the model or the data (a log or division by zero, a bad input batch, a diverging "
+        "learning rate), not from float16 overflow.",
+        "The failing steps were skipped: no model or optimizer variable was changed by "
+        "them, and every later step is skipped until the state is restored.",
+    ]
+    return "\n".join(lines)
+
+
+def as_numpy(ops, values):
+    """`{name: value}` with every backend value (or tuple of them) read to NumPy."""
+    return {name: [np.asarray(ops.to_numpy(x)) for x in value] if isinstance(value, tuple)
+            else np.asarray(ops.to_numpy(value)) for name, value in values.items()}

@@ -1,0 +1,241 @@
+"""Safe, portable optimizer checkpoints: one safetensors file, no pickle.
+
+A checkpoint holds every variable of an optimizer (`optimizer.variables`,
+in order, as plain arrays) and, in the file's text metadata, the optimizer's
+config as JSON plus, per variable, its path, shape, dtype and SHA-256
+digest. Loading parses JSON and raw arrays only: nothing is unpickled,
+imported or executed. Arrays are written from NumPy and read back into any
+backend, so a state saved from torch resumes on NumPy or JAX.
+
+Every problem with a file (missing, truncated, corrupt, written by another
+optimizer or for other variables) raises `CheckpointError` naming the path
+and the problem, before any variable is written: a failed `restore` leaves
+the optimizer exactly as it was. `save` writes a temporary file and renames
+it, so an interrupted save never destroys the previous checkpoint.
+
+`safetensors` is an optional dependency, imported on first use.
+
+Example:
+
+>>> import numpy as np, lossscale as ls, lossscale.saving, tempfile, os
+>>> w = ls.Variable(np.ones(2, np.float32), name="w")
+>>> opt = ls.LossScaleOptimizer(ls.optimizers.Adam(0.1), initial_scale=8.0)
+>>> _ = opt.scale_loss(1.0)
+>>> opt.apply([np.full(2, 8.0, np.float32)], [w])
+>>> path = os.path.join(tempfile.mkdtemp(), "opt.safetensors")
+>>> ls.saving.save(opt, path)
+>>> twin = ls.saving.load(path, [ls.Variable(w.numpy(), name="w")])
+>>> int(twin.iterations), float(twin.dynamic_scale)
+(1, 8.0)
+"""
+
+import hashlib
+import json
+import os
+
+import numpy as np
+
+FORMAT = "lossscale.optimizer"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file cannot be used: missing, damaged, or for another optimizer."""
+
+
+def save(optimizer, path):
+    """Writes `optimizer`'s config and every variable to one safetensors file.
+
+    Args:
+        optimizer: A built `lossscale.optimizers.Optimizer`.
+        path: The file to write (replaced atomically if it exists).
+    """
+    from lossscale import serialization
+    from lossscale.optimizers.base import Optimizer
+
+    if not isinstance(optimizer, Optimizer):
+        raise ValueError("`optimizer` must be a lossscale.optimizers.Optimizer. "
+                         f"Received: optimizer={optimizer!r}")
+    if not optimizer.built:
+        raise ValueError(
+            "`optimizer` must be built before saving, so that all of its variables exist. "
+            "Call `optimizer.build(trainable_variables)` or `apply` first.")
+    try:
+        config = json.dumps(serialization.serialize(optimizer))
+    except TypeError as error:
+        raise ValueError(
+            f"The config of {type(optimizer).__name__} cannot be written as JSON ({error}); "
+            "a callable learning rate, for one, cannot be saved: use a float or a "
+            "LearningRateSchedule.") from None
+    arrays = [np.asarray(v.numpy(), order="C") for v in optimizer.variables]
+    entries = [{"path": v.path, "shape": list(a.shape), "dtype": a.dtype.name,
+                "sha256": _digest(a)} for v, a in zip(optimizer.variables, arrays)]
+    metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "config": config,
+                "variables": json.dumps(entries)}
+    path = os.fspath(path)
+    temporary = f"{path}.tmp-{os.getpid()}"
+    try:
+        _safetensors().numpy.save_file({str(i): a for i, a in enumerate(arrays)}, temporary,
+                                       metadata=metadata)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def restore(optimizer, path):
+    """Loads the state saved in `path` into `optimizer` (built, same structure).
+
+    Everything is checked first (the file, the optimizer classes, the
+    number, shapes and kinds of the variables); on any error nothing is
+    written.
+
+    Args:
+        optimizer: A built optimizer of the classes that wrote the file.
+        path: A file written by `save`.
+
+    Raises:
+        CheckpointError: The file is missing, damaged or does not match.
+    """
+    if not optimizer.built:
+        raise ValueError(
+            "`optimizer` must be built before `restore`, so that all of its variables exist. "
+            "Call `optimizer.build(trainable_variables)` first, or use "
+            "`lossscale.saving.load(path, trainable_variables)`.")
+    checkpoint = _read(os.fspath(path))
+    _assign(optimizer, checkpoint)
+
+
+def load(path, variables, custom_objects=None):
+    """Rebuilds the optimizer saved in `path` for `variables`, with its state.
+
+    Args:
+        path: A file written by `save`.
+        variables: The model variables (`lossscale.Variable`s or native
+            arrays of any backend), in the order the saved optimizer was
+            built with.
+        custom_objects: Optional dict of user-defined optimizer or schedule
+            classes named in the saved config.
+
+    Returns:
+        A new, built optimizer holding the saved state.
+
+    Raises:
+        CheckpointError: The file is missing, damaged or does not match.
+    """
+    from lossscale import serialization
+
+    checkpoint = _read(os.fspath(path))
+    try:
+        optimizer = serialization.deserialize(checkpoint.config, custom_objects=custom_objects)
+    except (ValueError, TypeError) as error:
+        raise CheckpointError(
+            f"Checkpoint {checkpoint.path!r}: its config does not rebuild an optimizer: "
+            f"{error}") from None
+    optimizer.build(variables)
+    _assign(optimizer, checkpoint)
+    return optimizer
+
+
+class _Checkpoint:
+    """What `_read` found: the config and the arrays, every check passed."""
+
+    def __init__(self, path, config, entries, arrays):
+        self.path, self.config, self.entries, self.arrays = path, config, entries, arrays
+
+
+def _safetensors():
+    try:
+        import safetensors.numpy
+    except ImportError:
+        raise ImportError(
+            "lossscale.saving needs the `safetensors` package: pip install safetensors") from None
+    return safetensors
+
+
+def _digest(array):
+    return hashlib.sha256(array.tobytes()).hexdigest()
+
+
+def _fail(path, problem):
+    raise CheckpointError(f"Checkpoint {path!r}: {problem}")
+
+
+def _read(path):
+    """Reads and checks a whole checkpoint; raises `CheckpointError` on any problem."""
+    safetensors = _safetensors()
+    if not os.path.isfile(path):
+        _fail(path, "no such file" if not os.path.exists(path) else "not a regular file")
+    try:
+        with safetensors.safe_open(path, framework="np") as f:
+            metadata = f.metadata() or {}
+            keys = set(f.keys())
+            raw = {key: f.get_tensor(key) for key in keys}
+    except Exception as error:  # the reader's own error types; the file is unusable
+        _fail(path, f"not a readable safetensors file (truncated or corrupt): {error}")
+    if metadata.get("format") != FORMAT:
+        _fail(path, f"not a lossscale optimizer checkpoint (metadata 'format' is "
+                    f"{metadata.get('format')!r}, expected {FORMAT!r})")
+    if metadata.get("format_version") != str(FORMAT_VERSION):
+        _fail(path, f"format version {metadata.get('format_version')!r} is not supported "
+                    f"(this lossscale reads version {FORMAT_VERSION})")
+    try:
+        config = json.loads(metadata["config"])
+        entries = json.loads(metadata["variables"])
+        entries = [dict(path=str(e["path"]), shape=tuple(int(s) for s in e["shape"]),
+                        dtype=str(e["dtype"]), sha256=str(e["sha256"])) for e in entries]
+    except (KeyError, TypeError, ValueError) as error:
+        _fail(path, f"its metadata is corrupt ({type(error).__name__}: {error})")
+    if not isinstance(config, dict) or "class_name" not in config:
+        _fail(path, "its metadata is corrupt (the config names no optimizer class)")
+    if keys != {str(i) for i in range(len(entries))}:
+        _fail(path, f"it lists {len(entries)} variables but holds arrays {sorted(keys)}")
+    arrays = [raw[str(i)] for i in range(len(entries))]
+    for i, (entry, array) in enumerate(zip(entries, arrays)):
+        if tuple(array.shape) != entry["shape"] or array.dtype.name != entry["dtype"] or (
+                _digest(np.asarray(array, order="C")) != entry["sha256"]):
+            _fail(path, f"variable {i} ({entry['path']!r}) is corrupt: its bytes do not match "
+                        "the shape, dtype and SHA-256 digest recorded when it was saved")
+    return _Checkpoint(path, config, entries, arrays)
+
+
+def _kind(dtype_name):
+    """`"float"`, `"int"` or `"bool"`: values cast freely within a kind (int64 saved
+    from torch loads into JAX's int32), never across."""
+    for kind in ("float", "int", "bool", "complex"):
+        if kind in dtype_name:
+            return kind
+    return dtype_name
+
+
+def _structure(config):
+    """`LossScaleOptimizer(Adam)`-style description of a serialized optimizer."""
+    inner = config.get("config", {}).get("inner_optimizer")
+    name = config["class_name"]
+    return f"{name}({_structure(inner)})" if isinstance(inner, dict) else name
+
+
+def _assign(optimizer, checkpoint):
+    """Checks `checkpoint` against `optimizer`, then writes every variable."""
+    from lossscale import serialization
+
+    path = checkpoint.path
+    ours = _structure(serialization.serialize(optimizer))
+    theirs = _structure(checkpoint.config)
+    if ours != theirs:
+        _fail(path, f"it holds the state of a {theirs}, not of this {ours}")
+    variables = optimizer.variables
+    if len(variables) != len(checkpoint.arrays):
+        _fail(path, f"it holds {len(checkpoint.arrays)} optimizer variables but this {ours} "
+                    f"has {len(variables)}; it was saved with other settings or for another "
+                    "model")
+    for i, (variable, entry, array) in enumerate(zip(variables, checkpoint.entries,
+                                                     checkpoint.arrays)):
+        if tuple(variable.shape) != tuple(array.shape):
+            _fail(path, f"variable {i} ({entry['path']!r}) has shape {tuple(array.shape)} but "
+                        f"this optimizer's ({variable.path!r}) has shape {variable.shape}")
+        if _kind(array.dtype.name) != _kind(variable.dtype):
+            _fail(path, f"variable {i} ({entry['path']!r}) holds {array.dtype.name} values "
+                        f"but this optimizer's ({variable.path!r}) is {variable.dtype}")
+    for variable, array in zip(variables, checkpoint.arrays):
+        variable.assign(array)
