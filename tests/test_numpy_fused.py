@@ -46,6 +46,7 @@ def blocks(request, monkeypatch):
     if request.param == "small_blocks":
         monkeypatch.setattr(numpy_fused, "BLOCK", 64)
         monkeypatch.setattr(numpy_fused, "MIN_ELEMENTS_PER_WORKER", 128)
+        monkeypatch.setattr(numpy_fused, "MIN_MEAN_BLOCK_FOR_THREADS", 1)
         monkeypatch.setattr(numpy_fused, "_cpu_count", lambda: 3)
     return request.param
 
@@ -115,7 +116,9 @@ def test_fused_equals_update_step_under_loss_scaling(monkeypatch, blocks, cls, c
     grads[4][1][0] = np.nan
 
     def make():
-        return ls.LossScaleOptimizer(cls(**config), initial_scale=scale, dynamic_growth_steps=2)
+        opt = ls.LossScaleOptimizer(cls(**config), initial_scale=scale, dynamic_growth_steps=2)
+        opt.scale_loss(np.float32(1.0))  # as a training step would, before differentiating
+        return opt
 
     _assert_same(monkeypatch, cls, make, weights, grads)
 
@@ -166,6 +169,7 @@ def test_stateless_apply_matches_and_mutates_nothing(monkeypatch, blocks):
             if not fused:
                 m.delitem(numpy_ops.FUSED_KERNELS, Adam)
             opt = ls.LossScaleOptimizer(Adam(amsgrad=True), initial_scale=4.0)
+            opt.scale_loss(np.float32(1.0))
             opt.build(weights)
             before = _snapshot(opt, weights)
             new_weights, new_state = opt.stateless_apply(

@@ -36,25 +36,26 @@ from lossscale.backends._common import unwrap
 BLOCK = 1 << 16
 # A worker is worth its dispatch cost only with a few blocks to itself.
 MIN_ELEMENTS_PER_WORKER = 4 * BLOCK
+# Below this mean block size, Python overhead per block dominates and extra
+# threads only contend for the GIL (400 small tensors run no faster on two).
+MIN_MEAN_BLOCK_FOR_THREADS = BLOCK // 4
 # Memory bandwidth saturates long before this many cores on any machine.
 MAX_WORKERS = 16
-
-_FLOAT_KINDS = ("float16", "float32", "float64")
-
 
 # --- kernels -------------------------------------------------------------
 
 
 def adam(optimizer, grads, variables, learning_rate):
     """Fused `Adam.update_step` over every variable (amsgrad included)."""
+    index = optimizer._get_variable_index
+    slots = [optimizer._momentums, optimizer._velocities]
+    if optimizer.amsgrad:
+        slots.append(optimizer._velocity_hats)
     constants = {}
     jobs = []
     for grad, variable in zip(grads, variables):
-        index = optimizer._get_variable_index(variable)
-        slots = [optimizer._momentums[index], optimizer._velocities[index]]
-        if optimizer.amsgrad:
-            slots.append(optimizer._velocity_hats[index])
-        arrays = _fusable([variable.value] + [s.value for s in slots])
+        i = index(variable)
+        arrays = _fusable([variable.value] + [s[i].value for s in slots])
         if arrays is None:
             optimizer.update_step(grad, variable, learning_rate)
             continue
@@ -149,11 +150,15 @@ def kernels():
 
 
 def _fusable(arrays):
-    """Flat views of `arrays`, or None when one is not a C-contiguous float array."""
+    """Flat views of `arrays`, or None unless all are writeable C-contiguous floats of one dtype."""
     dtype = arrays[0].dtype
+    if dtype.kind != "f":
+        return None
     for a in arrays:
-        if (not isinstance(a, np.ndarray) or a.dtype != dtype or dtype.name not in _FLOAT_KINDS
-                or not a.flags.c_contiguous or not a.flags.writeable):
+        if not isinstance(a, np.ndarray) or a.dtype != dtype:
+            return None
+        flags = a.flags
+        if not (flags.c_contiguous and flags.writeable):
             return None
     return [a.reshape(-1) for a in arrays]
 
@@ -213,6 +218,8 @@ def _run(optimizer, jobs, block_fn):
     blocks = _blocks(jobs)
     total = sum(stop - start for _, start, stop in blocks)
     workers = max(1, min(_cpu_count(), MAX_WORKERS, total // MIN_ELEMENTS_PER_WORKER))
+    if total < MIN_MEAN_BLOCK_FOR_THREADS * len(blocks):
+        workers = 1
     parts = _partition(blocks, workers)
     scratch = _scratch(optimizer, len(parts), {g.dtype for g, _, _ in jobs})
     # errstate is per thread: carry the caller's (quiet during a skipped
@@ -225,7 +232,9 @@ def _run(optimizer, jobs, block_fn):
                 g, arrays, constants = jobs[j]
                 t, u = scratch[worker, g.dtype]
                 n = stop - start
-                block_fn(g[start:stop], [a[start:stop] for a in arrays], constants, t[:n], u[:n])
+                if n != g.size:
+                    g, arrays = g[start:stop], [a[start:stop] for a in arrays]
+                block_fn(g, arrays, constants, t[:n], u[:n])
 
     # The calling thread takes the first part itself.
     futures = [_executor().submit(work, w) for w in range(1, len(parts))]

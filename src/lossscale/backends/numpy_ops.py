@@ -34,12 +34,23 @@ def to_numpy(x):
     return np.asarray(unwrap(x))
 
 
+# `dtype.name` is computed in Python on every access; optimizer code asks
+# for it per variable per step, so names are remembered per dtype.
+_DTYPE_NAMES = {}
+
+
 def dtype_name(x):
-    return np.asarray(unwrap(x)).dtype.name
+    x = unwrap(x)
+    dtype = x.dtype if isinstance(x, (np.ndarray, np.generic)) else np.asarray(x).dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype.name
+    return name
 
 
 def shape(x):
-    return tuple(np.shape(unwrap(x)))
+    x = unwrap(x)
+    return x.shape if isinstance(x, np.ndarray) else tuple(np.shape(x))
 
 
 def place(x, like):
@@ -110,12 +121,16 @@ def sum(x):  # noqa: A001 - the seam's name for a full reduction
 
 def unscale(grads, scale):
     scale = unwrap(scale)
+    divisors = {}  # the scale cast once per gradient dtype
     out = []
     for g in grads:
         g = unwrap(g)
         if g.dtype.itemsize < 4:
             g = g.astype(np.float32)
-        out.append(g / scale.astype(g.dtype))
+        divisor = divisors.get(g.dtype)
+        if divisor is None:
+            divisor = divisors[g.dtype] = scale.astype(g.dtype)
+        out.append(g / divisor)
     return out
 
 
@@ -128,7 +143,7 @@ def all_finite(arrays):
             a = unwrap(a)
             if not a.size:
                 continue
-            if a.dtype in (np.float32, np.float64) and a.flags.c_contiguous:
+            if a.dtype.kind == "f" and a.dtype.itemsize >= 4 and a.flags.c_contiguous:
                 flat = a.reshape(-1)
                 if np.isfinite(np.dot(flat, flat)):
                     continue

@@ -27,9 +27,7 @@ def torch_device(workload):
 def torch_tensors(workload, scaled=True):
     """Returns `(torch, device, params, grads)` for `workload` (grads loss-scaled)."""
     torch, device = torch_device(workload)
-    params, grads = workloads.arrays(workload)
-    if scaled:
-        grads = workloads.scaled(grads)
+    params, grads = workloads.arrays(workload, loss_scaled=scaled)
     return (torch, device, [torch.from_numpy(p).to(device) for p in params],
             [torch.from_numpy(g).to(device) for g in grads])
 
@@ -57,7 +55,7 @@ def jax_arrays(jax, workload):
     """Returns `(params, grads)` as JAX arrays (grads loss-scaled)."""
     params, grads = workloads.arrays(workload)
     to_jax = jax.numpy.asarray
-    return [to_jax(p) for p in params], [to_jax(g) for g in workloads.scaled(grads)]
+    return [to_jax(p) for p in params], [to_jax(g) for g in grads]
 
 
 def keras_for(backend, workload):

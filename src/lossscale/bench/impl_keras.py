@@ -23,7 +23,7 @@ def keras_torch(workload):
     torch, device = frameworks.torch_device(workload)
     params, grads = workloads.arrays(workload)
     variables = [keras.Variable(p) for p in params]
-    grads = [keras.ops.convert_to_tensor(g) for g in workloads.scaled(grads)]
+    grads = [keras.ops.convert_to_tensor(g) for g in grads]
     opt = _optimizer(keras)
     return Stepper(step=lambda: opt.apply(grads, variables),
                    sync=frameworks.torch_sync(torch, device))

@@ -8,16 +8,17 @@ from lossscale.bench.timing import Stepper
 def _optimizer():
     import lossscale as ls
 
-    return ls.LossScaleOptimizer(ls.optimizers.Adam(learning_rate=1e-3),
-                                 initial_scale=workloads.LOSS_SCALE,
-                                 dynamic_growth_steps=workloads.GROWTH_STEPS)
+    opt = ls.LossScaleOptimizer(ls.optimizers.Adam(learning_rate=1e-3),
+                                initial_scale=workloads.LOSS_SCALE,
+                                dynamic_growth_steps=workloads.GROWTH_STEPS)
+    opt.scale_loss(1.0)  # what a training step does first; the gradients come pre-scaled
+    return opt
 
 
 @implementation("lossscale-numpy", "ours", "lossscale LossScaleOptimizer(Adam), opt.apply on "
                 "NumPy arrays")
 def numpy_adam(workload):
     params, grads = workloads.arrays(workload)
-    grads = workloads.scaled(grads)
     opt = _optimizer()
     return Stepper(step=lambda: opt.apply(grads, params))
 

@@ -86,21 +86,32 @@ def get(name, quick=False):
 
 
 def _nonzero(rng, shape):
-    magnitude = rng.random(shape, dtype=np.float32) + np.float32(0.5)
-    sign = rng.integers(0, 2, size=shape, dtype=np.int8) * np.int8(2) - np.int8(1)
-    return magnitude * sign.astype(np.float32)
+    # Uniform in [-1, 1), pushed 0.5 away from zero: magnitudes in [0.5, 1.5).
+    x = rng.random(shape, dtype=np.float32)
+    x *= np.float32(2)
+    x -= np.float32(1)
+    x += np.copysign(np.float32(0.5), x)
+    return x
 
 
-def arrays(workload, seed=0):
-    """Returns `(params, grads)`: lists of float32 NumPy arrays, grads unscaled."""
+def arrays(workload, loss_scaled=True, seed=0):
+    """Returns `(params, grads)`: lists of float32 NumPy arrays.
+
+    Args:
+        workload: The `Workload`.
+        loss_scaled: Whether the gradients come multiplied by `LOSS_SCALE`
+            (a power of two, so exactly), as a loss-scaled backward pass
+            gives them.
+        seed: Random seed; the same for every implementation.
+    """
     rng = np.random.default_rng(seed)
+    factor = np.float32(GRADIENT_MAGNITUDE)
     params, grads = [], []
     for shape in workload.shapes:
         params.append(_nonzero(rng, shape))
-        grads.append(_nonzero(rng, shape) * np.float32(GRADIENT_MAGNITUDE))
+        grad = _nonzero(rng, shape)
+        grad *= factor
+        if loss_scaled:
+            grad *= np.float32(LOSS_SCALE)
+        grads.append(grad)
     return params, grads
-
-
-def scaled(grads):
-    """The gradients multiplied by `LOSS_SCALE` (as a loss-scaled backward pass gives them)."""
-    return [g * np.float32(LOSS_SCALE) for g in grads]
