@@ -161,6 +161,38 @@ def test_learning_rate_callable_and_schedule(monkeypatch, blocks):
                  weights, grads)
 
 
+@pytest.mark.parametrize("cls,config", [(Adam, {"amsgrad": True}), (Adam, {}),
+                                        (SGD, {"momentum": 0.9, "nesterov": True}), (SGD, {})])
+def test_gradient_scale_equals_unscaling_first(blocks, cls, config):
+    # A kernel given the loss scale divides each block in cache; the result
+    # must equal unscaling the whole gradients first (`numpy_ops.unscale`).
+    rng = np.random.default_rng(9)
+    weights = [rng.standard_normal((40, 9)).astype("float32"),
+               rng.standard_normal((300,)).astype("float64"),
+               np.asfortranarray(rng.standard_normal((20, 30)).astype("float32")),
+               rng.standard_normal((1200,)).astype("float32")]
+    grads = [rng.standard_normal((40, 9)).astype("float16"),
+             rng.standard_normal((300,)).astype("float64"),
+             rng.standard_normal((20, 30)).astype("float32"),
+             rng.standard_normal((1200,)).astype("float32")]
+    scale = np.asarray(np.float32(3.0))  # not a power of two: division rounds
+    results = []
+    for fused_scale in (True, False):
+        opt = cls(**config)
+        variables = [ls.Variable(w.copy(order="K")) for w in weights]
+        opt.build(variables)
+        kernel = numpy_ops.fused_update(opt)
+        for _ in range(2):
+            if fused_scale:
+                kernel(opt, grads, variables, opt.learning_rate, gradient_scale=scale)
+            else:
+                kernel(opt, numpy_ops.unscale(grads, scale), variables, opt.learning_rate)
+            opt.iterations.assign_add(1)
+        results.append([v.numpy() for v in variables + opt.variables])
+    for x, y in zip(*results):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_stateless_apply_matches_and_mutates_nothing(monkeypatch, blocks):
     weights, grads = _data(SHAPES, steps=1, seed=6)
     results = []
@@ -228,7 +260,7 @@ def test_scratch_belongs_to_the_optimizer(monkeypatch):
 
 
 def test_partition_balances_blocks():
-    jobs = [(np.empty(n), None, None) for n in (10, 300, 0, 70)]
+    jobs = [(np.empty(n), None, None, None) for n in (10, 300, 0, 70)]
     with pytest.MonkeyPatch.context() as m:
         m.setattr(numpy_fused, "BLOCK", 64)
         blocks = numpy_fused._blocks(jobs)

@@ -45,8 +45,11 @@ MAX_WORKERS = 16
 # --- kernels -------------------------------------------------------------
 
 
-def adam(optimizer, grads, variables, learning_rate):
-    """Fused `Adam.update_step` over every variable (amsgrad included)."""
+def adam(optimizer, grads, variables, learning_rate, gradient_scale=None):
+    """Fused `Adam.update_step` over every variable (amsgrad included).
+
+    `gradient_scale`: see `_job`.
+    """
     index = optimizer._get_variable_index
     slots = [optimizer._momentums, optimizer._velocities]
     if optimizer.amsgrad:
@@ -57,12 +60,12 @@ def adam(optimizer, grads, variables, learning_rate):
         i = index(variable)
         arrays = _fusable([variable.value] + [s[i].value for s in slots])
         if arrays is None:
-            optimizer.update_step(grad, variable, learning_rate)
+            optimizer.update_step(_unscaled(grad, gradient_scale), variable, learning_rate)
             continue
         dtype = arrays[0].dtype
         if dtype not in constants:
             constants[dtype] = _adam_constants(optimizer, learning_rate, dtype.name)
-        jobs.append((_flat_gradient(grad, dtype), arrays, constants[dtype]))
+        jobs.append(_job(grad, arrays, constants[dtype], gradient_scale))
     _run(optimizer, jobs, _adam_block)
 
 
@@ -99,8 +102,11 @@ def _adam_block(g, arrays, constants, t, u):
     p -= u
 
 
-def sgd(optimizer, grads, variables, learning_rate):
-    """Fused `SGD.update_step` over every variable (plain, momentum, Nesterov)."""
+def sgd(optimizer, grads, variables, learning_rate, gradient_scale=None):
+    """Fused `SGD.update_step` over every variable (plain, momentum, Nesterov).
+
+    `gradient_scale`: see `_job`.
+    """
     from lossscale.backends import numpy_ops as ops
 
     constants = {}
@@ -111,13 +117,13 @@ def sgd(optimizer, grads, variables, learning_rate):
             arrays.append(optimizer.momentums[optimizer._get_variable_index(variable)].value)
         arrays = _fusable(arrays)
         if arrays is None:
-            optimizer.update_step(grad, variable, learning_rate)
+            optimizer.update_step(_unscaled(grad, gradient_scale), variable, learning_rate)
             continue
         dtype = arrays[0].dtype
         if dtype not in constants:
             constants[dtype] = (ops.cast(learning_rate, dtype.name),
                                 ops.cast(optimizer.momentum, dtype.name), optimizer.nesterov)
-        jobs.append((_flat_gradient(grad, dtype), arrays, constants[dtype]))
+        jobs.append(_job(grad, arrays, constants[dtype], gradient_scale))
     _run(optimizer, jobs, _sgd_block)
 
 
@@ -163,18 +169,45 @@ def _fusable(arrays):
     return [a.reshape(-1) for a in arrays]
 
 
-def _flat_gradient(grad, dtype):
+def _job(grad, arrays, constants, gradient_scale):
+    """One variable's work: `(flat gradient, flat arrays, constants, divisor)`.
+
+    With `gradient_scale` (a loss scale the gradients are still multiplied
+    by), each gradient block is divided by it in cache, exactly as
+    `numpy_ops.unscale` would divide the whole gradient, which saves that
+    pass over memory and its full-size result. Gradients whose dtype is not
+    the variable's, or narrower than float32, are unscaled up front instead,
+    since `unscale` then divides in another dtype.
+    """
+    from lossscale.backends import numpy_ops as ops
+
+    dtype = arrays[0].dtype
+    g = np.asarray(unwrap(grad))
+    divisor = None
+    if gradient_scale is not None:
+        if g.dtype == dtype and dtype.itemsize >= 4:
+            divisor = ops.asarray(unwrap(gradient_scale)).astype(dtype)
+        else:
+            g = _unscaled(g, gradient_scale)
     # `update_step` casts the gradient to the variable's dtype; so does this
     # (a copy only when the dtypes differ or the gradient is strided).
-    g = np.asarray(unwrap(grad))
     if g.dtype != dtype:
         g = g.astype(dtype)
-    return np.ascontiguousarray(g).reshape(-1)
+    return np.ascontiguousarray(g).reshape(-1), arrays, constants, divisor
+
+
+def _unscaled(grad, gradient_scale):
+    if gradient_scale is None:
+        return grad
+    from lossscale.backends import numpy_ops as ops
+
+    return ops.unscale([grad], gradient_scale)[0]
 
 
 # --- scheduling ----------------------------------------------------------
 
-# Two block-sized scratch buffers per (worker, dtype), per optimizer.
+# Three block-sized scratch buffers per (worker, dtype), per optimizer: two
+# for the update rule, one for an unscaled gradient block.
 _SCRATCH = weakref.WeakKeyDictionary()
 
 
@@ -185,14 +218,14 @@ def _scratch(optimizer, workers, dtypes):
     for worker in range(workers):
         for dtype in dtypes:
             if (worker, dtype) not in buffers:
-                buffers[worker, dtype] = (np.empty(BLOCK, dtype), np.empty(BLOCK, dtype))
+                buffers[worker, dtype] = tuple(np.empty(BLOCK, dtype) for _ in range(3))
     return buffers
 
 
 def _blocks(jobs):
     """Splits every job into `(job index, start, stop)` blocks of <= BLOCK elements."""
     blocks = []
-    for j, (g, _, _) in enumerate(jobs):
+    for j, (g, _, _, _) in enumerate(jobs):
         n = g.size
         blocks.extend((j, start, min(start + BLOCK, n)) for start in range(0, n, BLOCK))
     return blocks
@@ -221,7 +254,7 @@ def _run(optimizer, jobs, block_fn):
     if total < MIN_MEAN_BLOCK_FOR_THREADS * len(blocks):
         workers = 1
     parts = _partition(blocks, workers)
-    scratch = _scratch(optimizer, len(parts), {g.dtype for g, _, _ in jobs})
+    scratch = _scratch(optimizer, len(parts), {job[0].dtype for job in jobs})
     # errstate is per thread: carry the caller's (quiet during a skipped
     # step's arithmetic) into the workers.
     errors = np.geterr()
@@ -229,11 +262,13 @@ def _run(optimizer, jobs, block_fn):
     def work(worker):
         with np.errstate(**errors):
             for j, start, stop in parts[worker]:
-                g, arrays, constants = jobs[j]
-                t, u = scratch[worker, g.dtype]
+                g, arrays, constants, divisor = jobs[j]
+                t, u, w = scratch[worker, g.dtype]
                 n = stop - start
                 if n != g.size:
                     g, arrays = g[start:stop], [a[start:stop] for a in arrays]
+                if divisor is not None:
+                    g = np.divide(g, divisor, out=w[:n])
                 block_fn(g, arrays, constants, t[:n], u[:n])
 
     # The calling thread takes the first part itself.
