@@ -10,9 +10,11 @@ host round trip.
 """
 
 import contextlib
+import contextvars
 
 import torch
 
+from lossscale.backends import torch_foreach, torch_fused
 from lossscale.backends._common import unwrap
 
 NAME = "torch"
@@ -79,10 +81,52 @@ def read(storage):
     return storage.detach()
 
 
+# Masked execution. `cond` on a tensor predicate runs both branches, each
+# under a boolean 0-d mask (nested conds combine theirs), and every write
+# below selects between the new and the old value on the device. Nothing
+# reads the predicate on the host, so a step never waits for the device,
+# and a value computed in the branch not taken (a NaN from an overflowing
+# gradient, say) is never stored.
+_MASK = contextvars.ContextVar("lossscale_torch_mask", default=None)
+
+
+def active_mask():
+    """The boolean 0-d tensor gating writes, or None outside any `cond`."""
+    return _MASK.get()
+
+
+@contextlib.contextmanager
+def masked(mask):
+    """Runs the block with `mask` (a boolean 0-d tensor) gating every write."""
+    token = _MASK.set(mask)
+    try:
+        yield
+    finally:
+        _MASK.reset(token)
+
+
+def mask_on(mask, device):
+    """`mask` on `device` (no copy when it is already there)."""
+    return mask if mask.device == device else mask.to(device)
+
+
+def select_into(storage, mask, new):
+    """`storage[...] = where(mask, new, storage)`, in place."""
+    mask = mask_on(mask, storage.device)
+    if (isinstance(new, torch.Tensor) and new.dtype == storage.dtype
+            and new.shape == storage.shape):
+        torch.where(mask, new, storage, out=storage)
+    else:
+        storage.copy_(torch.where(mask, new, storage))
+
+
 def assign(storage, value):
     value = unwrap(value)
+    mask = _MASK.get()
     with torch.no_grad():
-        if isinstance(value, torch.Tensor):
+        if mask is not None:
+            select_into(storage, mask, value)
+        elif isinstance(value, torch.Tensor):
             storage.copy_(value)
         else:
             storage.fill_(value)
@@ -90,14 +134,24 @@ def assign(storage, value):
 
 
 def assign_add(storage, value):
+    value = unwrap(value)
+    mask = _MASK.get()
     with torch.no_grad():
-        storage.add_(unwrap(value))
+        if mask is not None:
+            select_into(storage, mask, storage + value)
+        else:
+            storage.add_(value)
     return storage
 
 
 def assign_sub(storage, value):
+    value = unwrap(value)
+    mask = _MASK.get()
     with torch.no_grad():
-        storage.sub_(unwrap(value))
+        if mask is not None:
+            select_into(storage, mask, storage - value)
+        else:
+            storage.sub_(value)
     return storage
 
 
@@ -168,42 +222,92 @@ def sum(x):  # noqa: A001
     return torch.sum(_t(x))
 
 
+def groups(tensors):
+    """Splits `tensors` by (device, dtype): `[(device, dtype, indices), ...]`.
+
+    torch's multi-tensor kernels take one device and one dtype per call.
+    """
+    first = tensors[0]
+    device, dtype = first.device, first.dtype
+    if all(t.dtype == dtype and t.device == device for t in tensors):
+        return [(device, dtype, range(len(tensors)))]
+    found = {}
+    for i, t in enumerate(tensors):
+        found.setdefault((t.device, t.dtype), []).append(i)
+    return [(device, dtype, indices) for (device, dtype), indices in found.items()]
+
+
 def unscale(grads, scale):
+    grads = [unwrap(g) for g in grads]
+    if not grads:
+        return []
     scale = unwrap(scale)
-    out = []
-    for g in grads:
-        g = unwrap(g)
-        if g.dtype.itemsize < 4:
-            g = g.float()
-        out.append(g / scale.to(device=g.device, dtype=g.dtype))
+    out = [None] * len(grads)
+    for device, dtype, indices in groups(grads):
+        group = [grads[i] for i in indices]
+        if dtype.itemsize < 4:
+            # Half gradients are unscaled in float32: the copy is ours, so
+            # the division can run in place on it.
+            group = [g.float() for g in group]
+            torch._foreach_div_(group, scale.to(device=device, dtype=torch.float32))
+        else:
+            group = torch._foreach_div(group, scale.to(device=device, dtype=dtype))
+        for i, g in zip(indices, group):
+            out[i] = g
     return out
 
 
-def all_finite(arrays):
+def _floats(arrays):
     arrays = [unwrap(a) for a in arrays]
+    return [a for a in arrays if a.is_floating_point() and a.numel()]
+
+
+def _peaks(arrays):
+    """Per (device, dtype) group, the vector of `max |a|` (NaN where a NaN is)."""
+    return [torch.stack(torch._foreach_norm([arrays[i] for i in indices], float("inf")))
+            for _, _, indices in groups(arrays)]
+
+
+def _combine(scalars):
+    """Stacks 0-d results of several groups on the first one's device."""
+    if len(scalars) == 1:
+        return scalars[0].reshape(1)
+    device = scalars[0].device
+    return torch.stack([s.to(device) for s in scalars])
+
+
+def all_finite(arrays):
+    arrays = _floats(arrays)
     if not arrays:
         return torch.tensor(True)
-    # One reduction per tensor, combined on device: no host round trip.
-    flags = [torch.isfinite(a).all() for a in arrays]
-    return torch.stack([f.to(flags[0].device) for f in flags]).all()
+    # One multi-tensor reduction per group and small ones on top: the flag
+    # stays on the device. Each group is tested in its own dtype, so a large
+    # finite float64 value is not mistaken for an overflow.
+    return _combine([torch.isfinite(p).all() for p in _peaks(arrays)]).all()
 
 
 def global_norm(arrays):
     arrays = [unwrap(a) for a in arrays]
-    norms = torch._foreach_norm([a.float() if a.dtype.itemsize < 4 else a for a in arrays])
-    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    arrays = [a.float() if a.dtype.itemsize < 4 else a for a in arrays]
+    norms = []
+    for _, _, indices in groups(arrays):
+        norms.extend(torch._foreach_norm([arrays[i] for i in indices]))
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
 
 
 def max_abs(arrays):
     """Largest |x| over all arrays as a float32 scalar (NaN if any NaN)."""
-    arrays = [unwrap(a) for a in arrays]
-    norms = torch._foreach_norm(arrays, float("inf"))
-    return torch.stack([n.float().to(norms[0].device) for n in norms]).max()
+    arrays = _floats(arrays)
+    if not arrays:
+        return torch.tensor(0.0)
+    return _combine([p.max().float() for p in _peaks(arrays)]).max()
 
 
 # Fused multi-tensor kernels, keyed by the exact optimizer class they
-# reproduce. Each entry has a test proving it equals `update_step`.
-FUSED_KERNELS = {}
+# reproduce (a subclass may change the rule, so it takes the generic path).
+# Each entry has a test proving it equals `update_step`.
+FUSED_KERNELS = {**torch_foreach.kernels(), **torch_fused.kernels()}
 
 
 def fused_update(optimizer):
@@ -211,22 +315,26 @@ def fused_update(optimizer):
 
 
 def cond(pred, true_fn, false_fn, variables):
+    """Runs `true_fn` where `pred` holds and `false_fn` where it does not.
+
+    A Python (or NumPy) boolean takes a plain `if`. A tensor is never read on
+    the host: both branches run, under masks `outer & pred` and
+    `outer & ~pred`, and the masked writes keep what the branch not taken
+    would have stored out of every variable. `variables` is part of the seam
+    (JAX needs it); writes find their masks without it here.
+    """
     pred = unwrap(pred)
-    if not isinstance(pred, torch.Tensor) or pred.device.type == "cpu":
-        # Reading a CPU tensor is not a device synchronisation.
+    if not isinstance(pred, torch.Tensor):
         true_fn() if bool(pred) else false_fn()
         return
-    # On an accelerator, run both branches and select on device: no sync.
-    originals = [v._storage.detach().clone() for v in variables]
-    true_fn()
-    taken = [v._storage.detach().clone() for v in variables]
-    for v, o in zip(variables, originals):
-        v._storage.detach().copy_(o)
-    false_fn()
-    with torch.no_grad():
-        for v, t in zip(variables, taken):
-            s = v._storage.detach()
-            s.copy_(torch.where(pred.to(s.device), t, s))
+    pred = pred.to(torch.bool)
+    outer = _MASK.get()
+    if outer is not None:
+        pred = mask_on(pred, outer.device)
+    with masked(pred if outer is None else outer & pred):
+        true_fn()
+    with masked(~pred if outer is None else outer & ~pred):
+        false_fn()
 
 
 def quiet():

@@ -1,0 +1,249 @@
+"""Multi-tensor (`torch._foreach_*`) versions of the optimizers' update rules.
+
+Each rule below is its optimizer's `update_step`, operation for operation in
+the same order and dtype, applied to a whole group of same-device,
+same-dtype tensors at once (see `torch_groups`): a handful of multi-tensor
+kernel launches per step instead of a dozen small ones per variable. Writes
+go through `torch_groups.Writer`, which selects on the device under
+`torch_ops.cond`'s mask, so a skipped step changes nothing and reads nothing
+on the host.
+
+A rule is `rule(optimizer, group, grads, lr, writer)`; `SLOTS` names the
+slot lists it reads. Adding an optimizer is one rule and one entry in
+`kernels()`. `tests/test_torch_foreach.py` checks every entry against the
+generic path.
+"""
+
+import torch
+
+from lossscale.backends import torch_groups, torch_ops
+
+_add, _sub, _mul, _div = (torch._foreach_add, torch._foreach_sub, torch._foreach_mul,
+                          torch._foreach_div)
+
+
+def scalar(value, group):
+    """`ops.cast(value, dtype)` as in `update_step`, placed on the group's device."""
+    return torch_ops.cast(value, group.dtype).to(group.device)
+
+
+def step_count(optimizer, group):
+    """`ops.cast(optimizer.iterations + 1, dtype)`: the step being taken."""
+    return scalar(optimizer.iterations + 1, group)
+
+
+def make_kernel(rule, slot_attrs):
+    """Wraps a per-group rule into a `FUSED_KERNELS` entry.
+
+    Args:
+        rule: `rule(optimizer, group, grads, lr, writer)`.
+        slot_attrs: `slot_attrs(optimizer)` -> names of the slot lists the
+            rule needs (they may depend on the optimizer's settings).
+    """
+    def kernel(optimizer, grads, variables, learning_rate):
+        with torch.no_grad():
+            groups = torch_groups.plan(optimizer, variables, slot_attrs(optimizer)).groups
+            for group in groups:
+                rule(optimizer, group, group.grads(grads), scalar(learning_rate, group),
+                     torch_groups.Writer(group.device))
+
+    kernel.rule = rule
+    return kernel
+
+
+# --- rules -------------------------------------------------------------------
+
+
+def sgd(opt, group, grads, lr, write):
+    if opt.momentum == 0:
+        write.sub(group.params, _mul(grads, lr))
+        return
+    momentum = scalar(opt.momentum, group)
+    scaled = _mul(grads, lr)
+    m = write.set(group.slots["momentums"], _sub(_mul(group.slots["momentums"], momentum), scaled))
+    if opt.nesterov:
+        write.add(group.params, _sub(_mul(m, momentum), scaled))
+    else:
+        write.add(group.params, m)
+
+
+def adam(opt, group, grads, lr, write):
+    step = step_count(opt, group)
+    beta_1_power = torch_ops.power(scalar(opt.beta_1, group), step)
+    beta_2_power = torch_ops.power(scalar(opt.beta_2, group), step)
+    alpha = lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+    m = _moment(write, group.slots["_momentums"], grads, 1 - opt.beta_1)
+    v = _moment(write, group.slots["_velocities"], _mul(grads, grads), 1 - opt.beta_2)
+    if opt.amsgrad:
+        v = write.set(group.slots["_velocity_hats"],
+                      torch._foreach_maximum(group.slots["_velocity_hats"], v))
+    write.sub(group.params, _div(_mul(m, alpha), _add(torch._foreach_sqrt(v), opt.epsilon)))
+
+
+def _moment(write, slots, values, rate):
+    """`slot += (value - slot) * rate`, the moving averages of Adam and kin."""
+    # Out of place: on CPU, the in-place `_foreach_mul_` by a Python number
+    # rounds differently from `tensor * number` in half precision.
+    return write.add(slots, _mul(_sub(values, slots), rate))
+
+
+def _decay_average(slots, values, rho):
+    """`slot * rho + value * (1 - rho)`."""
+    out = _mul(slots, rho)
+    torch._foreach_add_(out, _mul(values, 1 - rho))
+    return out
+
+
+def rmsprop(opt, group, grads, lr, write):
+    slots = group.slots
+    velocity = write.set(slots["_velocities"],
+                         _decay_average(slots["_velocities"], _mul(grads, grads), opt.rho))
+    if opt.centered:
+        average = write.set(slots["_average_gradients"],
+                            _decay_average(slots["_average_gradients"], grads, opt.rho))
+        denominator = _sub(velocity, _mul(average, average))
+        torch._foreach_add_(denominator, opt.epsilon)
+    else:
+        denominator = _add(velocity, opt.epsilon)
+    increment = _div(_mul(grads, lr), torch._foreach_sqrt(denominator))
+    if opt.momentum > 0:
+        momentum = _mul(slots["_momentums"], opt.momentum)
+        torch._foreach_add_(momentum, increment)
+        increment = write.set(slots["_momentums"], momentum)
+    write.sub(group.params, increment)
+
+
+def adagrad(opt, group, grads, lr, write):
+    accumulator = write.add(group.slots["_accumulators"], _mul(grads, grads))
+    denominator = torch._foreach_sqrt(_add(accumulator, opt.epsilon))
+    write.sub(group.params, _div(_mul(grads, lr), denominator))
+
+
+def adadelta(opt, group, grads, lr, write):
+    rho, epsilon = opt.rho, opt.epsilon
+    grad_acc = write.set(group.slots["_accumulated_grads"],
+                         _decay_average(group.slots["_accumulated_grads"], _mul(grads, grads),
+                                        rho))
+    delta_acc = group.slots["_accumulated_delta_vars"]
+    delta = _mul(torch._foreach_sqrt(_add(delta_acc, epsilon)), grads)
+    torch._foreach_div_(delta, torch._foreach_sqrt(_add(grad_acc, epsilon)))
+    torch._foreach_neg_(delta)
+    write.set(delta_acc, _decay_average(delta_acc, _mul(delta, delta), rho))
+    write.add(group.params, _mul(delta, lr))
+
+
+def adamax(opt, group, grads, lr, write):
+    beta_1_power = torch_ops.power(scalar(opt.beta_1, group), step_count(opt, group))
+    m = _moment(write, group.slots["_m"], grads, 1 - opt.beta_1)
+    u = write.set(group.slots["_u"], torch._foreach_maximum(
+        _mul(group.slots["_u"], opt.beta_2), torch._foreach_abs(grads)))
+    denominator = _add(u, opt.epsilon)
+    torch._foreach_mul_(denominator, 1 - beta_1_power)
+    write.sub(group.params, _div(_mul(m, lr), denominator))
+
+
+def nadam(opt, group, grads, lr, write):
+    from lossscale.optimizers.nadam import _SCHEDULE_DECAY
+
+    step = step_count(opt, group)
+    decay = scalar(_SCHEDULE_DECAY, group)
+    beta_1 = scalar(opt.beta_1, group)
+    u_t = beta_1 * (1.0 - 0.5 * torch_ops.power(decay, step))
+    u_next = beta_1 * (1.0 - 0.5 * torch_ops.power(decay, step + 1))
+    u_product = scalar(opt._u_product.value, group)
+    u_product_next = u_product * u_next
+    beta_2_power = torch_ops.power(scalar(opt.beta_2, group), step)
+    m = _moment(write, group.slots["_momentums"], grads, 1 - opt.beta_1)
+    v = _moment(write, group.slots["_velocities"], _mul(grads, grads), 1 - opt.beta_2)
+    m_hat = _div(_mul(m, u_next), 1 - u_product_next)
+    torch._foreach_add_(m_hat, _div(_mul(grads, 1 - u_t), 1 - u_product))
+    denominator = torch._foreach_sqrt(_div(v, 1 - beta_2_power))
+    torch._foreach_add_(denominator, opt.epsilon)
+    write.sub(group.params, _div(_mul(m_hat, lr), denominator))
+
+
+def lion(opt, group, grads, lr, write):
+    beta_1, beta_2 = scalar(opt.beta_1, group), scalar(opt.beta_2, group)
+    momentums = group.slots["_momentums"]
+    direction = _mul(momentums, beta_1)
+    torch._foreach_add_(direction, _mul(grads, 1.0 - beta_1))
+    write.sub(group.params, _mul(torch._foreach_sign(direction), lr))
+    average = _mul(momentums, beta_2)
+    torch._foreach_add_(average, _mul(grads, 1.0 - beta_2))
+    write.set(momentums, average)
+
+
+def ftrl(opt, group, grads, lr, write):
+    accumulators, linears, params = group.slots["_accumulators"], group.slots["_linears"], group.params
+    # `ops.power(x, p)` raises to a 0-d tensor of x's dtype; so do these.
+    power = [scalar(-opt.learning_rate_power, group)] * len(params)
+    l2 = opt.l2_regularization_strength + opt.beta / (2.0 * lr)
+    shrunk = _add(grads, _mul(params, 2 * opt.l2_shrinkage_regularization_strength))
+    new_accumulator = _add(accumulators, _mul(grads, grads))
+    new_root = torch._foreach_pow(new_accumulator, power)
+    sigma = _div(_sub(new_root, torch._foreach_pow(accumulators, power)), lr)
+    z = write.add(linears, _sub(shrunk, _mul(sigma, params)))
+    quadratic = _div(new_root, lr)
+    torch._foreach_add_(quadratic, 2 * l2)
+    l1 = opt.l1_regularization_strength
+    clipped = torch._foreach_clamp_max(torch._foreach_clamp_min(z, -l1), l1)
+    write.set(params, _div(_sub(clipped, z), quadratic))
+    write.set(accumulators, new_accumulator)
+
+
+def lamb(opt, group, grads, lr, write):
+    step = step_count(opt, group)
+    beta_1_power = torch_ops.power(scalar(opt.beta_1, group), step)
+    beta_2_power = torch_ops.power(scalar(opt.beta_2, group), step)
+    m = _moment(write, group.slots["_momentums"], grads, 1 - opt.beta_1)
+    v = _moment(write, group.slots["_velocities"], _mul(grads, grads), 1 - opt.beta_2)
+    denominator = torch._foreach_sqrt(_div(v, 1.0 - beta_2_power))
+    torch._foreach_add_(denominator, opt.epsilon)
+    update = _div(_div(m, 1.0 - beta_1_power), denominator)
+    # The trust ratio is 1 unless both norms are positive, with a divisor
+    # kept nonzero, as in `Lamb.update_step`.
+    w_norm, u_norm = _norms(group.params), _norms(update)
+    ratio = torch.where((w_norm > 0) & (u_norm > 0),
+                        w_norm / torch.where(u_norm > 0, u_norm, 1.0), 1.0).to(group.dtype)
+    write.sub(group.params, _mul(update, list((ratio * lr).unbind(0))))
+
+
+def _norms(tensors):
+    """`sqrt(sum(square(x)))` of each tensor, as one vector.
+
+    The squares are rounded to the tensors' dtype first, as `ops.square`
+    rounds them, so half-precision norms match the generic path.
+    """
+    return torch.sqrt(torch.stack(torch._foreach_norm(_mul(tensors, tensors), 1)))
+
+
+def kernels():
+    """Returns `{optimizer class: kernel}` for `torch_ops.FUSED_KERNELS`."""
+    from lossscale.optimizers import (Adadelta, Adagrad, Adamax, Ftrl, Lamb, Lion, Nadam,
+                                      RMSprop)
+
+    def fixed(*attrs):
+        return lambda optimizer: attrs
+
+    def rmsprop_slots(optimizer):
+        return (("_velocities",) + (("_momentums",) if optimizer.momentum > 0 else ())
+                + (("_average_gradients",) if optimizer.centered else ()))
+
+    return {
+        RMSprop: make_kernel(rmsprop, rmsprop_slots),
+        Adagrad: make_kernel(adagrad, fixed("_accumulators")),
+        Adadelta: make_kernel(adadelta, fixed("_accumulated_grads", "_accumulated_delta_vars")),
+        Adamax: make_kernel(adamax, fixed("_m", "_u")),
+        Nadam: make_kernel(nadam, fixed("_momentums", "_velocities")),
+        Lion: make_kernel(lion, fixed("_momentums")),
+        Ftrl: make_kernel(ftrl, fixed("_accumulators", "_linears")),
+        Lamb: make_kernel(lamb, fixed("_momentums", "_velocities")),
+    }
+
+
+def sgd_slots(optimizer):
+    return ("momentums",) if optimizer.momentum != 0 else ()
+
+
+def adam_slots(optimizer):
+    return ("_momentums", "_velocities") + (("_velocity_hats",) if optimizer.amsgrad else ())

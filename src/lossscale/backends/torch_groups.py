@@ -1,0 +1,158 @@
+"""What torch's multi-tensor kernels need from an optimizer, cached per step.
+
+torch's `_foreach_*` and `_fused_*` kernels take lists of tensors on one
+device and of one dtype. `plan(optimizer, variables, slot_attrs)` splits the
+variables of one `apply` into such groups, each holding the parameter
+storages and the matching slot storages (`optimizer.<slot_attr>[index]`).
+
+Building the lists costs a Python loop over every variable; a model with
+hundreds of small tensors would pay it on every step. So a plan is kept per
+optimizer and reused while it still describes the optimizer: the same
+variables in the same order, each variable and slot still bound to the same
+tensor. `stateless_apply` binds copies for the length of one call, a load or
+a device move may replace a storage; the identity check (a C-level `is`
+over every storage, tens of microseconds for hundreds of tensors) sees
+every such rebinding and the plan is rebuilt.
+
+`Writer` performs a kernel's writes: in place when no mask is active, and
+as `where(mask, new, old)` into the same storage under `torch_ops.cond`'s
+mask, so a skipped step leaves every tensor bit for bit as it was.
+"""
+
+import operator
+import weakref
+
+import torch
+
+from lossscale.backends import torch_ops
+
+_storage_of = operator.attrgetter("_storage")
+
+# optimizer -> {slot_attrs: Plan}. Weak, so a plan dies with its optimizer.
+_PLANS = weakref.WeakKeyDictionary()
+
+
+class Group:
+    """Variables of one device and dtype, with their slots.
+
+    Attributes:
+        device, dtype: Those of the parameters (and slots) in the group.
+        indices: Positions of the group's variables in the `variables` (and
+            `grads`) list the plan was made for.
+        params: The parameters' storages.
+        slots: `{slot_attr: [storage, ...]}`, aligned with `params`.
+    """
+
+    __slots__ = ("device", "dtype", "indices", "params", "slots", "_whole")
+
+    def __init__(self, device, dtype, indices, params, slots, whole):
+        self.device, self.dtype, self.indices = device, dtype, indices
+        self.params, self.slots = params, slots
+        self._whole = whole
+
+    def grads(self, grads):
+        """This group's gradients, cast to its dtype as `update_step` does."""
+        if not self._whole:
+            grads = [grads[i] for i in self.indices]
+        dtype = self.dtype
+        return [g if g.dtype == dtype else g.to(dtype) for g in map(torch_ops.unwrap, grads)]
+
+
+class Plan:
+    """Groups for one list of variables, valid while no storage is rebound."""
+
+    def __init__(self, variables, watched, groups):
+        self.variables = list(variables)
+        self.groups = groups
+        self._watched = watched
+        self._storages = [w._storage for w in watched]
+
+    def matches(self, variables):
+        return (len(variables) == len(self.variables)
+                and all(map(operator.is_, variables, self.variables))
+                and all(map(operator.is_, map(_storage_of, self._watched), self._storages)))
+
+
+def plan(optimizer, variables, slot_attrs=()):
+    """Returns the (cached) `Plan` of `variables` for `optimizer`.
+
+    Args:
+        optimizer: The optimizer; `optimizer._get_variable_index(v)` indexes
+            its slot lists.
+        variables: The `Variable`s of this `apply`, in order.
+        slot_attrs: Names of the optimizer's slot lists to gather, e.g.
+            `("_momentums", "_velocities")`.
+    """
+    slot_attrs = tuple(slot_attrs)
+    cache = _PLANS.get(optimizer)
+    if cache is None:
+        cache = _PLANS[optimizer] = {}
+    cached = cache.get(slot_attrs)
+    if cached is not None and cached.matches(variables):
+        return cached
+    cache[slot_attrs] = made = _make(optimizer, variables, slot_attrs)
+    return made
+
+
+def _make(optimizer, variables, slot_attrs):
+    slot_lists = [getattr(optimizer, attr) for attr in slot_attrs]
+    watched = list(variables)
+    members = {}
+    for position, variable in enumerate(variables):
+        index = optimizer._get_variable_index(variable)
+        slots = [slot_list[index] for slot_list in slot_lists]
+        watched.extend(slots)
+        storage = variable._storage
+        members.setdefault((storage.device, storage.dtype), []).append((position, storage, slots))
+    whole = len(members) == 1
+    groups = []
+    for (device, dtype), entries in members.items():
+        indices = [position for position, _, _ in entries]
+        params = [storage for _, storage, _ in entries]
+        slots = {attr: [slots[k]._storage for _, _, slots in entries]
+                 for k, attr in enumerate(slot_attrs)}
+        groups.append(Group(device, dtype, indices, params, slots, whole))
+    return Plan(variables, watched, groups)
+
+
+class Writer:
+    """In-place multi-tensor writes that honour the active `cond` mask.
+
+    Each method writes into `targets` and returns the values written (what a
+    later read of the targets would see if the step is taken), so the rest
+    of a kernel can go on computing from them.
+    """
+
+    def __init__(self, device):
+        mask = torch_ops.active_mask()
+        self.mask = None if mask is None else torch_ops.mask_on(mask, device)
+
+    def add(self, targets, values):
+        if self.mask is None:
+            torch._foreach_add_(targets, values)
+            return targets
+        return self._select(targets, torch._foreach_add(targets, values))
+
+    def sub(self, targets, values):
+        if self.mask is None:
+            torch._foreach_sub_(targets, values)
+            return targets
+        return self._select(targets, torch._foreach_sub(targets, values))
+
+    def set(self, targets, values):
+        if self.mask is None:
+            torch._foreach_copy_(targets, values)
+            return targets
+        return self._select(targets, values)
+
+    def _select(self, targets, values):
+        # torch has no multi-tensor select: one `where` per tensor, written
+        # into the target's own memory.
+        mask = self.mask
+        for target, value in zip(targets, values):
+            torch.where(mask, value, target, out=target)
+        return values
+
+    def found_inf(self):
+        """`1.0` where the step is skipped, for kernels taking a `found_inf` flag."""
+        return None if self.mask is None else (~self.mask).float()
