@@ -3,8 +3,7 @@
 import dataclasses
 
 from lossscale import validation
-
-BACKENDS = ("torch", "numpy", "jax")
+from lossscale.demo.models import BACKENDS
 DEFAULT_STEPS = 1500
 QUICK_STEPS = 300
 # See the package docstring: the factor stands in for the averaging over

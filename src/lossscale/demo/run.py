@@ -9,7 +9,7 @@ import time
 
 from lossscale.demo import data as digits
 from lossscale.demo import report
-from lossscale.demo.models import make_model
+from lossscale.demo.models import make_model, single_threaded
 from lossscale.demo.training import RUNS, train_run
 
 # Import name -> what to install, for a clear message when one is missing.
@@ -101,10 +101,11 @@ def run_demo(config, stream=None):
     batches = digits.batch_indices(len(data.y_train), config.batch_size, config.steps,
                                    config.seed)
     weights = digits.initial_weights(config.seed, config.hidden_units)
-    runs = tuple(
-        train_run(spec, make_model(config.backend, weights), data, batches, config,
-                  _progress_bar(spec.label, config))
-        for spec in RUNS)
+    with single_threaded(config.backend):
+        runs = tuple(
+            train_run(spec, make_model(config.backend, weights), data, batches, config,
+                      _progress_bar(spec.label, config))
+            for spec in RUNS)
     table, summary = report.table(runs), report.summary(runs)
     os.makedirs(config.out, exist_ok=True)
     plot_path = os.path.join(config.out, "demo.png")

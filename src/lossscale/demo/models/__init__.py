@@ -20,8 +20,10 @@ at every pass. It offers:
 
 import importlib
 
+from lossscale import validation
 from lossscale.variables import Variable
 
+BACKENDS = ("torch", "numpy", "jax")
 PRECISIONS = ("float32", "float16")
 WEIGHT_NAMES = ("w1", "b1", "w2", "b2")
 
@@ -34,8 +36,23 @@ def make_model(backend, weights):
         weights: `[w1, b1, w2, b2]` float32 NumPy arrays (see
             `lossscale.demo.data.initial_weights`).
     """
+    validation.check_choice("backend", backend, BACKENDS)
     module = importlib.import_module(f"lossscale.demo.models.{backend}_mlp")
     return module.MLP(weights)
+
+
+def single_threaded(backend):
+    """A context manager running `backend`'s work on one CPU thread, restored on exit.
+
+    The demo's matrices are tiny (128 x 64 x 128): handing them to worker
+    threads costs more than it saves, and on a busy machine spinning
+    workers slow every step tenfold. Covers the BLAS and OpenMP pools every
+    backend uses (through threadpoolctl, which scikit-learn installs) and
+    torch's own intra-op pool.
+    """
+    validation.check_choice("backend", backend, BACKENDS)
+    module = importlib.import_module(f"lossscale.demo.models.{backend}_mlp")
+    return module.single_threaded()
 
 
 def wrap(arrays):
@@ -44,6 +61,5 @@ def wrap(arrays):
 
 
 def check_precision(precision):
-    if precision not in PRECISIONS:
-        raise ValueError(f"`precision` must be one of {PRECISIONS}. Received: "
-                         f"precision={precision!r}")
+    """Raises `ValueError` unless `precision` is `"float32"` or `"float16"`."""
+    validation.check_choice("precision", precision, PRECISIONS)

@@ -4,6 +4,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from threadpoolctl import threadpool_limits
 
 from lossscale.demo.models import check_precision, wrap
 
@@ -36,6 +37,12 @@ def _gradients(params, x, y, factor, dtype):
 def _evaluate(params, x, y):
     logits = _logits(params, x)
     return _cross_entropy(logits, y), (logits.argmax(axis=1) == y).mean()
+
+
+def single_threaded():
+    # XLA sizes its own thread pool when it starts; only BLAS pools can be
+    # limited afterwards.
+    return threadpool_limits(limits=1)
 
 
 class MLP:

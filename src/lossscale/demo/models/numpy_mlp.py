@@ -6,6 +6,7 @@ Elementwise operations run in float16 directly.
 """
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from lossscale.demo.models import check_precision, wrap
 
@@ -26,6 +27,10 @@ def _softmax_cross_entropy(logits, y):
     return np.float32(loss), np.exp(log_probs)
 
 
+def single_threaded():
+    return threadpool_limits(limits=1)
+
+
 class MLP:
     """Float32 master variables; float16 passes work on rounded copies."""
 
@@ -43,7 +48,12 @@ class MLP:
 
     def gradients(self, x, y, precision, loss_weight, scale_loss):
         check_precision(precision)
-        dtype = np.dtype(precision)
+        # Overflow to inf (and inf * 0 = NaN after it) is expected with a
+        # loss scale that is too large: the optimizer detects it and skips.
+        with np.errstate(over="ignore", invalid="ignore"):
+            return self._gradients(x, y, np.dtype(precision), loss_weight, scale_loss)
+
+    def _gradients(self, x, y, dtype, loss_weight, scale_loss):
         x, pre, hidden, logits = self._forward(x, dtype)
         loss, probs = _softmax_cross_entropy(logits, y)
         # scale_loss is linear, so its derivative is its value at 1.

@@ -1,13 +1,26 @@
 """The demo network as a PyTorch `nn.Module`, with a float16 working copy."""
 
+import contextlib
 import copy
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from threadpoolctl import threadpool_limits
 from torch import nn
 
 from lossscale.demo.models import check_precision, wrap
+
+
+@contextlib.contextmanager
+def single_threaded():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with threadpool_limits(limits=1):
+            yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 class _Net(nn.Module):

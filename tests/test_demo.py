@@ -1,0 +1,62 @@
+"""End to end: `lossscale demo --quick`, as the README's first command runs it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lossscale.demo.report import COLUMNS
+
+LABELS = ("float32", "float16, no loss scaling", "float16 + LossScaleOptimizer")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    proc = subprocess.run([sys.executable, "-m", "lossscale", "demo", "--quick", "--out",
+                           str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    with open(out / "results.json", encoding="utf-8") as f:
+        results = json.load(f)
+    return proc, out, results
+
+
+def test_prints_the_table(quick_run):
+    proc, _, results = quick_run
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("| run"))
+    assert [c.strip() for c in header.strip("|").split("|")] == list(COLUMNS)
+    rows = [line for line in proc.stdout.splitlines()
+            if line.startswith("| float")]
+    assert [r.split("|")[1].strip() for r in rows] == list(LABELS)
+    assert results["table"] in proc.stdout
+    assert results["summary"] in proc.stdout
+
+
+def test_writes_the_png_and_prints_its_path(quick_run):
+    proc, out, _ = quick_run
+    png = out / "demo.png"
+    assert f"Plot: {png}" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 20_000
+
+
+def test_shows_a_progress_bar_per_run(quick_run):
+    proc, _, _ = quick_run
+    for label in LABELS:
+        assert label in proc.stderr
+    assert "300/300" in proc.stderr and "scale=32768" in proc.stderr
+
+
+def test_loss_scaling_matches_float32_and_unscaled_float16_loses_gradients(quick_run):
+    _, _, results = quick_run
+    reference, unscaled, scaled = results["runs"]
+    assert [r["spec"]["label"] for r in results["runs"]] == list(LABELS)
+    assert abs(scaled["test_accuracy"] - reference["test_accuracy"]) <= 0.02
+    assert reference["flush_share"] is None and reference["nonzero"] == 0
+    assert unscaled["flushed"] > 0 and unscaled["flush_share"] > 0.05
+    assert scaled["flush_share"] < unscaled["flush_share"] / 10
+    assert scaled["gradient_error"] < 0.05 < unscaled["gradient_error"]
+    assert unscaled["test_accuracy"] < reference["test_accuracy"] - 0.2
+    assert all(len(r["losses"]) == 300 for r in results["runs"])
+    assert results["config"]["steps"] == 300

@@ -1,0 +1,49 @@
+"""The demo's table and summary, from given numbers."""
+
+from lossscale.demo.report import COLUMNS, LEGEND, rows, summary, table
+from lossscale.demo.training import RUNS, RunResult
+
+
+def _results():
+    return (
+        RunResult(RUNS[0], test_accuracy=0.9861, train_loss=0.00183),
+        RunResult(RUNS[1], test_accuracy=0.35, train_loss=11.51281, flushed=117, nonzero=1000,
+                  gradient_errors=[0.6, 0.75]),
+        RunResult(RUNS[2], test_accuracy=0.98888, train_loss=0.0018, skipped_steps=[3, 9],
+                  final_scale=2.0 ** 40, flushed=3, nonzero=10000, gradient_errors=[0.004]),
+    )
+
+
+def test_rows():
+    assert rows(_results()) == [
+        ["float32", "98.6 %", "0.0018", "0", "-", "-", "-"],
+        ["float16, no loss scaling", "35.0 %", "11.5128", "0", "-", "11.7 %", "67.5 %"],
+        ["float16 + LossScaleOptimizer", "98.9 %", "0.0018", "2", "2^40", "0.03 %", "0.4 %"],
+    ]
+
+
+def test_a_scale_that_is_not_a_power_of_two_prints_plainly():
+    result = RunResult(RUNS[2], test_accuracy=1.0, train_loss=0.0, final_scale=1000.0)
+    assert rows([result])[0][4] == "1000"
+
+
+def test_table_is_markdown_with_aligned_columns():
+    lines = table(_results()).splitlines()
+    assert len(lines) == 5
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == list(COLUMNS)
+    assert set(lines[1]) == {"|", "-"}
+    assert len({len(line) for line in lines}) == 1
+    assert lines[4].startswith("| float16 + LossScaleOptimizer | 98.9 %    |")
+
+
+def test_legend_explains_every_column():
+    for column in COLUMNS[1:]:
+        assert f"\n{column}: " in "\n" + LEGEND
+
+
+def test_summary_quotes_the_measured_numbers():
+    assert summary(_results()) == (
+        "Without loss scaling, float16 flushed 11.7 % of the nonzero gradient values to zero, "
+        "its gradients were off by 67.5 % on average, and it reached 35.0 % test accuracy. "
+        "With LossScaleOptimizer, float16 flushed 0.03 %, was off by 0.4 %, skipped 2 "
+        "overflowing step(s) and reached 98.9 % (float32: 98.6 %).")
