@@ -131,8 +131,10 @@ def check_loss_scale(backend, make, overflow_step=2, **kwargs):
                                     dynamic_growth_steps=2)
     plain_vars, wrapped_vars = model_variables(backend, initial), model_variables(backend, initial)
     for t, step_grads in enumerate(grads):
-        # Powers of two: scaling and unscaling are exact in float32.
-        scale = float(wrapped.dynamic_scale.numpy())
+        # The loss is scaled as a user would; the gradients of a scaled loss
+        # are the unscaled ones times the scale. Powers of two: scaling and
+        # unscaling are exact in float32.
+        scale = float(wrapped.scale_loss(1.0))
         scaled = [g * np.float32(scale) for g in step_grads]
         if t == overflow_step:
             scaled[1] = scaled[1].copy()

@@ -112,7 +112,8 @@ def test_bad_arguments_raise(kwargs, message):
 def test_wrapper_saves_u_product(backend):
     wrapped = ls.LossScaleOptimizer(Nadam(learning_rate=0.01))
     variables = cases.model_variables(backend, cases.weights())
-    wrapped.apply([backend.array(g * 2.0 ** 15) for g in cases.gradients()[0]], variables)
+    scale = float(wrapped.scale_loss(1.0))
+    wrapped.apply([backend.array(g * scale) for g in cases.gradients()[0]], variables)
     store = {}
     wrapped.save_own_variables(store)
     assert float(store[str(len(store) - 1)]) == pytest.approx(0.9 * (1 - 0.5 * 0.96), rel=1e-6)

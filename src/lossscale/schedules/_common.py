@@ -27,10 +27,12 @@ def signature_config(schedule):
 
 
 def check_name(name):
+    """Checks a schedule's `name` argument."""
     if not isinstance(name, str):
         raise ValueError(f"`name` must be a string. Received: name={name!r}")
     return name
 
 
 def check_decay_steps(name, value):
+    """Checks a decay horizon (`decay_steps`, `first_decay_steps`): a number > 0."""
     return validation.check_number(name, value, low=0, low_open=True)
