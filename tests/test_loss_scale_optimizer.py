@@ -9,6 +9,10 @@ from reference import F32_MAX, F32_TINY, ReferenceLossScale, ReferenceOptimizer,
 
 SHAPES = [(4, 3), (3,)]
 
+# Most tests here hand pre-scaled gradients to `apply` without `scale_loss`.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::lossscale.mixed_precision.UnscaledLossWarning")
+
 
 def setup(backend, rng, inner=None, **kwargs):
     init = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
@@ -324,3 +328,343 @@ def test_torch_module_updated_in_place():
     assert losses[-1] < losses[0]
     for p, b in zip(model.parameters(), before):
         assert not torch.equal(p.detach(), b) and p.requires_grad
+
+
+# --- beyond Keras -------------------------------------------------------------
+
+import dataclasses  # noqa: E402
+import inspect  # noqa: E402
+import re  # noqa: E402
+import warnings  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from conftest import BACKENDS, Backend  # noqa: E402
+from lossscale.mixed_precision import (LossScaleError, LossScalePolicy,  # noqa: E402
+                                       UnscaledLossWarning)
+from lossscale.mixed_precision.telemetry import summarize  # noqa: E402
+from test_loss_scale import STEPS, Model, policies  # noqa: E402
+
+
+def grads_for(backend, scale, kinds, magnitude=1.0):
+    """Scaled gradients, one per SHAPES entry: "f" finite, "inf", "nan", or None."""
+    out = []
+    for shape, kind in zip(SHAPES, kinds):
+        if kind is None:
+            out.append(None)
+            continue
+        g = np.full(shape, np.float32(magnitude) * np.float32(scale), np.float32)
+        if kind != "f":
+            g.flat[1] = np.inf if kind == "inf" else np.nan
+        out.append(backend.array(g))
+    return out
+
+
+def test_signature_lists_the_policy_fields():
+    parameters = inspect.signature(LossScaleOptimizer.__init__).parameters
+    named = {n: p.default for n, p in parameters.items()
+             if n not in ("self", "inner_optimizer", "name", "kwargs")}
+    assert named == {f.name: f.default for f in dataclasses.fields(LossScalePolicy)}
+    for f in dataclasses.fields(LossScalePolicy):
+        assert getattr(LossScaleOptimizer(SGD()), f.name) == f.default
+
+
+def test_options_through_the_optimizer(backend, rng):
+    _, variables, opt = setup(backend, rng, inner=SGD(0.1), initial_scale=16.0,
+                              dynamic_growth_steps=2, growth_factor=4.0, backoff_factor=0.25,
+                              hysteresis=2, max_scale=128.0)
+    scales = []
+    for kinds in [("f", "f"), ("f", "f"), ("inf", "f"), ("f", "f"), ("f", "f"), ("f", "nan"),
+                  ("inf", "f"), ("f", "inf"), ("f", "f"), ("f", "f")]:
+        before = snapshot(backend, variables + opt.inner_optimizer.variables)
+        opt.apply(grads_for(backend, scalar(backend, opt.dynamic_scale), kinds), variables)
+        if kinds != ("f", "f"):
+            for b, a in zip(before, snapshot(backend, variables + opt.inner_optimizer.variables)):
+                np.testing.assert_array_equal(a, b)
+        scales.append(scalar(backend, opt.dynamic_scale))
+    assert scales == [16.0, 64.0, 64.0, 64.0, 128.0, 128.0, 32.0, 8.0, 8.0, 32.0]
+    assert scalar(backend, opt.iterations) == 6
+
+
+def test_telemetry_after_a_known_sequence(backend, rng):
+    _, variables, opt = setup(backend, rng, inner=SGD(0.1), initial_scale=8.0,
+                              dynamic_growth_steps=2, telemetry=True)
+    assert [v.name for v in opt.variables[:2]] == ["step_counter", "dynamic_scale"]
+    for kinds in [("f", "f"), ("f", "nan"), ("inf", "inf"), ("f", "f"), ("f", "f"),
+                  ("f", None), ("inf", None), ("f", "f")]:
+        opt.apply(grads_for(backend, scalar(backend, opt.dynamic_scale), kinds), variables)
+    assert opt.summary() == {
+        "dynamic_scale": 2.0, "step_counter": 1, "consecutive_skips": 0, "steps": 8,
+        "skipped_steps": 3, "last_overflow_step": 6,
+        "scale_history": [8.0, 8.0, 4.0, 2.0, 2.0, 4.0, 4.0, 2.0],
+        "nonfinite_variables": ["v0"]}
+    names = [v.name for v in opt.variables]
+    assert names[-len(opt.inner_optimizer.variables) - 2:-len(opt.inner_optimizer.variables)] == [
+        "v0_nonfinite", "v1_nonfinite"]
+
+
+def test_summary_before_build_and_without_telemetry():
+    opt = LossScaleOptimizer(SGD(), initial_scale=4.0)
+    assert opt.summary() == {"dynamic_scale": 4.0, "step_counter": 0}
+    assert opt.check() is None
+    summary = LossScaleOptimizer(SGD(), telemetry=True).summary()
+    assert summary["steps"] == 0 and summary["last_overflow_step"] is None
+    assert summary["scale_history"] == [] and summary["nonfinite_variables"] == []
+
+
+def test_min_scale_raises_naming_variables_step_and_history(backend, rng):
+    _, variables, opt = setup(backend, rng, inner=Adam(0.01), initial_scale=4.0,
+                              dynamic_growth_steps=3, min_scale=1.0)
+    opt.apply(grads_for(backend, 4.0, ("f", "f")), variables)
+    opt.apply(grads_for(backend, 4.0, ("f", "nan")), variables)
+    opt.apply(grads_for(backend, 2.0, ("inf", "nan")), variables)
+    before = snapshot(backend, variables + opt.variables)
+    with pytest.raises(LossScaleError) as info:
+        opt.apply(grads_for(backend, 1.0, ("f", "nan")), variables)
+    message = str(info.value)
+    assert message.startswith("Loss scaling failed at step 3: the loss scale would fall below "
+                              "`min_scale` (min_scale=1.0, max_consecutive_skips=None, "
+                              "hysteresis=1, backoff_factor=0.5).")
+    assert "Steps skipped in a row: 3; in total: 3 of 4." in message
+    assert "Loss scale of the last steps, oldest first: [4, 4, 2, 1]; now 1." in message
+    assert "non-finite at that step: ['v1']." in message
+    assert "not from float16 overflow" in message
+    after = snapshot(backend, variables + opt.variables)
+    changed = [v.name for v, b, a in zip(variables + opt.variables, before, after)
+               if not np.array_equal(a, b, equal_nan=True)]
+    # The failing step touched only the loss-scale state.
+    assert set(changed) <= {"consecutive_skips", "steps", "skipped_steps", "last_overflow_step",
+                            "error", "error_step", "v0_nonfinite", "v1_nonfinite"} | {
+        f"scale_history_{i}" for i in range(8)}
+    assert scalar(backend, opt.iterations) == 1
+    frozen = snapshot(backend, variables + opt.variables)
+    with pytest.raises(LossScaleError, match="failed at step 3"):
+        opt.apply(grads_for(backend, 1.0, ("f", "f")), variables)  # finite, but frozen
+    for b, a in zip(frozen, snapshot(backend, variables + opt.variables)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_max_consecutive_skips_raises(backend, rng):
+    _, variables, opt = setup(backend, rng, inner=SGD(0.1), initial_scale=2.0 ** 10,
+                              max_consecutive_skips=2)
+    for _ in range(2):
+        opt.apply(grads_for(backend, 1.0, ("inf", "f")), variables)
+    with pytest.raises(LossScaleError, match=re.escape(
+            "Loss scaling failed at step 2: more than `max_consecutive_skips` steps in a row "
+            "were skipped (min_scale=None, max_consecutive_skips=2,")) as info:
+        opt.apply(grads_for(backend, 1.0, ("inf", "f")), variables)
+    assert "[1024, 512, 256]; now 128." in str(info.value)
+    assert "['v0']" in str(info.value)
+
+
+def test_stateless_apply_records_and_check_raises(backend, rng):
+    init, variables, opt = setup(backend, rng, inner=SGD(0.1), initial_scale=2.0,
+                                 min_scale=1.0)
+    opt.build(variables)
+    values, model = [v.value for v in opt.variables], [v.value for v in variables]
+    own_before = snapshot(backend, opt.variables)
+    for kinds in [("nan", "f"), ("nan", "f"), ("f", "f")]:
+        model, values = opt.stateless_apply(values, grads_for(backend, 1.0, kinds), model)
+    with pytest.raises(LossScaleError, match="failed at step 1"):
+        opt.check(values)
+    assert opt.summary(values)["error_step"] == 1
+    assert opt.summary(values)["nonfinite_variables"] == ["v0"]
+    for x, w in zip(model, init):  # every step was skipped: the model is untouched
+        np.testing.assert_array_equal(backend.numpy(x), w)
+    for b, v in zip(own_before, opt.variables):
+        np.testing.assert_array_equal(backend.numpy(v), b)
+    opt.check()  # the optimizer's own state holds no error
+    with pytest.raises(ValueError, match=r"`optimizer_variables` must hold one value per "
+                                         r"optimizer variable \(\d+\). Received: 1 values"):
+        opt.summary(values[:1])
+
+
+def test_jit_fail_fast_traces_once_and_freezes(rng):
+    import jax
+    import jax.numpy as jnp
+
+    backend = Backend("jax")
+    init, variables, opt = setup(backend, rng, inner=Adam(0.01), initial_scale=8.0,
+                                 dynamic_growth_steps=2, max_consecutive_skips=1,
+                                 growth_policy="headroom", telemetry=True)
+    opt.build(variables)
+    traces = []
+
+    def step(values, grads, model):
+        traces.append(1)
+        return opt.stateless_apply(values, grads, model)
+
+    jitted = jax.jit(step)
+    values, model = [v.value for v in opt.variables], [v.value for v in variables]
+    for kinds in [("f", "f"), ("f", "f"), ("inf", "f"), ("f", "f"), ("f", "nan"), ("nan", "f")]:
+        scale = float(values[1])
+        model, values = jitted(values, grads_for(backend, scale, kinds), model)
+        opt.check(values) if kinds != ("nan", "f") else None
+    frozen_model = [np.asarray(x) for x in model]
+    with pytest.raises(LossScaleError, match="failed at step 5"):
+        opt.check(values)
+    model, values = jitted(values, grads_for(backend, 1.0, ("f", "f")), model)
+    for a, b in zip(model, frozen_model):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert opt.summary(values)["nonfinite_variables"] == ["v0"]
+    assert len(traces) == 1
+    assert jnp.asarray(values[1]).dtype == jnp.float32
+
+
+def test_headroom_growth_through_the_optimizer(backend, rng):
+    _, variables, opt = setup(backend, rng, inner=SGD(0.0), initial_scale=8.0,
+                              dynamic_growth_steps=1, growth_policy="headroom")
+    scales = []
+    # Scaled gradients of 5000 cannot double below 65504 / 8; of 100 they can.
+    for magnitude in [100.0, 5000.0, 100.0]:
+        scale = scalar(backend, opt.dynamic_scale)
+        opt.apply(grads_for(backend, scale, ("f", "f"), magnitude / scale), variables)
+        scales.append(scalar(backend, opt.dynamic_scale))
+    assert scales == [16.0, 16.0, 32.0]
+    opt.apply(grads_for(backend, 32.0, ("f", "nan")), variables)
+    assert scalar(backend, opt.dynamic_scale) == 16.0
+
+
+def test_headroom_still_checks_overwrite_with_gradient_variables(backend, rng):
+    _, variables, opt = setup(backend, rng, inner=SGD(0.5), initial_scale=8.0,
+                              growth_policy="headroom")
+    variables[1].overwrite_with_gradient = True
+    before = snapshot(backend, variables)
+    opt.apply(grads_for(backend, 8.0, ("f", "nan")), variables)
+    for b, a in zip(before, snapshot(backend, variables)):
+        np.testing.assert_array_equal(a, b)
+    assert scalar(backend, opt.dynamic_scale) == 4.0
+
+
+def test_unscaled_loss_warning_once_and_silenceable(backend, rng):
+    _, variables, opt = setup(backend, rng, inner=SGD(0.1), initial_scale=8.0)
+    grads = grads_for(backend, 8.0, ("f", "f"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.apply(grads, variables)
+        opt.apply(grads, variables)
+    assert [w.category for w in caught] == [UnscaledLossWarning]
+    assert "`scale_loss()` was never called" in str(caught[0].message)
+    assert "category=lossscale.mixed_precision.UnscaledLossWarning" in str(caught[0].message)
+    assert caught[0].filename == __file__
+    _, variables, scaled = setup(backend, rng, inner=SGD(0.1))
+    scaled.scale_loss(backend.array(np.float32(1.0)))
+    functional = LossScaleOptimizer(SGD(0.1))
+    functional.build(variables)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaled.apply(grads, variables)
+        functional.stateless_apply([v.value for v in functional.variables], grads,
+                                   [v.value for v in variables])
+    _, variables, silenced = setup(backend, rng, inner=SGD(0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=UnscaledLossWarning)
+        silenced.apply(grads, variables)
+
+
+def test_config_holds_changed_settings_and_round_trips():
+    opt = LossScaleOptimizer(SGD(0.3), initial_scale=64.0, hysteresis=2, min_scale=0.5,
+                             growth_policy="headroom", telemetry=True)
+    config = opt.get_config()
+    assert sorted(config) == ["dynamic_growth_steps", "growth_policy", "hysteresis",
+                              "initial_scale", "inner_optimizer", "min_scale", "name",
+                              "telemetry"]
+    clone = LossScaleOptimizer.from_config(config)
+    assert clone.policy == opt.policy and clone.get_config() == config
+    assert [v.name for v in clone.variables] == [v.name for v in opt.variables]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"hysteresis": 0}, "`hysteresis` must be an integer >= 1. Received: hysteresis=0"),
+    ({"growth_policy": "auto"}, "Received: growth_policy='auto'"),
+    ({"telemetry": "yes"}, "`telemetry` must be a boolean. Received: telemetry='yes'"),
+    ({"min_scale": 4.0, "initial_scale": 2.0}, "Received: min_scale=4.0, initial_scale=2.0"),
+    ({"max_consecutive_skips": 1.5}, "Received: max_consecutive_skips=1.5"),
+    ({"bogus": 1}, r"does not support arguments: \['bogus'\]. Accepted: inner_optimizer, name, "
+                   r"initial_scale, dynamic_growth_steps, growth_factor, backoff_factor, "
+                   r"hysteresis, min_scale, max_scale, max_consecutive_skips, growth_policy, "
+                   r"telemetry"),
+])
+def test_new_constructor_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LossScaleOptimizer(SGD(), **kwargs)
+
+
+def test_save_load_own_variables_with_telemetry(backend, rng):
+    _, variables, opt = setup(backend, rng, initial_scale=32.0, telemetry=True, hysteresis=2,
+                              max_consecutive_skips=5)
+    steps = [grads_for(backend, 32.0, kinds) for kinds in
+             [("f", "f"), ("inf", "f"), ("f", "nan"), ("f", "f"), ("nan", "nan"), ("f", "f")]]
+    for grads in steps[:3]:
+        opt.apply(grads, variables)
+    store = {}
+    opt.save_own_variables(store)
+    twins = [ls.Variable(backend.array(backend.numpy(v)), name=v.name) for v in variables]
+    clone = LossScaleOptimizer.from_config(opt.get_config())
+    clone.build(twins)
+    clone.load_own_variables(store)
+    assert clone.summary() == opt.summary()
+    for grads in steps[3:]:
+        opt.apply(grads, variables)
+        clone.apply(grads, twins)
+    assert clone.summary() == opt.summary()
+    for a, b in zip(variables + opt.variables, twins + clone.variables):
+        np.testing.assert_array_equal(backend.numpy(a), backend.numpy(b))
+
+
+# The whole optimizer against the model of tests/test_loss_scale.py: random
+# options and step sequences, stateful and stateless, on every backend.
+KIND = {True: "f", False: "inf", None: None}
+
+
+@settings(max_examples=45, deadline=None)
+@given(backend=st.sampled_from(BACKENDS), policy=policies(), steps=STEPS)
+def test_optimizer_matches_model(backend, policy, steps):
+    backend = Backend(backend)
+    settings_ = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+    rng = np.random.default_rng(0)
+    init = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+    variables = [ls.Variable(backend.array(x), name=f"v{i}") for i, x in enumerate(init)]
+    opt = LossScaleOptimizer(SGD(0.125), **settings_)
+    functional = LossScaleOptimizer(SGD(0.125), **settings_)
+    functional.build([ls.Variable(backend.array(x), name=f"v{i}") for i, x in enumerate(init)])
+    values, model_values = [v.value for v in functional.variables], [backend.array(x) for x in init]
+    model = Model(policy, len(SHAPES))
+    weights = [x.astype(np.float64) for x in init]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for flags, peak in steps:
+            flags = flags[:len(SHAPES)]
+            if all(ok is None for ok in flags):
+                continue
+            magnitude = 1.0 if peak < 1000 else 30000.0  # far from the headroom limits
+            scale = np.float32(scalar(backend, opt.dynamic_scale))
+            grads = grads_for(backend, 1.0, [KIND[ok] for ok in flags], magnitude)
+            if flags[0] is False and flags[1] is True:
+                grads[0] = backend.array(np.where(np.arange(12).reshape(4, 3) == 5, np.nan,
+                                                  backend.numpy(grads[0])))
+            with np.errstate(over="ignore"):
+                unscaled = np.float32(magnitude) / scale
+            # A finite gradient that overflows when unscaled counts as non-finite.
+            flags = [ok and bool(np.isfinite(unscaled)) if ok is not None else None
+                     for ok in flags]
+            finite = all(ok is not False for ok in flags)
+            applied = finite and not model.error
+            model.step(finite, magnitude, flags)
+            if applied:
+                weights = [w - 0.125 * np.float64(unscaled) if ok is not None else w
+                           for w, ok in zip(weights, flags)]
+            try:
+                opt.apply(grads, variables)
+            except LossScaleError:
+                assert model.error
+            model_values, values = functional.stateless_apply(values, grads, model_values)
+            for value, v, w in zip(model_values, variables, weights):
+                np.testing.assert_allclose(backend.numpy(v), w, rtol=1e-5, atol=1e-6)
+                np.testing.assert_array_equal(backend.numpy(value), backend.numpy(v))
+            expected = model.expected()
+            expected.setdefault("nonfinite", [])
+            assert opt.summary() == summarize(expected, policy, ["v0", "v1"])
+            assert functional.summary(values) == opt.summary()

@@ -62,7 +62,7 @@ def save(optimizer, path):
             "Call `optimizer.build(trainable_variables)` or `apply` first.")
     try:
         config = json.dumps(serialization.serialize(optimizer))
-    except TypeError as error:
+    except (TypeError, ValueError) as error:
         raise ValueError(
             f"The config of {type(optimizer).__name__} cannot be written as JSON ({error}); "
             "a callable learning rate, for one, cannot be saved: use a float or a "

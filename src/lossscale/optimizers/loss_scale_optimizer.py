@@ -210,12 +210,18 @@ class LossScaleOptimizer(Optimizer):
         ops.cond(may_apply(ops, state, finite, self.policy),
                  lambda: self.inner_optimizer.apply(grads, variables), lambda: None,
                  self._trainable_variables + self.inner_optimizer.variables)
-        state = next_loss_scale(ops, state, finite, self.policy, peak=peak,
-                                variable_finite=variable_finite)
-        for name, target in self._state.items():
-            value = getattr(state, name)
-            for variable, x in zip(target, value) if isinstance(target, tuple) else [(target, value)]:
-                variable.assign(x)
+        new = next_loss_scale(ops, state, finite, self.policy, peak=peak,
+                              variable_finite=variable_finite)
+        targets = dict(_flatten(self._state))
+        pairs = [(targets[key], x) for key, x in _flatten(new) if key in targets]
+        if ops.MUTABLE:
+            # A value passed through unchanged (the shifted scale history) is
+            # another variable's buffer, which an earlier in-place write may
+            # already have overwritten: copy those first.
+            old = {id(x) for _, x in _flatten(state)}
+            pairs = [(v, ops.copy(x) if id(x) in old else x) for v, x in pairs]
+        for variable, value in pairs:
+            variable.assign(value)
 
     def _inspect(self, ops, grads, variables, scaled, scale):
         """Returns `(finite, peak, variable_finite)` for `next_loss_scale`, in one pass.
@@ -370,6 +376,17 @@ class LossScaleOptimizer(Optimizer):
         inner = serialization.deserialize(config.pop("inner_optimizer"),
                                           custom_objects=custom_objects)
         return cls(inner, **config)
+
+
+def _flatten(state):
+    """`((field name, index), value)` pairs of a state or of `{field name: variable(s)}`."""
+    items = state.items() if isinstance(state, dict) else (
+        (f.name, getattr(state, f.name)) for f in dataclasses.fields(state))
+    for name, value in items:
+        if isinstance(value, tuple):
+            yield from (((name, i), x) for i, x in enumerate(value))
+        elif value is not None:
+            yield (name, None), value
 
 
 def _largest(ops, peaks, like):
