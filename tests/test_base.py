@@ -399,3 +399,11 @@ def test_shape_mismatch_raises_before_writing(backend, rng):
         np.testing.assert_array_equal(backend.numpy(v), b)
     with pytest.raises(ValueError, match="has not yet been built"):
         Adam().set_weights([])
+
+
+@pytest.mark.parametrize("cls_name, expected", [
+    ("LossScaleOptimizer", "loss_scale_optimizer"), ("RMSprop", "rm_sprop"), ("SGD", "sgd"),
+    ("MyAdam", "my_adam")])
+def test_default_names_follow_keras(cls_name, expected):
+    cls = type(cls_name, (SGD,), {"__init__": lambda self, **kw: Optimizer.__init__(self, 0.1, **kw)})
+    assert cls().name == expected

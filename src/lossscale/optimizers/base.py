@@ -37,7 +37,10 @@ _BASE_BOUNDS = {
 
 
 def _snake_case(name):
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+    # Keras's naming: "LossScaleOptimizer" -> "loss_scale_optimizer",
+    # "RMSprop" -> "rm_sprop", "SGD" -> "sgd".
+    name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()
 
 
 class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
