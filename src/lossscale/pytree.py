@@ -270,7 +270,8 @@ class Transform:
                 f"Received: optimizer={self._optimizer!r}")
         if self._names is None:
             raise ValueError("`loss_scale` needs an initialised transform; call `tx.init` first.")
-        position = self._optimizer.variables.index(self._optimizer.dynamic_scale)
+        scale = self._optimizer.dynamic_scale
+        position = next(i for i, v in enumerate(self._optimizer.variables) if v is scale)
         return state[self._names[position]]
 
     def _check_structure(self, treedef, argname):
