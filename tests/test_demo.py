@@ -1,11 +1,13 @@
 """End to end: `lossscale demo --quick`, as the README's first command runs it."""
 
+import doctest
 import json
 import subprocess
 import sys
 
 import pytest
 
+import lossscale.demo
 from lossscale.demo.report import COLUMNS
 
 LABELS = ("float32", "float16, no loss scaling", "float16 + LossScaleOptimizer")
@@ -60,3 +62,8 @@ def test_loss_scaling_matches_float32_and_unscaled_float16_loses_gradients(quick
     assert unscaled["test_accuracy"] < reference["test_accuracy"] - 0.2
     assert all(len(r["losses"]) == 300 for r in results["runs"])
     assert results["config"]["steps"] == 300
+
+
+def test_docstring_example():
+    result = doctest.testmod(lossscale.demo, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

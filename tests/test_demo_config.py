@@ -1,9 +1,11 @@
 """`DemoConfig`: defaults and every rejected value."""
 
+import doctest
 import re
 
 import pytest
 
+from lossscale.demo import config as config_module
 from lossscale.demo.config import DEFAULT_LOSS_WEIGHT, DEFAULT_STEPS, DemoConfig
 
 
@@ -40,3 +42,8 @@ def test_rejects_an_empty_out(out):
     with pytest.raises(ValueError, match=re.escape(
             f"`out` must be a non-empty path string. Received: out={out!r}")):
         DemoConfig(out=out)
+
+
+def test_docstring_example():
+    result = doctest.testmod(config_module)
+    assert result.attempted > 0 and result.failed == 0

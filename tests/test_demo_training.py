@@ -41,12 +41,12 @@ def _train(spec, backend, data, steps, **config):
         return train_run(spec, model, data, batches, config, bar), bar
 
 
-def test_compare_counts_flushed_values_and_the_relative_error():
+def test_compare_counts_flushed_and_subnormal_values_and_the_relative_error():
     ops = get_ops("numpy")
     reference = [np.array([1e-3, -2e-3, 0.0, 4e-8], np.float32), np.array([[3e-3]], np.float32)]
     grads = [np.array([2.0, -4.0, 0.0, 0.0], np.float16), np.array([[6.0]], np.float16)]
-    flushed, nonzero, error = _compare(reference, grads, 2048.0, ops)
-    assert (flushed, nonzero) == (1, 4)
+    flushed, nonzero, subnormal, received, error = _compare(reference, grads, 2048.0, ops)
+    assert (flushed, nonzero, subnormal, received) == (1, 4, 0, 3)
     ref64 = [r.astype(np.float64) for r in reference]
     unscaled = [g.astype(np.float64) / 2048.0 for g in grads]
     expected = np.sqrt(sum(((u - r) ** 2).sum() for u, r in zip(unscaled, ref64))) / np.sqrt(
@@ -54,11 +54,18 @@ def test_compare_counts_flushed_values_and_the_relative_error():
     assert error == pytest.approx(expected, rel=1e-12)
 
 
+def test_compare_counts_subnormals_below_two_to_the_minus_14():
+    ops = get_ops("numpy")
+    grads = [np.array([2.0 ** -14, -(2.0 ** -15), 2.0 ** -24, 0.0, 1.0], np.float16)]
+    comparison = _compare([np.ones(5, np.float32)], grads, 1.0, ops)
+    assert (comparison.subnormal, comparison.received_nonzero, comparison.flushed) == (2, 4, 1)
+
+
 def test_compare_leaves_out_the_error_of_an_overflowed_step():
     ops = get_ops("numpy")
-    flushed, nonzero, error = _compare([np.array([1.0, 2.0, 1e-9], np.float32)],
-                                       [np.array([np.inf, 1.0, 0.0], np.float16)], 1.0, ops)
-    assert (flushed, nonzero, error) == (1, 3, None)
+    comparison = _compare([np.array([1.0, 2.0, 1e-9], np.float32)],
+                          [np.array([np.inf, 1.0, 0.0], np.float16)], 1.0, ops)
+    assert (comparison.flushed, comparison.nonzero, comparison.error) == (1, 3, None)
 
 
 def test_make_optimizer_scales_epsilon_with_the_loss_weight():
@@ -87,6 +94,7 @@ def test_float32_run_is_the_same_for_any_power_of_two_loss_weight(backend, data)
 def test_unscaled_float16_run_records_underflow(backend, data):
     result, bar = _train(UNSCALED, backend.name, data, 6)
     assert result.nonzero > 0 and 0 < result.flushed <= result.nonzero
+    assert 0 < result.subnormal <= result.received_nonzero <= result.nonzero
     assert len(result.gradient_errors) == 6
     assert result.skipped_steps == [] and result.final_scale is None
     assert (bar.updates, bar.closed, len(bar.postfixes)) == (6, 1, 6)
@@ -113,10 +121,13 @@ def test_scale_grows_every_growth_steps(data):
 
 
 def test_run_result_summaries():
-    result = RunResult(SCALED, flushed=3, nonzero=12, gradient_errors=[0.1, 0.3])
-    assert result.flush_share == 0.25
+    result = RunResult(SCALED, flushed=3, nonzero=12, subnormal=1, received_nonzero=8,
+                       gradient_errors=[0.1, 0.3])
+    assert result.flush_share == 0.25 and result.subnormal_share == 0.125
     assert result.gradient_error == pytest.approx(0.2)
     as_dict = result.to_dict()
     assert as_dict["flush_share"] == 0.25 and as_dict["spec"]["label"] == SCALED.label
+    assert as_dict["subnormal_share"] == 0.125
     empty = RunResult(FLOAT32)
     assert empty.flush_share is None and empty.gradient_error is None
+    assert empty.subnormal_share is None

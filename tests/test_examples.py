@@ -8,19 +8,28 @@ import sys
 
 import pytest
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
 NAMES = ("torch_autocast.py", "jax_pytree.py", "numpy_mlp.py")
+QUICKSTARTS = ("quickstart_torch.py", "quickstart_jax.py")
+# The quickstarts are printed in the README; until the README section is
+# merged they live in docs/readme_demo_section.md.
+README_SOURCES = (ROOT / "README.md", ROOT / "docs" / "readme_demo_section.md")
+
+
+def _run(name, cwd):
+    # One thread: the examples' matrices are tiny, and spinning worker
+    # threads on a busy test machine would only slow them down.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(EXAMPLES / name)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_example_runs_and_learns(name, tmp_path):
-    # One thread: the examples' matrices are tiny, and spinning worker
-    # threads on a busy test machine would only slow them down.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(EXAMPLES / name)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    last = proc.stdout.strip().splitlines()[-1]
+    last = _run(name, tmp_path)
     assert float(re.search(r"accuracy (\S+)", last).group(1)) > 0.95
     # 300 steps, no overflow, doubling every 100 finite steps: 2**15 -> 2**18.
     assert float(re.search(r"loss scale (\S+)", last).group(1)) == 2.0 ** 18
@@ -31,3 +40,18 @@ def test_example_is_short_and_uses_the_wrapper(name):
     text = (EXAMPLES / name).read_text()
     assert len(text.splitlines()) < 80
     assert "LossScaleOptimizer(" in text and ("scale_loss(" in text or "dynamic_scale" in text)
+
+
+@pytest.mark.parametrize("name", QUICKSTARTS)
+def test_quickstart_runs_and_fits(name, tmp_path):
+    last = _run(name, tmp_path)
+    assert float(re.search(r"^loss (\S+)", last).group(1)) < 1e-2
+    assert float(re.search(r"loss scale (\S+)", last).group(1)) > 1.0
+
+
+@pytest.mark.parametrize("name", QUICKSTARTS)
+def test_quickstart_is_printed_verbatim_in_the_readme(name):
+    code = (EXAMPLES / name).read_text()
+    assert len(code.splitlines()) <= 25
+    texts = [p.read_text() for p in README_SOURCES if p.exists()]
+    assert any(f"```python\n{code}```" in text for text in texts)

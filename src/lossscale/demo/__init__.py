@@ -22,11 +22,13 @@ Choices, and why they keep the comparison honest:
   table reports the share of values that are nonzero in float32 but zero in
   the float16 gradients the optimizer received.
 - The gradient regime is set by one documented constant. Large models
-  average their loss over 10^5-10^6 terms (tokens times batch) and
-  backpropagate through many layers, and most of their gradient values lie
-  below float16's smallest normal number, 2^-14 (Micikevicius et al.,
-  figure 5). A 64-128-10 network on 1,437 images averaged over a batch of
-  128 does not get there by itself, so every run multiplies its loss by
+  often average their loss over 10^5-10^6 terms (tokens times batch) and
+  backpropagate through many layers, and a large share of their gradient
+  values can lie below float16's smallest normal number, 2^-14 (Micikevicius
+  et al. show it for the activation gradients of a Multibox SSD detector).
+  A 64-128-10 network on 1,437 images averaged over a batch of 128 does not
+  get there by itself (the demo measures this: see `--loss-weight 1`), so
+  every run multiplies its loss by
   `loss_weight` (2^-16 by default; `--loss-weight`). Adam's `epsilon` is
   multiplied by the same constant, which makes the float32 run identical to
   training on the plain loss: a power-of-two weight scales every gradient
@@ -35,11 +37,14 @@ Choices, and why they keep the comparison honest:
 
 Example:
 
+>>> import io, os, tempfile
 >>> from lossscale.demo import DemoConfig, run_demo
->>> result = run_demo(DemoConfig(steps=20, backend="numpy", out="/tmp/ls-demo",
-...                              progress=False), stream=open("/dev/null", "w"))
+>>> config = DemoConfig(steps=20, backend="numpy", out=tempfile.mkdtemp(), progress=False)
+>>> result = run_demo(config, stream=io.StringIO())
 >>> [r.spec.label for r in result.runs]
 ['float32', 'float16, no loss scaling', 'float16 + LossScaleOptimizer']
+>>> os.path.basename(result.plot_path), result.runs[1].flushed > 0
+('demo.png', True)
 """
 
 from lossscale.demo.config import DemoConfig

@@ -18,11 +18,14 @@ grad error vs float32: ||g16 / scale - g32|| / ||g32||, averaged over the
   without flushing to zero."""
 
 
+def format_number(x):
+    """`2^k` for a power of two (loss scales, loss weights), else the shortest float form."""
+    exponent = math.log2(x)
+    return f"2^{exponent:g}" if exponent.is_integer() else f"{x:g}"
+
+
 def _scale(scale):
-    if scale is None:
-        return "-"
-    exponent = math.log2(scale)
-    return f"2^{exponent:g}" if exponent.is_integer() else f"{scale:g}"
+    return "-" if scale is None else format_number(scale)
 
 
 def _percent(share):
@@ -55,10 +58,12 @@ def summary(results):
 
     return (
         f"Without loss scaling, float16 flushed {_percent(unscaled.flush_share)} of the "
-        f"nonzero gradient values to zero, its gradients were off by "
-        f"{_percent(unscaled.gradient_error)} on average, and it reached "
+        f"nonzero gradient values to zero, {_percent(unscaled.subnormal_share)} of the values "
+        f"left were float16 subnormals (below 2^-14: fewer than 10 significant bits), its "
+        f"gradients were off by {_percent(unscaled.gradient_error)} on average, and it reached "
         f"{100 * unscaled.test_accuracy:.1f} % test accuracy. With LossScaleOptimizer, "
-        f"float16 flushed {_percent(scaled.flush_share)}, was off by "
+        f"float16 flushed {_percent(scaled.flush_share)}, "
+        f"{_percent(scaled.subnormal_share)} were subnormal, it was off by "
         f"{_percent(scaled.gradient_error)}, skipped {len(scaled.skipped_steps)} overflowing "
         f"step(s) and reached {100 * scaled.test_accuracy:.1f} % "
         f"(float32: {100 * reference.test_accuracy:.1f} %).")

@@ -13,7 +13,8 @@ from lossscale.demo.models import make_model, single_threaded
 from lossscale.demo.training import RUNS, train_run
 
 # Import name -> what to install, for a clear message when one is missing.
-_NEEDS = {"sklearn": "scikit-learn", "matplotlib": "matplotlib", "tqdm": "tqdm"}
+_NEEDS = {"sklearn": "scikit-learn", "threadpoolctl": "threadpoolctl",
+          "matplotlib": "matplotlib", "tqdm": "tqdm"}
 _BACKEND_NEEDS = {"torch": {"torch": "torch"}, "jax": {"jax": "jax"}, "numpy": {}}
 
 
@@ -61,14 +62,16 @@ def _header(config):
         "seed, initial weights and batches.".format(h=config.hidden_units),
         f"backend={config.backend} steps={config.steps} batch={config.batch_size} "
         f"Adam(learning_rate={config.learning_rate:g}) seed={config.seed} "
-        f"initial_scale={config.initial_scale:g} growth_steps={config.growth_steps}",
+        f"initial_scale={report.format_number(config.initial_scale)} "
+        f"growth_steps={config.growth_steps}",
         "float16 runs keep float32 master weights and run the forward and backward passes on a "
         "float16 copy; the gradients they produce are float16.",
-        f"Every run multiplies its loss by loss_weight={config.loss_weight:g} (--loss-weight): "
-        "a stand-in for the averaging over 10^5-10^6 loss terms that puts large models' "
-        "gradients below float16's normal range (6.1e-05). Adam's epsilon is multiplied too, "
-        "so the float32 run trains as on the plain loss. With --loss-weight 1 this small "
-        "network's gradients mostly fit in float16 and loss scaling has little to fix.",
+        f"Every run multiplies its loss by loss_weight={report.format_number(config.loss_weight)} "
+        "(--loss-weight): a stand-in for the averaging over 10^5-10^6 loss terms that can put "
+        "large models' gradients below float16's normal range (6.1e-05). Adam's epsilon is "
+        "multiplied too, so the float32 run trains as on the plain loss (exactly, for a power "
+        "of two). With --loss-weight 1 this small network's gradients mostly fit in float16 "
+        "and loss scaling has little to fix.",
     ])
 
 
@@ -113,7 +116,7 @@ def run_demo(config, stream=None):
     from lossscale.demo.plot import save_plot
 
     save_plot(runs, plot_path, f"lossscale demo ({config.backend} backend, "
-                               f"loss_weight={config.loss_weight:g})")
+                               f"loss_weight={report.format_number(config.loss_weight)})")
     seconds = time.perf_counter() - start
     with open(results_path, "w", encoding="utf-8") as f:
         json.dump({"config": dataclasses.asdict(config), "seconds": seconds,

@@ -12,6 +12,7 @@ nothing on the CPU the demo runs on; a training loop on an accelerator
 would read them less often.
 """
 
+import collections
 import dataclasses
 import time
 
@@ -22,6 +23,11 @@ from lossscale.optimizers import Adam, LossScaleOptimizer
 
 # Adam's default epsilon, before multiplying by the loss weight.
 ADAM_EPSILON = 1e-7
+# float16's smallest normal number: below it, fewer than 10 significant bits.
+FLOAT16_TINY = 2.0 ** -14
+
+Comparison = collections.namedtuple(
+    "Comparison", ["flushed", "nonzero", "subnormal", "received_nonzero", "error"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +61,11 @@ class RunResult:
             but zero in the run's float16 gradients (0 for float32).
         nonzero: Gradient values nonzero in float32, summed over all steps
             (0 for a float32 run, which measures nothing).
+        subnormal: Nonzero float16 gradient values, summed over all steps,
+            below float16's smallest normal number (2^-14): they kept fewer
+            than 10 significant bits.
+        received_nonzero: Nonzero float16 gradient values, summed over all
+            steps.
         gradient_errors: Per finite float16 step, the relative error of the
             unscaled float16 gradients against the float32 ones,
             `||g16 / scale - g32|| / ||g32||` over all weights (empty for
@@ -72,6 +83,8 @@ class RunResult:
     skipped_steps: list = dataclasses.field(default_factory=list)
     flushed: int = 0
     nonzero: int = 0
+    subnormal: int = 0
+    received_nonzero: int = 0
     gradient_errors: list = dataclasses.field(default_factory=list)
     test_accuracy: float = float("nan")
     train_loss: float = float("nan")
@@ -84,6 +97,11 @@ class RunResult:
         return self.flushed / self.nonzero if self.nonzero else None
 
     @property
+    def subnormal_share(self):
+        """Share of the nonzero float16 gradient values that were subnormal, or `None`."""
+        return self.subnormal / self.received_nonzero if self.received_nonzero else None
+
+    @property
     def gradient_error(self):
         """Mean of `gradient_errors`, or `None` when nothing was measured."""
         return float(np.mean(self.gradient_errors)) if self.gradient_errors else None
@@ -91,6 +109,7 @@ class RunResult:
     def to_dict(self):
         out = dataclasses.asdict(self)
         out["flush_share"] = self.flush_share
+        out["subnormal_share"] = self.subnormal_share
         out["gradient_error"] = self.gradient_error
         return out
 
@@ -116,16 +135,22 @@ def make_optimizer(spec, config):
 
 
 def _compare(reference, grads, scale, ops):
-    """Returns `(flushed, nonzero, relative error or None)` of float16 `grads` vs float32."""
+    """Compares float16 `grads` (computed at loss scale `scale`) with float32 `reference`.
+
+    Returns:
+        A `Comparison`; its `error` is `None` when `grads` hold inf or NaN.
+    """
     reference = [ops.to_numpy(r).astype(np.float64) for r in reference]
     grads = [ops.to_numpy(g).astype(np.float64) for g in grads]
     flushed = sum(int(np.count_nonzero((r != 0) & (g == 0))) for r, g in zip(reference, grads))
     nonzero = sum(int(np.count_nonzero(r)) for r in reference)
-    if not all(np.isfinite(g).all() for g in grads):
-        return flushed, nonzero, None
-    error = np.sqrt(sum(np.sum((g / scale - r) ** 2) for r, g in zip(reference, grads)))
-    norm = np.sqrt(sum(np.sum(r ** 2) for r in reference))
-    return flushed, nonzero, float(error / norm)
+    subnormal = sum(int(np.count_nonzero((g != 0) & (np.abs(g) < FLOAT16_TINY))) for g in grads)
+    received = sum(int(np.count_nonzero(g)) for g in grads)
+    error = None
+    if all(np.isfinite(g).all() for g in grads):
+        diff = np.sqrt(sum(np.sum((g / scale - r) ** 2) for r, g in zip(reference, grads)))
+        error = float(diff / np.sqrt(sum(np.sum(r ** 2) for r in reference)))
+    return Comparison(flushed, nonzero, subnormal, received, error)
 
 
 def train_run(spec, model, data, batches, config, progress_bar):
@@ -152,11 +177,13 @@ def train_run(spec, model, data, batches, config, progress_bar):
         loss, grads = model.gradients(x, y, spec.precision, config.loss_weight, scale_loss)
         if spec.precision == "float16":
             _, reference = model.gradients(x, y, "float32", config.loss_weight, _identity)
-            flushed, nonzero, error = _compare(reference, grads, scale or 1.0, ops)
-            result.flushed += flushed
-            result.nonzero += nonzero
-            if error is not None:
-                result.gradient_errors.append(error)
+            comparison = _compare(reference, grads, scale or 1.0, ops)
+            result.flushed += comparison.flushed
+            result.nonzero += comparison.nonzero
+            result.subnormal += comparison.subnormal
+            result.received_nonzero += comparison.received_nonzero
+            if comparison.error is not None:
+                result.gradient_errors.append(comparison.error)
             if not spec.loss_scaling:
                 # Exact: every float16 value is a float32 value. The
                 # wrapper does this cast itself when it unscales.
