@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,10 @@ from lossscale import optimizers
 from lossscale.optimizers import LossScaleOptimizer
 from lossscale.pytree import OptimizerState, Transform, transform
 
+# The tests feed gradients that are already scaled, as `jax.grad` of a scaled
+# loss would give them, so the stateful wrapper's reminder does not apply.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::lossscale.mixed_precision.UnscaledLossWarning")
 SCALE = 16.0
 # Leaf order of the tree below (dict keys sorted): bias, kernel, out/0, out/1.
 SHAPES = {"dense/bias": (3,), "dense/kernel": (2, 3), "out/0": (3, 2), "out/1": (2,)}
@@ -108,22 +113,22 @@ def test_jit_checkpoint_round_trip_and_no_retrace(rng):
     tx = transform(lso())
     traces = []
 
-    def step(grads, state, params):
+    def counted(grads, state, params):
         traces.append(1)
         return tx.apply(grads, state, params)
 
-    step = jax.jit(step, donate_argnums=(1, 2))
+    step = jax.jit(lambda p, s, g: counted(g, s, p), donate_argnums=(0, 1))
     params = nested([jnp.asarray(x) for x in init])
     state = tx.init(params)
     for grads in steps[:10]:
-        params, state = step(nested([jnp.asarray(g) for g in grads]), state, params)
+        params, state = step(params, state, nested([jnp.asarray(g) for g in grads]))
     saved = {name: np.asarray(x) for name, x in state.items()}
     saved_params = jax.tree_util.tree_map(np.asarray, params)
     # Restore: a state rebuilt from a plain dict (any key order) fits the compiled step.
     state = OptimizerState({name: jnp.asarray(saved[name]) for name in reversed(list(saved))})
     params = jax.tree_util.tree_map(jnp.asarray, saved_params)
     for grads in steps[10:]:
-        params, state = step(nested([jnp.asarray(g) for g in grads]), state, params)
+        params, state = step(params, state, nested([jnp.asarray(g) for g in grads]))
     assert len(traces) == 1
 
     uninterrupted = transform(lso())
@@ -137,6 +142,44 @@ def test_jit_checkpoint_round_trip_and_no_retrace(rng):
     for name in s:
         np.testing.assert_allclose(np.asarray(state[name]), np.asarray(s[name]), rtol=1e-6,
                                    atol=1e-7)
+
+
+def full_size_copies(hlo_text):
+    """Lines of compiled HLO that copy a non-scalar array (a buffer not updated in place)."""
+    return [line for line in hlo_text.splitlines()
+            if re.search(r"= [a-z0-9]+\[\d+(,\d+)*\]\S* copy\(", line)]
+
+
+def test_tx_jit_donates_and_updates_in_place(rng):
+    import jax
+    import jax.numpy as jnp
+
+    init, steps = random_arrays(rng), gradient_steps(rng, 4)
+    tx = transform(lso())
+    params = nested([jnp.asarray(x) for x in init])
+    state = tx.init(params)
+    step = tx.jit()
+    # The first step donates (deletes) `state`'s arrays: the plain run starts from copies.
+    plain_params, plain_state = jax.tree_util.tree_map(jnp.copy, (params, state))
+    for grads in steps:
+        grads = nested([jnp.asarray(g) for g in grads])
+        plain_params, plain_state = tx.apply(grads, plain_state, plain_params)
+        old = jax.tree_util.tree_leaves([params, state])
+        params, state = step(grads, state, params)
+        assert all(x.is_deleted() for x in old)
+    for a, b in zip(jax.tree_util.tree_leaves([params, state]),
+                    jax.tree_util.tree_leaves([plain_params, plain_state])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    kept = tx.jit(donate=False)
+    args = (nested([jnp.asarray(g) for g in steps[0]]), state, params)
+    kept(*args)
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(args))
+    with pytest.raises(ValueError, match=r"`donate` must be a boolean. Received: donate=1"):
+        tx.jit(donate=1)
+    # Inputs donated in output order: XLA writes every parameter and slot in place.
+    compiled = jax.jit(lambda p, s, g: tx.apply(g, s, p), donate_argnums=(0, 1)).lower(
+        params, state, args[0]).compile().as_text()
+    assert full_size_copies(compiled) == []
 
 
 def test_state_is_a_keyed_pytree():
@@ -270,7 +313,7 @@ def test_donated_initial_state_cannot_be_reused():
     tx = transform(lso())
     params = {"w": jnp.ones(3)}
     state = tx.init(params)
-    jax.jit(tx.apply, donate_argnums=(1, 2))({"w": jnp.ones(3)}, state, params)
+    tx.jit()({"w": jnp.ones(3)}, state, params)
     with pytest.raises(ValueError, match=r"The initial optimizer state was donated to a jitted "
                                          r"step and no longer exists"):
         tx.init({"w": jnp.ones(3)})
@@ -330,7 +373,7 @@ _SHARDED = textwrap.dedent("""
         tx = lp.transform(ls.LossScaleOptimizer(ls.optimizers.Adam(0.05), initial_scale=64.0))
         params = {k: place(k, v) for k, v in host.items()}
         state = tx.init(params)
-        step = jax.jit(tx.apply, donate_argnums=(1, 2))
+        step = tx.jit()
         for g in grads:
             params, state = step({k: place(k, v) for k, v in g.items()}, state, params)
         return tx, params, state

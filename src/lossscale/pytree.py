@@ -25,6 +25,7 @@ sorted, `None` an empty subtree). Importing this module imports no backend.
 import collections.abc
 import sys
 
+from lossscale import validation
 from lossscale.optimizers.base import Optimizer
 from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from lossscale.variables import Variable
@@ -136,12 +137,13 @@ class Transform:
     returns the initial `OptimizerState`; `apply` runs one step of the
     optimizer's `stateless_apply` and returns new parameters (same tree
     structure, dtypes and, on JAX, sharding) and a new state. The optimizer
-    object is never mutated by `apply`, so `jax.jit(tx.apply)` compiles once
-    and can donate its arguments.
+    object is never mutated by `apply`, so `jax.jit(tx.apply)` compiles once;
+    `tx.jit()` compiles it with `params` and `state` donated, in the order
+    that lets XLA update every buffer in place.
 
     The transform keeps the arrays it was initialised with (the optimizer's
     variables wrap them); on JAX, donating `state` and `params` to the
-    jitted step frees them after the first step.
+    jitted step (`tx.jit()`) frees them after the first step.
 
     Args:
         optimizer: A `lossscale.optimizers.Optimizer`, typically a
@@ -215,8 +217,12 @@ class Transform:
     def apply(self, grads, state, params):
         """Applies one optimizer step to a parameter pytree.
 
-        Pure: nothing is mutated, so it may be wrapped in `jax.jit` (with
-        `donate_argnums=(1, 2)` to update in place) or `jax.vmap`.
+        Pure: nothing is mutated, so it may be wrapped in `jax.jit` or
+        `jax.vmap`. To donate buffers, use `tx.jit()`, or a training step of
+        your own that takes `(params, state, ...)` and returns
+        `(params, state)` in that order with `donate_argnums=(0, 1)`:
+        `jax.jit(tx.apply, donate_argnums=(1, 2))` pairs the buffers badly
+        (see `jit`).
 
         Args:
             grads: A pytree of gradients with the structure of `params`.
@@ -251,6 +257,33 @@ class Transform:
         new_leaves, new_values = self._optimizer.stateless_apply(
             [state[n] for n in self._names], grad_leaves, param_leaves)
         return _unflatten(treedef, new_leaves), OptimizerState(dict(zip(self._names, new_values)))
+
+    def jit(self, donate=True):
+        """Returns `apply` compiled with `jax.jit`, donating `state` and `params`.
+
+        Same signature and results as `apply`. JAX pairs donated inputs with
+        outputs of the same shape in order, so donating `apply`'s own
+        `(state, params)` would pair each optimizer slot with a parameter and
+        force XLA to copy buffers; this compiles a version whose inputs come in
+        output order `(params, state)`, which updates every buffer in place.
+
+        Args:
+            donate: Boolean. Whether to donate `params` and `state` (they are
+                invalid after the call). Defaults to `True`.
+
+        Returns:
+            A function `(grads, state, params) -> (new_params, new_state)`.
+        """
+        import jax
+
+        validation.check_bool("donate", donate)
+        compiled = jax.jit(lambda params, state, grads: self.apply(grads, state, params),
+                           donate_argnums=(0, 1) if donate else ())
+
+        def step(grads, state, params):
+            return compiled(params, state, grads)
+
+        return step
 
     def scale_loss(self, loss, state):
         """Multiplies `loss` by the loss scale held in `state`.
@@ -299,7 +332,7 @@ def transform(optimizer):
     >>> tx = ls.pytree.transform(ls.LossScaleOptimizer(ls.optimizers.Adam(1e-3)))
     >>> params = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.zeros(2)}}
     >>> state = tx.init(params)
-    >>> step = jax.jit(tx.apply, donate_argnums=(1, 2))
+    >>> step = tx.jit()  # jax.jit(tx.apply), updating params and state in place
     >>> grads = jax.tree_util.tree_map(jnp.ones_like, params)
     >>> params, state = step(grads, state, params)
     """
