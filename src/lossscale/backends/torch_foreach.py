@@ -23,8 +23,16 @@ _add, _sub, _mul, _div = (torch._foreach_add, torch._foreach_sub, torch._foreach
 
 
 def scalar(value, group):
-    """`ops.cast(value, dtype)` as in `update_step`, placed on the group's device."""
-    return torch_ops.cast(value, group.dtype).to(group.device)
+    """`ops.cast(value, dtype)` as in `update_step`, as a 0-d tensor on the group's device.
+
+    A Python number becomes a cached device constant (made by a fill, not
+    copied from the host); a tensor is cast and, if it lives elsewhere,
+    moved.
+    """
+    if not isinstance(value, torch.Tensor):
+        return torch_ops.constant(value, group.dtype, group.device)
+    value = value.to(group.dtype)
+    return value if value.device == group.device else value.to(group.device)
 
 
 def step_count(optimizer, group):

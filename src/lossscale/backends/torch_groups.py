@@ -108,8 +108,11 @@ def _make(optimizer, variables, slot_attrs):
     groups = []
     for (device, dtype), entries in members.items():
         indices = [position for position, _, _ in entries]
-        params = [storage for _, storage, _ in entries]
-        slots = {attr: [slots[k]._storage for _, _, slots in entries]
+        # Detached aliases share memory (and version counter) with the
+        # storages; torch's kernels take them several times faster than
+        # `nn.Parameter`s, whose in-place updates go through autograd checks.
+        params = [storage.detach() for _, storage, _ in entries]
+        slots = {attr: [slots[k]._storage.detach() for _, _, slots in entries]
                  for k, attr in enumerate(slot_attrs)}
         groups.append(Group(device, dtype, indices, params, slots, whole))
     return Plan(variables, watched, groups)

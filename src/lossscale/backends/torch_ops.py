@@ -11,10 +11,10 @@ host round trip.
 
 import contextlib
 import contextvars
+import numbers
 
 import torch
 
-from lossscale.backends import torch_foreach, torch_fused
 from lossscale.backends._common import unwrap
 
 NAME = "torch"
@@ -183,14 +183,38 @@ isfinite = _unary(torch.isfinite)
 logical_not = _unary(torch.logical_not)
 
 
+# Python numbers met in arithmetic become 0-d tensors made on the device by
+# a fill (`torch.full`), never copied from the host: a host-to-device copy of
+# pageable memory waits for the device. Each is made once per (value,
+# dtype, device) and only ever read.
+_CONSTANTS = {}
+
+
+def constant(value, dtype, device):
+    """A cached 0-d tensor holding the Python number `value`."""
+    key = (type(value), repr(value), dtype, device)
+    tensor = _CONSTANTS.get(key)
+    if tensor is None:
+        tensor = _CONSTANTS[key] = torch.full((), value, dtype=dtype, device=device)
+    return tensor
+
+
 def _pair(x, y):
     x, y = unwrap(x), unwrap(y)
     if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(x, dtype=y.dtype if isinstance(y, torch.Tensor) else None,
-                            device=_device(y))
+        if not isinstance(y, torch.Tensor):
+            x = torch.as_tensor(x)
+        else:
+            x = _like(x, y)
     if not isinstance(y, torch.Tensor):
-        y = torch.as_tensor(y, dtype=x.dtype, device=x.device)
+        y = _like(y, x)
     return x, y
+
+
+def _like(value, tensor):
+    if isinstance(value, numbers.Number):
+        return constant(value, tensor.dtype, tensor.device)
+    return torch.as_tensor(value, dtype=tensor.dtype, device=tensor.device)
 
 
 def power(x, y):
@@ -237,13 +261,22 @@ def groups(tensors):
     return [(device, dtype, indices) for (device, dtype), indices in found.items()]
 
 
+# The last CPU `unscale` result, kept alive until the next call. Freed at
+# once, hundreds of MiB of gradients go back to the OS, and the next step
+# faults every page in again (about 9x the cost of the division itself with
+# glibc); held one step longer, the allocator reuses them. CUDA's caching
+# allocator needs no such help.
+_RECENT_CPU_RESULT = []
+
+
 def unscale(grads, scale):
     grads = [unwrap(g) for g in grads]
     if not grads:
         return []
     scale = unwrap(scale)
+    parts = groups(grads)
     out = [None] * len(grads)
-    for device, dtype, indices in groups(grads):
+    for device, dtype, indices in parts:
         group = [grads[i] for i in indices]
         if dtype.itemsize < 4:
             # Half gradients are unscaled in float32: the copy is ours, so
@@ -252,8 +285,13 @@ def unscale(grads, scale):
             torch._foreach_div_(group, scale.to(device=device, dtype=torch.float32))
         else:
             group = torch._foreach_div(group, scale.to(device=device, dtype=dtype))
+        if len(parts) == 1:
+            out = group
+            break
         for i, g in zip(indices, group):
             out[i] = g
+    if out[0].device.type == "cpu":
+        _RECENT_CPU_RESULT[:] = out
     return out
 
 
@@ -262,10 +300,19 @@ def _floats(arrays):
     return [a for a in arrays if a.is_floating_point() and a.numel()]
 
 
-def _peaks(arrays):
-    """Per (device, dtype) group, the vector of `max |a|` (NaN where a NaN is)."""
-    return [torch.stack(torch._foreach_norm([arrays[i] for i in indices], float("inf")))
-            for _, _, indices in groups(arrays)]
+def _group_flags(arrays):
+    """For each (device, dtype) group, a 0-d flag: every element finite."""
+    flags = []
+    for device, _, indices in groups(arrays):
+        group = [arrays[i] for i in indices]
+        if device.type == "cpu":
+            # torch's multi-tensor inf-norm is a slow generic reduction on
+            # CPU; min and max of each tensor in one pass are not.
+            extremes = torch.stack([x for a in group for x in torch.aminmax(a)])
+        else:
+            extremes = torch.stack(torch._foreach_norm(group, float("inf")))
+        flags.append(torch.isfinite(extremes).all())
+    return flags
 
 
 def _combine(scalars):
@@ -280,10 +327,11 @@ def all_finite(arrays):
     arrays = _floats(arrays)
     if not arrays:
         return torch.tensor(True)
-    # One multi-tensor reduction per group and small ones on top: the flag
+    # Multi-tensor reductions per group and a small one on top: the flag
     # stays on the device. Each group is tested in its own dtype, so a large
-    # finite float64 value is not mistaken for an overflow.
-    return _combine([torch.isfinite(p).all() for p in _peaks(arrays)]).all()
+    # finite float64 value is not mistaken for an overflow; NaN propagates
+    # through both reductions.
+    return _combine(_group_flags(arrays)).all()
 
 
 def global_norm(arrays):
@@ -301,17 +349,32 @@ def max_abs(arrays):
     arrays = _floats(arrays)
     if not arrays:
         return torch.tensor(0.0)
-    return _combine([p.max().float() for p in _peaks(arrays)]).max()
+    peaks = [torch.stack(torch._foreach_norm([arrays[i] for i in indices], float("inf"))).max()
+             for _, _, indices in groups(arrays)]
+    return _combine([p.float() for p in peaks]).max()
 
 
 # Fused multi-tensor kernels, keyed by the exact optimizer class they
 # reproduce (a subclass may change the rule, so it takes the generic path).
-# Each entry has a test proving it equals `update_step`.
-FUSED_KERNELS = {**torch_foreach.kernels(), **torch_fused.kernels()}
+# Each entry has a test proving it equals `update_step`. Filled on first use:
+# the kernel modules build on this one.
+FUSED_KERNELS = {}
+_KERNELS_LOADED = []
+
+
+def fused_kernels():
+    """`FUSED_KERNELS`, filled from `torch_fused` and `torch_foreach` once."""
+    if not _KERNELS_LOADED:
+        from lossscale.backends import torch_foreach, torch_fused
+
+        FUSED_KERNELS.update(torch_foreach.kernels())
+        FUSED_KERNELS.update(torch_fused.kernels())
+        _KERNELS_LOADED.append(True)
+    return FUSED_KERNELS
 
 
 def fused_update(optimizer):
-    return FUSED_KERNELS.get(type(optimizer))
+    return fused_kernels().get(type(optimizer))
 
 
 def cond(pred, true_fn, false_fn, variables):

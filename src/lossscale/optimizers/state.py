@@ -2,13 +2,28 @@
 
 Kept apart from the update logic: these methods only read and write the
 `variables` list, in order, and check everything before writing anything.
+
+Two forms of the same state:
+- Keras's: `save_own_variables(store)` / `load_own_variables(store)`, a flat
+  store keyed `"0"`, `"1"`, ... in `variables` order.
+- torch's: `state_dict()` / `load_state_dict(state_dict)`, a nested dict
+  keyed by parameter index, which `torch.save` and `torch.load` (also with
+  `weights_only=True`) handle as they handle any `torch.optim` state. See
+  docs/torch.md.
 """
 
+import inspect
+import numbers
 import warnings
+
+from lossscale.backends import backend_of, get_ops
+
+STATE_DICT_KEYS = ("state", "param_groups", "optimizer_variables")
 
 
 class StateMixin:
-    """`save_own_variables`, `load_own_variables` and `set_weights`."""
+    """`save_own_variables`, `load_own_variables`, `set_weights`, `state_dict` and
+    `load_state_dict`."""
 
     def save_own_variables(self, store):
         """Writes every variable, as a NumPy array, to `store["0"]`, `store["1"]`, ..."""
@@ -51,6 +66,199 @@ class StateMixin:
         _check_shapes("weights", variables, weights)
         for variable, weight in zip(variables, weights):
             variable.assign(weight)
+
+
+    def state_dict(self):
+        """Returns the optimizer's state in the form torch optimizers use.
+
+        ```
+        {
+            "state": {0: {"momentum": m0, "velocity": v0}, 1: {...}, ...},
+            "param_groups": [{"params": [0, 1, ...], "beta_1": 0.9, ...}],
+            "optimizer_variables": {"adam/iteration": t, "adam/learning_rate": lr},
+        }
+        ```
+
+        `state[i]` holds the slots of the `i`-th variable the optimizer was
+        built with, named as they were created (`"momentum"`, `"velocity"`,
+        `"average"` for the EMA, `"gradient_accumulator"`, ...); variables
+        without slots have no entry. `optimizer_variables` holds every other
+        variable (step counter, learning rate, loss-scale state) by `path`.
+        `param_groups` has one group listing every parameter index, with the
+        optimizer's hyperparameters for reference. Values are copies, as
+        arrays of the optimizer's backend (tensors on their device on
+        torch), so the dict is a snapshot that later steps do not change.
+
+        Returns:
+            A dict that `load_state_dict` accepts.
+        """
+        if not self.built:
+            raise ValueError(
+                f"`state_dict()` needs the optimizer's variables, which {type(self).__name__} "
+                "creates when it is built. Call `optimizer.build(trainable_variables)` (or "
+                "take one step) first.")
+        per_parameter, shared = _state_layout(self)
+        return {
+            "state": {i: {name: v._ops.copy(v.value) for name, v in slots.items()}
+                      for i, slots in per_parameter.items()},
+            "param_groups": [{"params": list(range(len(self._trainable_variables))),
+                              **_hyperparameters(self)}],
+            "optimizer_variables": {path: v._ops.copy(v.value) for path, v in shared.items()},
+        }
+
+    def load_state_dict(self, state_dict):
+        """Restores the state written by `state_dict()`, continuing its trajectory.
+
+        The optimizer must be built, on variables of the same number and
+        shapes as the saved one. Everything is checked before anything is
+        written: a mismatch raises `ValueError` and changes nothing. Arrays
+        may come from another backend or device (they are converted and
+        copied into the existing variables). Hyperparameters are those of
+        this optimizer; the saved `param_groups` only have to list the same
+        parameters.
+
+        Args:
+            state_dict: A dict returned by `state_dict()`.
+        """
+        if not self.built:
+            raise ValueError(
+                f"`load_state_dict()` writes into the optimizer's variables, which "
+                f"{type(self).__name__} creates when it is built. Call "
+                "`optimizer.build(trainable_variables)` with the model's variables first.")
+        per_parameter, shared = _state_layout(self)
+        writes = _match_state_dict(self, state_dict, per_parameter, shared)
+        for variable, value in writes:
+            variable.assign(value)
+
+
+def _state_layout(optimizer):
+    """Splits `optimizer.variables` into per-parameter slots and the rest.
+
+    A slot made by `add_variable_from_reference(reference, name)` is named
+    `{reference path with "/" as "_"}_{name}` and shaped like its
+    reference: it is matched to the parameter with the longest such prefix
+    and the same shape. Parameters sharing a path are told apart by
+    creation order (the k-th `x_momentum` belongs to the k-th parameter
+    named `x`). Everything else is keyed by its `path`.
+
+    Returns:
+        `({parameter index: {slot name: Variable}}, {path: Variable})`.
+    """
+    params = optimizer._trainable_variables
+    by_prefix = {}
+    for i, p in enumerate(params):
+        by_prefix.setdefault(p.path.replace("/", "_") + "_", []).append(i)
+    taken = {}
+    per_parameter, shared = {}, {}
+    for variable in optimizer.variables:
+        owner = _owner(variable, params, by_prefix, taken)
+        if owner is not None:
+            index, slot = owner
+            per_parameter.setdefault(index, {})[slot] = variable
+            continue
+        if variable.path in shared:
+            raise ValueError(
+                f"Two variables of optimizer '{optimizer.name}' share the path "
+                f"{variable.path!r}, so `state_dict()` cannot key them apart. Give each "
+                "optimizer (and the inner optimizer of a LossScaleOptimizer) its own `name`.")
+        shared[variable.path] = variable
+    return dict(sorted(per_parameter.items())), shared
+
+
+def _owner(variable, params, by_prefix, taken):
+    name = variable.name
+    cuts = [k + 1 for k, c in enumerate(name) if c == "_"]
+    for cut in reversed(cuts):  # longest prefix first
+        prefix, slot = name[:cut], name[cut:]
+        indices = by_prefix.get(prefix)
+        if not indices or not slot:
+            continue
+        k = taken.get((prefix, slot), 0)
+        if k < len(indices) and params[indices[k]].shape == variable.shape:
+            taken[(prefix, slot)] = k + 1
+            return indices[k], slot
+    return None
+
+
+def _hyperparameters(optimizer):
+    """The optimizer's plain-valued constructor arguments (nested for a wrapped one)."""
+    from lossscale.optimizers.base import Optimizer
+
+    keys = optimizer._config_keys()
+    # A wrapper accepts the base arguments only at their defaults (they are
+    # set on its inner optimizer, listed below), so they would only mislead.
+    wraps = any(isinstance(getattr(optimizer, key, None), Optimizer) for key in keys)
+    base = inspect.signature(Optimizer.__init__).parameters
+    values = {}
+    for key in keys:
+        if key == "learning_rate":  # a variable (in `optimizer_variables`) or a schedule
+            continue
+        value = getattr(optimizer, key, None)
+        if wraps and key in base and key != "name" and value == base[key].default:
+            continue
+        if isinstance(value, Optimizer):
+            values[key] = {"class_name": type(value).__name__, **_hyperparameters(value)}
+        elif value is None or isinstance(value, (bool, numbers.Number, str)):
+            values[key] = value
+    return values
+
+
+def _match_state_dict(optimizer, state_dict, per_parameter, shared):
+    """Checks `state_dict` against the layout; returns `[(variable, value), ...]`."""
+    if not isinstance(state_dict, dict) or set(state_dict) != set(STATE_DICT_KEYS):
+        got = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(
+            state_dict).__name__
+        raise ValueError(
+            f"`state_dict` must be a dict with keys {list(STATE_DICT_KEYS)}, as returned by "
+            f"`state_dict()`. Received: {got}")
+    count = len(optimizer._trainable_variables)
+    groups = state_dict["param_groups"]
+    if (not isinstance(groups, (list, tuple)) or len(groups) != 1
+            or not isinstance(groups[0], dict)
+            or list(groups[0].get("params", ())) != list(range(count))):
+        raise ValueError(
+            f"`state_dict['param_groups']` must be one group listing the {count} parameters "
+            f"this optimizer was built with (params=[0, ..., {count - 1}]). Received: "
+            f"{groups!r}"[:400])
+    writes = []
+    state = state_dict["state"]
+    _check_keys("state_dict['state']", state, per_parameter)
+    for index, slots in per_parameter.items():
+        where = f"state_dict['state'][{index}]"
+        _check_keys(where, state[index], slots)
+        for name, variable in slots.items():
+            writes.append((variable, _value(f"{where}[{name!r}]", state[index][name], variable)))
+    saved = state_dict["optimizer_variables"]
+    _check_keys("state_dict['optimizer_variables']", saved, shared)
+    for path, variable in shared.items():
+        writes.append((variable, _value(f"state_dict['optimizer_variables'][{path!r}]",
+                                        saved[path], variable)))
+    return writes
+
+
+def _check_keys(where, got, expected):
+    if not isinstance(got, dict) or set(got) != set(expected):
+        received = sorted(got, key=str) if isinstance(got, dict) else type(got).__name__
+        raise ValueError(
+            f"`{where}` must have the keys {list(expected)} of this optimizer. Received: "
+            f"{received}")
+
+
+def _value(where, value, variable):
+    """`value` as an array `variable.assign` takes (converted across backends)."""
+    try:
+        backend = backend_of(value)
+    except TypeError:
+        raise ValueError(
+            f"`{where}` must be an array. Received: {type(value).__name__}") from None
+    shape = get_ops(backend).shape(value)
+    if shape != variable.shape:
+        raise ValueError(
+            f"`{where}` must have the shape {variable.shape} of optimizer variable "
+            f"{variable.path!r}. Received: shape {shape}")
+    if backend not in ("numpy", variable.backend):
+        value = get_ops(backend).to_numpy(value)
+    return value
 
 
 def _check_shapes(argname, variables, values):
