@@ -387,6 +387,7 @@ def test_options_through_the_optimizer(backend, rng):
     assert scalar(backend, opt.iterations) == 6
 
 
+@pytest.mark.filterwarnings("ignore:Gradients do not exist")
 def test_telemetry_after_a_known_sequence(backend, rng):
     _, variables, opt = setup(backend, rng, inner=SGD(0.1), initial_scale=8.0,
                               dynamic_growth_steps=2, telemetry=True)
