@@ -1,0 +1,375 @@
+"""`TorchOptimizer`: a `torch.optim.Optimizer` used as a lossscale optimizer.
+
+The adapter hands each step to the native optimizer: it sets every
+parameter's `.grad` to the gradient it received (already unscaled when a
+`LossScaleOptimizer` wraps it), calls the native `step()`, and puts the
+parameters' own `.grad` back. The native optimizer keeps its state (moments,
+per-parameter step counts) in its `state`, outside lossscale variables.
+
+A `LossScaleOptimizer` skips an overflowing step on torch without reading
+anything on the host: the inner update runs under a device-side mask
+(`lossscale.backends.torch_ops.active_mask()`) that every lossscale write
+honours. A native `step()` writes on its own, so under a mask:
+- an optimizer that takes PyTorch's AMP `found_inf` protocol (fused Adam,
+  AdamW, SGD and Adagrad: `_step_supports_amp_scaling`) gets
+  `found_inf = ~mask` as a device tensor, exactly as `torch.amp.GradScaler`
+  passes it, and skips the update in its kernel: no synchronisation;
+- any other optimizer is stepped only if the mask, read on the host, is
+  true: one device synchronisation per step, which is what `GradScaler`
+  does for such optimizers too.
+
+torch is imported when an adapter is made, never by importing lossscale.
+"""
+
+import copy
+import inspect
+
+from lossscale import validation
+from lossscale.optimizers import clipping
+from lossscale.optimizers.base import Optimizer
+from lossscale.schedules.base import LearningRateSchedule
+
+STATE_DICT_KEYS = ("state", "param_groups", "optimizer_variables")
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+class TorchOptimizer(Optimizer):
+    """Wraps a `torch.optim.Optimizer` so lossscale (and `LossScaleOptimizer`) can drive it.
+
+    Build it with exactly the parameters the native optimizer holds (the
+    tensors themselves, matched by identity, in any order). Each `apply`
+    then does:
+
+    ```
+    grads = clip(grads)                  # if clipnorm/clipvalue/global_clipnorm
+    for p, g in zip(params, grads):
+        p.grad = g                       # None: the native optimizer skips p
+    optimizer.step()                     # under a LossScaleOptimizer: skipped
+                                         # on overflow (see the module doc)
+    restore every p.grad; iterations += 1
+    ```
+
+    What lives where:
+    - `variables` holds the adapter's own state only: `[iteration]`. The
+      native state is in `optimizer.state`, created by the native
+      optimizer on its first step.
+    - `state_dict()` / `load_state_dict()` carry everything: the native
+      optimizer's `state` and `param_groups` (as its own `state_dict()`
+      returns them, copied) plus `optimizer_variables`, the step counter.
+      `torch.save` / `torch.load` handle the dict.
+    - `save_own_variables`, `load_own_variables`, `stateless_apply`,
+      `get_config` and `exclude_from_weight_decay` raise: the native state
+      is neither in lossscale variables nor describable by a config.
+    - `learning_rate` reads and writes `param_groups[*]["lr"]`, so
+      `torch.optim.lr_scheduler` schedulers stepping the native optimizer
+      keep working. Note that a scheduler stepped by your training loop
+      also advances on steps a `LossScaleOptimizer` skips.
+    - `iterations` counts the steps taken through the adapter (skipped
+      steps excluded). Setting it leaves the native per-parameter step
+      counts alone.
+
+    Args:
+        optimizer: The `torch.optim.Optimizer` to drive.
+        name: String. The name used for the adapter's variables.
+            Defaults to `"torch_optimizer"`.
+        clipnorm: Float. If set, each gradient is clipped so that its norm
+            is no higher than this value, after unscaling and before the
+            native step (where `GradScaler` users call
+            `clip_grad_norm_` after `unscale_`).
+        clipvalue: Float. If set, gradients are clipped elementwise to
+            `[-clipvalue, clipvalue]`.
+        global_clipnorm: Float. If set, all gradients are clipped together
+            so that their global norm is no higher than this value.
+
+    Example:
+
+    >>> import torch, lossscale as ls
+    >>> from lossscale.optimizers.torch_native import TorchOptimizer
+    >>> w = torch.nn.Parameter(torch.ones(2))
+    >>> opt = ls.LossScaleOptimizer(TorchOptimizer(torch.optim.SGD([w], lr=0.5)),
+    ...                             initial_scale=4.0)
+    >>> loss = opt.scale_loss((w * torch.tensor([1.0, -1.0])).sum())
+    >>> loss.backward()
+    >>> opt.apply([w.grad], [w])
+    >>> w.detach()
+    tensor([0.5000, 1.5000])
+    >>> opt.apply([torch.tensor([float("inf"), 0.0])], [w])  # overflow: skipped
+    >>> w.detach(), float(opt.dynamic_scale)
+    (tensor([0.5000, 1.5000]), 2.0)
+    """
+
+    def __init__(self, optimizer, name=None, *, clipnorm=None, clipvalue=None,
+                 global_clipnorm=None):
+        torch = _torch()
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                "`optimizer` must be a torch.optim.Optimizer instance, such as "
+                f"torch.optim.Adam(model.parameters()). Received: optimizer={optimizer!r}")
+        super().__init__(learning_rate=self._native_learning_rate, clipnorm=clipnorm,
+                         clipvalue=clipvalue, global_clipnorm=global_clipnorm, name=name)
+        self.optimizer = optimizer
+        # A torch tensor from the start, so `state_dict()` is all torch even
+        # before `build` moves it next to the parameters.
+        self._iterations._move_to(torch.zeros(()))
+        self._params = {}  # id(Variable) -> the native parameter it wraps
+        self._uses_found_inf = bool(
+            getattr(optimizer, "_step_supports_amp_scaling", False)
+            and "grad_scaler" not in inspect.signature(optimizer.step).parameters)
+        self._momentum_ready = False
+
+    # --- learning rate ------------------------------------------------------
+    def _native_learning_rate(self):
+        rates = [float(group["lr"]) for group in self.optimizer.param_groups]
+        if any(rate != rates[0] for rate in rates):
+            raise ValueError(
+                f"The param groups of the wrapped {type(self.optimizer).__name__} have "
+                f"different learning rates ({rates}), so there is no single "
+                "`learning_rate`: read or set `optimizer.param_groups[i]['lr']` instead.")
+        return rates[0]
+
+    @property
+    def learning_rate(self):
+        """The native optimizer's learning rate, `param_groups[*]["lr"]`, as a float.
+
+        Raises `ValueError` if the param groups hold different rates. A
+        tensor learning rate is read on the host here (only when you ask).
+        Setting it writes every param group (a tensor rate in place).
+        """
+        return self._native_learning_rate()
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        if isinstance(learning_rate, LearningRateSchedule) or callable(learning_rate):
+            raise TypeError(
+                "The learning rate of a TorchOptimizer lives in the native optimizer's "
+                "`param_groups`; schedule it with a torch.optim.lr_scheduler on "
+                f"`optimizer` instead. Received: learning_rate={learning_rate!r}")
+        validation.check_number("learning_rate", learning_rate, low=0)
+        torch = _torch()
+        for group in self.optimizer.param_groups:
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(learning_rate)
+            else:
+                group["lr"] = float(learning_rate)
+
+    # --- building -----------------------------------------------------------
+    def build(self, var_list):
+        """Checks that `var_list` is exactly the native optimizer's parameters."""
+        if self.built:
+            return
+        variables = self._as_variables(var_list, "var_list")
+        self._params = self._match_parameters(variables)
+        super().build(variables)
+
+    def _match_parameters(self, variables):
+        """`{id(variable): parameter}`; raises unless `variables` are exactly the parameters."""
+        torch = _torch()
+        native = type(self.optimizer).__name__
+        if variables and variables[0].backend != "torch":
+            raise ValueError(
+                f"TorchOptimizer works on torch tensors. Received: var_list of "
+                f"{variables[0].backend} arrays")
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        by_id = {id(p): p for p in params}
+        matched, strangers, seen = {}, [], set()
+        for v in variables:
+            storage = v._storage
+            if not isinstance(storage, torch.Tensor) or id(storage) not in by_id:
+                strangers.append(v.path)
+            elif id(storage) in seen:
+                raise ValueError(
+                    f"`var_list` lists the parameter behind {v.path!r} twice. Received: "
+                    f"{len(variables)} variables")
+            else:
+                seen.add(id(storage))
+                matched[id(v)] = storage
+        missing = [tuple(p.shape) for p in params if id(p) not in seen]
+        if strangers or missing:
+            raise ValueError(
+                f"`var_list` must hold exactly the parameters of the wrapped {native} (matched "
+                "by tensor identity: pass the parameters themselves, not copies). Received: "
+                f"{len(strangers)} variable(s) that are not its parameters {strangers}, and "
+                f"{len(missing)} of its parameters missing (shapes {missing})")
+        return matched
+
+    # --- one step -----------------------------------------------------------
+    def _update(self, ops, grads, variables):
+        grads = clipping.clip_gradients(ops, grads, self.clipnorm, self.clipvalue,
+                                        self.global_clipnorm)
+        params = [self._parameter(v) for v in variables]
+        everything = list(self._params.values())
+        saved = [p.grad for p in everything]
+        try:
+            for p in everything:
+                p.grad = None
+            for p, g in zip(params, grads):
+                p.grad = g.detach().to(dtype=p.dtype)
+            self._step(ops)
+        finally:
+            for p, g in zip(everything, saved):
+                p.grad = g
+
+    def _parameter(self, variable):
+        p = self._params[id(variable)]
+        if variable._storage is not p:
+            # Only stateless application rebinds a variable to another tensor.
+            raise NotImplementedError(_STATELESS_MESSAGE)
+        return p
+
+    def _step(self, ops):
+        mask = ops.active_mask()
+        if mask is None:
+            self.optimizer.step()
+        elif self._uses_found_inf and self._fused_momentum_ready():
+            self._step_with_found_inf((~mask).to(_torch().float32))
+        elif bool(mask):  # the one host read of the mask (see the module doc)
+            self.optimizer.step()
+
+    def _step_with_found_inf(self, found_inf):
+        # GradScaler's protocol: the fused kernels read `found_inf` (and
+        # `grad_scale`, None here: the gradients are unscaled already) off
+        # the optimizer, skip the update where it is 1 and undo their
+        # step-count increment.
+        optimizer = self.optimizer
+        previous = optimizer.__dict__.get("found_inf", _ABSENT)
+        optimizer.found_inf = found_inf
+        try:
+            optimizer.step()
+        finally:
+            if previous is _ABSENT:
+                del optimizer.found_inf
+            else:
+                optimizer.found_inf = previous
+
+    def _fused_momentum_ready(self):
+        """False while a fused SGD with momentum has parameters without a buffer.
+
+        torch's fused SGD makes momentum buffers with `empty_like` on its
+        first step and fills them in the kernel; a first step skipped
+        through `found_inf` stores them uninitialised (`GradScaler` has the
+        same flaw). Until every buffer exists the mask is read on the host.
+        """
+        if self._momentum_ready:
+            return True
+        optimizer = self.optimizer
+        if isinstance(optimizer, _torch().optim.SGD):
+            for group in optimizer.param_groups:
+                if group["momentum"] != 0 and any(
+                        "momentum_buffer" not in optimizer.state.get(p, {})
+                        for p in group["params"]):
+                    return False
+        self._momentum_ready = True
+        return True
+
+    # --- what is not supported ------------------------------------------------
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        """Not supported: raises `NotImplementedError` (see the class docstring)."""
+        raise NotImplementedError(_STATELESS_MESSAGE)
+
+    def get_config(self):
+        """Not supported: raises `NotImplementedError`.
+
+        A live `torch.optim.Optimizer` holds its parameters, which no config
+        can describe. Recreate the adapter in code and restore its state
+        with `load_state_dict`.
+        """
+        raise NotImplementedError(
+            f"TorchOptimizer cannot be serialized: it wraps a live "
+            f"{type(self.optimizer).__name__} holding the model's parameters, which no config "
+            "can describe. Recreate it in code and save its state with `state_dict()` "
+            "(torch.save) instead.")
+
+    def save_own_variables(self, store):
+        """Not supported: raises `NotImplementedError`; use `state_dict()`."""
+        raise NotImplementedError(_store_message("save_own_variables", self.optimizer))
+
+    def load_own_variables(self, store):
+        """Not supported: raises `NotImplementedError`; use `load_state_dict()`."""
+        raise NotImplementedError(_store_message("load_own_variables", self.optimizer))
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Not supported: raises `NotImplementedError`.
+
+        Weight decay is the native optimizer's: put the excluded parameters
+        in a param group with `weight_decay=0`.
+        """
+        raise NotImplementedError(
+            "TorchOptimizer applies no weight decay of its own: the native "
+            f"{type(self.optimizer).__name__} does. Put the parameters to exclude in a param "
+            "group with weight_decay=0.")
+
+    # --- state ------------------------------------------------------------------
+    def state_dict(self):
+        """Returns the native optimizer's state dict plus the adapter's step counter.
+
+        ```
+        {
+            "state": ...,                # the native state_dict()'s, copied
+            "param_groups": [...],       # likewise
+            "optimizer_variables": {"torch_optimizer/iteration": tensor(n)},
+        }
+        ```
+
+        Everything is copied, so later steps do not change the dict. A plain
+        torch optimizer loads it too (it ignores `optimizer_variables`).
+        """
+        state = copy.deepcopy(self.optimizer.state_dict())
+        iterations = self._iterations
+        state["optimizer_variables"] = {iterations.path: iterations._ops.copy(iterations.value)}
+        return state
+
+    def load_state_dict(self, state_dict):
+        """Restores the state written by `state_dict()`.
+
+        The native optimizer checks its part (number and sizes of param
+        groups) before writing anything; the step counter is checked first.
+        A plain `torch.optim` state dict (no step counter) loads with
+        `adapter.optimizer.load_state_dict(...)`.
+
+        Args:
+            state_dict: A dict returned by `state_dict()`.
+        """
+        if not isinstance(state_dict, dict) or set(state_dict) != set(STATE_DICT_KEYS):
+            got = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(
+                state_dict).__name__
+            raise ValueError(
+                f"`state_dict` must be a dict with keys {list(STATE_DICT_KEYS)}, as returned by "
+                "TorchOptimizer.state_dict(); a plain torch.optim state dict loads with "
+                f"`adapter.optimizer.load_state_dict(...)`. Received: {got}")
+        saved = state_dict["optimizer_variables"]
+        path = self._iterations.path
+        if not isinstance(saved, dict) or set(saved) != {path}:
+            received = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            raise ValueError(
+                f"`state_dict['optimizer_variables']` must have the key {path!r} of this "
+                f"optimizer. Received: {received}")
+        count = saved[path]
+        if tuple(getattr(count, "shape", ())) != () or isinstance(count, (bool, float, str)):
+            raise ValueError(
+                f"`state_dict['optimizer_variables'][{path!r}]` must be an integer scalar. "
+                f"Received: {count!r}")
+        self.optimizer.load_state_dict({key: state_dict[key] for key in STATE_DICT_KEYS[:2]})
+        self._iterations.assign(count)
+        self._momentum_ready = False
+
+
+_ABSENT = object()
+
+_STATELESS_MESSAGE = (
+    "TorchOptimizer does not support stateless application: the native torch optimizer "
+    "keeps its state outside lossscale variables and updates the parameters themselves in "
+    "place, so it cannot run on given values. Use `apply` (also through a "
+    "LossScaleOptimizer), or a lossscale optimizer such as lossscale.optimizers.Adam.")
+
+
+def _store_message(method, optimizer):
+    return (
+        f"TorchOptimizer does not support `{method}`: the wrapped "
+        f"{type(optimizer).__name__} keeps its state in `optimizer.state`, not in lossscale "
+        "variables, so a variable store would hold the step counter only. Use `state_dict()` "
+        "and `load_state_dict()` (with torch.save / torch.load) instead.")
