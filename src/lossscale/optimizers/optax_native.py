@@ -1,0 +1,248 @@
+"""`OptaxOptimizer`: an `optax.GradientTransformation` used as a lossscale optimizer.
+
+optax transformations are pure `(init, update)` pairs over pytrees, which
+fits lossscale's model: `build` runs `init` on the parameters and keeps
+every leaf of the state as an optimizer variable, and each step runs
+`update` and `optax.apply_updates` and writes the new parameters and state
+back through `assign`. All of the state is therefore in `variables`, so
+`stateless_apply`, `jax.jit(stateless_apply)`, saving, loading and a
+`LossScaleOptimizer`'s skipped steps (`lax.cond` over the variables) carry
+it like any lossscale optimizer's.
+
+optax and JAX are imported when an adapter is made, never by importing
+lossscale.
+"""
+
+from lossscale import validation
+from lossscale.optimizers.base import Optimizer
+from lossscale.schedules.base import LearningRateSchedule
+
+
+class OptaxOptimizer(Optimizer):
+    """Wraps an `optax.GradientTransformation` so lossscale (and `LossScaleOptimizer`) can drive it.
+
+    The parameters are the list of variables the adapter is built with (JAX
+    arrays), in that order. Each `apply` does:
+
+    ```
+    updates, state = transformation.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    iterations += 1
+    ```
+
+    The state leaves are variables named after their pytree path (for
+    `optax.adam`: `0/count`, `0/mu/0`, `0/mu/1`, `0/nu/0`, ...), after the
+    adapter's `iteration`. Gradient clipping, weight decay, schedules and
+    accumulation belong in the transformation (`optax.chain`,
+    `optax.MultiSteps`); the adapter takes none of the base optimizer's
+    settings.
+
+    `learning_rate` reads and sets the `learning_rate` hyperparameter of a
+    transformation made with `optax.inject_hyperparams` (a state leaf, so
+    it is also saved and passed through `stateless_apply`). Any other
+    transformation keeps its learning rate inside a closure, and
+    `learning_rate` raises. If the injected learning rate is itself a
+    schedule, optax recomputes it from its own count on every step, over a
+    value set here.
+
+    Every variable needs a gradient on every step (a transformation updates
+    the whole tree at once): `None` gradients raise, as do
+    overwrite-with-gradient variables. Transformations whose `update` needs
+    extra arguments (a loss value, say) cannot be driven. `get_config`
+    raises: a transformation is a pair of closures, which no config
+    describes.
+
+    Args:
+        transformation: The `optax.GradientTransformation` to drive, such as
+            `optax.adam(1e-3)`.
+        name: String. The name used for the adapter's variables.
+            Defaults to `"optax_optimizer"`.
+
+    Example:
+
+    >>> import jax.numpy as jnp, optax, lossscale as ls
+    >>> from lossscale.optimizers.optax_native import OptaxOptimizer
+    >>> w = ls.Variable(jnp.ones(2), name="w")
+    >>> opt = ls.LossScaleOptimizer(OptaxOptimizer(optax.sgd(0.5)), initial_scale=4.0)
+    >>> loss_scale = opt.scale_loss(1.0)  # multiply the loss before differentiating
+    >>> opt.apply([jnp.array([4.0, -4.0])], [w])
+    >>> w.numpy()
+    array([0.5, 1.5], dtype=float32)
+    >>> opt.apply([jnp.array([jnp.inf, 0.0])], [w])  # overflow: skipped
+    >>> w.numpy(), float(opt.dynamic_scale)
+    (array([0.5, 1.5], dtype=float32), 2.0)
+    """
+
+    def __init__(self, transformation, name=None):
+        import optax
+
+        if not isinstance(transformation, optax.GradientTransformation):
+            raise ValueError(
+                "`transformation` must be an optax.GradientTransformation, such as "
+                f"optax.adam(1e-3). Received: transformation={transformation!r}")
+        super().__init__(learning_rate=self._learning_rate_value, name=name)
+        self.transformation = transformation
+        self._treedef = None
+        self._state_leaves = []
+        self._learning_rate_variable = None
+
+    # --- learning rate ------------------------------------------------------
+    def _learning_rate_value(self):
+        return self._injected_learning_rate().value
+
+    def _injected_learning_rate(self):
+        if not self.built:
+            raise ValueError(
+                "OptaxOptimizer reads its learning rate from the transformation's state, which "
+                "is created when the optimizer is built. Call "
+                "`optimizer.build(trainable_variables)` (or take one step) first.")
+        if self._learning_rate_variable is None:
+            raise ValueError(
+                "This optax transformation keeps its learning rate inside a closure, so "
+                "OptaxOptimizer can neither read nor set it. Build the transformation with "
+                "optax.inject_hyperparams, e.g. "
+                "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), to make the learning "
+                "rate part of its state.")
+        return self._learning_rate_variable
+
+    @property
+    def learning_rate(self):
+        """The `learning_rate` injected with `optax.inject_hyperparams` (a JAX scalar).
+
+        Raises `ValueError` before `build` and for a transformation made
+        without `optax.inject_hyperparams`. Setting it writes the state leaf.
+        """
+        return self._learning_rate_value()
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        variable = self._injected_learning_rate()
+        if isinstance(learning_rate, LearningRateSchedule) or callable(learning_rate):
+            raise TypeError(
+                "OptaxOptimizer's learning rate can only be set to a number; give a schedule to "
+                "optax.inject_hyperparams when making the transformation instead. Received: "
+                f"learning_rate={learning_rate!r}")
+        validation.check_number("learning_rate", learning_rate, low=0)
+        variable.assign(float(learning_rate))
+
+    # --- building -----------------------------------------------------------
+    def build(self, var_list):
+        """Runs `transformation.init` on `var_list` and keeps each state leaf as a variable."""
+        import jax
+        import jax.numpy as jnp
+
+        if self.built:
+            return
+        variables = self._as_variables(var_list, "var_list")
+        if variables and variables[0].backend != "jax":
+            raise ValueError(
+                "OptaxOptimizer works on JAX arrays. Received: var_list of "
+                f"{variables[0].backend} arrays")
+        overwrite = [v.path for v in variables if v.overwrite_with_gradient]
+        if overwrite:
+            raise ValueError(
+                "OptaxOptimizer cannot hold overwrite-with-gradient variables: the optax "
+                f"transformation would update them like any parameter. Received: {overwrite}")
+        state = self.transformation.init([v.value for v in variables])
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        paths = [path for path, _ in leaves]
+        learning_rate = _injected_learning_rate_index(state, paths)
+        super().build(variables)
+        self._treedef = treedef
+        for name, (_, leaf) in zip(_leaf_names(paths), leaves):
+            leaf = jnp.asarray(leaf)
+            self._state_leaves.append(self.add_variable(
+                leaf.shape, initializer=leaf, dtype=leaf.dtype.name, name=name))
+        if learning_rate is not None:
+            self._learning_rate_variable = self._state_leaves[learning_rate]
+
+    # --- one step -----------------------------------------------------------
+    def _apply_validated(self, grads, variables):
+        given = {id(v) for g, v in zip(grads, variables) if g is not None}
+        absent = [v.path for v in self._trainable_variables if id(v) not in given]
+        if absent:
+            raise ValueError(
+                "OptaxOptimizer needs a gradient for every variable it was built with: an optax "
+                "transformation updates the whole parameter tree at once. Pass zeros for a "
+                "variable without a gradient, or freeze it inside the transformation "
+                f"(optax.masked, optax.set_to_zero). Received: no gradient for {absent}")
+        super()._apply_validated(grads, variables)
+
+    def _update(self, ops, grads, variables):
+        import jax
+        import optax
+
+        params = [v.value for v in self._trainable_variables]
+        ordered = [None] * len(params)
+        for g, v in zip(grads, variables):
+            ordered[self._get_variable_index(v)] = g
+        state = self._treedef.unflatten([v.value for v in self._state_leaves])
+        updates, state = self.transformation.update(ordered, state, params)
+        params = optax.apply_updates(params, updates)
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        if treedef != self._treedef:
+            raise ValueError(
+                "The optax transformation returned a state of another structure than its "
+                "`init` made, which OptaxOptimizer cannot store. Received: "
+                f"{treedef}, expected {self._treedef}")
+        for variable, value in zip(self._trainable_variables, params):
+            self.assign(variable, value)
+        for variable, value in zip(self._state_leaves, leaves):
+            self.assign(variable, value)
+
+    # --- what is not supported ------------------------------------------------
+    def get_config(self):
+        """Not supported: raises `NotImplementedError`.
+
+        An optax transformation is a pair of closures over its
+        hyperparameters, which no config can describe. Recreate the adapter
+        in code; its state saves and loads with the rest
+        (`save_own_variables`, `state_dict`).
+        """
+        raise NotImplementedError(
+            "OptaxOptimizer cannot be serialized: an optax.GradientTransformation is a pair of "
+            "functions closing over its hyperparameters, which no config can describe. "
+            "Recreate it in code; its state (all in `variables`) saves and loads with "
+            "`save_own_variables` / `load_own_variables` or `state_dict()`.")
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Not supported: raises `NotImplementedError`; mask the decay inside the transformation."""
+        raise NotImplementedError(
+            "OptaxOptimizer applies no weight decay of its own: the transformation does. Pass "
+            "a `mask` to optax.add_decayed_weights (or optax.adamw) instead.")
+
+
+def _leaf_names(paths):
+    """Variable names for state leaves: their pytree paths, `/`-separated.
+
+    Falls back to the full key strings (quoted dict keys) if two short forms
+    coincide, so names are always unique.
+    """
+    import jax
+
+    names = [jax.tree_util.keystr(path, simple=True, separator="/") or "state"
+             for path in paths]
+    if len(set(names)) < len(names):
+        names = [jax.tree_util.keystr(path) for path in paths]
+    return names
+
+
+def _injected_learning_rate_index(state, paths):
+    """Index in `paths` of the leaf an `optax.inject_hyperparams` learning rate is, or None."""
+    import jax
+    import optax
+
+    injected = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+    nodes = jax.tree_util.tree_flatten_with_path(
+        state, is_leaf=lambda x: isinstance(x, injected))[0]
+    keys = [jax.tree_util.keystr(path) for path in paths]
+    found = [jax.tree_util.keystr(path + (jax.tree_util.GetAttrKey("hyperparams"),
+                                          jax.tree_util.DictKey("learning_rate")))
+             for path, node in nodes
+             if isinstance(node, injected) and "learning_rate" in node.hyperparams]
+    if len(found) > 1:
+        raise ValueError(
+            f"The optax transformation injects several learning rates ({found}), so "
+            "OptaxOptimizer cannot tell which one `learning_rate` means. Inject the learning "
+            "rate once (e.g. around the whole chain).")
+    return keys.index(found[0]) if found else None
