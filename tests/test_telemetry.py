@@ -89,3 +89,11 @@ def test_error_and_warning_types():
         warnings.warn("x", UnscaledLossWarning)
     with pytest.raises(LossScaleError):
         raise LossScaleError("x")
+
+
+def test_unscaled_loss_message():
+    message = telemetry.unscaled_loss_message("ls", 32768.0)
+    assert message.startswith("LossScaleOptimizer 'ls' is applying gradients, but its "
+                              "`scale_loss()` was never called: the gradients are divided by "
+                              "the loss scale (32768 at the start)")
+    assert "warnings.filterwarnings('ignore', category=lossscale.mixed_precision." in message

@@ -266,10 +266,11 @@ def next_loss_scale(ops, state, finite, policy, peak=None, variable_finite=()):
             room = peak * policy.growth_factor < FLOAT16_MAX / HEADROOM_MARGIN
             grown = ops.where(room, grown, scale)
         backed_off = scale * policy.backoff_factor
-    floor = MIN_SCALE if policy.min_scale is None else policy.min_scale
-    below = backed_off < floor
-    backed_off = ops.where(below, _constant(ops, MIN_SCALE, "float32", scale)
-                           if policy.min_scale is None else scale, backed_off)
+    if policy.min_scale is None:
+        backed_off = ops.maximum(backed_off, _constant(ops, MIN_SCALE, "float32", scale))
+    else:  # not taken: the step is recorded as failed below
+        below = backed_off < policy.min_scale
+        backed_off = ops.where(below, scale, backed_off)
 
     if policy.tracks("consecutive_skips"):
         streak = ops.where(finite, _zero(counter), state.consecutive_skips + 1)

@@ -96,6 +96,17 @@ def failure_message(summary, policy):
     return "\n".join(lines)
 
 
+def unscaled_loss_message(name, initial_scale):
+    """The `UnscaledLossWarning` message for the optimizer `name`."""
+    return (
+        f"LossScaleOptimizer {name!r} is applying gradients, but its `scale_loss()` was never "
+        f"called: the gradients are divided by the loss scale ({initial_scale:g} at the start) "
+        "without having been multiplied by it, so every update is that many times too small. "
+        "Compute gradients of `optimizer.scale_loss(loss)`. If the loss is scaled by other "
+        "means, silence this with warnings.filterwarnings('ignore', "
+        "category=lossscale.mixed_precision.UnscaledLossWarning).")
+
+
 def as_numpy(ops, values):
     """`{name: value}` with every backend value (or tuple of them) read to NumPy."""
     return {name: [np.asarray(ops.to_numpy(x)) for x in value] if isinstance(value, tuple)

@@ -8,7 +8,8 @@ from lossscale.mixed_precision.loss_scale import (HISTORY_LENGTH, NO_ERROR, Loss
                                                   LossScaleState, may_apply, next_loss_scale,
                                                   state_fields)
 from lossscale.mixed_precision.telemetry import (LossScaleError, UnscaledLossWarning, as_numpy,
-                                                 failure_message, summarize)
+                                                 failure_message, summarize,
+                                                 unscaled_loss_message)
 from lossscale.optimizers.base import Optimizer
 
 # Base-optimizer arguments and their defaults: the wrapper accepts only the
@@ -183,15 +184,8 @@ class LossScaleOptimizer(Optimizer):
         """
         if not self._loss_scaled:
             self._loss_scaled = True  # warn once per optimizer
-            warnings.warn(
-                f"LossScaleOptimizer {self.name!r} is applying gradients, but its `scale_loss()` "
-                "was never called: the gradients are divided by the loss scale "
-                f"({self.initial_scale:g} at the start) without having been multiplied by it, so "
-                "every update is that many times too small. Compute gradients of "
-                "`optimizer.scale_loss(loss)`. If the loss is scaled by other means, silence "
-                "this with warnings.filterwarnings('ignore', "
-                "category=lossscale.mixed_precision.UnscaledLossWarning).",
-                UnscaledLossWarning, stacklevel=2)
+            warnings.warn(unscaled_loss_message(self.name, self.initial_scale),
+                          UnscaledLossWarning, stacklevel=2)
         super().apply(grads, trainable_variables)
         self.check()
 
