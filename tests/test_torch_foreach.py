@@ -1,0 +1,73 @@
+"""torch_foreach: every multi-tensor rule equals its optimizer's `update_step`."""
+
+import numpy as np
+import pytest
+import torch
+
+from lossscale.backends import torch_foreach, torch_ops
+from lossscale.optimizers import SGD
+from torch_cases import OPTIMIZERS, assert_same_run, generic_path, train
+
+FOREACH = ["rmsprop", "rmsprop_centered_momentum", "adagrad", "adadelta", "adamax", "nadam",
+           "lion", "ftrl", "lamb"]
+
+
+def test_every_optimizer_has_a_kernel():
+    kernels = torch_ops.fused_kernels()
+    for name, make in OPTIMIZERS.items():
+        assert type(make()) in kernels, name
+
+
+@pytest.mark.parametrize("name", FOREACH)
+@pytest.mark.parametrize("wrap", [True, False], ids=["loss_scaled", "bare"])
+def test_foreach_rule_equals_generic_path(monkeypatch, name, wrap):
+    pattern = None if wrap else ["f"] * 5  # unwrapped, a NaN would stay in the weights
+    kwargs = {"wrap": wrap} if wrap else {"wrap": False, "pattern": pattern}
+    fast = train(OPTIMIZERS[name](), **kwargs)
+    generic_path(monkeypatch, OPTIMIZERS[name]())
+    generic = train(OPTIMIZERS[name](), **kwargs)
+    assert_same_run(fast, generic)
+
+
+@pytest.mark.parametrize("name", FOREACH + ["sgd", "sgd_momentum", "sgd_nesterov", "adam",
+                                            "adam_amsgrad", "adamw"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=["float16", "float64"])
+def test_rules_equal_generic_path_in_other_dtypes(monkeypatch, name, dtype):
+    """Half-precision parameters take the foreach rules, which round like `update_step`."""
+    fast = train(OPTIMIZERS[name](), dtype=dtype)
+    generic_path(monkeypatch, OPTIMIZERS[name]())
+    generic = train(OPTIMIZERS[name](), dtype=dtype)
+    if dtype == torch.float16:
+        assert_same_run(fast, generic, rtol=0, atol=0)  # identical, bit for bit
+    else:
+        assert_same_run(fast, generic, rtol=1e-12, atol=1e-14)
+
+
+def test_kernels_group_parameters_by_dtype(monkeypatch):
+    rng = np.random.default_rng(3)
+    dtypes = [torch.float32, torch.float16, torch.float32, torch.float64]
+
+    def run():
+        params = [torch.tensor(rng.normal(size=(4,)), dtype=d) for d in dtypes]
+        opt = SGD(0.1, momentum=0.9)
+        for _ in range(3):
+            opt.apply([torch.tensor(rng.normal(size=(4,)), dtype=d) for d in dtypes], params)
+        return params
+
+    fast = run()
+    rng = np.random.default_rng(3)
+    generic_path(monkeypatch, SGD())
+    generic = run()
+    for a, b in zip(fast, generic):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(a.double().numpy(), b.double().numpy(), rtol=1e-5)
+
+
+def test_scalar_places_numbers_and_tensors_on_the_group():
+    class Group:
+        dtype, device = torch.float16, torch.device("cpu")
+
+    s = torch_foreach.scalar(0.1, Group)
+    assert s.dtype == torch.float16 and s is torch_foreach.scalar(0.1, Group)
+    t = torch_foreach.scalar(torch.tensor(0.1, dtype=torch.float64), Group)
+    assert t.dtype == torch.float16 and float(t) == float(s)

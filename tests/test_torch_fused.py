@@ -1,0 +1,120 @@
+"""torch_fused: Adam, AdamW and SGD on torch's fused kernels equal `update_step`."""
+
+import numpy as np
+import pytest
+import torch
+
+import lossscale as ls
+from lossscale.backends import torch_fused, torch_ops
+from lossscale.optimizers import SGD, Adam, AdamW
+from lossscale.schedules import ExponentialDecay
+from torch_cases import (OPTIMIZERS, SHAPES, apply, assert_same_run, generic_path, inject,
+                         random_grads, train)
+
+FUSED = ["sgd", "sgd_momentum", "sgd_nesterov", "adam", "adam_amsgrad", "adamw"]
+
+
+def test_table_entries():
+    kernels = torch_ops.fused_kernels()
+    assert kernels[Adam] is torch_fused.adam and kernels[AdamW] is torch_fused.adam
+    assert kernels[SGD] is torch_fused.sgd
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_kernel_equals_generic_path(monkeypatch, name):
+    """Random data, inf and NaN steps inside a LossScaleOptimizer: 1e-5 relative."""
+    fast = train(OPTIMIZERS[name](), pattern=["f", "f", "inf", "f", "nan", "f", "f", "f", "f"])
+    generic_path(monkeypatch, OPTIMIZERS[name]())
+    generic = train(OPTIMIZERS[name](), pattern=["f", "f", "inf", "f", "nan", "f", "f", "f", "f"])
+    assert_same_run(fast, generic)
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_skipped_step_leaves_everything_bit_for_bit(name):
+    rng = np.random.default_rng(5)
+    params = [torch.tensor(rng.normal(size=s), dtype=torch.float32) for s in SHAPES]
+    opt = ls.LossScaleOptimizer(OPTIMIZERS[name](), initial_scale=8.0)
+    apply(opt, [torch.tensor(g) for g in random_grads(rng, 8.0)], params)
+    state = [p.clone() for p in params] + [v.value.clone() for v in opt.inner_optimizer.variables]
+    for kind in ("inf", "nan"):
+        apply(opt, [torch.tensor(g) for g in inject(random_grads(rng, 8.0), kind)], params)
+        after = params + [v.value for v in opt.inner_optimizer.variables]
+        for b, a in zip(state, after):
+            assert torch.equal(bits(b), bits(a))
+
+
+def bits(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_momentum_follows_keras_when_the_learning_rate_changes(monkeypatch, nesterov):
+    """torch keeps `buf = momentum * buf + g`; the kernel still keeps Keras's `m`."""
+    def make():
+        schedule = ExponentialDecay(0.5, decay_steps=1, decay_rate=0.5)
+        return SGD(schedule, momentum=0.9, nesterov=nesterov)
+
+    fast = train(make(), wrap=False, pattern=["f"] * 6)
+    generic_path(monkeypatch, make())
+    generic = train(make(), wrap=False, pattern=["f"] * 6)
+    assert_same_run(fast, generic)
+
+
+def test_adam_fused_matches_float64_keras_formula():
+    rng = np.random.default_rng(2)
+    w0 = rng.normal(size=(7,))
+    w = torch.tensor(w0, dtype=torch.float32)
+    opt = Adam(0.01)
+    ref, m, v = w0.copy(), np.zeros(7), np.zeros(7)
+    for t in range(1, 6):
+        g = rng.normal(size=(7,))
+        opt.apply([torch.tensor(g, dtype=torch.float32)], [w])
+        m += (g - m) * 0.1
+        v += (g * g - v) * 0.001
+        ref -= m * (0.01 * np.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t)) / (np.sqrt(v) + 1e-7)
+    np.testing.assert_allclose(w.numpy(), ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum", "rmsprop", "lamb"])
+def test_float32_parameters_with_half_gradients(monkeypatch, name, grad_dtype):
+    """Gradients are unscaled in float32, then the float32 kernels take them."""
+    fast = train(OPTIMIZERS[name](), grad_dtype=grad_dtype)
+    generic_path(monkeypatch, OPTIMIZERS[name]())
+    generic = train(OPTIMIZERS[name](), grad_dtype=grad_dtype)
+    assert_same_run(fast, generic)
+
+
+def test_half_gradients_without_loss_scaling_are_cast_per_group(monkeypatch):
+    fast = train(Adam(0.01), grad_dtype=torch.float16, wrap=False, pattern=["f"] * 4)
+    generic_path(monkeypatch, Adam())
+    generic = train(Adam(0.01), grad_dtype=torch.float16, wrap=False, pattern=["f"] * 4)
+    assert_same_run(fast, generic)
+
+
+def test_nn_module_updated_in_place_by_fused_kernel():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    params = list(model.parameters())
+    ids = [id(p) for p in params]
+    opt = ls.LossScaleOptimizer(Adam(0.05), initial_scale=16.0)
+    x, y = torch.randn(8, 5), torch.randn(8, 1)
+    losses = []
+    for _ in range(20):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        losses.append(float(loss.detach()))
+        opt.apply(torch.autograd.grad(opt.scale_loss(loss), params), params)
+    assert [id(p) for p in model.parameters()] == ids
+    assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad and p.grad_fn is None
+               for p in model.parameters())
+    assert losses[-1] < losses[0] / 2
+    model(x).sum().backward()  # autograd still works on the updated parameters
+    assert all(p.grad is not None for p in params)
+
+
+def test_float16_parameters_train_under_autocast_scale(monkeypatch):
+    """Pure float16 weights: the update runs in float16, as `update_step` does."""
+    fast = train(Adam(0.01), dtype=torch.float16, pattern=["f", "inf", "f", "f"])
+    generic_path(monkeypatch, Adam())
+    generic = train(Adam(0.01), dtype=torch.float16, pattern=["f", "inf", "f", "f"])
+    assert_same_run(fast, generic, rtol=0, atol=0)

@@ -1,0 +1,112 @@
+"""torch_groups: cached per-(device, dtype) plans and mask-aware multi-tensor writes."""
+
+import contextlib
+import numpy as np
+import pytest
+import torch
+
+import lossscale as ls
+from lossscale.backends import torch_groups, torch_ops
+from lossscale.optimizers import Adam, RMSprop
+from torch_cases import SHAPES, apply, random_grads
+
+
+def built(opt, dtypes=None):
+    rng = np.random.default_rng(0)
+    dtypes = dtypes or [torch.float32] * len(SHAPES)
+    params = [ls.Variable(torch.tensor(rng.normal(size=s), dtype=d), name=f"w{i}")
+              for i, (s, d) in enumerate(zip(SHAPES, dtypes))]
+    opt.build(params)
+    return params
+
+
+def test_plan_groups_by_dtype_and_keeps_slots_aligned():
+    opt = Adam()
+    params = built(opt, [torch.float32, torch.float16, torch.float32, torch.float16])
+    plan = torch_groups.plan(opt, params, ("_momentums", "_velocities"))
+    assert [(g.dtype, g.indices) for g in plan.groups] == [(torch.float32, [0, 2]),
+                                                           (torch.float16, [1, 3])]
+    for group in plan.groups:
+        for k, i in enumerate(group.indices):
+            assert group.params[k].data_ptr() == params[i].value.data_ptr()
+            assert group.slots["_momentums"][k].data_ptr() == opt._momentums[i].value.data_ptr()
+    grads = [torch.ones(s) for s in SHAPES]
+    half = plan.groups[1].grads(grads)
+    assert [g.dtype for g in half] == [torch.float16] * 2
+    assert [tuple(g.shape) for g in half] == [SHAPES[1], SHAPES[3]]
+
+
+def test_plan_is_reused_while_nothing_is_rebound():
+    opt = Adam()
+    params = built(opt)
+    plan = torch_groups.plan(opt, params, ("_momentums",))
+    assert torch_groups.plan(opt, params, ("_momentums",)) is plan
+    assert torch_groups.plan(opt, list(params), ("_momentums",)) is plan
+    # Another subset, another slot list, a rebound storage: a new plan.
+    assert torch_groups.plan(opt, params[:2], ("_momentums",)) is not plan
+    other = torch_groups.plan(opt, params, ("_momentums", "_velocities"))
+    assert other is not plan and torch_groups.plan(opt, params, ("_momentums",)) is not plan
+    plan = torch_groups.plan(opt, params, ("_momentums",))
+    opt._momentums[2]._storage = opt._momentums[2]._storage.clone()
+    assert torch_groups.plan(opt, params, ("_momentums",)) is not plan
+
+
+def test_stateless_apply_between_steps_uses_its_own_values():
+    """`stateless_apply` rebinds every storage for one call; the cache must notice."""
+    rng = np.random.default_rng(4)
+    params = [torch.tensor(rng.normal(size=s), dtype=torch.float32) for s in SHAPES]
+    twin_params = [p.clone() for p in params]
+    opt, twin = RMSprop(0.01, momentum=0.5), RMSprop(0.01, momentum=0.5)
+    for _ in range(3):
+        grads = [torch.tensor(g) for g in random_grads(rng)]
+        opt.apply(grads, params)
+        twin.apply(grads, twin_params)
+        before = [v.value.clone() for v in opt.variables] + [p.clone() for p in params]
+        new_model, new_own = opt.stateless_apply([v.value for v in opt.variables], grads, params)
+        after = [v.value for v in opt.variables] + params
+        assert all(torch.equal(b, a) for b, a in zip(before, after))
+        twin.apply(grads, twin_params)
+        for a, b in zip(new_model + new_own, twin_params + [v.value for v in twin.variables]):
+            assert torch.equal(a, b)
+        # Back in step with the twin for the next stateful step.
+        for v, value in zip(opt.variables, new_own):
+            v.assign(value)
+        for p, value in zip(params, new_model):
+            p.copy_(value)
+
+
+def test_plan_follows_loaded_values():
+    opt, twin = Adam(0.01), Adam(0.01)
+    params, twin_params = built(opt), built(twin)
+    grads = [torch.ones(s) for s in SHAPES]
+    opt.apply(grads, params)
+    store = {}
+    opt.save_own_variables(store)
+    twin.apply(grads, twin_params)  # caches a plan on the twin
+    twin.load_own_variables(store)
+    for p, q in zip(params, twin_params):
+        q.assign(p.value)
+    opt.apply(grads, params)
+    twin.apply(grads, twin_params)
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p.value, q.value)
+
+
+@pytest.mark.parametrize("method,expected", [("add", [11.0, 22.0]), ("sub", [-9.0, -18.0]),
+                                             ("set", [10.0, 20.0])])
+@pytest.mark.parametrize("mask", [None, True, False])
+def test_writer(mask, method, expected):
+    targets = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
+    values = [torch.tensor([10.0, 20.0]), torch.tensor([np.nan])]
+    keep = [t.clone() for t in targets]
+    context = torch_ops.masked(torch.tensor(mask)) if mask is not None else contextlib.nullcontext()
+    with context:
+        write = torch_groups.Writer(torch.device("cpu"))
+        written = getattr(write, method)(targets, values)
+        found = write.found_inf()
+    if mask is False:
+        assert all(torch.equal(t, k) for t, k in zip(targets, keep))
+    else:
+        assert targets[0].tolist() == expected and np.isnan(targets[1].item())
+    assert written[0].tolist() == expected  # what the step writes if it is taken
+    assert found is None if mask is None else float(found) == float(not mask)
