@@ -104,7 +104,12 @@ class TorchOptimizer(Optimizer):
     """
 
     def __init__(self, optimizer, name=None, *, clipnorm=None, clipvalue=None,
-                 global_clipnorm=None):
+                 global_clipnorm=None, **kwargs):
+        if kwargs:
+            raise ValueError(
+                f"Argument(s) not recognized by TorchOptimizer: {sorted(kwargs)}. Accepted: "
+                "optimizer, name, clipnorm, clipvalue, global_clipnorm. Set other settings on "
+                "the native optimizer (weight decay in its param groups, for one).")
         torch = _torch()
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(

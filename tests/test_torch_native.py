@@ -1,0 +1,448 @@
+"""`TorchOptimizer`: torch.optim optimizers driven by lossscale and `LossScaleOptimizer`.
+
+Wrapped in a `LossScaleOptimizer` with injected inf/NaN gradients, the
+parameters and the native state follow, bit for bit, a twin native
+optimizer stepped directly on the unscaled gradients of the steps that were
+not skipped. Scales are powers of two, so unscaling is exact.
+"""
+
+import contextlib
+import doctest
+import io
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import lossscale as ls
+from lossscale.optimizers import torch_native
+from lossscale.optimizers.torch_native import TorchOptimizer
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::lossscale.mixed_precision.UnscaledLossWarning")
+
+SHAPES = [(4, 3), (5,), (2, 2)]
+STEPS = 10
+# The first step overflows (a fused SGD's momentum buffers do not exist
+# yet), then inf and NaN later; growth every 2 finite steps.
+BAD_STEPS = {0: np.inf, 4: np.nan, 7: -np.inf}
+INITIAL_SCALE, GROWTH_STEPS = 16.0, 2
+
+NATIVE = {
+    "adam_fused": lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=False),
+    "adam_foreach": lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=True),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, fused=True),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    "sgd_momentum_fused": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5,
+                                                     fused=True),
+    "adagrad_fused": lambda ps: torch.optim.Adagrad(ps, lr=0.1, fused=True),
+}
+FUSED = {name for name in NATIVE if name.endswith("_fused")}
+
+
+def make_params(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in SHAPES]
+
+
+def make_grads(seed=1):
+    """Unscaled gradients per step; `None` where the step overflows."""
+    generator = torch.Generator().manual_seed(seed)
+    return [None if step in BAD_STEPS else
+            [torch.randn(s, generator=generator) for s in SHAPES] for step in range(STEPS)]
+
+
+def scaled(grads, step, scale):
+    """What `backward()` of a scaled loss gives: finite grads times the scale, or an overflow."""
+    if grads is None:
+        out = [torch.ones(s) for s in SHAPES]
+        out[1][2] = BAD_STEPS[step]
+        return out
+    return [g * scale for g in grads]
+
+
+def wrapped(name, params, **kwargs):
+    native = NATIVE[name](params)
+    opt = ls.LossScaleOptimizer(TorchOptimizer(native, **kwargs), initial_scale=INITIAL_SCALE,
+                                dynamic_growth_steps=GROWTH_STEPS)
+    return opt, native
+
+
+def state_tensors(native):
+    return [(i, key, value) for i, entry in native.state_dict()["state"].items()
+            for key, value in sorted(entry.items())]
+
+
+def assert_same_state(native, twin):
+    """Equal native states; a fused kernel skipping the very first step (found_inf)
+    has made its state already, at its initial value (zeros), where the twin has none."""
+    theirs = {(i, k): v for i, k, v in state_tensors(twin)}
+    for i, key, value in state_tensors(native):
+        expected = theirs.pop((i, key), torch.zeros_like(value))
+        assert torch.equal(value, expected), key
+    assert not theirs
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Makes every way of reading a tensor on the host raise."""
+    names = ["__bool__", "item", "tolist", "__float__", "__int__", "__index__", "cpu", "numpy"]
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def forbidden(name):
+        def read(self, *args, **kwargs):
+            raise AssertionError(f"host read: Tensor.{name}")
+        return read
+
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, forbidden(n))
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+# --- the trajectory -----------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(NATIVE))
+def test_trajectory_equals_native_without_skipped_steps(name):
+    params, twin_params = make_params(), make_params()
+    opt, native = wrapped(name, params)
+    twin = NATIVE[name](twin_params)
+    taken = 0
+    for step, grads in enumerate(make_grads()):
+        scale = opt.scale_loss(torch.tensor(1.0))
+        opt.apply(scaled(grads, step, scale), params)
+        if grads is not None:
+            for p, g in zip(twin_params, grads):
+                p.grad = g
+            twin.step()
+            taken += 1
+        for p, q in zip(params, twin_params):
+            assert torch.equal(p, q), (name, step)
+        assert_same_state(native, twin)
+    assert int(opt.iterations) == taken == STEPS - len(BAD_STEPS)
+    # 16, overflow -> 8, two finite -> 16, overflow -> 8, ... and two finite steps at the end.
+    assert float(opt.dynamic_scale) == 16.0
+
+
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_fused_optimizers_skip_without_host_reads(name):
+    params = make_params()
+    opt, _ = wrapped(name, params)
+    grads = make_grads()
+    opt.apply(scaled(grads[1], 1, INITIAL_SCALE), params)  # every state buffer exists now
+    seen = []
+    native_step = opt.inner_optimizer.optimizer.step
+
+    def spy():
+        seen.append(opt.inner_optimizer.optimizer.found_inf)
+        native_step()
+
+    opt.inner_optimizer.optimizer.step = spy
+    with no_host_reads():
+        for step in (2, 4, 5):
+            opt.apply(scaled(grads[step], step, opt.scale_loss(torch.tensor(1.0))), params)
+    assert [float(x) for x in seen] == [0.0, 1.0, 0.0]
+    assert not hasattr(opt.inner_optimizer.optimizer, "found_inf")
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum"])
+def test_other_optimizers_read_the_mask_once_and_skip_the_step(name):
+    params = make_params()
+    opt, native = wrapped(name, params)
+    calls = []
+    native_step = native.step
+    native.step = lambda: (calls.append(1), native_step())
+    reads = []
+    real_bool = torch.Tensor.__bool__
+    torch.Tensor.__bool__ = lambda self: (reads.append(1), real_bool(self))[1]
+    try:
+        grads = make_grads()
+        for step in (1, 0, 2):  # finite, overflow, finite
+            opt.apply(scaled(grads[step], step, opt.scale_loss(torch.tensor(1.0))), params)
+    finally:
+        torch.Tensor.__bool__ = real_bool
+    assert len(calls) == 2 and len(reads) == 3
+
+
+def test_fused_sgd_first_step_overflow_leaves_no_uninitialised_buffer():
+    # torch's fused SGD alone stores `empty_like` buffers when found_inf
+    # skips its first step; the adapter reads the mask on the host then.
+    params = make_params()
+    opt, native = wrapped("sgd_momentum_fused", params)
+    opt.apply(scaled(None, 0, INITIAL_SCALE), params)
+    assert len(native.state) == 0
+    assert not opt.inner_optimizer._momentum_ready
+
+
+def test_apply_without_wrapper_steps_the_native_optimizer():
+    params, twin_params = make_params(), make_params()
+    opt = TorchOptimizer(torch.optim.Adam(params, lr=0.01))
+    twin = torch.optim.Adam(twin_params, lr=0.01)
+    for grads in filter(None, make_grads()):
+        opt.apply(grads, params)
+        for p, g in zip(twin_params, grads):
+            p.grad = g
+        twin.step()
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+    assert int(opt.iterations) == STEPS - len(BAD_STEPS)
+
+
+def test_own_grads_are_restored_and_missing_grads_skip_the_parameter():
+    params = make_params()
+    before = [p.detach().clone() for p in params]
+    mine = torch.full(SHAPES[0], 7.0)
+    params[0].grad = mine
+    opt = TorchOptimizer(torch.optim.SGD(params, lr=0.5))
+    grads = make_grads()[1]
+    with pytest.warns(UserWarning, match=r"Gradients do not exist for variables \['param_0'\]"):
+        opt.apply([None, grads[1], grads[2]], params)
+    assert params[0].grad is mine and params[1].grad is None
+    assert torch.equal(params[0], before[0])
+    assert torch.equal(params[1], before[1] - 0.5 * grads[1])
+
+
+def test_half_parameters_receive_gradients_in_their_dtype():
+    params = [torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.float16))]
+    opt = ls.LossScaleOptimizer(TorchOptimizer(torch.optim.SGD(params, lr=0.5)),
+                                initial_scale=1024.0)
+    opt.apply([torch.tensor([1024.0, 2048.0], dtype=torch.float16)], params)
+    assert params[0].dtype == torch.float16
+    assert params[0].detach().tolist() == [0.5, -3.0]
+
+
+@pytest.mark.parametrize("option, value, expected", [
+    ("global_clipnorm", 1.0,
+     lambda g: [x * min(1.0, 1.0 / np.sqrt(sum((y ** 2).sum() for y in g))) for x in g]),
+    ("clipnorm", 0.5, lambda g: [x * 0.5 / max(np.sqrt((x ** 2).sum()), 0.5) for x in g]),
+    ("clipvalue", 0.3, lambda g: [np.clip(x, -0.3, 0.3) for x in g]),
+])
+def test_clipping_acts_on_unscaled_gradients(option, value, expected):
+    params = make_params()
+    start = [p.detach().numpy().astype(np.float64) for p in params]
+    opt, _ = wrapped("sgd_momentum", params, **{option: value})
+    opt.inner_optimizer.optimizer.param_groups[0]["momentum"] = 0.0
+    opt.inner_optimizer.optimizer.param_groups[0]["nesterov"] = False
+    grads = [g * 3 for g in make_grads()[1]]
+    opt.apply(scaled(grads, 1, INITIAL_SCALE), params)
+    g64 = [g.numpy().astype(np.float64) for g in grads]
+    for p, s, c in zip(params, start, expected(g64)):
+        np.testing.assert_allclose(p.detach().numpy(), s - 0.1 * c, rtol=1e-5, atol=1e-6)
+
+
+# --- learning rate ------------------------------------------------------------
+def test_learning_rate_reads_and_writes_every_param_group():
+    params = make_params()
+    native = torch.optim.Adam([{"params": params[:1]}, {"params": params[1:], "lr": 0.01}],
+                              lr=0.01)
+    opt = ls.LossScaleOptimizer(TorchOptimizer(native))
+    assert opt.learning_rate == 0.01 and isinstance(opt.learning_rate, float)
+    opt.learning_rate = 0.5
+    assert [g["lr"] for g in native.param_groups] == [0.5, 0.5]
+    scheduler = torch.optim.lr_scheduler.StepLR(native, step_size=1, gamma=0.5)
+    native.step()
+    scheduler.step()
+    assert opt.learning_rate == 0.25
+
+
+def test_tensor_learning_rate_is_written_in_place():
+    params = make_params()
+    rate = torch.tensor(0.01)
+    opt = TorchOptimizer(torch.optim.Adam(params, lr=rate, fused=True))
+    opt.learning_rate = 0.125
+    assert opt.optimizer.param_groups[0]["lr"] is rate and float(rate) == 0.125
+    assert opt.learning_rate == 0.125
+
+
+def test_learning_rate_errors():
+    params = make_params()
+    native = torch.optim.SGD([{"params": params[:1], "lr": 0.1}, {"params": params[1:]}],
+                             lr=0.2)
+    opt = TorchOptimizer(native)
+    with pytest.raises(ValueError, match=r"different learning rates \(\[0\.1, 0\.2\]\).*"
+                                         r"param_groups\[i\]\['lr'\]"):
+        opt.learning_rate
+    with pytest.raises(TypeError, match="torch.optim.lr_scheduler.*Received: learning_rate="):
+        opt.learning_rate = ls.schedules.ExponentialDecay(0.1, 10, 0.5)
+    with pytest.raises(TypeError, match="param_groups"):
+        opt.learning_rate = lambda: 0.1
+    with pytest.raises(ValueError, match=r"`learning_rate` must be a finite number >= 0\. "
+                                         r"Received: learning_rate=-1\.0"):
+        opt.learning_rate = -1.0
+    assert [g["lr"] for g in native.param_groups] == [0.1, 0.2]
+
+
+# --- state ---------------------------------------------------------------------
+def run(opt, params, steps):
+    grads = make_grads()
+    for step in steps:
+        opt.apply(scaled(grads[step], step, opt.scale_loss(torch.tensor(1.0))), params)
+
+
+@pytest.mark.parametrize("name", ["adam_fused", "sgd_momentum"])
+def test_state_dict_round_trip_through_torch_save_resumes_the_trajectory(name):
+    params = make_params()
+    opt, _ = wrapped(name, params)
+    run(opt, params, range(6))
+    buffer = io.BytesIO()
+    torch.save({"inner": opt.inner_optimizer.state_dict(), "params": params}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert saved["inner"]["optimizer_variables"] == {"torch_optimizer/iteration": torch.tensor(4)}
+    twin_params = [torch.nn.Parameter(p.detach().clone()) for p in saved["params"]]
+    twin, _ = wrapped(name, twin_params)
+    twin.build(twin_params)
+    twin.inner_optimizer.load_state_dict(saved["inner"])
+    for variable, value in zip(twin.variables[:2], opt.variables[:2]):  # the loss scale
+        variable.assign(value.value)
+    run(opt, params, range(6, STEPS))
+    run(twin, twin_params, range(6, STEPS))
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+    assert int(twin.iterations) == int(opt.iterations) == 7
+
+
+def test_state_dict_is_a_copy_a_plain_torch_optimizer_can_load():
+    params = make_params()
+    opt, native = wrapped("adam", params)
+    run(opt, params, [1])
+    state = opt.inner_optimizer.state_dict()
+    run(opt, params, [2])
+    assert int(state["state"][0]["step"]) == 1
+    plain = torch.optim.Adam(make_params(), lr=0.01)
+    plain.load_state_dict(state)
+    assert int(plain.state_dict()["state"][0]["step"]) == 1
+
+
+def test_load_state_dict_errors_change_nothing():
+    params = make_params()
+    opt, native = wrapped("adam", params)
+    run(opt, params, [1, 2])
+    inner = opt.inner_optimizer
+    good = inner.state_dict()
+    other = TorchOptimizer(torch.optim.Adam(make_params()[:2])).state_dict()
+    cases = [
+        (native.state_dict(), r"keys \['state', 'param_groups', 'optimizer_variables'\].*"
+                              r"adapter\.optimizer\.load_state_dict.*Received: \['param_groups', "
+                              r"'state'\]"),
+        ([], r"Received: list"),
+        ({**good, "optimizer_variables": {"x/iteration": torch.tensor(1)}},
+         r"must have the key 'torch_optimizer/iteration'.*Received: \['x/iteration'\]"),
+        ({**good, "optimizer_variables": {"torch_optimizer/iteration": torch.zeros(2)}},
+         r"must be an integer scalar"),
+        ({**other, "optimizer_variables": good["optimizer_variables"]},
+         "doesn't match the size of optimizer's group"),
+    ]
+    run(opt, params, [3])
+    before = inner.state_dict()
+    for state_dict, message in cases:
+        with pytest.raises(ValueError, match=message):
+            inner.load_state_dict(state_dict)
+        after = inner.state_dict()
+        assert int(inner.iterations) == 3
+        for (_, _, a), (_, _, b) in zip(state_tensors(native), [
+                (i, k, v) for i, e in before["state"].items() for k, v in sorted(e.items())]):
+            assert torch.equal(a, b)
+        assert after["param_groups"] == before["param_groups"]
+
+
+def test_variables_hold_the_step_counter_only():
+    params = make_params()
+    opt, _ = wrapped("adam", params)
+    run(opt, params, [1])
+    assert [v.path for v in opt.inner_optimizer.variables] == ["torch_optimizer/iteration"]
+    assert [v.path for v in opt.variables][-1] == "torch_optimizer/iteration"
+    assert opt.inner_optimizer.iterations.backend == "torch"
+
+
+# --- what cannot work raises ---------------------------------------------------
+def test_unsupported_methods_raise():
+    params = make_params()
+    opt, _ = wrapped("adam", params)
+    run(opt, params, [1])
+    inner = opt.inner_optimizer
+    values = [v.value for v in opt.variables]
+    grads = make_grads()[2]
+    with pytest.raises(NotImplementedError, match="does not support stateless application"):
+        inner.stateless_apply([v.value for v in inner.variables], grads, params)
+    with pytest.raises(NotImplementedError, match="does not support stateless application"):
+        opt.stateless_apply(values, [g * 8 for g in grads], [p.detach() for p in params])
+    for method in ("save_own_variables", "load_own_variables"):
+        with pytest.raises(NotImplementedError,
+                           match=rf"`{method}`: the wrapped Adam keeps its state in "
+                                 r"`optimizer.state`.*`state_dict\(\)`"):
+            getattr(inner, method)({})
+    for target in (inner, opt):
+        with pytest.raises(NotImplementedError,
+                           match=r"cannot be serialized: it wraps a live Adam"):
+            target.get_config()
+    with pytest.raises(NotImplementedError, match="param group with weight_decay=0"):
+        inner.exclude_from_weight_decay(var_names=["bias"])
+
+
+def test_construction_and_build_errors():
+    with pytest.raises(ValueError, match=r"`optimizer` must be a torch.optim.Optimizer instance"
+                                         r".*Received: optimizer='adam'"):
+        TorchOptimizer("adam")
+    with pytest.raises(ValueError, match=r"Argument\(s\) not recognized by TorchOptimizer: "
+                                         r"\['use_ema', 'weight_decay'\]\. Accepted: optimizer, "
+                                         r"name, clipnorm, clipvalue, global_clipnorm\. Set other "
+                                         r"settings on the native optimizer"):
+        TorchOptimizer(torch.optim.SGD(make_params(), lr=0.1), weight_decay=0.1, use_ema=True)
+    with pytest.raises(ValueError, match="Only one of `clipnorm`"):
+        TorchOptimizer(torch.optim.SGD(make_params(), lr=0.1), clipnorm=1.0, clipvalue=1.0)
+    params = make_params()
+    cases = [
+        ([p.detach().clone() for p in params],
+         r"exactly the parameters of the wrapped SGD \(matched by tensor identity.*Received: 3 "
+         r"variable\(s\) that are not its parameters \['param_0', 'param_1', 'param_2'\], and 3 "
+         r"of its parameters missing \(shapes \[\(4, 3\), \(5,\), \(2, 2\)\]\)"),
+        (params[:2], r"Received: 0 variable\(s\).*1 of its parameters missing \(shapes \[\(2, 2\)\]"),
+        (params + [params[0]], r"lists the parameter behind 'param_0' twice"),
+        ([p.detach().numpy() for p in params],
+         r"works on torch tensors\. Received: var_list of numpy arrays"),
+    ]
+    for var_list, message in cases:
+        opt = TorchOptimizer(torch.optim.SGD(params, lr=0.1))
+        with pytest.raises(ValueError, match=message):
+            opt.build(var_list)
+        assert not opt.built and opt.variables[0].backend == "torch"
+
+
+def test_parameters_may_come_in_any_order():
+    params = make_params()
+    opt = TorchOptimizer(torch.optim.SGD(params, lr=0.5))
+    grads = make_grads()[1]
+    before = [p.detach().clone() for p in params]
+    opt.apply(grads[::-1], params[::-1])
+    for p, b, g in zip(params, before, grads):
+        assert torch.equal(p, b - 0.5 * g)
+
+
+# --- packaging -----------------------------------------------------------------
+def test_docstring_example():
+    result = doctest.testmod(torch_native, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_importing_the_adapters_imports_no_framework():
+    code = ("import sys, lossscale.optimizers.torch_native, lossscale.optimizers.optax_native; "
+            "print(sorted(m for m in ('torch', 'jax', 'optax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_no_warning_from_a_clean_step():
+    params = make_params()
+    opt, _ = wrapped("adam_fused", params)
+    opt.scale_loss(torch.tensor(1.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(opt, params, [1, 0, 2])
