@@ -73,7 +73,12 @@ class OptaxOptimizer(Optimizer):
     (array([0.5, 1.5], dtype=float32), 2.0)
     """
 
-    def __init__(self, transformation, name=None):
+    def __init__(self, transformation, name=None, **kwargs):
+        if kwargs:
+            raise ValueError(
+                f"Argument(s) not recognized by OptaxOptimizer: {sorted(kwargs)}. Accepted: "
+                "transformation, name. Build clipping, weight decay and accumulation into the "
+                "transformation (optax.chain, optax.MultiSteps).")
         import optax
 
         if not isinstance(transformation, optax.GradientTransformation):
