@@ -403,7 +403,8 @@ def test_construction_and_build_errors():
          r"exactly the parameters of the wrapped SGD \(matched by tensor identity.*Received: 3 "
          r"variable\(s\) that are not its parameters \['param_0', 'param_1', 'param_2'\], and 3 "
          r"of its parameters missing \(shapes \[\(4, 3\), \(5,\), \(2, 2\)\]\)"),
-        (params[:2], r"Received: 0 variable\(s\).*1 of its parameters missing \(shapes \[\(2, 2\)\]"),
+        (params[:2],
+         r"Received: 0 variable\(s\).*1 of its parameters missing \(shapes \[\(2, 2\)\]"),
         (params + [params[0]], r"lists the parameter behind 'param_0' twice"),
         ([p.detach().numpy() for p in params],
          r"works on torch tensors\. Received: var_list of numpy arrays"),
