@@ -307,7 +307,6 @@ def test_errors(rng):
 
 
 def test_donated_initial_state_cannot_be_reused():
-    import jax
     import jax.numpy as jnp
 
     tx = transform(lso())
@@ -330,6 +329,9 @@ _NO_JAX = textwrap.dedent("""
     grads = {"b": (np.full(2, 2.0, np.float32), None), "a": [np.ones(1, np.float32)]}
     new, state = tx.apply(grads, state, params)
     assert "jax" not in sys.modules
+    import jax  # imported later: the transform keeps the structure it started with
+    again, _ = tx.apply(grads, state, params)
+    assert again["a"][0].tolist() == [-0.5]
     try:
         tx.apply({"a": [np.ones(1, np.float32)]}, state, params)
     except ValueError as e:
@@ -419,3 +421,12 @@ def test_transform_repr_and_class():
     tx = transform(optimizers.SGD(0.1))
     assert isinstance(tx, Transform) and tx.names is None
     assert repr(tx) == "<Transform optimizer=<SGD name='SGD' built=False>>"
+
+
+@pytest.mark.parametrize("name", ["lossscale.pytree._state", "lossscale.pytree._transform"])
+def test_docstring_examples(name):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

@@ -1,132 +1,13 @@
-"""Functional use of any lossscale optimizer on pytrees of parameters.
+"""`Transform`: an optimizer as pure `init`/`apply` functions of pytrees."""
 
-JAX users keep parameters in nested containers (a Flax `params` dict, lists,
-tuples, any registered pytree) and write pure training steps. `transform`
-turns an optimizer into a pair of pure functions over such trees:
-
-```
-tx = lossscale.pytree.transform(optimizer)
-state = tx.init(params)                               # once, eagerly
-new_params, new_state = tx.apply(grads, state, params)  # pure; jit-able
-```
-
-The math is not written again here: `apply` flattens the trees and calls the
-optimizer's own `stateless_apply`. The state is an `OptimizerState`, a
-read-only mapping from readable names (`"adam/dense_kernel_momentum"`) to
-arrays, itself a pytree: it goes through `jax.jit`, `jax.vmap` and
-checkpointing libraries like any dict of arrays.
-
-Trees are flattened with `jax.tree_util` when JAX has been imported (so
-custom pytree nodes work); otherwise nested dicts, lists and tuples of NumPy
-arrays or torch tensors are supported with the same leaf order (dict keys
-sorted, `None` an empty subtree). Importing this module imports no backend.
-"""
-
-import collections.abc
 import sys
 
 from lossscale import validation
 from lossscale.optimizers.base import Optimizer
 from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from lossscale.pytree._flatten import flatten, jax_in_use, unflatten
+from lossscale.pytree._state import OptimizerState
 from lossscale.variables import Variable
-
-
-class OptimizerState(collections.abc.Mapping):
-    """The values of an optimizer's `variables`, keyed by readable names.
-
-    A read-only mapping (`state["adam/iteration"]`, `dict(state)`) and a JAX
-    pytree whose leaves are the arrays, in sorted-name order, with the names
-    as static structure. Two states with the same names therefore have the
-    same tree structure, so a state rebuilt from a checkpoint
-    (`OptimizerState(saved_dict)`) does not retrace a jitted step.
-
-    Args:
-        values: A mapping from names to arrays.
-
-    Example:
-
-    >>> import numpy as np
-    >>> from lossscale.pytree import OptimizerState
-    >>> state = OptimizerState({"sgd/iteration": np.array(3)})
-    >>> int(state["sgd/iteration"]), list(state)
-    (3, ['sgd/iteration'])
-    """
-
-    __slots__ = ("_values",)
-
-    def __init__(self, values):
-        if not isinstance(values, collections.abc.Mapping):
-            raise TypeError(
-                "`values` must be a mapping from names to arrays. "
-                f"Received: values of type {type(values).__name__}")
-        for name in values:
-            if not isinstance(name, str):
-                raise TypeError(f"`values` keys must be strings. Received: key {name!r}")
-        _register_with_jax()
-        self._values = {name: values[name] for name in sorted(values)}
-
-    def __getitem__(self, name):
-        try:
-            return self._values[name]
-        except KeyError:
-            raise KeyError(
-                f"No optimizer variable named {name!r}. Known: {list(self._values)}") from None
-
-    def __iter__(self):
-        return iter(self._values)
-
-    def __len__(self):
-        return len(self._values)
-
-    def replace(self, **updates):
-        """Returns a copy with some values replaced (names must exist).
-
-        Names holding `/` are passed through a dict: `state.replace(**{
-        "adam/learning_rate": lr})`.
-        """
-        for name in updates:
-            self[name]  # raises a KeyError naming the known variables
-        return OptimizerState({**self._values, **updates})
-
-    def __repr__(self):
-        def describe(x):
-            shape = tuple(getattr(x, "shape", ()))
-            dtype = str(getattr(x, "dtype", type(x).__name__)).removeprefix("torch.")
-            return f"{dtype}{list(shape)}"
-
-        inner = ", ".join(f"{name!r}: {describe(x)}" for name, x in self._values.items())
-        return f"OptimizerState({{{inner}}})"
-
-
-_registered = False
-
-
-def _register_with_jax():
-    """Registers `OptimizerState` as a pytree node once JAX is in use.
-
-    Deferred so that importing lossscale never imports JAX: a state can only
-    meet a JAX transformation after JAX has been imported, and every state
-    passes through `OptimizerState.__init__`, which calls this.
-    """
-    global _registered
-    jax = sys.modules.get("jax")
-    if _registered or jax is None:
-        return
-    tree_util = jax.tree_util
-
-    def flatten_with_keys(state):
-        names = tuple(state._values)
-        return [(tree_util.DictKey(n), state._values[n]) for n in names], names
-
-    def unflatten(names, leaves):
-        state = object.__new__(OptimizerState)
-        state._values = dict(zip(names, leaves))
-        return state
-
-    tree_util.register_pytree_with_keys(
-        OptimizerState, flatten_with_keys, unflatten,
-        flatten_func=lambda state: (tuple(state._values.values()), tuple(state._values)))
-    _registered = True
 
 
 class Transform:
@@ -169,6 +50,7 @@ class Transform:
         self._optimizer = optimizer
         self._treedef = None
         self._names = None
+        self._use_jax = None
 
     @property
     def optimizer(self):
@@ -194,14 +76,15 @@ class Transform:
         Returns:
             An `OptimizerState`.
         """
-        leaves, treedef, paths = _flatten(params, "params")
+        use_jax = jax_in_use() if self._use_jax is None else self._use_jax
+        leaves, treedef, paths = flatten(params, "params", use_jax)
         if self._treedef is None:
             if not self._optimizer.built:
                 _check_concrete(leaves)
                 variables = [Variable(leaf, name=path or "param")
                              for leaf, path in zip(leaves, paths)]
                 self._optimizer.build(variables)
-            self._treedef = treedef
+            self._treedef, self._use_jax = treedef, use_jax
             self._names = _unique_names(self._optimizer.variables)
         else:
             self._check_structure(treedef, "params")
@@ -241,9 +124,9 @@ class Transform:
             raise TypeError(
                 "`state` must be the OptimizerState returned by `init` or `apply`. "
                 f"Received: state of type {type(state).__name__}")
-        param_leaves, treedef, _ = _flatten(params, "params")
+        param_leaves, treedef, _ = flatten(params, "params", self._use_jax)
         self._check_structure(treedef, "params")
-        grad_leaves, grad_treedef, _ = _flatten(grads, "grads")
+        grad_leaves, grad_treedef, _ = flatten(grads, "grads", self._use_jax)
         if grad_treedef != treedef:
             raise ValueError(
                 "`grads` must have the structure of `params`. "
@@ -256,7 +139,7 @@ class Transform:
                 f"Missing: {missing}. Unexpected: {extra}")
         new_leaves, new_values = self._optimizer.stateless_apply(
             [state[n] for n in self._names], grad_leaves, param_leaves)
-        return _unflatten(treedef, new_leaves), OptimizerState(dict(zip(self._names, new_values)))
+        return unflatten(treedef, new_leaves), OptimizerState(dict(zip(self._names, new_values)))
 
     def jit(self, donate=True):
         """Returns `apply` compiled with `jax.jit`, donating `state` and `params`.
@@ -339,88 +222,6 @@ def transform(optimizer):
     return Transform(optimizer)
 
 
-# --- flattening ------------------------------------------------------------
-def _flatten(tree, argname):
-    """Returns `(leaves, treedef, paths)`; paths are `/`-joined key strings."""
-    jax = sys.modules.get("jax")
-    if jax is not None:
-        with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        leaves = [leaf for _, leaf in with_paths]
-        paths = ["/".join(_key_name(k) for k in path) for path, _ in with_paths]
-    else:
-        leaves, paths = [], []
-        treedef = _ContainerDef.of(tree, (), leaves, paths)
-    if not leaves:
-        raise ValueError(f"`{argname}` must hold at least one array. Received: {argname}={tree!r}")
-    return leaves, treedef, paths
-
-
-def _unflatten(treedef, leaves):
-    if isinstance(treedef, _ContainerDef):
-        return treedef.build(iter(leaves))
-    return sys.modules["jax"].tree_util.tree_unflatten(treedef, leaves)
-
-
-def _key_name(key):
-    for attr in ("key", "idx", "name"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-class _ContainerDef:
-    """Structure of a tree of dicts, lists and tuples (used without JAX)."""
-
-    __slots__ = ("kind", "keys", "children")
-
-    def __init__(self, kind, keys=(), children=()):
-        self.kind, self.keys, self.children = kind, tuple(keys), tuple(children)
-
-    @classmethod
-    def of(cls, tree, path, leaves, paths):
-        if tree is None:
-            return cls("none")
-        if isinstance(tree, dict):
-            keys = sorted(tree)
-            return cls("dict", keys, [cls.of(tree[k], path + (str(k),), leaves, paths)
-                                      for k in keys])
-        if isinstance(tree, (list, tuple)):
-            return cls(type(tree).__name__, range(len(tree)),
-                       [cls.of(x, path + (str(i),), leaves, paths) for i, x in enumerate(tree)])
-        leaves.append(tree)
-        paths.append("/".join(path))
-        return cls("leaf")
-
-    def build(self, leaves):
-        if self.kind == "leaf":
-            return next(leaves)
-        if self.kind == "none":
-            return None
-        children = [c.build(leaves) for c in self.children]
-        if self.kind == "dict":
-            return dict(zip(self.keys, children))
-        return list(children) if self.kind == "list" else tuple(children)
-
-    def _key(self):
-        return (self.kind, self.keys, tuple(c._key() for c in self.children))
-
-    def __eq__(self, other):
-        return isinstance(other, _ContainerDef) and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(self._key())
-
-    def __repr__(self):
-        if self.kind == "leaf":
-            return "*"
-        if self.kind == "none":
-            return "None"
-        inner = ", ".join(repr(c) if self.kind != "dict" else f"{k!r}: {c!r}"
-                          for k, c in zip(self.keys, self.children))
-        return {"dict": "{%s}", "list": "[%s]", "tuple": "(%s)"}[self.kind] % inner
-
-
-# --- small checks ------------------------------------------------------------
 def _unique_names(variables):
     """State names: variable paths, with a numeric suffix where two collide."""
     names, seen = [], {}
