@@ -290,22 +290,27 @@ def test_state_dict_round_trip_through_torch_save_resumes_the_trajectory(name):
     params = make_params()
     opt, _ = wrapped(name, params)
     run(opt, params, range(6))
+    # The wrapper's own variables (the loss scale) ride along as `extra_variables`.
+    own = opt.variables[:2]
     buffer = io.BytesIO()
-    torch.save({"inner": opt.inner_optimizer.state_dict(), "params": params}, buffer)
+    torch.save({"inner": opt.inner_optimizer.state_dict(extra_variables=own),
+                "params": params}, buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
-    assert saved["inner"]["optimizer_variables"] == {"torch_optimizer/iteration": torch.tensor(4)}
+    assert saved["inner"]["optimizer_variables"] == {
+        "loss_scale_optimizer/step_counter": torch.tensor(1),
+        "loss_scale_optimizer/dynamic_scale": torch.tensor(8.0),
+        "torch_optimizer/iteration": torch.tensor(4)}
     twin_params = [torch.nn.Parameter(p.detach().clone()) for p in saved["params"]]
     twin, _ = wrapped(name, twin_params)
     twin.build(twin_params)
-    twin.inner_optimizer.load_state_dict(saved["inner"])
-    for variable, value in zip(twin.variables[:2], opt.variables[:2]):  # the loss scale
-        variable.assign(value.value)
+    twin.inner_optimizer.load_state_dict(saved["inner"], extra_variables=twin.variables[:2])
     run(opt, params, range(6, STEPS))
     run(twin, twin_params, range(6, STEPS))
     for p, q in zip(params, twin_params):
         assert torch.equal(p, q)
     assert int(twin.iterations) == int(opt.iterations) == 7
+    assert float(twin.dynamic_scale) == float(opt.dynamic_scale)
 
 
 def test_state_dict_is_a_copy_a_plain_torch_optimizer_can_load():
@@ -333,9 +338,13 @@ def test_load_state_dict_errors_change_nothing():
                               r"'state'\]"),
         ([], r"Received: list"),
         ({**good, "optimizer_variables": {"x/iteration": torch.tensor(1)}},
-         r"must have the key 'torch_optimizer/iteration'.*Received: \['x/iteration'\]"),
+         r"must have the keys \['torch_optimizer/iteration'\] of this optimizer\. Received: "
+         r"\['x/iteration'\]"),
         ({**good, "optimizer_variables": {"torch_optimizer/iteration": torch.zeros(2)}},
-         r"must be an integer scalar"),
+         r"\['torch_optimizer/iteration'\]` must have the shape \(\) of optimizer variable "
+         r"'torch_optimizer/iteration'\. Received: shape \(2,\)"),
+        ({**good, "optimizer_variables": {"torch_optimizer/iteration": "3"}},
+         r"must be a tensor, a NumPy array or a number\. Received: '3'"),
         ({**other, "optimizer_variables": good["optimizer_variables"]},
          "doesn't match the size of optimizer's group"),
     ]

@@ -309,7 +309,7 @@ class TorchOptimizer(Optimizer):
             "group with weight_decay=0.")
 
     # --- state ------------------------------------------------------------------
-    def state_dict(self):
+    def state_dict(self, *, extra_variables=()):
         """Returns the native optimizer's state dict plus the adapter's step counter.
 
         ```
@@ -322,22 +322,34 @@ class TorchOptimizer(Optimizer):
 
         Everything is copied, so later steps do not change the dict. A plain
         torch optimizer loads it too (it ignores `optimizer_variables`).
+
+        Args:
+            extra_variables: Variables of an enclosing wrapper (a
+                `LossScaleOptimizer` passes its own) to carry in
+                `optimizer_variables` too, keyed by path, before the step
+                counter.
+
+        Returns:
+            A dict that `load_state_dict` accepts.
         """
         state = copy.deepcopy(self.optimizer.state_dict())
-        iterations = self._iterations
-        state["optimizer_variables"] = {iterations.path: iterations._ops.copy(iterations.value)}
+        state["optimizer_variables"] = {
+            v.path: v._ops.copy(v.value) for v in [*extra_variables, self._iterations]}
         return state
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict, *, extra_variables=()):
         """Restores the state written by `state_dict()`.
 
-        The native optimizer checks its part (number and sizes of param
-        groups) before writing anything; the step counter is checked first.
-        A plain `torch.optim` state dict (no step counter) loads with
+        Everything is checked before anything is written: the keys and
+        shapes of `optimizer_variables` here, the native part (number and
+        sizes of param groups) by the native optimizer. A plain `torch.optim`
+        state dict (no step counter) loads with
         `adapter.optimizer.load_state_dict(...)`.
 
         Args:
             state_dict: A dict returned by `state_dict()`.
+            extra_variables: The variables passed to `state_dict()` as
+                `extra_variables`, to restore as well.
         """
         if not isinstance(state_dict, dict) or set(state_dict) != set(STATE_DICT_KEYS):
             got = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(
@@ -346,21 +358,38 @@ class TorchOptimizer(Optimizer):
                 f"`state_dict` must be a dict with keys {list(STATE_DICT_KEYS)}, as returned by "
                 "TorchOptimizer.state_dict(); a plain torch.optim state dict loads with "
                 f"`adapter.optimizer.load_state_dict(...)`. Received: {got}")
+        variables = [*extra_variables, self._iterations]
         saved = state_dict["optimizer_variables"]
-        path = self._iterations.path
-        if not isinstance(saved, dict) or set(saved) != {path}:
+        paths = [v.path for v in variables]
+        if not isinstance(saved, dict) or set(saved) != set(paths):
             received = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
             raise ValueError(
-                f"`state_dict['optimizer_variables']` must have the key {path!r} of this "
+                f"`state_dict['optimizer_variables']` must have the keys {paths} of this "
                 f"optimizer. Received: {received}")
-        count = saved[path]
-        if tuple(getattr(count, "shape", ())) != () or isinstance(count, (bool, float, str)):
-            raise ValueError(
-                f"`state_dict['optimizer_variables'][{path!r}]` must be an integer scalar. "
-                f"Received: {count!r}")
+        for variable in variables:
+            _check_value(f"state_dict['optimizer_variables'][{variable.path!r}]",
+                         saved[variable.path], variable)
         self.optimizer.load_state_dict({key: state_dict[key] for key in STATE_DICT_KEYS[:2]})
-        self._iterations.assign(count)
+        for variable in variables:
+            variable.assign(saved[variable.path])
         self._momentum_ready = False
+
+
+def _check_value(where, value, variable):
+    """Raises unless `value` (a tensor, NumPy array or number) fits `variable`."""
+    import numbers
+
+    import numpy as np
+
+    if not isinstance(value, (_torch().Tensor, np.ndarray, np.generic, numbers.Number)) or (
+            isinstance(value, bool)):
+        raise ValueError(
+            f"`{where}` must be a tensor, a NumPy array or a number. Received: {value!r}")
+    shape = tuple(getattr(value, "shape", ()))
+    if shape != variable.shape:
+        raise ValueError(
+            f"`{where}` must have the shape {variable.shape} of optimizer variable "
+            f"{variable.path!r}. Received: shape {shape}")
 
 
 _ABSENT = object()
