@@ -104,6 +104,35 @@ def test_scale_loss(backend):
         plain.loss_scale(plain_state)
 
 
+def test_summary_and_check_read_the_state():
+    import jax.numpy as jnp
+
+    from lossscale.mixed_precision import LossScaleError
+
+    opt = LossScaleOptimizer(optimizers.SGD(0.1), initial_scale=SCALE, max_consecutive_skips=2)
+    tx = transform(opt)
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    step = tx.jit(donate=False)
+    for _ in range(2):
+        params, state = step({"w": jnp.full(2, jnp.inf)}, state, params)
+        tx.check(state)
+    summary = tx.summary(state)
+    assert summary["dynamic_scale"] == SCALE / 4 and summary["step_counter"] == 0
+    params, failed = step({"w": jnp.full(2, jnp.nan)}, state, params)
+    with pytest.raises(LossScaleError):
+        tx.check(failed)
+    tx.check(state)  # the earlier state is still fine: nothing was mutated
+    plain = transform(optimizers.SGD(0.1))
+    plain_state = plain.init({"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match="`check` needs a transform of a LossScaleOptimizer"):
+        plain.check(plain_state)
+    with pytest.raises(ValueError, match="`summary` needs an initialised transform"):
+        transform(lso()).summary(state)
+    with pytest.raises(TypeError, match="`state` must be the OptimizerState returned by"):
+        tx.summary(dict(state))
+
+
 def test_jit_checkpoint_round_trip_and_no_retrace(rng):
     """20 jitted steps, interrupted by a save/restore through NumPy, equal an uninterrupted run."""
     import jax

@@ -180,15 +180,42 @@ class Transform:
 
     def loss_scale(self, state):
         """The current dynamic loss scale in `state` (`LossScaleOptimizer` only)."""
-        if not isinstance(self._optimizer, LossScaleOptimizer):
-            raise ValueError(
-                "`loss_scale` needs a transform of a LossScaleOptimizer. "
-                f"Received: optimizer={self._optimizer!r}")
-        if self._names is None:
-            raise ValueError("`loss_scale` needs an initialised transform; call `tx.init` first.")
-        scale = self._optimizer.dynamic_scale
+        scale = self._loss_scale_optimizer("loss_scale").dynamic_scale
         position = next(i for i, v in enumerate(self._optimizer.variables) if v is scale)
         return state[self._names[position]]
+
+    def summary(self, state):
+        """The loss-scale state in `state` as Python values, for logging.
+
+        Delegates to `LossScaleOptimizer.summary` (a host read: call it when
+        logging, not inside the jitted step).
+        """
+        return self._loss_scale_optimizer("summary").summary(self._values(state))
+
+    def check(self, state):
+        """Raises `LossScaleError` if `state` records a crossed limit.
+
+        The jitted step cannot raise; with `min_scale` or
+        `max_consecutive_skips` set, call this between steps (it reads one
+        scalar). Delegates to `LossScaleOptimizer.check`.
+        """
+        self._loss_scale_optimizer("check").check(self._values(state))
+
+    def _loss_scale_optimizer(self, method):
+        if not isinstance(self._optimizer, LossScaleOptimizer):
+            raise ValueError(
+                f"`{method}` needs a transform of a LossScaleOptimizer. "
+                f"Received: optimizer={self._optimizer!r}")
+        if self._names is None:
+            raise ValueError(f"`{method}` needs an initialised transform; call `tx.init` first.")
+        return self._optimizer
+
+    def _values(self, state):
+        if not isinstance(state, OptimizerState):
+            raise TypeError(
+                "`state` must be the OptimizerState returned by `init` or `apply`. "
+                f"Received: state of type {type(state).__name__}")
+        return [state[n] for n in self._names]
 
     def _check_structure(self, treedef, argname):
         if treedef != self._treedef:
