@@ -50,23 +50,23 @@ def make_gradients(seed=1, steps=STEPS, dtype=np.float32):
     return out
 
 
-def wrapped(inner):
+def wrapped(inner, **settings):
     return LossScaleOptimizer(inner, initial_scale=INITIAL_SCALE,
-                              dynamic_growth_steps=GROWTH_STEPS)
+                              dynamic_growth_steps=GROWTH_STEPS, **settings)
 
 
-def run_eager(make_inner, weights, grads):
+def run_eager(make_inner, weights, grads, **settings):
     """Stateful `apply` on JAX Variables; returns (model values, optimizer values)."""
-    opt = wrapped(make_inner())
+    opt = wrapped(make_inner(), **settings)
     variables = [ls.Variable(jnp.asarray(w), name=f"w{i}") for i, w in enumerate(weights)]
     for g in grads:
         opt.apply([jnp.asarray(x) for x in g], variables)
     return [v.value for v in variables], [v.value for v in opt.variables], opt
 
 
-def run_jit(make_inner, weights, grads, **jit_kwargs):
+def run_jit(make_inner, weights, grads, settings=None, **jit_kwargs):
     """`jax.jit(stateless_apply)` over the same steps; also returns the trace count."""
-    opt = wrapped(make_inner())
+    opt = wrapped(make_inner(), **(settings or {}))
     opt.build([ls.Variable(jnp.asarray(w), name=f"w{i}") for i, w in enumerate(weights)])
     traces = []
 
@@ -164,6 +164,32 @@ def test_options_trace_once_and_equal_eager(case):
     assert traces == 1
     assert_values_close(jit_model, eager_model)
     assert_values_close(jit_own, eager_own)
+
+
+# The wrapper's own settings beyond Keras: each adds state or selects to the step.
+WRAPPER_CASES = {
+    "telemetry": dict(telemetry=True),
+    "hysteresis": dict(hysteresis=2),
+    "headroom": dict(growth_policy="headroom"),
+    "factors_and_cap": dict(growth_factor=4.0, backoff_factor=0.25, max_scale=16.0),
+    "fail_fast_limits": dict(min_scale=1e-3, max_consecutive_skips=5),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRAPPER_CASES))
+def test_wrapper_settings_trace_once_and_equal_eager(case):
+    weights, grads = make_weights(), make_gradients()
+    settings = WRAPPER_CASES[case]
+
+    def make_inner():
+        return optimizers.Adam(0.05)
+
+    eager_model, eager_own, eager_opt = run_eager(make_inner, weights, grads, **settings)
+    jit_model, jit_own, traces = run_jit(make_inner, weights, grads, settings)
+    assert traces == 1
+    assert_values_close(jit_model, eager_model)
+    assert_values_close(jit_own, eager_own)
+    assert eager_opt.summary(jit_own) == eager_opt.summary()
 
 
 def test_outputs_keep_input_dtypes_and_weak_types():
