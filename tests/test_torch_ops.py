@@ -301,3 +301,20 @@ def test_compiled_training_step_matches_eager():
     assert steps == eager_steps == 4
     torch.testing.assert_close(losses, eager_losses)
     torch.testing.assert_close(params, eager_params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan, None])
+def test_all_finite_of_unscaled_gradients_leaves_them_unchanged(dtype, bad):
+    """`unscale`'s own results are checked in place on CPU; values must not move."""
+    rng = np.random.default_rng(0)
+    big = 1e30 if dtype.itemsize >= 4 else 1e4  # large, yet finite in the dtype
+    grads = [storage(rng.normal(size=s) * big, dtype) for s in [(3, 4), (5,)]]
+    if bad is not None:
+        grads[1][2] = bad
+    unscaled = torch_ops.unscale(grads, torch.tensor(3.0))
+    before = [u.clone() for u in unscaled]
+    user = storage([1.0, -2.0])  # not made by `unscale`: checked without writing
+    assert bool(torch_ops.all_finite(unscaled + [user])) is (bad is None)
+    for b, u in zip(before, unscaled):
+        assert torch.equal(b.view(-1).view(torch.uint8), u.view(-1).view(torch.uint8))

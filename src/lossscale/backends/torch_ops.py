@@ -261,12 +261,16 @@ def groups(tensors):
     return [(device, dtype, indices) for (device, dtype), indices in found.items()]
 
 
-# The last CPU `unscale` result, kept alive until the next call. Freed at
-# once, hundreds of MiB of gradients go back to the OS, and the next step
-# faults every page in again (about 9x the cost of the division itself with
-# glibc); held one step longer, the allocator reuses them. CUDA's caching
-# allocator needs no such help.
-_RECENT_CPU_RESULT = []
+# The last CPU `unscale` result, by id, kept alive until the next call.
+# - Freed at once, hundreds of MiB of gradients go back to the OS and the
+#   next step faults every page in again (about 9x the cost of the division
+#   itself with glibc); held one step longer, the allocator reuses them.
+#   CUDA's caching allocator needs no such help.
+# - `all_finite` checks these tensors, which nobody else has seen, with
+#   torch's check-and-unscale kernel at scale 1, in place: multiplying by
+#   exactly 1 leaves every value as it is, and on CPU that kernel is several
+#   times faster than any reduction that leaves its input alone.
+_RECENT_CPU_RESULT = {}
 
 
 def unscale(grads, scale):
@@ -286,12 +290,15 @@ def unscale(grads, scale):
         else:
             group = torch._foreach_div(group, scale.to(device=device, dtype=dtype))
         if len(parts) == 1:
-            out = group
+            out = list(group)
             break
         for i, g in zip(indices, group):
             out[i] = g
-    if out[0].device.type == "cpu":
-        _RECENT_CPU_RESULT[:] = out
+    # (Not while torch.compile traces: an `id` would guard every step's
+    # fresh gradients by identity and recompile each time.)
+    if out[0].device.type == "cpu" and not torch.compiler.is_compiling():
+        _RECENT_CPU_RESULT.clear()
+        _RECENT_CPU_RESULT.update((id(g), g) for g in out)
     return out
 
 
@@ -306,11 +313,26 @@ def _group_flags(arrays):
     for device, _, indices in groups(arrays):
         group = [arrays[i] for i in indices]
         if device.type == "cpu":
-            # torch's multi-tensor inf-norm is a slow generic reduction on
-            # CPU; min and max of each tensor in one pass are not.
-            extremes = torch.stack([x for a in group for x in torch.aminmax(a)])
+            flags.extend(_cpu_flags(group))
         else:
-            extremes = torch.stack(torch._foreach_norm(group, float("inf")))
+            flags.append(torch.isfinite(torch.stack(
+                torch._foreach_norm(group, float("inf")))).all())
+    return flags
+
+
+def _cpu_flags(group):
+    # torch's multi-tensor inf-norm is a slow generic reduction on CPU.
+    recent = {} if torch.compiler.is_compiling() else _RECENT_CPU_RESULT
+    ours = [a for a in group if recent.get(id(a)) is a]
+    others = [a for a in group if recent.get(id(a)) is not a] if len(ours) < len(group) else []
+    flags = []
+    if ours:
+        found = torch.zeros(1, dtype=torch.float32)
+        torch._amp_foreach_non_finite_check_and_unscale_(ours, found, torch.ones(()))
+        flags.append(found[0] == 0)
+    if others:
+        # Min and max of each tensor, in one pass each.
+        extremes = torch.stack([x for a in others for x in torch.aminmax(a)])
         flags.append(torch.isfinite(extremes).all())
     return flags
 
