@@ -7,9 +7,11 @@ import sys
 import optax
 import torch
 
+import pytest
+
 import lossscale as ls
 from lossscale.optimizers import native
-from lossscale.optimizers.native import wrap_native
+from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
 from lossscale.optimizers.optax_native import OptaxOptimizer
 from lossscale.optimizers.torch_native import TorchOptimizer
 
@@ -38,6 +40,57 @@ def test_an_unloaded_library_is_not_imported():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+class Wrapper(NativeInnerStateMixin, ls.LossScaleOptimizer):
+    """A `LossScaleOptimizer` taking the mixin, as it is meant to."""
+
+
+def steps(opt, params, grads):
+    for g in grads:
+        opt.apply([g * opt.scale_loss(torch.tensor(1.0))], params)
+
+
+@pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
+def test_a_wrapper_checkpoints_a_native_inner_optimizer_through_its_state_dict():
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(3, generator=generator) for _ in range(6)]
+    grads[2] = torch.tensor([float("inf"), 0.0, 0.0])
+    params = [torch.nn.Parameter(torch.ones(3))]
+    opt = Wrapper(TorchOptimizer(torch.optim.Adam(params, lr=0.1)), initial_scale=8.0,
+                  dynamic_growth_steps=1, name="lso")
+    steps(opt, params, grads[:4])
+    state = opt.state_dict()
+    assert sorted(state) == ["optimizer_variables", "param_groups", "state"]
+    assert {k: float(v) for k, v in state["optimizer_variables"].items()} == {
+        "lso/step_counter": 0.0, "lso/dynamic_scale": 32.0,
+        "torch_optimizer/iteration": 3.0}
+    assert int(state["state"][0]["step"]) == 3
+    twin_params = [torch.nn.Parameter(params[0].detach().clone())]
+    twin = Wrapper(TorchOptimizer(torch.optim.Adam(twin_params, lr=0.1)), initial_scale=8.0,
+                   dynamic_growth_steps=1, name="lso")
+    twin.build(twin_params)
+    twin.load_state_dict(state)
+    steps(opt, params, grads[4:])
+    steps(twin, twin_params, grads[4:])
+    assert torch.equal(params[0], twin_params[0])
+    assert float(twin.dynamic_scale) == float(opt.dynamic_scale) == 128.0
+    for method in ("save_own_variables", "load_own_variables"):
+        with pytest.raises(NotImplementedError, match=rf"`{method}`: the wrapped Adam keeps"):
+            getattr(opt, method)({})
+
+
+def test_other_inner_optimizers_keep_the_wrapper_behaviour():
+    import jax.numpy as jnp
+
+    opt = Wrapper(OptaxOptimizer(optax.adam(0.1)))
+    opt.build([jnp.ones(2)])
+    store = {}
+    opt.save_own_variables(store)
+    assert len(store) == len(opt.variables) == 6
+    opt.load_own_variables(store)
+    assert list(opt.state_dict()["optimizer_variables"]) == [v.path for v in opt.variables]
+    opt.load_state_dict(opt.state_dict())
 
 
 def test_docstring_example():

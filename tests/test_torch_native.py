@@ -265,7 +265,8 @@ def test_learning_rate_errors():
     native = torch.optim.SGD([{"params": params[:1], "lr": 0.1}, {"params": params[1:]}],
                              lr=0.2)
     opt = TorchOptimizer(native)
-    with pytest.raises(ValueError, match=r"different learning rates \(\[0\.1, 0\.2\]\).*"
+    assert getattr(opt, "learning_rate", None) is None
+    with pytest.raises(AttributeError, match=r"different learning rates \(\[0\.1, 0\.2\]\).*"
                                          r"param_groups\[i\]\['lr'\]"):
         opt.learning_rate
     with pytest.raises(TypeError, match="torch.optim.lr_scheduler.*Received: learning_rate="):

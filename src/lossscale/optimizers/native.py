@@ -1,6 +1,9 @@
-"""`wrap_native`: a framework's own optimizer in the adapter lossscale drives it with.
+"""Native optimizers in lossscale wrappers.
 
-Neither torch nor optax is imported here: an object can only be a
+`wrap_native` gives a torch or optax optimizer its adapter;
+`NativeInnerStateMixin` lets a wrapper checkpoint an inner optimizer whose
+state lives outside lossscale variables. Neither torch nor optax is
+imported here: an object can only be a
 `torch.optim.Optimizer` (or an `optax.GradientTransformation`) if its
 library is already loaded, so only loaded libraries are consulted.
 """
@@ -41,3 +44,52 @@ def wrap_native(optimizer):
 
         return OptaxOptimizer(optimizer)
     return optimizer
+
+
+class NativeInnerStateMixin:
+    """Checkpointing for a wrapper whose inner optimizer keeps native state.
+
+    A `TorchOptimizer` keeps its state in the torch optimizer, not in
+    `variables` (it says so with `keeps_native_state = True`). A wrapper
+    holding one in `inner_optimizer` (`LossScaleOptimizer`) takes this mixin
+    first among its bases: `state_dict()` / `load_state_dict()` then go
+    through the inner optimizer's, with the wrapper's own variables carried
+    in `optimizer_variables`, and `save_own_variables` /
+    `load_own_variables` raise the inner optimizer's error instead of
+    silently saving the variables only. Any other inner optimizer keeps the
+    wrapper's usual behaviour.
+    """
+
+    def _native_inner(self):
+        inner = getattr(self, "inner_optimizer", None)
+        return inner if getattr(inner, "keeps_native_state", False) else None
+
+    def state_dict(self):
+        """The optimizer's state; with a native inner optimizer, its `state_dict()`
+        carrying this wrapper's variables in `optimizer_variables`."""
+        inner = self._native_inner()
+        if inner is None:
+            return super().state_dict()
+        return inner.state_dict(extra_variables=self._variables)
+
+    def load_state_dict(self, state_dict):
+        """Restores the state written by `state_dict()` (checked before writing)."""
+        inner = self._native_inner()
+        if inner is None:
+            super().load_state_dict(state_dict)
+            return
+        inner.load_state_dict(state_dict, extra_variables=self._variables)
+
+    def save_own_variables(self, store):
+        """Writes every variable to `store`; raises if the inner optimizer keeps native state."""
+        inner = self._native_inner()
+        if inner is not None:
+            inner.save_own_variables(store)  # raises, naming `state_dict()`
+        super().save_own_variables(store)
+
+    def load_own_variables(self, store):
+        """Restores the variables from `store`; raises if the inner optimizer keeps native state."""
+        inner = self._native_inner()
+        if inner is not None:
+            inner.load_own_variables(store)  # raises, naming `load_state_dict()`
+        super().load_own_variables(store)

@@ -41,7 +41,7 @@ class OptaxOptimizer(Optimizer):
     transformation made with `optax.inject_hyperparams` (a state leaf, so
     it is also saved and passed through `stateless_apply`). Any other
     transformation keeps its learning rate inside a closure, and
-    `learning_rate` raises. If the injected learning rate is itself a
+    `learning_rate` raises `AttributeError`. If the injected learning rate is itself a
     schedule, optax recomputes it from its own count on every step, over a
     value set here.
 
@@ -97,12 +97,12 @@ class OptaxOptimizer(Optimizer):
 
     def _injected_learning_rate(self):
         if not self.built:
-            raise ValueError(
+            raise AttributeError(
                 "OptaxOptimizer reads its learning rate from the transformation's state, which "
                 "is created when the optimizer is built. Call "
                 "`optimizer.build(trainable_variables)` (or take one step) first.")
         if self._learning_rate_variable is None:
-            raise ValueError(
+            raise AttributeError(
                 "This optax transformation keeps its learning rate inside a closure, so "
                 "OptaxOptimizer can neither read nor set it. Build the transformation with "
                 "optax.inject_hyperparams, e.g. "
@@ -114,8 +114,10 @@ class OptaxOptimizer(Optimizer):
     def learning_rate(self):
         """The `learning_rate` injected with `optax.inject_hyperparams` (a JAX scalar).
 
-        Raises `ValueError` before `build` and for a transformation made
-        without `optax.inject_hyperparams`. Setting it writes the state leaf.
+        Setting it writes the state leaf. Before `build`, and for a
+        transformation made without `optax.inject_hyperparams`, there is no
+        learning rate to read or set: both raise `AttributeError` (so
+        `getattr(optimizer, "learning_rate", None)` gives `None`), saying why.
         """
         return self._learning_rate_value()
 

@@ -103,6 +103,10 @@ class TorchOptimizer(Optimizer):
     (tensor([0.5000, 1.5000]), 2.0)
     """
 
+    # Tells a wrapper that `variables` do not hold the whole state: checkpoint
+    # through `state_dict(extra_variables=...)` instead.
+    keeps_native_state = True
+
     def __init__(self, optimizer, name=None, *, clipnorm=None, clipvalue=None,
                  global_clipnorm=None, **kwargs):
         if kwargs:
@@ -131,7 +135,7 @@ class TorchOptimizer(Optimizer):
     def _native_learning_rate(self):
         rates = [float(group["lr"]) for group in self.optimizer.param_groups]
         if any(rate != rates[0] for rate in rates):
-            raise ValueError(
+            raise AttributeError(
                 f"The param groups of the wrapped {type(self.optimizer).__name__} have "
                 f"different learning rates ({rates}), so there is no single "
                 "`learning_rate`: read or set `optimizer.param_groups[i]['lr']` instead.")
@@ -141,8 +145,9 @@ class TorchOptimizer(Optimizer):
     def learning_rate(self):
         """The native optimizer's learning rate, `param_groups[*]["lr"]`, as a float.
 
-        Raises `ValueError` if the param groups hold different rates. A
-        tensor learning rate is read on the host here (only when you ask).
+        Raises `AttributeError` if the param groups hold different rates
+        (there is no single one). A tensor learning rate is read on the host
+        here (only when you ask).
         Setting it writes every param group (a tensor rate in place).
         """
         return self._native_learning_rate()
