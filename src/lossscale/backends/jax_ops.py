@@ -190,6 +190,18 @@ def max_abs(arrays):
     return jnp.max(jnp.stack(peaks)) if peaks else jnp.asarray(0.0, jnp.float32)
 
 
+def all_max(x, group=None):
+    """The maximum of scalar `x` over all participants.
+
+    A JAX reduction over a sharded global array is already global (XLA
+    inserts the cross-device collective), so there is nothing to add.
+    """
+    if group is not None:
+        raise ValueError("`process_group` applies to torch.distributed only; JAX arrays are "
+                         f"global across their sharding. Received: process_group={group!r}")
+    return unwrap(x)
+
+
 # Fused multi-tensor kernels, keyed by the exact optimizer class they
 # reproduce. Each entry has a test proving it equals `update_step`.
 FUSED_KERNELS = {}

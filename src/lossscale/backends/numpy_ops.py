@@ -174,6 +174,14 @@ def max_abs(arrays):
     return np.asarray(out)
 
 
+def all_max(x, group=None):
+    """The maximum of scalar `x` over all participants: one process here."""
+    if group is not None:
+        raise ValueError("`process_group` applies to torch.distributed only; NumPy arrays "
+                         f"live in one process. Received: process_group={group!r}")
+    return unwrap(x)
+
+
 # Fused multi-tensor kernels, keyed by the exact optimizer class they
 # reproduce (a subclass may change the rule, so it gets the generic path).
 # Each entry has a test proving it equals `update_step`.

@@ -376,6 +376,27 @@ def max_abs(arrays):
     return _combine([p.float() for p in peaks]).max()
 
 
+def all_max(x, group=None):
+    """The maximum of scalar `x` over the ranks of `group` (the default group if None).
+
+    Does nothing unless torch.distributed is initialised with more than one
+    rank. One small all-reduce; with NCCL it is queued on the device stream
+    like any kernel, so it adds no host synchronisation.
+    """
+    x = unwrap(x)
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("`process_group` was given but torch.distributed is not "
+                             f"initialised. Received: process_group={group!r}")
+        return x
+    if dist.get_world_size(group) == 1:
+        return x
+    reduced = x.detach().to(torch.float32).clone()
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    return reduced.to(x.dtype)
+
+
 # Fused multi-tensor kernels, keyed by the exact optimizer class they
 # reproduce (a subclass may change the rule, so it takes the generic path).
 # Each entry has a test proving it equals `update_step`. Filled on first use:

@@ -90,6 +90,11 @@ class LossScaleOptimizer(Optimizer):
         telemetry: Boolean. Record skip counters, the last scales and which
             variables had non-finite gradients (one extra reduction per
             gradient each step). On whenever a fail-fast limit is set.
+        process_group: torch only. The `torch.distributed` group whose ranks
+            must agree on every skip (their gradients may be sharded); None
+            uses the default group when torch.distributed is initialised
+            with more than one rank, and does nothing otherwise. Not part of
+            the config.
         **kwargs: Base optimizer arguments are accepted only at their
             defaults; set them on the `inner_optimizer` instead.
 
@@ -112,7 +117,7 @@ class LossScaleOptimizer(Optimizer):
     def __init__(self, inner_optimizer, initial_scale=2.0 ** 15, dynamic_growth_steps=2000,
                  name=None, *, growth_factor=2.0, backoff_factor=0.5, hysteresis=1,
                  min_scale=None, max_scale=None, max_consecutive_skips=None,
-                 growth_policy="fixed", telemetry=False, **kwargs):
+                 growth_policy="fixed", telemetry=False, process_group=None, **kwargs):
         arguments = dict(locals())  # first: holds exactly the named arguments
         settings = {f.name: arguments[f.name] for f in dataclasses.fields(LossScalePolicy)}
         if not kwargs.pop("dynamic", True):
@@ -133,6 +138,8 @@ class LossScaleOptimizer(Optimizer):
                 "`inner_optimizer` must be a lossscale.optimizers.Optimizer instance. "
                 f"Received: inner_optimizer={inner_optimizer!r}")
         self.policy = LossScalePolicy(**settings)
+        # A live process group is no setting: it stays out of the config.
+        self.process_group = process_group
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         self.inner_optimizer.loss_scale_factor = None
@@ -200,6 +207,11 @@ class LossScaleOptimizer(Optimizer):
         # Checking the unscaled gradients also catches a finite gradient that
         # overflows when divided by a tiny scale.
         finite, peak, variable_finite = self._inspect(ops, grads, variables, scaled, scale)
+        # Every process must take the same decision (sharded gradients differ
+        # per rank): one small all-reduce where torch.distributed runs.
+        finite = ops.logical_not(ops.all_max(ops.logical_not(finite), self.process_group))
+        if peak is not None:
+            peak = ops.all_max(peak, self.process_group)
         state = self._read_state()
         ops.cond(may_apply(ops, state, finite, self.policy),
                  lambda: self.inner_optimizer.apply(grads, variables), lambda: None,

@@ -1,0 +1,104 @@
+"""Two-process torch.distributed scenarios for tests/test_distributed.py.
+
+Run as `python tests/distributed_worker.py SCENARIO OUT_DIR PORT`; spawns two
+gloo ranks on 127.0.0.1 and writes `OUT_DIR/SCENARIO_rank{r}.npz`.
+"""
+
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import lossscale as ls
+
+SHAPES = [(5, 3), (3,), (3, 2), (2,)]
+STEPS = 6
+# (step, parameter index, value): every injection lands in rank 1's shard.
+INJECTIONS = [(2, 3, np.inf), (4, 2, np.nan)]
+
+
+def gradient_sequence():
+    rng = np.random.default_rng(1)
+    steps = [[rng.normal(size=s).astype(np.float32) for s in SHAPES] for _ in range(STEPS)]
+    for step, index, value in INJECTIONS:
+        steps[step][index].flat[0] = value
+    return steps
+
+
+def initial_parameters():
+    rng = np.random.default_rng(0)
+    return [torch.from_numpy(rng.normal(size=s).astype(np.float32)) for s in SHAPES]
+
+
+def sharded(rank, singleton_groups):
+    """ZeRO-style: each rank updates its own half of the parameters, then shares them."""
+    params = initial_parameters()
+    own = [2 * rank, 2 * rank + 1]
+    groups = [dist.new_group([0]), dist.new_group([1])]
+    group = groups[rank] if singleton_groups else None
+    opt = ls.LossScaleOptimizer(ls.optimizers.Adam(0.01), initial_scale=2.0 ** 10,
+                                dynamic_growth_steps=2, process_group=group)
+    scales = []
+    for grads in gradient_sequence():
+        scale = np.float32(opt.scale_loss(1.0) if not opt.built else float(opt.dynamic_scale))
+        opt.apply([torch.from_numpy(grads[i] * scale) for i in own], [params[i] for i in own])
+        for i, p in enumerate(params):
+            dist.broadcast(p, src=i // 2)
+        scales.append(float(opt.dynamic_scale))
+    return {"scales": np.array(scales), "iterations": int(opt.iterations),
+            **{f"param{i}": p.numpy() for i, p in enumerate(params)}}
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+
+
+def data():
+    rng = np.random.default_rng(2)
+    return (torch.from_numpy(rng.normal(size=(16, 4)).astype(np.float32)),
+            torch.from_numpy(rng.normal(size=(16, 1)).astype(np.float32)))
+
+
+def train(model, x, y, poison_step=3):
+    """The training loop shared by the DDP ranks and the single-process reference."""
+    params = list(model.parameters())
+    opt = ls.LossScaleOptimizer(ls.optimizers.Adam(0.01), initial_scale=2.0 ** 8,
+                                dynamic_growth_steps=3)
+    scales = []
+    for step in range(STEPS):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if step == poison_step:
+            loss = loss * float("inf")
+        opt.scale_loss(loss).backward()
+        opt.apply([p.grad for p in params], params)
+        model.zero_grad()
+        scales.append(float(opt.dynamic_scale))
+    return {"scales": np.array(scales), "iterations": int(opt.iterations),
+            **{f"param{i}": p.detach().numpy().copy() for i, p in enumerate(params)}}
+
+
+def ddp(rank):
+    x, y = data()
+    model = torch.nn.parallel.DistributedDataParallel(make_model())
+    half = slice(8 * rank, 8 * rank + 8)
+    return train(model, x[half], y[half])
+
+
+def run(rank, scenario, out_dir, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        if scenario == "ddp":
+            result = ddp(rank)
+        else:
+            result = sharded(rank, singleton_groups=scenario == "sharded_without_agreement")
+        np.savez(f"{out_dir}/{scenario}_rank{rank}.npz", **result)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    scenario, out_dir, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    torch.multiprocessing.spawn(run, args=(scenario, out_dir, port), nprocs=2)

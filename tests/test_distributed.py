@@ -1,0 +1,153 @@
+"""Every process and device makes the same skip decision.
+
+torch: two gloo ranks on localhost (in a subprocess, bounded in time).
+JAX: four forced host devices (in a subprocess, since the device count is
+fixed when JAX starts).
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import distributed_worker as worker
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(scenario, tmp_path):
+    subprocess.run([sys.executable, str(WORKER), scenario, str(tmp_path), str(free_port())],
+                   check=True, timeout=120, capture_output=True)
+    return [dict(np.load(tmp_path / f"{scenario}_rank{r}.npz")) for r in (0, 1)]
+
+
+def single_process_sharded_reference():
+    import lossscale as ls
+    import torch
+
+    params = worker.initial_parameters()
+    opt = ls.LossScaleOptimizer(ls.optimizers.Adam(0.01), initial_scale=2.0 ** 10,
+                                dynamic_growth_steps=2)
+    scales = []
+    for grads in worker.gradient_sequence():
+        scale = np.float32(opt.scale_loss(1.0) if not opt.built else float(opt.dynamic_scale))
+        opt.apply([torch.from_numpy(g * scale) for g in grads], params)
+        scales.append(float(opt.dynamic_scale))
+    return scales, [p.numpy() for p in params]
+
+
+def test_sharded_gradients_skip_together(tmp_path):
+    ranks = run_ranks("sharded", tmp_path)
+    scales, params = single_process_sharded_reference()
+    for result in ranks:
+        # The inf and the NaN were on rank 1 only, yet both ranks skipped and halved.
+        np.testing.assert_array_equal(result["scales"], scales)
+        assert int(result["iterations"]) == worker.STEPS - len(worker.INJECTIONS)
+        for i, p in enumerate(params):
+            np.testing.assert_array_equal(result[f"param{i}"], p)
+    for key in ranks[0]:
+        np.testing.assert_array_equal(ranks[0][key], ranks[1][key])
+
+
+def test_without_agreement_the_ranks_drift_apart(tmp_path):
+    # Control: each rank alone in its group (no shared decision) desynchronises.
+    rank0, rank1 = run_ranks("sharded_without_agreement", tmp_path)
+    assert not np.array_equal(rank0["scales"], rank1["scales"])
+    assert int(rank0["iterations"]) != int(rank1["iterations"])
+
+
+def test_ddp_matches_a_single_process_run(tmp_path):
+    ranks = run_ranks("ddp", tmp_path)
+    x, y = worker.data()
+    reference = worker.train(worker.make_model(), x, y)
+    assert reference["scales"][worker.STEPS // 2] == reference["scales"][2] / 2  # the poisoned step
+    for result in ranks:
+        np.testing.assert_array_equal(result["scales"], reference["scales"])
+        assert int(result["iterations"]) == int(reference["iterations"]) == worker.STEPS - 1
+        for key in reference:
+            if key.startswith("param"):
+                np.testing.assert_allclose(result[key], reference[key], rtol=1e-5, atol=1e-7)
+
+
+def test_process_group_on_other_backends_is_an_error():
+    import lossscale as ls
+
+    opt = ls.LossScaleOptimizer(ls.optimizers.SGD(), process_group=object())
+    opt.scale_loss(1.0)
+    with pytest.raises(ValueError, match="`process_group` applies to torch.distributed only"):
+        opt.apply([np.ones(2, np.float32)], [np.ones(2, np.float32)])
+
+
+def test_process_group_without_torch_distributed_is_an_error():
+    import torch
+
+    import lossscale as ls
+
+    opt = ls.LossScaleOptimizer(ls.optimizers.SGD(), process_group=object())
+    opt.scale_loss(1.0)
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        opt.apply([torch.ones(2)], [torch.ones(2)])
+
+
+JAX_SHARDED = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import lossscale as ls
+
+    assert jax.device_count() == 4
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    shard = NamedSharding(mesh, P("x"))
+    rng = np.random.default_rng(0)
+    init = [rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(4,)).astype(np.float32)]
+
+    def make():
+        opt = ls.LossScaleOptimizer(ls.optimizers.Adam(0.01), initial_scale=16.0,
+                                    dynamic_growth_steps=2)
+        opt.build([jnp.asarray(x) for x in init])
+        return opt
+
+    sharded_opt, plain_opt = make(), make()
+    step = jax.jit(sharded_opt.stateless_apply)
+    plain_step = jax.jit(plain_opt.stateless_apply)
+    params = [jax.device_put(x, shard) for x in init]
+    plain = [jnp.asarray(x) for x in init]
+    state = [v.value for v in sharded_opt.variables]
+    plain_state = [v.value for v in plain_opt.variables]
+    for k in range(4):
+        grads = [rng.normal(size=x.shape).astype(np.float32) * 16 for x in init]
+        if k == 1:
+            grads[0][7, 2] = np.inf  # lives on the last device only
+        sharded_grads = [jax.device_put(g, shard) for g in grads]
+        before = [np.asarray(p) for p in params]
+        params, state = step(state, sharded_grads, params)
+        plain, plain_state = plain_step(plain_state, [jnp.asarray(g) for g in grads], plain)
+        for p in params:
+            assert p.sharding == shard, p.sharding
+        if k == 1:  # one global skip: every shard unchanged, scale halved once
+            for b, p in zip(before, params):
+                np.testing.assert_array_equal(np.asarray(p), b)
+            assert float(state[1]) == 8.0
+        for p, q in zip(params, plain):
+            np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=1e-6)
+    print("ok", float(state[1]), int(state[0]))
+""")
+
+
+def test_jax_sharded_step_is_one_global_decision():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", JAX_SHARDED], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[0] == "ok"
