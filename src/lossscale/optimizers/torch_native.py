@@ -241,10 +241,9 @@ class TorchOptimizer(Optimizer):
             self.optimizer.step()
 
     def _step_with_found_inf(self, found_inf):
-        # GradScaler's protocol: the fused kernels read `found_inf` (and
-        # `grad_scale`, None here: the gradients are unscaled already) off
-        # the optimizer, skip the update where it is 1 and undo their
-        # step-count increment.
+        # GradScaler's protocol: the fused kernels read `found_inf` off the
+        # optimizer, skip the update where it is 1 and undo their step-count
+        # increment. `grad_scale` stays unset: the gradients are unscaled.
         optimizer = self.optimizer
         previous = optimizer.__dict__.get("found_inf", _ABSENT)
         optimizer.found_inf = found_inf
