@@ -55,3 +55,21 @@ def test_quickstart_is_printed_verbatim_in_the_readme(name):
     assert len(code.splitlines()) <= 25
     texts = [p.read_text() for p in README_SOURCES if p.exists()]
     assert any(f"```python\n{code}```" in text for text in texts)
+
+
+def test_ddp_example_under_torchrun(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--master_addr=127.0.0.1", f"--master_port={port}", str(EXAMPLES / "torch_ddp.py")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("ranks 2") and float(re.search(r"loss (\S+)", last).group(1)) < 0.05
+    # 299 applied steps: the poisoned one was skipped on both ranks.
+    assert "steps 299" in last
