@@ -145,7 +145,7 @@ def test_constructor_errors(kwargs, message):
 
 
 def test_inner_optimizer_type_error():
-    with pytest.raises(ValueError, match="`inner_optimizer` must be a lossscale.optimizers.Optimizer instance. Received: inner_optimizer='adam'"):
+    with pytest.raises(ValueError, match="`inner_optimizer` must be a lossscale.optimizers.Optimizer, a torch.optim.Optimizer or an optax.GradientTransformation instance. Received: inner_optimizer='adam'"):
         LossScaleOptimizer("adam")
 
 
@@ -669,3 +669,12 @@ def test_optimizer_matches_model(backend, policy, steps):
             expected.setdefault("nonfinite", [])
             assert opt.summary() == summarize(expected, policy, ["v0", "v1"])
             assert functional.summary(values) == opt.summary()
+
+
+def test_exclude_from_weight_decay_reaches_the_inner_optimizer(backend, rng):
+    init, variables, opt = setup(backend, rng, inner=SGD(0.1, weight_decay=0.5), initial_scale=2.0)
+    opt.exclude_from_weight_decay(var_names=["v1"])
+    opt.scale_loss(1.0)
+    opt.apply([backend.array(np.zeros(s, np.float32)) for s in SHAPES], variables)
+    np.testing.assert_allclose(backend.numpy(variables[0]), init[0] * (1 - 0.05), rtol=1e-6)
+    np.testing.assert_array_equal(backend.numpy(variables[1]), init[1])

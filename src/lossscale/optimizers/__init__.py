@@ -12,8 +12,11 @@ from lossscale.optimizers.lamb import Lamb
 from lossscale.optimizers.lion import Lion
 from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from lossscale.optimizers.nadam import Nadam
+from lossscale.optimizers.native import wrap_native
+from lossscale.optimizers.optax_native import OptaxOptimizer
 from lossscale.optimizers.rmsprop import RMSprop
 from lossscale.optimizers.sgd import SGD
+from lossscale.optimizers.torch_native import TorchOptimizer
 
 ALL_OPTIMIZERS = (Adadelta, Adagrad, Adam, Adamax, AdamW, Ftrl, Lamb, Lion, LossScaleOptimizer,
                   Nadam, RMSprop, SGD)
@@ -56,6 +59,6 @@ def get(identifier):
         f"dict. Received: identifier={identifier!r}")
 
 
-__all__ = ["Adadelta", "Adagrad", "Adam", "Adamax", "AdamW", "Ftrl", "Lamb", "Lion",
-           "LossScaleOptimizer", "Nadam", "Optimizer", "RMSprop", "SGD", "deserialize", "get",
-           "serialize"]
+__all__ = ["Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "Ftrl", "Lamb", "Lion",
+           "LossScaleOptimizer", "Nadam", "OptaxOptimizer", "Optimizer", "RMSprop",
+           "SGD", "TorchOptimizer", "deserialize", "get", "serialize", "wrap_native"]

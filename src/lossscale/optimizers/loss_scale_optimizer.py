@@ -11,6 +11,7 @@ from lossscale.mixed_precision.telemetry import (LossScaleError, UnscaledLossWar
                                                  failure_message, summarize,
                                                  unscaled_loss_message)
 from lossscale.optimizers.base import Optimizer
+from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
 
 # Base-optimizer arguments and their defaults: the wrapper accepts only the
 # defaults, since these settings belong to the inner optimizer.
@@ -21,7 +22,7 @@ _INNER_ONLY = {
 }
 
 
-class LossScaleOptimizer(Optimizer):
+class LossScaleOptimizer(NativeInnerStateMixin, Optimizer):
     """An optimizer that dynamically scales the loss to prevent underflow.
 
     Loss scaling multiplies the loss by a large factor, the "loss scale", so
@@ -68,7 +69,9 @@ class LossScaleOptimizer(Optimizer):
     raise the error.
 
     Args:
-        inner_optimizer: The `lossscale.optimizers.Optimizer` instance to wrap.
+        inner_optimizer: The `lossscale.optimizers.Optimizer` instance to wrap,
+            or a `torch.optim.Optimizer` / `optax.GradientTransformation`
+            (wrapped in `TorchOptimizer` / `OptaxOptimizer`).
         initial_scale: Float. The initial loss scale. It is recommended for
             this to be a very high number, because a loss scale that is too
             high gets lowered far more quickly than a loss scale that is too
@@ -133,9 +136,11 @@ class LossScaleOptimizer(Optimizer):
             raise ValueError(
                 f"LossScaleOptimizer does not support arguments: {sorted(kwargs)}. Accepted: "
                 f"inner_optimizer, name, {', '.join(settings)}")
+        inner_optimizer = wrap_native(inner_optimizer)
         if not isinstance(inner_optimizer, Optimizer):
             raise ValueError(
-                "`inner_optimizer` must be a lossscale.optimizers.Optimizer instance. "
+                "`inner_optimizer` must be a lossscale.optimizers.Optimizer, a "
+                "torch.optim.Optimizer or an optax.GradientTransformation instance. "
                 f"Received: inner_optimizer={inner_optimizer!r}")
         self.policy = LossScalePolicy(**settings)
         # A live process group is no setting: it stays out of the config.
@@ -362,6 +367,10 @@ class LossScaleOptimizer(Optimizer):
     def finalize_variable_values(self, var_list):
         """Delegates to the inner optimizer."""
         self.inner_optimizer.finalize_variable_values(var_list)
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Delegates to the inner optimizer, which applies the weight decay."""
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     # --- configuration ----------------------------------------------------------
     def get_config(self):
