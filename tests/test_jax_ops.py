@@ -87,9 +87,13 @@ def test_unscale_keeps_small_half_gradients_representable():
 
 
 def test_all_finite(rng):
-    good = [jnp.asarray(rng.normal(size=3), jnp.float16), jnp.asarray(rng.normal(size=(2, 2)))]
+    good = [jnp.asarray(rng.normal(size=3), jnp.float16), jnp.asarray(rng.normal(size=(2, 2))),
+            jnp.zeros((0, 3)), jnp.asarray([3, -7], jnp.int32)]
     assert bool(jax_ops.all_finite(good))
     assert bool(jax_ops.all_finite([]))
+    assert bool(jax_ops.all_finite([jnp.zeros(0)]))
+    # Finite values at the edge of the range stay finite.
+    assert bool(jax_ops.all_finite([jnp.asarray([65504.0, -65504.0], jnp.float16)]))
     for bad in (np.inf, -np.inf, np.nan):
         arrays = good + [jnp.asarray([0.0, bad], jnp.bfloat16)]
         assert not bool(jax_ops.all_finite(arrays))
