@@ -8,7 +8,7 @@ import torch
 import lossscale as ls
 from lossscale.backends import torch_groups, torch_ops
 from lossscale.optimizers import Adam, RMSprop
-from torch_cases import SHAPES, apply, random_grads
+from torch_cases import SHAPES, random_grads
 
 
 def built(opt, dtypes=None):

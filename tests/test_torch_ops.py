@@ -1,5 +1,5 @@
-"""torch_ops: masked `cond` and writes, multi-tensor unscale / finite check / norms,
-device constants, and the no-synchronisation guarantee of a whole step."""
+"""torch_ops: masked `cond` and writes, device constants, torch.compile, and the
+no-synchronisation guarantee of a whole step."""
 
 import numpy as np
 import pytest
@@ -119,63 +119,6 @@ def test_masked_step_equals_python_if_step(monkeypatch, make):
         runs.append([p.clone() for p in params] + [v.value.clone() for v in opt.variables])
     for masked, plain in zip(*runs):
         assert torch.equal(masked, plain)
-
-
-# --- multi-tensor helpers --------------------------------------------------------
-
-
-def test_unscale_divides_in_float32_for_half_gradients():
-    scale = torch.tensor(3.0)
-    grads = [storage([1.0, 2.0], torch.float16), storage([3.0], torch.bfloat16),
-             storage([4.0]), storage([5.0], torch.float64)]
-    out = torch_ops.unscale(grads, scale)
-    assert [g.dtype for g in out] == [torch.float32, torch.float32, torch.float32, torch.float64]
-    for g, o in zip(grads, out):
-        wide = g.float() if g.dtype.itemsize < 4 else g
-        assert torch.equal(o, wide / scale.to(wide.dtype))
-    assert torch_ops.unscale([], scale) == []
-
-
-def test_unscale_is_exact_division_for_any_scale():
-    rng = np.random.default_rng(0)
-    grads = [storage(rng.normal(size=50) * 1e3) for _ in range(3)]
-    for value in (1000.0, 3.0, 2.0 ** 15, float(np.finfo(np.float32).tiny)):
-        scale = torch.tensor(value)
-        for g, o in zip(grads, torch_ops.unscale(grads, scale)):
-            assert torch.equal(o, g / scale)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan, None])
-def test_all_finite(dtype, bad):
-    arrays = [storage(np.arange(6.0).reshape(2, 3), dtype), storage([1.0], torch.float32),
-              torch.zeros(0, dtype=dtype), torch.arange(3)]
-    if bad is not None:
-        arrays[0][1, 2] = bad
-    assert bool(torch_ops.all_finite(arrays)) is (bad is None)
-
-
-def test_all_finite_keeps_large_finite_values_finite():
-    big = storage([1e300, -1e300], torch.float64)
-    f32 = storage([3e38, -3e38] * 100)
-    assert bool(torch_ops.all_finite([big, f32]))
-    assert bool(torch_ops.all_finite([]))
-
-
-def test_max_abs_and_global_norm():
-    a = storage([3.0, -4.0], torch.float16)
-    b = storage([[-12.0]], torch.float64)
-    assert float(torch_ops.max_abs([a, b])) == 12.0
-    assert torch_ops.max_abs([a, b]).dtype == torch.float32
-    assert np.isnan(float(torch_ops.max_abs([a, storage([np.nan])])))
-    assert float(torch_ops.global_norm([a, b])) == pytest.approx(13.0)
-
-
-def test_groups_split_by_device_and_dtype():
-    tensors = [torch.zeros(1), torch.zeros(1, dtype=torch.float16), torch.zeros(2)]
-    assert [(d.type, t, list(i)) for d, t, i in torch_ops.groups(tensors)] == [
-        ("cpu", torch.float32, [0, 2]), ("cpu", torch.float16, [1])]
-    assert [list(i) for *_, i in torch_ops.groups(tensors[::2])] == [[0, 1]]
 
 
 def test_constants_are_made_once_per_value_dtype_and_device():
@@ -301,20 +244,3 @@ def test_compiled_training_step_matches_eager():
     assert steps == eager_steps == 4
     torch.testing.assert_close(losses, eager_losses)
     torch.testing.assert_close(params, eager_params)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
-@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan, None])
-def test_all_finite_of_unscaled_gradients_leaves_them_unchanged(dtype, bad):
-    """`unscale`'s own results are checked in place on CPU; values must not move."""
-    rng = np.random.default_rng(0)
-    big = 1e30 if dtype.itemsize >= 4 else 1e4  # large, yet finite in the dtype
-    grads = [storage(rng.normal(size=s) * big, dtype) for s in [(3, 4), (5,)]]
-    if bad is not None:
-        grads[1][2] = bad
-    unscaled = torch_ops.unscale(grads, torch.tensor(3.0))
-    before = [u.clone() for u in unscaled]
-    user = storage([1.0, -2.0])  # not made by `unscale`: checked without writing
-    assert bool(torch_ops.all_finite(unscaled + [user])) is (bad is None)
-    for b, u in zip(before, unscaled):
-        assert torch.equal(b.view(-1).view(torch.uint8), u.view(-1).view(torch.uint8))
