@@ -81,3 +81,12 @@ def test_all_finite_of_unscaled_gradients_leaves_them_unchanged(dtype, bad):
     assert bool(torch_multi.all_finite(unscaled + [user])) is (bad is None)
     for b, u in zip(before, unscaled):
         assert torch.equal(b.view(-1).view(torch.uint8), u.view(-1).view(torch.uint8))
+
+
+def test_unscaled_gradients_in_an_autograd_graph_are_checked_without_writing():
+    w = torch.ones(3, requires_grad=True)
+    grads = [w * 2.0]  # e.g. from autograd.grad(..., create_graph=True)
+    unscaled = torch_multi.unscale(grads, torch.tensor(2.0))
+    assert bool(torch_multi.all_finite(unscaled))
+    unscaled[0].sum().backward()  # still differentiable: nothing wrote into it
+    assert w.grad.tolist() == [1.0, 1.0, 1.0]

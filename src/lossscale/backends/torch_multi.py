@@ -59,11 +59,12 @@ def unscale(grads, scale):
             break
         for i, g in zip(indices, group):
             out[i] = g
-    # (Not while torch.compile traces: an `id` would guard every step's
-    # fresh gradients by identity and recompile each time.)
+    # Not while torch.compile traces: an `id` would guard every step's fresh
+    # gradients by identity and recompile each time. A result inside an
+    # autograd graph is not checked in place: that would break its backward.
     if out[0].device.type == "cpu" and not torch.compiler.is_compiling():
         _RECENT_CPU_RESULT.clear()
-        _RECENT_CPU_RESULT.update((id(g), g) for g in out)
+        _RECENT_CPU_RESULT.update((id(g), g) for g in out if not g.requires_grad)
     return out
 
 
