@@ -71,6 +71,7 @@ class Variable:
         self.overwrite_with_gradient = bool(overwrite_with_gradient)
         self.constraint = constraint
         self._storage = None
+        self._shape = None
         self._init_storage(initializer, shape, dtype, backend, like)
 
     def _init_storage(self, initializer, shape, dtype, backend, like):
@@ -126,7 +127,10 @@ class Variable:
 
     @property
     def shape(self):
-        return self._ops.shape(self._storage)
+        # Fixed for the variable's life (every write keeps it), so read once.
+        if self._shape is None:
+            self._shape = self._ops.shape(self._storage)
+        return self._shape
 
     @property
     def dtype(self):

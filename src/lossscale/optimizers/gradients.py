@@ -19,24 +19,28 @@ def drop_missing(grads, variables):
 
 
 def validate_gradients(grads, variables):
-    """Checks gradients against variables before anything is written."""
+    """Checks gradients against variables before anything is written.
+
+    Runs on every step, so the common case (a native array of the right
+    shape) costs one type check and one shape comparison per gradient.
+    """
     if all(g is None for g in grads):
         raise ValueError("No gradients provided for any variable. Received: grads=" +
                          repr([None] * len(grads)))
-    backend = variables[0].backend
+    is_native = variables[0]._ops.is_native
     for g, v in zip(grads, variables):
         if g is None:
             continue
-        got = common_backend([g], what="`grads`")
-        if got != backend:
+        if not is_native(g):
+            got = common_backend([g], what="`grads`")
             raise ValueError(
                 f"The gradient for variable {v.path!r} is a {got} array but the variables are "
-                f"{backend} arrays; all must come from one backend. Received: {type(g).__name__}")
-        shape = v._ops.shape(g)
-        if shape != v.shape:
+                f"{v.backend} arrays; all must come from one backend. Received: "
+                f"{type(g).__name__}")
+        if g.shape != v.shape:
             raise ValueError(
                 f"The gradient for variable {v.path!r} must have the variable's shape "
-                f"{v.shape}. Received: gradient shape {shape}")
+                f"{v.shape}. Received: gradient shape {tuple(g.shape)}")
 
 
 def check_values(argname, values, variables):
