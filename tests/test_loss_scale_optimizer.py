@@ -279,9 +279,11 @@ def test_stateless_apply_matches_apply(backend, rng):
         grads = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
         if kind != "f":
             grads[1][0] = np.inf if kind == "inf" else np.nan
-        native = [backend.array(g) for g in grads]
-        opt.apply(native, variables)
-        model_values, opt_values = functional.stateless_apply(opt_values, native, model_values)
+        # Separate arrays: torch's fused path leaves unscaled values in the
+        # gradients `apply` receives (as GradScaler does).
+        opt.apply([backend.array(g) for g in grads], variables)
+        model_values, opt_values = functional.stateless_apply(
+            opt_values, [backend.array(g) for g in grads], model_values)
     for v, x in zip(variables + opt.variables, model_values + opt_values):
         np.testing.assert_allclose(backend.numpy(x), backend.numpy(v), rtol=1e-6)
     for v, x in zip(twins, init):
@@ -678,3 +680,42 @@ def test_exclude_from_weight_decay_reaches_the_inner_optimizer(backend, rng):
     opt.apply([backend.array(np.zeros(s, np.float32)) for s in SHAPES], variables)
     np.testing.assert_allclose(backend.numpy(variables[0]), init[0] * (1 - 0.05), rtol=1e-6)
     np.testing.assert_array_equal(backend.numpy(variables[1]), init[1])
+
+
+def test_torch_fused_path_unscales_inside_the_kernel(rng):
+    import torch
+
+    init = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+    folded = [ls.Variable(torch.from_numpy(x.copy())) for x in init]
+    generic = [ls.Variable(torch.from_numpy(x.copy())) for x in init]
+    fast = LossScaleOptimizer(Adam(0.01), initial_scale=8.0, dynamic_growth_steps=2)
+    # Clipping reads the gradients before the kernel, so this one unscales first.
+    slow = LossScaleOptimizer(Adam(0.01, clipvalue=1e9), initial_scale=8.0, dynamic_growth_steps=2)
+    fast.build(folded)
+    assert fast._folds_unscale(folded) and not slow._folds_unscale(generic)
+    for kind in ["f", "f", "inf", "f", "nan", "f", "f"]:
+        grads = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+        if kind != "f":
+            grads[0][1, 1] = np.inf if kind == "inf" else np.nan
+        scale = np.float32(float(fast.dynamic_scale))
+        passed = [torch.from_numpy(g * scale) for g in grads]
+        fast.scale_loss(1.0), slow.scale_loss(1.0)
+        fast.apply(passed, folded)
+        slow.apply([torch.from_numpy(g * scale) for g in grads], generic)
+        if kind == "f":  # documented: the caller's gradients now hold the unscaled values
+            np.testing.assert_allclose(passed[1].numpy(), grads[1], rtol=1e-6)
+    for a, b in zip(folded + fast.variables, generic + slow.variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_overflow_after_unscaling_is_caught_on_the_fused_path():
+    import torch
+
+    w = ls.Variable(torch.ones(3))
+    opt = LossScaleOptimizer(Adam(0.1), initial_scale=2 * F32_TINY)
+    opt.scale_loss(1.0)
+    assert opt.inner_optimizer._takes_grad_scale([w]) or not opt.built
+    opt.apply([torch.full((3,), 1e30)], [w])
+    assert opt._folds_unscale([w])
+    np.testing.assert_array_equal(w.numpy(), [1.0, 1.0, 1.0])
+    assert float(opt.dynamic_scale) == pytest.approx(F32_TINY, rel=1e-6)

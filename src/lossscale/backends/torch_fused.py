@@ -34,7 +34,7 @@ dtype.
 
 import torch
 
-from lossscale.backends import torch_foreach, torch_groups
+from lossscale.backends import torch_foreach, torch_groups, torch_multi
 
 _FUSED_DTYPES = (torch.float32, torch.float64)
 _INFINITE_STEPS = {}
@@ -49,27 +49,46 @@ def _infinite_steps(group):
     return steps
 
 
-def adam(optimizer, grads, variables, learning_rate):
-    """`Adam.update_step` (and `AdamW`'s, which is the same) on every variable."""
+def adam(optimizer, grads, variables, learning_rate, grad_scale=None):
+    """`Adam.update_step` (and `AdamW`'s, which is the same) on every variable.
+
+    With `grad_scale`, `grads` are still multiplied by the loss scale: the
+    fused kernel divides it out as it reads each gradient (and, as
+    `GradScaler` does, leaves the unscaled values in the gradient tensors),
+    which saves the wrapper a full pass over the gradients.
+    """
     with torch.no_grad():
         plan = torch_groups.plan(optimizer, variables, torch_foreach.adam_slots(optimizer))
         for group in plan.groups:
             lr = torch_foreach.scalar(learning_rate, group)
             write = torch_groups.Writer(group.device)
+            group_grads = group.grads(grads)
             if group.dtype not in _FUSED_DTYPES:
-                torch_foreach.adam(optimizer, group, group.grads(grads), lr, write)
+                if grad_scale is not None:  # unscaled in float32, as the wrapper would
+                    group_grads = [g.to(group.dtype)
+                                   for g in torch_multi.unscale(group_grads, grad_scale)]
+                torch_foreach.adam(optimizer, group, group_grads, lr, write)
                 continue
+            if grad_scale is not None and any(g.requires_grad for g in group_grads):
+                # Writing into a tensor of an autograd graph would break its
+                # backward: divide into new tensors instead.
+                group_grads, grad_scale = torch_multi.unscale(group_grads, grad_scale), None
+            if grad_scale is not None:
+                grad_scale = grad_scale.to(device=group.device, dtype=torch.float32)
             step = torch_foreach.step_count(optimizer, group)
             beta_1_power = torch.pow(torch_foreach.scalar(optimizer.beta_1, group), step)
             beta_2_power = torch.pow(torch_foreach.scalar(optimizer.beta_2, group), step)
             alpha = lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
             slots = group.slots
             torch._fused_adam_(
-                group.params, group.grads(grads), slots["_momentums"], slots["_velocities"],
+                group.params, group_grads, slots["_momentums"], slots["_velocities"],
                 slots.get("_velocity_hats", []), _infinite_steps(group), lr=alpha,
                 beta1=optimizer.beta_1, beta2=optimizer.beta_2, weight_decay=0.0,
                 eps=optimizer.epsilon, amsgrad=optimizer.amsgrad, maximize=False,
-                found_inf=write.found_inf())
+                grad_scale=grad_scale, found_inf=write.found_inf())
+
+
+adam.takes_grad_scale = True
 
 
 def sgd(optimizer, grads, variables, learning_rate):

@@ -288,7 +288,26 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
         """Everything an update may write: model variables, then optimizer state."""
         return self._trainable_variables + self.variables
 
-    def _apply_validated(self, grads, variables):
+    def _takes_grad_scale(self, variables):
+        """Whether `_apply_validated` can divide a loss scale out inside its kernel.
+
+        True when this exact class has a fused kernel that accepts one and no
+        step before the kernel reads the gradients (clipping, accumulation,
+        a static loss-scale factor, overwrite-with-gradient variables).
+        """
+        kernel = self._ops.fused_update(self)
+        return (getattr(kernel, "takes_grad_scale", False) and self.loss_scale_factor is None
+                and not self.gradient_accumulation_steps and self.clipnorm is None
+                and self.clipvalue is None and self.global_clipnorm is None
+                and not any(v.overwrite_with_gradient for v in variables))
+
+    def _apply_validated(self, grads, variables, grad_scale=None):
+        """Runs one step on validated input.
+
+        `grad_scale`: the loss-scale wrapper's scale, still multiplied into
+        `grads`, for an optimizer whose `_takes_grad_scale` is True (the
+        fused kernel divides it out as it reads each gradient).
+        """
         ops = self._ops
         grads, variables = self._overwrite_with_gradients(ops, grads, variables)
         grads, variables = gradients.drop_missing(grads, variables)
@@ -297,8 +316,10 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
                 grads = [g / self.loss_scale_factor for g in grads]
             if self.gradient_accumulation_steps:
                 self._accumulate_or_update(ops, grads, variables)
-            else:
+            elif grad_scale is None:
                 self._update(ops, grads, variables)
+            else:  # only optimizers whose `_takes_grad_scale` is True get here
+                self._update(ops, grads, variables, grad_scale)
             for v in variables:
                 if v.constraint is not None:
                     v.assign(v.constraint(v.value))
@@ -306,13 +327,17 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
                 self._update_ema(ops)
         self._iterations.assign_add(1)
 
-    def _update(self, ops, grads, variables):
+    def _update(self, ops, grads, variables, grad_scale=None):
         grads = clipping.clip_gradients(ops, grads, self.clipnorm, self.clipvalue,
                                         self.global_clipnorm)
         learning_rate = self.learning_rate
         if self.weight_decay is not None:
             apply_weight_decay(ops, variables, self.weight_decay, learning_rate, self._exclusions)
-        self._update_variables(grads, variables, learning_rate)
+        if grad_scale is None:
+            self._update_variables(grads, variables, learning_rate)
+        else:
+            self._ops.fused_update(self)(self, grads, variables, learning_rate,
+                                         grad_scale=grad_scale)
 
     def _update_variables(self, grads, variables, learning_rate):
         """Runs the update rule on every variable.

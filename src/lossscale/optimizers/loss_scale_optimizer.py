@@ -10,6 +10,7 @@ from lossscale.mixed_precision.loss_scale import (HISTORY_LENGTH, NO_ERROR, Loss
 from lossscale.mixed_precision.telemetry import (LossScaleError, UnscaledLossWarning, as_numpy,
                                                  failure_message, summarize,
                                                  unscaled_loss_message)
+from lossscale.optimizers import stateless
 from lossscale.optimizers.base import Optimizer
 from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
 
@@ -51,6 +52,13 @@ class LossScaleOptimizer(NativeInnerStateMixin, Optimizer):
 
     A skipped step changes no model variable and no inner optimizer
     variable (not even `iterations`).
+
+    Where the inner optimizer has a fused kernel that takes the scale (Adam
+    and AdamW on torch), the division happens inside that kernel, which
+    saves a full pass over the gradients; like `torch.amp.GradScaler`, it
+    leaves the unscaled values in the gradient tensors passed to `apply`
+    (never under `stateless_apply`, and never in a tensor of an autograd
+    graph).
 
     Beyond Keras (all off by default): `growth_factor`, `backoff_factor`,
     `hysteresis`, `max_scale`, `growth_policy="headroom"`; fail-fast limits
@@ -204,23 +212,35 @@ class LossScaleOptimizer(NativeInnerStateMixin, Optimizer):
     def _apply_validated(self, grads, variables):
         ops = self._ops
         scale = self.dynamic_scale.value
-        scaled = [i for i, (g, v) in enumerate(zip(grads, variables))
-                  if g is not None and not v.overwrite_with_gradient]
-        grads = list(grads)
-        for i, g in zip(scaled, ops.unscale([grads[i] for i in scaled], scale)):
-            grads[i] = g
-        # Checking the unscaled gradients also catches a finite gradient that
-        # overflows when divided by a tiny scale.
-        finite, peak, variable_finite = self._inspect(ops, grads, variables, scaled, scale)
+        inner = self.inner_optimizer
+        if self._folds_unscale(variables):
+            # The inner kernel divides by the scale as it reads each gradient:
+            # one pass fewer. Division is monotone, so the largest scaled
+            # magnitude over the scale is the largest unscaled one, and the
+            # check still catches a gradient that overflows when unscaled.
+            present = [g for g in grads if g is not None]
+            finite, peak, variable_finite = ops.isfinite(ops.max_abs(present) / scale), None, ()
+            update = functools.partial(inner._apply_validated, grads, variables, grad_scale=scale)
+        else:
+            scaled = [i for i, (g, v) in enumerate(zip(grads, variables))
+                      if g is not None and not v.overwrite_with_gradient]
+            grads = list(grads)
+            for i, g in zip(scaled, ops.unscale([grads[i] for i in scaled], scale)):
+                grads[i] = g
+            # Checking the unscaled gradients also catches a finite gradient
+            # that overflows when divided by a tiny scale.
+            finite, peak, variable_finite = self._inspect(ops, grads, variables, scaled, scale)
+            update = functools.partial(inner._apply_validated, grads, variables)
         # Every process must take the same decision (sharded gradients differ
         # per rank): one small all-reduce where torch.distributed runs.
         finite = ops.logical_not(ops.all_max(ops.logical_not(finite), self.process_group))
         if peak is not None:
             peak = ops.all_max(peak, self.process_group)
         state = self._read_state()
-        ops.cond(may_apply(ops, state, finite, self.policy),
-                 lambda: self.inner_optimizer.apply(grads, variables), lambda: None,
-                 self._trainable_variables + self.inner_optimizer.variables)
+        # The inner optimizer's validated entry: `apply` has checked the
+        # gradients and variables already.
+        ops.cond(may_apply(ops, state, finite, self.policy), update, lambda: None,
+                 self._trainable_variables + inner.variables)
         new = next_loss_scale(ops, state, finite, self.policy, peak=peak,
                               variable_finite=variable_finite)
         targets = dict(_flatten(self._state))
@@ -233,6 +253,13 @@ class LossScaleOptimizer(NativeInnerStateMixin, Optimizer):
             pairs = [(v, ops.copy(x) if id(x) in old else x) for v, x in pairs]
         for variable, value in pairs:
             variable.assign(value)
+
+    def _folds_unscale(self, variables):
+        # Not under stateless_apply: the kernel leaves the unscaled values in
+        # the gradient buffers, which belong to the caller there.
+        return (not stateless.RUNNING.get() and not self.policy.records_details
+                and self.policy.growth_policy == "fixed"
+                and self.inner_optimizer._takes_grad_scale(variables))
 
     def _inspect(self, ops, grads, variables, scaled, scale):
         """Returns `(finite, peak, variable_finite)` for `next_loss_scale`, in one pass.

@@ -7,8 +7,14 @@ read back and the bindings restored. Under `jax.jit` the values are tracers,
 so the same code compiles.
 """
 
+import contextvars
+
 from lossscale.backends import _common
 from lossscale.optimizers import gradients
+
+# True while `stateless_apply` runs: nothing the caller passed may be written,
+# so fast paths that reuse gradient buffers stand aside.
+RUNNING = contextvars.ContextVar("lossscale_stateless", default=False)
 
 
 class StatelessMixin:
@@ -43,8 +49,12 @@ class StatelessMixin:
         gradients.validate_gradients(grads, model)
         ops = self._ops
         values = [ops.copy(x) if ops.MUTABLE else x for x in trainable_variables + optimizer_variables]
-        with _common.bound(model + own, values), ops.quiet():
-            self._apply_validated(grads, model)
-            new_model = [v.value for v in model]
-            new_own = [v.value for v in own]
+        token = RUNNING.set(True)
+        try:
+            with _common.bound(model + own, values), ops.quiet():
+                self._apply_validated(grads, model)
+                new_model = [v.value for v in model]
+                new_own = [v.value for v in own]
+        finally:
+            RUNNING.reset(token)
         return new_model, new_own
