@@ -13,7 +13,7 @@ import re
 
 from lossscale import validation
 from lossscale.backends import get_ops
-from lossscale.optimizers import accumulation, clipping, ema, gradients
+from lossscale.optimizers import accumulation, clipping, ema, gradients, overwrite
 from lossscale.optimizers.config import ConfigMixin
 from lossscale.optimizers.slots import SlotsMixin
 from lossscale.optimizers.state import StateMixin
@@ -309,7 +309,7 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
         fused kernel divides it out as it reads each gradient).
         """
         ops = self._ops
-        grads, variables = self._overwrite_with_gradients(ops, grads, variables)
+        grads, variables = overwrite.take_gradients(self, ops, grads, variables)
         grads, variables = gradients.drop_missing(grads, variables)
         if grads:
             if self.loss_scale_factor is not None:
@@ -364,24 +364,6 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
 
         ops.cond(accumulation.is_update_step(self._iterations.value, steps), update,
                  lambda: accumulation.accumulate(grads, accumulators), self._state_variables())
-
-    def _overwrite_with_gradients(self, ops, grads, variables):
-        if not any(v.overwrite_with_gradient for v in variables):
-            return grads, variables
-        kept = []
-        for g, v in zip(grads, variables):
-            if not v.overwrite_with_gradient:
-                kept.append((g, v))
-            elif g is None:
-                continue
-            elif self.gradient_accumulation_steps:
-                acc = self._accumulated_gradients[self._get_variable_index(v)]
-                update = accumulation.is_update_step(self._iterations.value,
-                                                     self.gradient_accumulation_steps)
-                accumulation.overwrite_with_max(ops, v, g, acc, update)
-            else:
-                v.assign(ops.cast(g, v.dtype))
-        return [g for g, _ in kept], [v for _, v in kept]
 
     def _update_ema(self, ops):
         iterations = self._steps_taken()

@@ -4,12 +4,11 @@ import dataclasses
 import functools
 import warnings
 
-from lossscale.mixed_precision.loss_scale import (HISTORY_LENGTH, NO_ERROR, LossScalePolicy,
+from lossscale.mixed_precision.loss_scale import (HISTORY_LENGTH, LossScalePolicy,
                                                   LossScaleState, may_apply, next_loss_scale,
                                                   state_fields)
-from lossscale.mixed_precision.telemetry import (LossScaleError, UnscaledLossWarning, as_numpy,
-                                                 failure_message, summarize,
-                                                 unscaled_loss_message)
+from lossscale.mixed_precision.host_state import HostStateMixin
+from lossscale.mixed_precision.telemetry import UnscaledLossWarning, unscaled_loss_message
 from lossscale.optimizers import stateless
 from lossscale.optimizers.base import Optimizer
 from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
@@ -23,7 +22,7 @@ _INNER_ONLY = {
 }
 
 
-class LossScaleOptimizer(NativeInnerStateMixin, Optimizer):
+class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
     """An optimizer that dynamically scales the loss to prevent underflow.
 
     Loss scaling multiplies the loss by a large factor, the "loss scale", so
@@ -315,64 +314,6 @@ class LossScaleOptimizer(NativeInnerStateMixin, Optimizer):
         """Multiplies `loss` by the current loss scale (`initial_scale` before build)."""
         self._loss_scaled = True
         return loss * (self.dynamic_scale.value if self.built else self.initial_scale)
-
-    # --- reading the state on the host ---------------------------------------
-    def summary(self, optimizer_variables=None):
-        """Returns the loss-scale state as a dict of Python values, for loggers.
-
-        Reads the values back to the host (a device synchronisation on an
-        accelerator): call it when logging, not inside the step.
-
-        Args:
-            optimizer_variables: Optional values for `optimizer.variables`
-                (as passed to and returned by `stateless_apply`). Defaults to
-                the optimizer's own variables.
-
-        Returns:
-            A dict with `dynamic_scale` and `step_counter`, and, as the
-            settings track them, `consecutive_skips`, `steps`,
-            `skipped_steps`, `last_overflow_step`, `scale_history`,
-            `nonfinite_variables` (paths), `error` and `error_step`.
-        """
-        state = self._read_state(self._values_by_id(optimizer_variables))
-        values = as_numpy(self._ops, {
-            f.name: getattr(state, f.name) for f in state_fields(self.policy)})
-        values.setdefault("nonfinite", [])
-        return summarize(values, self.policy,
-                                   [v.path for v in self._trainable_variables])
-
-    def check(self, optimizer_variables=None):
-        """Raises `LossScaleError` if the state records a crossed limit.
-
-        `apply` calls it after every step when `min_scale` or
-        `max_consecutive_skips` is set (reading one scalar); call it
-        yourself after `stateless_apply` (for example every few steps of a
-        `jax.jit` loop), with the values it returned. Without those limits
-        there is nothing to check and nothing is read.
-
-        Args:
-            optimizer_variables: Optional values for `optimizer.variables`.
-                Defaults to the optimizer's own variables.
-        """
-        if not self.policy.fails_fast:
-            return
-        values = self._values_by_id(optimizer_variables)
-        error = self._state["error"]
-        code = self._ops.to_numpy(error.value if values is None else values[id(error)])
-        if int(code) != NO_ERROR:
-            raise LossScaleError(
-                failure_message(self.summary(optimizer_variables), self.policy))
-
-    def _values_by_id(self, optimizer_variables):
-        if optimizer_variables is None:
-            return None
-        optimizer_variables = list(optimizer_variables)
-        own = self.variables
-        if len(optimizer_variables) != len(own):
-            raise ValueError(
-                "`optimizer_variables` must hold one value per optimizer variable "
-                f"({len(own)}). Received: {len(optimizer_variables)} values")
-        return {id(v): x for v, x in zip(own, optimizer_variables)}
 
     # --- delegation to the inner optimizer -----------------------------------
     @property
