@@ -2,6 +2,7 @@
 
 import doctest
 import json
+import re
 import subprocess
 import sys
 
@@ -47,7 +48,8 @@ def test_shows_a_progress_bar_per_run(quick_run):
     proc, _, _ = quick_run
     for label in LABELS:
         assert label in proc.stderr
-    assert "300/300" in proc.stderr and "scale=32768" in proc.stderr
+    # The bar refreshes on its own clock: a fast run may show only the final scale.
+    assert "300/300" in proc.stderr and re.search(r"scale=[0-9.e+]+", proc.stderr)
 
 
 def test_loss_scaling_matches_float32_and_unscaled_float16_loses_gradients(quick_run):
