@@ -40,12 +40,16 @@ def keras_jax(workload):
     variables = [keras.Variable(p) for p in params]
     opt = _optimizer(keras)
     opt.build(variables)
-    apply = jax.jit(opt.stateless_apply, donate_argnums=(0, 2))
+    # Donated in the order the outputs come back (params, then optimizer
+    # state): XLA pairs each output with the first donated input of its
+    # shape, so the reverse order would copy every buffer (docs/jax.md).
+    apply = jax.jit(lambda params, values, grads: opt.stateless_apply(values, grads, params),
+                    donate_argnums=(0, 1))
     state = {"optimizer": [v.value for v in opt.variables],
              "params": [v.value for v in variables]}
 
     def step():
-        state["params"], state["optimizer"] = apply(state["optimizer"], grads, state["params"])
+        state["params"], state["optimizer"] = apply(state["params"], state["optimizer"], grads)
         return state["params"]
 
     return Stepper(step=step, sync=jax.block_until_ready)
