@@ -122,3 +122,24 @@ def test_gpu_script_runs_gpu_large_with_its_defaults(monkeypatch):
     assert _load_script("gpu").main(["--repeats", "50"]) == 0
     assert seen == [["--workload", "gpu_large", "--repeats", "20", "--warmup", "4",
                      "--timeout", "150", "--repeats", "50"]]
+
+
+def test_rows_disturbed_by_other_processes_are_flagged(monkeypatch, capsys):
+    monkeypatch.setattr(runner, "run_job", lambda job, env=None, timeout=None: (
+        {"gb_per_s": 10.0, "method": "fake", "bytes": 8} if job["kind"] == "floor"
+        else {"median_ms": 2.0, "others_cores": 0.75 if job["impl"] == "keras-jax" else 0.01}))
+    assert bench.main(["--quick", "--workload", "large", "--impl", "keras-jax",
+                       "--impl", "optax-jmp"]) == 0
+    out = capsys.readouterr().out
+    assert ("**Unreliable rows**: other processes kept CPUs busy (mean cores in parentheses) "
+            "while these ran: keras-jax on large (0.75). Rerun on an idle machine.") in out
+    assert "optax-jmp on large (" not in out
+
+
+def test_others_cores_is_busy_time_minus_the_jobs_own():
+    # 4 s of wall time; the machine was busy 6 CPU-seconds, 5 of them the job's.
+    assert runner._others_cores((10.0, 100.0, 1.0), (14.0, 106.0, 6.0)) == 0.25
+    assert runner._others_cores((10.0, 100.0, 1.0), (14.0, 104.0, 6.0)) == 0.0
+    assert runner._others_cores(None, (14.0, 106.0, 6.0)) is None
+    sample = runner._cpu_seconds()
+    assert sample is None or len(sample) == 3

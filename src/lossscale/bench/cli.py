@@ -16,6 +16,9 @@ from lossscale.bench import floor, registry, runner, table, workloads
 
 DEFAULT_REPEATS = 30
 QUICK_REPEATS = 3
+# Rows during which other processes kept more cores than this busy (on
+# average) are flagged: their timings include that contention.
+DISTURBED_CORES = 0.1
 
 
 def build_parser():
@@ -144,6 +147,12 @@ def report(rows, floors, bandwidths, info, args):
     lines.append(f"- Median of {args.repeats} steps after {args.warmup} warm-up steps"
                  + (" (--quick: tiny workloads, timings meaningless)" if args.quick else ""))
     lines += ["", table.markdown_table(rows, floors), ""]
+    disturbed = [f"{r['impl']} on {r['workload']} ({r['others_cores']:.2f})" for r in rows
+                 if r.get("others_cores", 0) > DISTURBED_CORES]
+    if disturbed:
+        lines += [f"**Unreliable rows**: other processes kept CPUs busy (mean cores in "
+                  f"parentheses) while these ran: {', '.join(disturbed)}. Rerun on an idle "
+                  "machine.", ""]
     lines += [f"- `{impl.name}` ({impl.kind}): {impl.description}"
               for impl in registry.REGISTRY.values() if any(r["impl"] == impl.name for r in rows)]
     return "\n".join(lines)

@@ -3,6 +3,10 @@
 Separate processes keep the frameworks from sharing thread pools, allocator
 state or a Keras backend (chosen once per process), and let one
 implementation crash without taking the others down.
+
+On Linux the runner also measures how busy *other* processes kept the CPUs
+while a job ran (all CPU time in `/proc/stat` minus the job's own), so a
+report can flag rows that a concurrent load has slowed down.
 """
 
 import json
@@ -10,6 +14,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 # The worker prints this before its JSON result, on the last line of stdout.
 RESULT_PREFIX = "LOSSSCALE_BENCH_RESULT "
@@ -33,16 +38,44 @@ def run_job(job, env=None, timeout=None):
         failed, timed out or printed no result.
     """
     command = [sys.executable, "-m", "lossscale.bench.worker", json.dumps(job)]
+    before = _cpu_seconds()
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env=_environment(env or {}))
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}
+    others = _others_cores(before, _cpu_seconds())
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
+            result = json.loads(line[len(RESULT_PREFIX):])
+            if others is not None:
+                result["others_cores"] = others
+            return result
     tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
     return {"error": f"exit status {proc.returncode}: {tail}"}
+
+
+def _cpu_seconds():
+    """`(wall, busy CPU seconds of the machine, CPU seconds of our children)`, or None."""
+    try:
+        import resource
+
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+    except (ImportError, OSError, ValueError):
+        return None
+    # user, nice, system, irq, softirq, steal (guest time is inside user).
+    busy = sum(ticks[i] for i in (0, 1, 2, 5, 6, 7)) / os.sysconf("SC_CLK_TCK")
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.monotonic(), busy, usage.ru_utime + usage.ru_stime
+
+
+def _others_cores(before, after):
+    """Mean number of cores that processes other than the job kept busy meanwhile."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    busy, own = after[1] - before[1], after[2] - before[2]
+    return round(max(0.0, busy - own) / (after[0] - before[0]), 2)
 
 
 def cuda_available(timeout=120):
