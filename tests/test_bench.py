@@ -54,6 +54,7 @@ def test_runner_reports_a_failing_worker():
     (["--impl", "nope"], "unknown --impl ['nope']"),
     (["--repeats", "0"], "--repeats must be an integer >= 1. Received: 0"),
     (["--warmup", "-1"], "--warmup must be an integer >= 0. Received: -1"),
+    (["--retries", "-2"], "--retries must be an integer >= 0. Received: -2"),
     (["--workload", "tiny"], "invalid choice: 'tiny'"),
 ])
 def test_bad_arguments(capsys, argv, message):
@@ -143,3 +144,27 @@ def test_others_cores_is_busy_time_minus_the_jobs_own():
     assert runner._others_cores(None, (14.0, 106.0, 6.0)) is None
     sample = runner._cpu_seconds()
     assert sample is None or len(sample) == 3
+
+
+def test_disturbed_runs_are_retried_after_waiting_for_idle(monkeypatch):
+    results = iter([{"median_ms": 5.0, "others_cores": 0.9}, {"median_ms": 3.0, "others_cores": 0.3},
+                    {"median_ms": 4.0, "others_cores": 0.5}])
+    waits = []
+    monkeypatch.setattr(runner, "wait_for_idle", lambda: waits.append(1) or True)
+    monkeypatch.setattr(runner, "run_job", lambda job, env=None, timeout=None: next(results))
+    assert runner.run_job_retrying({}, retries=2) == {"median_ms": 3.0, "others_cores": 0.3}
+    assert len(waits) == 3
+    # An undisturbed first run ends it; no retries means no waiting.
+    monkeypatch.setattr(runner, "run_job", lambda job, env=None, timeout=None: {"others_cores": 0})
+    waits.clear()
+    assert runner.run_job_retrying({}, retries=0) == {"others_cores": 0} and waits == []
+    assert runner.run_job_retrying({}, retries=5) == {"others_cores": 0} and waits == [1]
+
+
+def test_wait_for_idle_returns_once_the_cpus_are_quiet(monkeypatch):
+    samples = iter([(0.0, 0.0, 0), (3.0, 5.0, 0), (3.0, 5.0, 0), (6.0, 5.1, 0)])
+    monkeypatch.setattr(runner, "_cpu_seconds", lambda: next(samples))
+    monkeypatch.setattr(runner.time, "sleep", lambda s: None)
+    assert runner.wait_for_idle() is True
+    monkeypatch.setattr(runner, "_cpu_seconds", lambda: None)
+    assert runner.wait_for_idle() is False

@@ -16,9 +16,6 @@ from lossscale.bench import floor, registry, runner, table, workloads
 
 DEFAULT_REPEATS = 30
 QUICK_REPEATS = 3
-# Rows during which other processes kept more cores than this busy (on
-# average) are flagged: their timings include that contention.
-DISTURBED_CORES = 0.1
 
 
 def build_parser():
@@ -44,6 +41,10 @@ def build_parser():
                         help="Tiny workloads and few steps: checks the harness, not speed.")
     parser.add_argument("--timeout", type=float, default=1200.0,
                         help="Seconds allowed per subprocess (default 1200).")
+    parser.add_argument("--retries", type=int, default=0,
+                        help="On a shared machine: wait for idle CPUs before each run, and rerun "
+                             "a run that other processes disturbed up to this many times, "
+                             "keeping the least disturbed (Linux; default 0).")
     return parser
 
 
@@ -92,7 +93,8 @@ def _run_rows(impls, names, args, explicit):
             print(f"[bench] {impl.name} on {name} ...", file=sys.stderr, flush=True)
             job = {"kind": "step", "impl": impl.name, "workload": name, "quick": args.quick,
                    "repeats": args.repeats, "warmup": args.warmup}
-            rows.append({**row, **runner.run_job(job, env=impl.env, timeout=args.timeout)})
+            rows.append({**row, **runner.run_job_retrying(job, env=impl.env, timeout=args.timeout,
+                                                          retries=args.retries)})
     return rows
 
 
@@ -112,6 +114,8 @@ def main(argv=None):
         args.warmup = 1 if args.quick else max(2, args.repeats // 5)
     if args.warmup < 0:
         parser.error(f"--warmup must be an integer >= 0. Received: {args.warmup}")
+    if args.retries < 0:
+        parser.error(f"--retries must be an integer >= 0. Received: {args.retries}")
     names = _workload_names(args.workload, parser)
     impls = [available[n] for n in dict.fromkeys(args.impl)] if args.impl else list(
         available.values())
@@ -119,8 +123,9 @@ def main(argv=None):
     bandwidths = {}
     for device in dict.fromkeys(workloads.get(n).device for n in names):
         print(f"[bench] measuring {device} memory bandwidth ...", file=sys.stderr, flush=True)
-        bandwidths[device] = runner.run_job({"kind": "floor", "device": device,
-                                             "quick": args.quick}, timeout=args.timeout)
+        bandwidths[device] = runner.run_job_retrying(
+            {"kind": "floor", "device": device, "quick": args.quick}, timeout=args.timeout,
+            retries=args.retries)
     floors, info = {}, {}
     for name in names:
         workload = workloads.get(name, quick=args.quick)
@@ -148,7 +153,7 @@ def report(rows, floors, bandwidths, info, args):
                  + (" (--quick: tiny workloads, timings meaningless)" if args.quick else ""))
     lines += ["", table.markdown_table(rows, floors), ""]
     disturbed = [f"{r['impl']} on {r['workload']} ({r['others_cores']:.2f})" for r in rows
-                 if r.get("others_cores", 0) > DISTURBED_CORES]
+                 if r.get("others_cores", 0) > runner.DISTURBED_CORES]
     if disturbed:
         lines += [f"**Unreliable rows**: other processes kept CPUs busy (mean cores in "
                   f"parentheses) while these ran: {', '.join(disturbed)}. Rerun on an idle "
