@@ -27,6 +27,8 @@ import inspect
 from lossscale import validation
 from lossscale.optimizers import clipping
 from lossscale.optimizers.base import Optimizer
+from lossscale.optimizers.native_messages import (STATELESS_MESSAGE, check_value,
+                                                  store_message)
 from lossscale.schedules.base import LearningRateSchedule
 
 STATE_DICT_KEYS = ("state", "param_groups", "optimizer_variables")
@@ -228,7 +230,7 @@ class TorchOptimizer(Optimizer):
         p = self._params[id(variable)]
         if variable._storage is not p:
             # Only stateless application rebinds a variable to another tensor.
-            raise NotImplementedError(_STATELESS_MESSAGE)
+            raise NotImplementedError(STATELESS_MESSAGE)
         return p
 
     def _step(self, ops):
@@ -278,7 +280,7 @@ class TorchOptimizer(Optimizer):
     # --- what is not supported ------------------------------------------------
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         """Not supported: raises `NotImplementedError` (see the class docstring)."""
-        raise NotImplementedError(_STATELESS_MESSAGE)
+        raise NotImplementedError(STATELESS_MESSAGE)
 
     def get_config(self):
         """Not supported: raises `NotImplementedError`.
@@ -295,11 +297,11 @@ class TorchOptimizer(Optimizer):
 
     def save_own_variables(self, store):
         """Not supported: raises `NotImplementedError`; use `state_dict()`."""
-        raise NotImplementedError(_store_message("save_own_variables", self.optimizer))
+        raise NotImplementedError(store_message("save_own_variables", self.optimizer))
 
     def load_own_variables(self, store):
         """Not supported: raises `NotImplementedError`; use `load_state_dict()`."""
-        raise NotImplementedError(_store_message("load_own_variables", self.optimizer))
+        raise NotImplementedError(store_message("load_own_variables", self.optimizer))
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """Not supported: raises `NotImplementedError`.
@@ -371,7 +373,7 @@ class TorchOptimizer(Optimizer):
                 f"`state_dict['optimizer_variables']` must have the keys {paths} of this "
                 f"optimizer. Received: {received}")
         for variable in variables:
-            _check_value(f"state_dict['optimizer_variables'][{variable.path!r}]",
+            check_value(f"state_dict['optimizer_variables'][{variable.path!r}]",
                          saved[variable.path], variable)
         self.optimizer.load_state_dict({key: state_dict[key] for key in STATE_DICT_KEYS[:2]})
         for variable in variables:
@@ -379,35 +381,4 @@ class TorchOptimizer(Optimizer):
         self._momentum_ready = False
 
 
-def _check_value(where, value, variable):
-    """Raises unless `value` (a tensor, NumPy array or number) fits `variable`."""
-    import numbers
-
-    import numpy as np
-
-    if not isinstance(value, (_torch().Tensor, np.ndarray, np.generic, numbers.Number)) or (
-            isinstance(value, bool)):
-        raise ValueError(
-            f"`{where}` must be a tensor, a NumPy array or a number. Received: {value!r}")
-    shape = tuple(getattr(value, "shape", ()))
-    if shape != variable.shape:
-        raise ValueError(
-            f"`{where}` must have the shape {variable.shape} of optimizer variable "
-            f"{variable.path!r}. Received: shape {shape}")
-
-
 _ABSENT = object()
-
-_STATELESS_MESSAGE = (
-    "TorchOptimizer does not support stateless application: the native torch optimizer "
-    "keeps its state outside lossscale variables and updates the parameters themselves in "
-    "place, so it cannot run on given values. Use `apply` (also through a "
-    "LossScaleOptimizer), or a lossscale optimizer such as lossscale.optimizers.Adam.")
-
-
-def _store_message(method, optimizer):
-    return (
-        f"TorchOptimizer does not support `{method}`: the wrapped "
-        f"{type(optimizer).__name__} keeps its state in `optimizer.state`, not in lossscale "
-        "variables, so a variable store would hold the step counter only. Use `state_dict()` "
-        "and `load_state_dict()` (with torch.save / torch.load) instead.")
