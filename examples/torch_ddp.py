@@ -41,6 +41,8 @@ def main():
     if rank == 0:
         print(f"ranks {world}  loss {loss.item():.4g}  loss scale {float(opt.dynamic_scale):g}  "
               f"steps {int(opt.iterations)}  pid {os.getpid()}")
+    del model  # DDP's reducer must go before its process group does
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -95,6 +95,7 @@ def run(rank, scenario, out_dir, port):
         else:
             result = sharded(rank, singleton_groups=scenario == "sharded_without_agreement")
         np.savez(f"{out_dir}/{scenario}_rank{rank}.npz", **result)
+        dist.barrier()  # every rank done with its collectives before gloo shuts down
     finally:
         dist.destroy_process_group()
 

@@ -214,7 +214,7 @@ def test_add_variable_helpers(backend, rng):
     opt = SGD()
     opt.build(variables)
     ref = opt.add_variable_from_reference(variables[0], "slot", initializer="ones")
-    assert ref.name == "kernel_slot" and ref.path == "SGD/kernel_slot"
+    assert ref.name == "kernel_slot" and ref.path == "sgd/kernel_slot"
     assert ref.shape == (3, 4) and ref.dtype == "float32" and ref.backend == backend.name
     np.testing.assert_array_equal(backend.numpy(ref), np.ones((3, 4)))
     a, b = opt.add_optimizer_variables(variables, ["a", "b"], initializer=["zeros", "ones"])

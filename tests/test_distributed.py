@@ -19,6 +19,10 @@ import distributed_worker as worker
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
+# Multi-process gloo jobs run one at a time (one xdist worker): concurrent
+# jobs on one small machine have aborted in gloo's teardown.
+pytestmark = pytest.mark.xdist_group("torch_distributed")
+
 
 def free_port():
     with socket.socket() as s:

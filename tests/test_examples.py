@@ -57,6 +57,7 @@ def test_quickstart_is_printed_verbatim_in_the_readme(name):
     assert any(f"```python\n{code}```" in text for text in texts)
 
 
+@pytest.mark.xdist_group("torch_distributed")  # one gloo job at a time (see test_distributed)
 def test_ddp_example_under_torchrun(tmp_path):
     import socket
 

@@ -367,7 +367,7 @@ _NO_JAX = textwrap.dedent("""
         error = str(e)
     print(json.dumps({"new": {"a": new["a"][0].tolist(), "b": new["b"][0].tolist(),
                               "b_type": type(new["b"]).__name__, "none": new["b"][1]},
-                      "names": tx.names, "iteration": int(state["SGD/iteration"]),
+                      "names": tx.names, "iteration": int(state["sgd/iteration"]),
                       "error": error}))
 """)
 
@@ -378,7 +378,7 @@ def test_without_jax_nested_containers_work():
                          timeout=60, check=True)
     result = json.loads(out.stdout)
     assert result["new"] == {"a": [-0.5], "b": [0.0, 0.0], "b_type": "tuple", "none": None}
-    assert result["names"] == ["SGD/iteration", "SGD/learning_rate"]
+    assert result["names"] == ["sgd/iteration", "sgd/learning_rate"]
     assert result["iteration"] == 1
     assert result["error"] == ("`grads` must have the structure of `params`. Expected: "
                                "{'a': [*], 'b': (*, None)}. Received: {'a': [*]}")
@@ -449,7 +449,7 @@ def test_sharded_step_keeps_sharding_and_matches_unsharded():
 def test_transform_repr_and_class():
     tx = transform(optimizers.SGD(0.1))
     assert isinstance(tx, Transform) and tx.names is None
-    assert repr(tx) == "<Transform optimizer=<SGD name='SGD' built=False>>"
+    assert repr(tx) == "<Transform optimizer=<SGD name='sgd' built=False>>"
 
 
 @pytest.mark.parametrize("name", ["lossscale.pytree._state", "lossscale.pytree._transform"])

@@ -39,7 +39,7 @@ def test_float16_variable(backend):
 
 def test_defaults_and_config():
     opt = SGD()
-    assert (opt.name, float(opt.learning_rate), opt.momentum, opt.nesterov) == ("SGD", pytest.approx(0.01), 0.0, False)
+    assert (opt.name, float(opt.learning_rate), opt.momentum, opt.nesterov) == ("sgd", pytest.approx(0.01), 0.0, False)
     clone = SGD.from_config(SGD(0.2, momentum=0.5, nesterov=True, clipvalue=1.0).get_config())
     assert (clone.momentum, clone.nesterov, clone.clipvalue) == (0.5, True, 1.0)
     assert float(clone.learning_rate) == pytest.approx(0.2)

@@ -117,7 +117,7 @@ def test_slotless_optimizer_has_empty_state(backend):
     step(opt, backend, rng, variables)
     saved = opt.state_dict()
     assert saved["state"] == {} and list(saved["optimizer_variables"]) == [
-        "SGD/iteration", "SGD/learning_rate"]
+        "sgd/iteration", "sgd/learning_rate"]
 
 
 def test_load_across_backends():
@@ -210,6 +210,6 @@ def test_duplicate_paths_are_refused():
 
     opt = Twice(0.1)
     opt.build([ls.Variable(np.zeros(2, np.float32))])
-    with pytest.raises(ValueError, match=r"Two variables of optimizer 'SGD' share the path "
-                                         r"'SGD/extra'.*Give each optimizer"):
+    with pytest.raises(ValueError, match=r"Two variables of optimizer 'sgd' share the path "
+                                         r"'sgd/extra'.*Give each optimizer"):
         opt.state_dict()

@@ -20,7 +20,7 @@ class SGD(Optimizer):
         momentum: Float >= 0 that accelerates gradient descent in the
             relevant direction and dampens oscillations. Defaults to `0.0`.
         nesterov: Boolean. Whether to apply Nesterov momentum.
-        name: String. Defaults to `"SGD"`.
+        name: String. Defaults to `"sgd"`.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
     Example:
@@ -33,7 +33,7 @@ class SGD(Optimizer):
     array([0.9], dtype=float32)
     """
 
-    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, name="SGD", **kwargs):
+    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, name="sgd", **kwargs):
         validation.check_number("momentum", momentum, low=0, high=1)
         validation.check_bool("nesterov", nesterov)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)

@@ -38,7 +38,7 @@ class Transform:
     >>> params = {"w": np.ones(2, np.float32)}
     >>> state = tx.init(params)
     >>> params, state = tx.apply({"w": np.ones(2, np.float32)}, state, params)
-    >>> params["w"], int(state["SGD/iteration"])
+    >>> params["w"], int(state["sgd/iteration"])
     (array([0.5, 0.5], dtype=float32), 1)
     """
 
