@@ -47,6 +47,7 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(numpy_fused, "BLOCK", 64)
         monkeypatch.setattr(numpy_fused, "MIN_ELEMENTS_PER_WORKER", 128)
         monkeypatch.setattr(numpy_fused, "MIN_MEAN_BLOCK_FOR_THREADS", 1)
+        monkeypatch.setattr(numpy_fused, "PACK_BELOW", 16)
         monkeypatch.setattr(numpy_fused, "_cpu_count", lambda: 3)
     return request.param
 
@@ -259,13 +260,43 @@ def test_scratch_belongs_to_the_optimizer(monkeypatch):
     assert alive() is None and len(numpy_fused._SCRATCH) == count - 1
 
 
+def test_blocks_split_large_jobs_and_pack_small_ones(monkeypatch):
+    monkeypatch.setattr(numpy_fused, "BLOCK", 64)
+    monkeypatch.setattr(numpy_fused, "PACK_BELOW", 16)
+    same, other = object(), object()
+
+    def job(n, constants=same, arrays=2, dtype="float32"):
+        return (np.empty(n, dtype), [np.empty(n, dtype)] * arrays, constants, None)
+
+    jobs = [job(10), job(300), job(0), job(70), job(15), job(15, other), job(15),
+            job(12, arrays=5), job(9, dtype="float64"), job(20), job(15), job(15)]
+    blocks = numpy_fused._blocks(jobs)
+    assert blocks == [
+        (1, 0, 64), (1, 64, 128), (1, 128, 192), (1, 192, 256), (1, 256, 300),  # cut
+        (3, 0, 64), (3, 64, 70),
+        ((0, 2, 4), 0, 25),  # closed by job 5's other constants
+        (5, 0, 15),  # alone: job 6 differs from it
+        (7, 0, 12),  # too many arrays to pack
+        (6, 0, 15),  # alone: job 8 has another dtype
+        (9, 0, 20),  # not small
+        (8, 0, 9),
+        ((10, 11), 0, 30),
+    ]
+    covered = sorted(i for b in blocks for i in (b[0] if isinstance(b[0], tuple) else (b[0],)))
+    assert sorted(set(covered)) == list(range(len(jobs)))
+    for members, start, stop in blocks:
+        if isinstance(members, tuple):
+            group = [jobs[i] for i in members]
+            assert len(members) > 1 and stop - start == sum(g.size for g, *_ in group) <= 64
+            assert len({(g.dtype, id(c), len(a)) for g, a, c, _ in group}) == 1
+            assert all(g.size < 16 for g, *_ in group)
+        else:
+            assert 0 <= stop - start <= 64
+    assert sum(stop - start for _, start, stop in blocks) == sum(j[0].size for j in jobs)
+
+
 def test_partition_balances_blocks():
-    jobs = [(np.empty(n), None, None, None) for n in (10, 300, 0, 70)]
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(numpy_fused, "BLOCK", 64)
-        blocks = numpy_fused._blocks(jobs)
-    assert sum(stop - start for _, start, stop in blocks) == 380
-    assert all(0 < stop - start <= 64 for _, start, stop in blocks)
+    blocks = [(0, 0, 10), (1, 0, 64), (1, 64, 128), ((2, 3), 0, 40), (4, 0, 64), (5, 0, 6)]
     parts = numpy_fused._partition(blocks, 3)
     assert len(parts) == 3 and [b for p in parts for b in p] == blocks
     sizes = [sum(stop - start for _, start, stop in p) for p in parts]

@@ -39,6 +39,13 @@ MIN_ELEMENTS_PER_WORKER = 4 * BLOCK
 # Below this mean block size, Python overhead per block dominates and extra
 # threads only contend for the GIL (400 small tensors run no faster on two).
 MIN_MEAN_BLOCK_FOR_THREADS = BLOCK // 4
+# Variables smaller than this are packed together: their arrays are gathered
+# into one block, updated there, and copied back, which costs three or four
+# copies per variable instead of a dozen NumPy calls.
+PACK_BELOW = BLOCK // 4
+# The most arrays an update rule touches besides the gradient (Adam with
+# amsgrad: parameter, two moments, maximum second moment).
+MAX_ARRAYS = 4
 # Memory bandwidth saturates long before this many cores on any machine.
 MAX_WORKERS = 16
 
@@ -179,14 +186,12 @@ def _job(grad, arrays, constants, gradient_scale):
     the variable's, or narrower than float32, are unscaled up front instead,
     since `unscale` then divides in another dtype.
     """
-    from lossscale.backends import numpy_ops as ops
-
     dtype = arrays[0].dtype
     g = np.asarray(unwrap(grad))
     divisor = None
     if gradient_scale is not None:
         if g.dtype == dtype and dtype.itemsize >= 4:
-            divisor = ops.asarray(unwrap(gradient_scale)).astype(dtype)
+            divisor = np.asarray(unwrap(gradient_scale)).astype(dtype)
         else:
             g = _unscaled(g, gradient_scale)
     # `update_step` casts the gradient to the variable's dtype; so does this
@@ -206,8 +211,9 @@ def _unscaled(grad, gradient_scale):
 
 # --- scheduling ----------------------------------------------------------
 
-# Three block-sized scratch buffers per (worker, dtype), per optimizer: two
-# for the update rule, one for an unscaled gradient block.
+# Block-sized scratch buffers per (worker, dtype), per optimizer: two for the
+# update rule, one for an unscaled gradient block, and a packed block's
+# gradient and arrays.
 _SCRATCH = weakref.WeakKeyDictionary()
 
 
@@ -218,31 +224,61 @@ def _scratch(optimizer, workers, dtypes):
     for worker in range(workers):
         for dtype in dtypes:
             if (worker, dtype) not in buffers:
-                buffers[worker, dtype] = tuple(np.empty(BLOCK, dtype) for _ in range(3))
+                buffers[worker, dtype] = tuple(np.empty(BLOCK, dtype)
+                                               for _ in range(4 + MAX_ARRAYS))
     return buffers
 
 
 def _blocks(jobs):
-    """Splits every job into `(job index, start, stop)` blocks of <= BLOCK elements."""
-    blocks = []
-    for j, (g, _, _, _) in enumerate(jobs):
+    """Splits the jobs into blocks of <= BLOCK elements: `(job, start, stop)`.
+
+    A large job is cut into several blocks. Consecutive small jobs that
+    share their dtype, constants and divisor form one pack instead,
+    `(tuple of jobs, 0, total size)`.
+    """
+    blocks, pack, packed = [], [], 0
+
+    def close():
+        if len(pack) == 1:
+            blocks.append((pack[0], 0, packed))
+        elif pack:
+            blocks.append((tuple(pack), 0, packed))
+
+    for j, (g, arrays, constants, divisor) in enumerate(jobs):
         n = g.size
-        blocks.extend((j, start, min(start + BLOCK, n)) for start in range(0, n, BLOCK))
+        if n >= min(PACK_BELOW, BLOCK) or len(arrays) > MAX_ARRAYS:
+            blocks.extend((j, start, min(start + BLOCK, n)) for start in range(0, n, BLOCK))
+            continue
+        if pack:
+            g0, arrays0, constants0, divisor0 = jobs[pack[0]]
+            if (packed + n > BLOCK or g.dtype != g0.dtype or constants is not constants0
+                    or divisor is not divisor0 or len(arrays) != len(arrays0)):
+                close()
+                pack, packed = [], 0
+        pack.append(j)
+        packed += n
+    close()
     return blocks
 
 
 def _partition(blocks, workers):
-    """Cuts `blocks` into `workers` consecutive runs of about equal element counts."""
+    """Cuts `blocks` into `workers` consecutive runs of about equal element counts.
+
+    A cut goes before the block whose midpoint crosses the ideal boundary, so
+    every run is within one block of its share.
+    """
     total = sum(stop - start for _, start, stop in blocks)
     parts, current, done = [], [], 0
     for block in blocks:
-        current.append(block)
-        done += block[2] - block[1]
-        if done * workers >= total * (len(parts) + 1) and len(parts) < workers - 1:
+        size = block[2] - block[1]
+        if (current and len(parts) < workers - 1
+                and (done + size / 2) * workers > total * (len(parts) + 1)):
             parts.append(current)
             current = []
+        current.append(block)
+        done += size
     parts.append(current)
-    return [p for p in parts if p]
+    return parts
 
 
 def _run(optimizer, jobs, block_fn):
@@ -262,14 +298,19 @@ def _run(optimizer, jobs, block_fn):
     def work(worker):
         with np.errstate(**errors):
             for j, start, stop in parts[worker]:
-                g, arrays, constants, divisor = jobs[j]
-                t, u, w = scratch[worker, g.dtype]
+                members = j if isinstance(j, tuple) else None
+                g, arrays, constants, divisor = jobs[members[0] if members else j]
+                t, u, w, *pack = scratch[worker, g.dtype]
                 n = stop - start
-                if n != g.size:
+                if members:
+                    g, arrays = _gather([jobs[i] for i in members], pack, n)
+                elif n != g.size:
                     g, arrays = g[start:stop], [a[start:stop] for a in arrays]
                 if divisor is not None:
                     g = np.divide(g, divisor, out=w[:n])
                 block_fn(g, arrays, constants, t[:n], u[:n])
+                if members:
+                    _scatter(arrays, [jobs[i][1] for i in members])
 
     # The calling thread takes the first part itself.
     futures = [_executor().submit(work, w) for w in range(1, len(parts))]
@@ -278,6 +319,24 @@ def _run(optimizer, jobs, block_fn):
     finally:
         for future in futures:
             future.result()
+
+
+def _gather(jobs, buffers, n):
+    """Concatenates the jobs' gradients and arrays into `buffers` (n elements each)."""
+    g = np.concatenate([job[0] for job in jobs], out=buffers[0][:n])
+    arrays = [np.concatenate([job[1][a] for job in jobs], out=buffers[1 + a][:n])
+              for a in range(len(jobs[0][1]))]
+    return g, arrays
+
+
+def _scatter(packed, targets):
+    """Copies each packed array back into the variables' own arrays."""
+    start = 0
+    for arrays in targets:
+        stop = start + arrays[0].size
+        for source, target in zip(packed, arrays):
+            np.copyto(target, source[start:stop])
+        start = stop
 
 
 def _cpu_count():
