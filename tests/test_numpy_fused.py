@@ -69,8 +69,13 @@ def _run(monkeypatch, cls, make, weights, grads, fused):
     with monkeypatch.context() as m:
         if fused:
             kernel = numpy_ops.FUSED_KERNELS[cls]
-            m.setitem(numpy_ops.FUSED_KERNELS, cls,
-                      lambda *args: calls.append(1) or kernel(*args))
+
+            def counting(*args, **kwargs):
+                calls.append(kwargs.get("grad_scale"))
+                return kernel(*args, **kwargs)
+
+            counting.takes_grad_scale = kernel.takes_grad_scale
+            m.setitem(numpy_ops.FUSED_KERNELS, cls, counting)
         else:
             m.delitem(numpy_ops.FUSED_KERNELS, cls)
         opt = make()
@@ -79,17 +84,19 @@ def _run(monkeypatch, cls, make, weights, grads, fused):
         for step in grads:
             opt.apply([g.copy() for g in step], weights)
             snapshots.append(_snapshot(opt, weights))
-    return snapshots, len(calls)
+    return snapshots, calls
 
 
 def _assert_same(monkeypatch, cls, make, weights, grads):
+    """Asserts fused == generic after every step; returns the kernel calls' grad_scale."""
     fused, calls = _run(monkeypatch, cls, make, weights, grads, fused=True)
     generic, generic_calls = _run(monkeypatch, cls, make, weights, grads, fused=False)
-    assert calls > 0 and generic_calls == 0
+    assert calls and not generic_calls
     for step, (a, b) in enumerate(zip(fused, generic)):
         for i, (x, y) in enumerate(zip(a, b)):
             assert x.dtype == y.dtype
             np.testing.assert_array_equal(x, y, err_msg=f"step {step}, array {i}")
+    return calls
 
 
 def test_registered_for_exact_classes_only():
@@ -121,7 +128,12 @@ def test_fused_equals_update_step_under_loss_scaling(monkeypatch, blocks, cls, c
         opt.scale_loss(np.float32(1.0))  # as a training step would, before differentiating
         return opt
 
-    _assert_same(monkeypatch, cls, make, weights, grads)
+    scales = _assert_same(monkeypatch, cls, make, weights, grads)
+    # Without clipping or accumulation the wrapper hands its scale to the
+    # kernel instead of unscaling first; with them it unscales.
+    folds = not ({"clipnorm", "clipvalue", "global_clipnorm",
+                  "gradient_accumulation_steps"} & set(config))
+    assert all((s is not None) == folds for s in scales)
 
 
 @pytest.mark.parametrize("cls,config", [(Adam, {"amsgrad": True}),
@@ -164,7 +176,7 @@ def test_learning_rate_callable_and_schedule(monkeypatch, blocks):
 
 @pytest.mark.parametrize("cls,config", [(Adam, {"amsgrad": True}), (Adam, {}),
                                         (SGD, {"momentum": 0.9, "nesterov": True}), (SGD, {})])
-def test_gradient_scale_equals_unscaling_first(blocks, cls, config):
+def test_grad_scale_equals_unscaling_first(blocks, cls, config):
     # A kernel given the loss scale divides each block in cache; the result
     # must equal unscaling the whole gradients first (`numpy_ops.unscale`).
     rng = np.random.default_rng(9)
@@ -185,7 +197,7 @@ def test_gradient_scale_equals_unscaling_first(blocks, cls, config):
         kernel = numpy_ops.fused_update(opt)
         for _ in range(2):
             if fused_scale:
-                kernel(opt, grads, variables, opt.learning_rate, gradient_scale=scale)
+                kernel(opt, grads, variables, opt.learning_rate, grad_scale=scale)
             else:
                 kernel(opt, numpy_ops.unscale(grads, scale), variables, opt.learning_rate)
             opt.iterations.assign_add(1)

@@ -77,3 +77,56 @@ def test_max_abs_propagates_nan_and_sees_negative_infinity():
     assert ops.max_abs([a, np.array([-np.inf], "float32")]) == np.inf
     assert np.isnan(ops.max_abs([np.array([np.nan, 1.0], "float32"), a]))
     assert ops.max_abs([]) == 0.0
+
+
+@pytest.fixture(params=["default", "small_blocks"])
+def reduce_blocks(request, monkeypatch):
+    from lossscale.backends import numpy_fused
+
+    if request.param == "small_blocks":
+        monkeypatch.setattr(numpy_fused, "BLOCK", 64)
+        monkeypatch.setattr(numpy_fused, "REDUCE_BLOCK", 100)
+        monkeypatch.setattr(numpy_fused, "MIN_ELEMENTS_PER_WORKER", 128)
+        monkeypatch.setattr(numpy_fused, "MIN_MEAN_BLOCK_FOR_THREADS", 1)
+        monkeypatch.setattr(numpy_fused, "_cpu_count", lambda: 3)
+    return request.param
+
+
+def _two_pass_max_abs(arrays):
+    return max((float(np.maximum(np.max(a), -np.min(a))) for a in arrays if a.size), default=0.0)
+
+
+@pytest.mark.parametrize("bad,position", [(None, None), (np.nan, 0), (np.nan, 70_000),
+                                          (np.inf, 131_071), (-np.inf, 5)])
+def test_max_abs_of_large_arrays_in_blocks(rng, reduce_blocks, bad, position):
+    arrays = [rng.standard_normal(1 << 17).astype("float32"),
+              rng.standard_normal((300, 301)).astype("float32")[:, ::2],  # strided
+              rng.standard_normal(70).astype("float64"),
+              (rng.standard_normal((257, 255)) * 3).astype("float32"),
+              np.zeros(0, "float32")]
+    arrays[3][100, 7] = -40.5  # the peak is a negative value
+    if bad is not None:
+        arrays[0][position] = bad
+    result = ops.max_abs(arrays)
+    assert isinstance(result, np.ndarray) and result.shape == () and result.dtype == np.float32
+    expected = _two_pass_max_abs(arrays)
+    if bad is None:
+        assert result == np.float32(40.5) == np.float32(expected)
+    elif np.isnan(bad):
+        assert np.isnan(result)
+    else:
+        assert result == np.inf
+
+
+def test_max_abs_many_small_arrays_and_no_copy(rng):
+    arrays = [rng.standard_normal(int(n)).astype("float32") for n in rng.integers(1, 300, 400)]
+    arrays[123][4] = -9.0
+    assert ops.max_abs(arrays) == np.float32(9.0)
+    big = rng.standard_normal(1 << 20).astype("float32")
+    tracemalloc.start()
+    try:
+        ops.max_abs([big])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < big.nbytes // 8

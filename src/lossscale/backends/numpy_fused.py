@@ -43,6 +43,10 @@ MIN_MEAN_BLOCK_FOR_THREADS = BLOCK // 4
 # into one block, updated there, and copied back, which costs three or four
 # copies per variable instead of a dozen NumPy calls.
 PACK_BELOW = BLOCK // 4
+# Elements per block of a reduction (`peak_magnitude`). Reductions make no
+# temporaries, so blocks can be larger (fewer Python calls, less GIL
+# traffic); 4 MiB of float32 is still in L3 for the second reduction.
+REDUCE_BLOCK = 1 << 20
 # The most arrays an update rule touches besides the gradient (Adam with
 # amsgrad: parameter, two moments, maximum second moment).
 MAX_ARRAYS = 4
@@ -52,10 +56,10 @@ MAX_WORKERS = 16
 # --- kernels -------------------------------------------------------------
 
 
-def adam(optimizer, grads, variables, learning_rate, gradient_scale=None):
+def adam(optimizer, grads, variables, learning_rate, grad_scale=None):
     """Fused `Adam.update_step` over every variable (amsgrad included).
 
-    `gradient_scale`: see `_job`.
+    `grad_scale`: see `_job`.
     """
     index = optimizer._get_variable_index
     slots = [optimizer._momentums, optimizer._velocities]
@@ -67,13 +71,18 @@ def adam(optimizer, grads, variables, learning_rate, gradient_scale=None):
         i = index(variable)
         arrays = _fusable([variable.value] + [s[i].value for s in slots])
         if arrays is None:
-            optimizer.update_step(_unscaled(grad, gradient_scale), variable, learning_rate)
+            optimizer.update_step(_unscaled(grad, grad_scale), variable, learning_rate)
             continue
         dtype = arrays[0].dtype
         if dtype not in constants:
             constants[dtype] = _adam_constants(optimizer, learning_rate, dtype.name)
-        jobs.append(_job(grad, arrays, constants[dtype], gradient_scale))
+        jobs.append(_job(grad, arrays, constants[dtype], grad_scale))
     _run(optimizer, jobs, _adam_block)
+
+
+# `Optimizer._takes_grad_scale` looks for this: the loss-scale wrapper may
+# pass its scale in instead of unscaling the gradients first.
+adam.takes_grad_scale = True
 
 
 def _adam_constants(optimizer, learning_rate, dtype):
@@ -109,10 +118,10 @@ def _adam_block(g, arrays, constants, t, u):
     p -= u
 
 
-def sgd(optimizer, grads, variables, learning_rate, gradient_scale=None):
+def sgd(optimizer, grads, variables, learning_rate, grad_scale=None):
     """Fused `SGD.update_step` over every variable (plain, momentum, Nesterov).
 
-    `gradient_scale`: see `_job`.
+    `grad_scale`: see `_job`.
     """
     from lossscale.backends import numpy_ops as ops
 
@@ -124,14 +133,17 @@ def sgd(optimizer, grads, variables, learning_rate, gradient_scale=None):
             arrays.append(optimizer.momentums[optimizer._get_variable_index(variable)].value)
         arrays = _fusable(arrays)
         if arrays is None:
-            optimizer.update_step(_unscaled(grad, gradient_scale), variable, learning_rate)
+            optimizer.update_step(_unscaled(grad, grad_scale), variable, learning_rate)
             continue
         dtype = arrays[0].dtype
         if dtype not in constants:
             constants[dtype] = (ops.cast(learning_rate, dtype.name),
                                 ops.cast(optimizer.momentum, dtype.name), optimizer.nesterov)
-        jobs.append(_job(grad, arrays, constants[dtype], gradient_scale))
+        jobs.append(_job(grad, arrays, constants[dtype], grad_scale))
     _run(optimizer, jobs, _sgd_block)
+
+
+sgd.takes_grad_scale = True
 
 
 def _sgd_block(g, arrays, constants, t, u):
@@ -176,24 +188,25 @@ def _fusable(arrays):
     return [a.reshape(-1) for a in arrays]
 
 
-def _job(grad, arrays, constants, gradient_scale):
+def _job(grad, arrays, constants, grad_scale):
     """One variable's work: `(flat gradient, flat arrays, constants, divisor)`.
 
-    With `gradient_scale` (a loss scale the gradients are still multiplied
-    by), each gradient block is divided by it in cache, exactly as
-    `numpy_ops.unscale` would divide the whole gradient, which saves that
-    pass over memory and its full-size result. Gradients whose dtype is not
+    With `grad_scale` (the loss-scale wrapper's scale, still multiplied into
+    the gradients), each gradient block is divided by it in cache, exactly
+    as `numpy_ops.unscale` would divide the whole gradient, which saves that
+    pass over memory and its full-size result. The gradients themselves are
+    never written. Gradients whose dtype is not
     the variable's, or narrower than float32, are unscaled up front instead,
     since `unscale` then divides in another dtype.
     """
     dtype = arrays[0].dtype
     g = np.asarray(unwrap(grad))
     divisor = None
-    if gradient_scale is not None:
+    if grad_scale is not None:
         if g.dtype == dtype and dtype.itemsize >= 4:
-            divisor = np.asarray(unwrap(gradient_scale)).astype(dtype)
+            divisor = np.asarray(unwrap(grad_scale)).astype(dtype)
         else:
-            g = _unscaled(g, gradient_scale)
+            g = _unscaled(g, grad_scale)
     # `update_step` casts the gradient to the variable's dtype; so does this
     # (a copy only when the dtypes differ or the gradient is strided).
     if g.dtype != dtype:
@@ -201,12 +214,12 @@ def _job(grad, arrays, constants, gradient_scale):
     return np.ascontiguousarray(g).reshape(-1), arrays, constants, divisor
 
 
-def _unscaled(grad, gradient_scale):
-    if gradient_scale is None:
+def _unscaled(grad, grad_scale):
+    if grad_scale is None:
         return grad
     from lossscale.backends import numpy_ops as ops
 
-    return ops.unscale([grad], gradient_scale)[0]
+    return ops.unscale([grad], grad_scale)[0]
 
 
 # --- scheduling ----------------------------------------------------------
@@ -285,11 +298,7 @@ def _run(optimizer, jobs, block_fn):
     if not jobs:
         return
     blocks = _blocks(jobs)
-    total = sum(stop - start for _, start, stop in blocks)
-    workers = max(1, min(_cpu_count(), MAX_WORKERS, total // MIN_ELEMENTS_PER_WORKER))
-    if total < MIN_MEAN_BLOCK_FOR_THREADS * len(blocks):
-        workers = 1
-    parts = _partition(blocks, workers)
+    parts = _partition(blocks, _workers(blocks))
     scratch = _scratch(optimizer, len(parts), {job[0].dtype for job in jobs})
     # errstate is per thread: carry the caller's (quiet during a skipped
     # step's arithmetic) into the workers.
@@ -321,6 +330,46 @@ def _run(optimizer, jobs, block_fn):
             future.result()
 
 
+def peak_magnitude(arrays):
+    """Largest |x| over `arrays` (float32 0-d array; NaN if any NaN), in one pass.
+
+    `max()` then `min()` of a whole large array read it from memory twice;
+    here it is cut into blocks that are still in cache for the second
+    reduction, shared among threads (NumPy releases the GIL inside
+    reductions). Small arrays are reduced whole, combined once at the end.
+    """
+    highs, lows, flats = [], [], []
+    for a in arrays:
+        a = np.asarray(unwrap(a))
+        if a.size >= BLOCK and a.flags.c_contiguous:
+            flats.append(a.reshape(-1))
+        elif a.size:
+            highs.append(a.max())
+            lows.append(a.min())
+    blocks = [(j, start, min(start + REDUCE_BLOCK, f.size))
+              for j, f in enumerate(flats) for start in range(0, f.size, REDUCE_BLOCK)]
+    if blocks:
+        parts = _partition(blocks, _workers(blocks))
+
+        def work(part):
+            pieces = [flats[j][start:stop] for j, start, stop in part]
+            return [p.max() for p in pieces], [p.min() for p in pieces]
+
+        futures = [_executor().submit(work, p) for p in parts[1:]]
+        try:
+            results = [work(parts[0])]
+        finally:
+            results += [f.result() for f in futures]
+        for h, lo in results:
+            highs += h
+            lows += lo
+    if not highs:
+        return np.asarray(np.float32(0.0))
+    # np.max / np.min propagate NaN, and so does np.maximum.
+    peak = np.maximum(np.max(np.array(highs)), -np.min(np.array(lows)))
+    return np.asarray(np.maximum(peak.astype(np.float32), np.float32(0.0)))
+
+
 def _gather(jobs, buffers, n):
     """Concatenates the jobs' gradients and arrays into `buffers` (n elements each)."""
     g = np.concatenate([job[0] for job in jobs], out=buffers[0][:n])
@@ -337,6 +386,14 @@ def _scatter(packed, targets):
         for source, target in zip(packed, arrays):
             np.copyto(target, source[start:stop])
         start = stop
+
+
+def _workers(blocks):
+    """How many threads should share `blocks` (`(job, start, stop)` tuples)."""
+    total = sum(stop - start for _, start, stop in blocks)
+    if total < MIN_MEAN_BLOCK_FOR_THREADS * len(blocks):
+        return 1
+    return max(1, min(_cpu_count(), MAX_WORKERS, total // MIN_ELEMENTS_PER_WORKER))
 
 
 def _cpu_count():

@@ -166,12 +166,7 @@ def global_norm(arrays):
 
 def max_abs(arrays):
     """Largest |x| over all arrays as a float32 scalar (NaN if any NaN)."""
-    out = np.float32(0.0)
-    for a in arrays:
-        a = unwrap(a)
-        if a.size:
-            out = np.maximum(out, np.maximum(a.max(), -a.min()).astype(np.float32))
-    return np.asarray(out)
+    return numpy_fused.peak_magnitude(arrays)
 
 
 def all_max(x, group=None):
