@@ -48,6 +48,7 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(numpy_fused, "MIN_ELEMENTS_PER_WORKER", 128)
         monkeypatch.setattr(numpy_fused, "MIN_MEAN_BLOCK_FOR_THREADS", 1)
         monkeypatch.setattr(numpy_fused, "PACK_BELOW", 16)
+        monkeypatch.setattr(numpy_fused, "PACK_CAPACITY", 48)
         monkeypatch.setattr(numpy_fused, "_cpu_count", lambda: 3)
     return request.param
 
@@ -263,7 +264,9 @@ def test_scratch_belongs_to_the_optimizer(monkeypatch):
     opt.apply(grads[0], weights)
     buffers = numpy_fused._SCRATCH[opt]
     assert {key[1] for key in buffers} == {np.dtype("float32")}
-    assert all(t.shape == (numpy_fused.BLOCK,) for pair in buffers.values() for t in pair)
+    for group in buffers.values():
+        assert [t.shape for t in group] == [(numpy_fused.BLOCK,)] * 3 + [
+            (numpy_fused.PACK_CAPACITY,)] * (1 + numpy_fused.MAX_ARRAYS)
     opt.apply(grads[0], weights)
     assert numpy_fused._SCRATCH[opt] is buffers
     alive, count = weakref.ref(opt), len(numpy_fused._SCRATCH)
