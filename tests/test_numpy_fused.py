@@ -323,3 +323,20 @@ def test_executor_is_recreated_after_fork(monkeypatch):
     assert numpy_fused._executor() is first
     monkeypatch.setitem(numpy_fused._pool, "pid", -1)
     assert numpy_fused._executor() is not first
+
+
+def test_small_variables_are_packed_with_and_without_grad_scale(monkeypatch):
+    rng = np.random.default_rng(10)
+    weights = [rng.standard_normal(n).astype("float32") for n in (5, 30, 7, 100, 64)]
+    grads = [rng.standard_normal(w.shape).astype("float32") for w in weights]
+    gathered = []
+    gather = numpy_fused._gather
+    monkeypatch.setattr(numpy_fused, "_gather",
+                        lambda jobs, *args: gathered.append(len(jobs)) or gather(jobs, *args))
+    opt = Adam()
+    opt.build(weights)
+    variables = opt._trainable_variables
+    numpy_fused.adam(opt, grads, variables, opt.learning_rate)
+    numpy_fused.adam(opt, grads, variables, opt.learning_rate,
+                     grad_scale=np.asarray(np.float32(8.0)))
+    assert gathered == [5, 5]  # one pack of all five, both times

@@ -71,7 +71,7 @@ def adam(optimizer, grads, variables, learning_rate, grad_scale=None):
     slots = [optimizer._momentums, optimizer._velocities]
     if optimizer.amsgrad:
         slots.append(optimizer._velocity_hats)
-    constants = {}
+    constants, divisors = {}, {}
     jobs = []
     for grad, variable in zip(grads, variables):
         i = index(variable)
@@ -82,7 +82,7 @@ def adam(optimizer, grads, variables, learning_rate, grad_scale=None):
         dtype = arrays[0].dtype
         if dtype not in constants:
             constants[dtype] = _adam_constants(optimizer, learning_rate, dtype.name)
-        jobs.append(_job(grad, arrays, constants[dtype], grad_scale))
+        jobs.append(_job(grad, arrays, constants[dtype], grad_scale, divisors))
     _run(optimizer, jobs, _adam_block)
 
 
@@ -131,7 +131,7 @@ def sgd(optimizer, grads, variables, learning_rate, grad_scale=None):
     """
     from lossscale.backends import numpy_ops as ops
 
-    constants = {}
+    constants, divisors = {}, {}
     jobs = []
     for grad, variable in zip(grads, variables):
         arrays = [variable.value]
@@ -145,7 +145,7 @@ def sgd(optimizer, grads, variables, learning_rate, grad_scale=None):
         if dtype not in constants:
             constants[dtype] = (ops.cast(learning_rate, dtype.name),
                                 ops.cast(optimizer.momentum, dtype.name), optimizer.nesterov)
-        jobs.append(_job(grad, arrays, constants[dtype], grad_scale))
+        jobs.append(_job(grad, arrays, constants[dtype], grad_scale, divisors))
     _run(optimizer, jobs, _sgd_block)
 
 
@@ -194,23 +194,26 @@ def _fusable(arrays):
     return [a.reshape(-1) for a in arrays]
 
 
-def _job(grad, arrays, constants, grad_scale):
+def _job(grad, arrays, constants, grad_scale, divisors):
     """One variable's work: `(flat gradient, flat arrays, constants, divisor)`.
 
     With `grad_scale` (the loss-scale wrapper's scale, still multiplied into
     the gradients), each gradient block is divided by it in cache, exactly
     as `numpy_ops.unscale` would divide the whole gradient, which saves that
     pass over memory and its full-size result. The gradients themselves are
-    never written. Gradients whose dtype is not
-    the variable's, or narrower than float32, are unscaled up front instead,
-    since `unscale` then divides in another dtype.
+    never written. Gradients whose dtype is not the variable's, or narrower
+    than float32, are unscaled up front instead, since `unscale` then
+    divides in another dtype. `divisors` holds the scale cast to each dtype,
+    shared by the step's jobs (so that small ones can be packed together).
     """
     dtype = arrays[0].dtype
     g = np.asarray(unwrap(grad))
     divisor = None
     if grad_scale is not None:
         if g.dtype == dtype and dtype.itemsize >= 4:
-            divisor = np.asarray(unwrap(grad_scale)).astype(dtype)
+            divisor = divisors.get(dtype)
+            if divisor is None:
+                divisor = divisors[dtype] = np.asarray(unwrap(grad_scale)).astype(dtype)
         else:
             g = _unscaled(g, grad_scale)
     # `update_step` casts the gradient to the variable's dtype; so does this
