@@ -55,6 +55,7 @@ def test_runner_reports_a_failing_worker():
     (["--repeats", "0"], "--repeats must be an integer >= 1. Received: 0"),
     (["--warmup", "-1"], "--warmup must be an integer >= 0. Received: -1"),
     (["--retries", "-2"], "--retries must be an integer >= 0. Received: -2"),
+    (["--rounds", "0"], "--rounds must be an integer >= 1. Received: 0"),
     (["--workload", "tiny"], "invalid choice: 'tiny'"),
 ])
 def test_bad_arguments(capsys, argv, message):
@@ -168,3 +169,26 @@ def test_wait_for_idle_returns_once_the_cpus_are_quiet(monkeypatch):
     assert runner.wait_for_idle() is True
     monkeypatch.setattr(runner, "_cpu_seconds", lambda: None)
     assert runner.wait_for_idle() is False
+
+
+def test_rounds_alternate_the_order_and_report_the_median_of_medians(monkeypatch, capsys):
+    calls = []
+    medians = iter([3.0, 10.0, 20.0, 5.0, 4.0, 30.0])  # numpy, jax, jax, numpy, numpy, jax
+
+    def fake_run_job(job, env=None, timeout=None):
+        if job["kind"] == "floor":
+            return {"gb_per_s": 10.0, "method": "fake", "bytes": 1}
+        calls.append(job["impl"])
+        return {"median_ms": next(medians), "others_cores": 0.0}
+
+    monkeypatch.setattr(runner, "run_job", fake_run_job)
+    assert bench.main(["--quick", "--workload", "large", "--impl", "lossscale-numpy",
+                       "--impl", "keras-jax", "--rounds", "3"]) == 0
+    assert calls == ["lossscale-numpy", "keras-jax", "keras-jax", "lossscale-numpy",
+                     "lossscale-numpy", "keras-jax"]
+    out = capsys.readouterr().out
+    rows = [ROW.match(line) for line in _table_rows(out)]
+    assert [(m[1], m[3]) for m in rows] == [("lossscale-numpy", "4.000"), ("keras-jax", "20.000")]
+    assert "median of 3 rounds in alternating order" in out
+    assert "- lossscale-numpy on large: 3.000 / 5.000 / 4.000" in out
+    assert "- keras-jax on large: 10.000 / 20.000 / 30.000" in out

@@ -1,5 +1,7 @@
 """Gradient clipping functions on every backend."""
 
+import warnings
+
 import numpy as np
 
 from lossscale.backends import get_ops
@@ -22,6 +24,23 @@ def test_clip_by_global_norm(backend):
     np.testing.assert_allclose([backend.numpy(g)[0] for g in out], [1.5, 2.0], rtol=1e-6)
     bad = clipping.clip_by_global_norm(ops, [backend.array(np.array([np.inf, 1.0]))], 1.0)
     assert np.isnan(backend.numpy(bad[0])).all()  # non-finite is not silently zeroed
+    nan = clipping.clip_by_global_norm(ops, [backend.array(np.array([np.nan, 1.0]))], 1.0)
+    assert np.isnan(backend.numpy(nan[0])).all()
+
+
+def test_clipping_zero_gradients_is_silent_and_exact(backend):
+    """An all-zero gradient is common (a frozen or dead unit): no warning, no change."""
+    ops = get_ops(backend.name)
+    zeros = [backend.array(np.zeros(3)), backend.array(np.zeros(2))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        by_global = clipping.clip_by_global_norm(ops, zeros, 0.5)
+        by_norm = clipping.clip_by_norm(ops, zeros[0], 0.5)
+    for out in by_global + [by_norm]:
+        assert np.array_equal(backend.numpy(out), np.zeros_like(backend.numpy(out)))
+    tiny = [backend.array(np.array([1e-30, -2e-30]))]  # norm far below the floor
+    np.testing.assert_allclose(backend.numpy(clipping.clip_by_global_norm(ops, tiny, 0.5)[0]),
+                               [1e-30, -2e-30], rtol=1e-6)
 
 
 def test_clip_gradients_dispatch(backend):

@@ -10,6 +10,7 @@ import argparse
 import datetime
 import os
 import platform
+import statistics
 import sys
 
 from lossscale.bench import floor, registry, runner, table, workloads
@@ -45,6 +46,11 @@ def build_parser():
                         help="On a shared machine: wait for idle CPUs before each run, and rerun "
                              "a run that other processes disturbed up to this many times, "
                              "keeping the least disturbed (Linux; default 0).")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="Run every implementation this many times, alternating the order "
+                             "(A B, B A, ...), and report the median of the rounds' medians: "
+                             "on a machine whose speed drifts, rows compared side by side then "
+                             "see the same conditions (default 1).")
     return parser
 
 
@@ -98,6 +104,30 @@ def _run_rows(impls, names, args, explicit):
     return rows
 
 
+def _run_rounds(impls, names, args, explicit):
+    """`_run_rows` `args.rounds` times, every other round in reverse order, merged."""
+    rounds = []
+    for number in range(args.rounds):
+        if args.rounds > 1:
+            print(f"[bench] round {number + 1} of {args.rounds}", file=sys.stderr, flush=True)
+        order = impls if number % 2 == 0 else impls[::-1]
+        rounds.append({(r["impl"], r["workload"]): r
+                       for r in _run_rows(order, names, args, explicit)})
+    if args.rounds == 1:
+        return list(rounds[0].values())
+    merged = []
+    for key, row in rounds[0].items():
+        runs = [r[key] for r in rounds]
+        failed = next((r for r in runs if r.get("median_ms") is None), None)
+        if failed is not None:
+            merged.append(failed)
+            continue
+        medians = [r["median_ms"] for r in runs]
+        merged.append({**row, "median_ms": statistics.median(medians), "round_medians": medians,
+                       "others_cores": max(r.get("others_cores", 0) for r in runs)})
+    return merged
+
+
 def main(argv=None):
     """Runs `lossscale bench` with `argv` (default `sys.argv[1:]`); returns the exit status."""
     parser = build_parser()
@@ -116,6 +146,8 @@ def main(argv=None):
         parser.error(f"--warmup must be an integer >= 0. Received: {args.warmup}")
     if args.retries < 0:
         parser.error(f"--retries must be an integer >= 0. Received: {args.retries}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be an integer >= 1. Received: {args.rounds}")
     names = _workload_names(args.workload, parser)
     impls = [available[n] for n in dict.fromkeys(args.impl)] if args.impl else list(
         available.values())
@@ -133,7 +165,7 @@ def main(argv=None):
         bw = bandwidths[workload.device]
         if "gb_per_s" in bw:
             floors[name] = floor.floor_ms(workload.size, bw["gb_per_s"])
-    rows = _run_rows(impls, names, args, explicit=bool(args.impl))
+    rows = _run_rounds(impls, names, args, explicit=bool(args.impl))
     print(report(rows, floors, bandwidths, info, args))
     failed = [r for r in rows if "error" in r] + [b for b in bandwidths.values() if "error" in b]
     return 1 if failed else 0
@@ -150,8 +182,15 @@ def report(rows, floors, bandwidths, info, args):
     lines.append(f"- Python {platform.python_version()}; "
                  + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())))
     lines.append(f"- Median of {args.repeats} steps after {args.warmup} warm-up steps"
+                 + (f"; median of {args.rounds} rounds in alternating order"
+                    if args.rounds > 1 else "")
                  + (" (--quick: tiny workloads, timings meaningless)" if args.quick else ""))
     lines += ["", table.markdown_table(rows, floors), ""]
+    per_round = [f"{r['impl']} on {r['workload']}: "
+                 + " / ".join(f"{m:.3f}" for m in r["round_medians"])
+                 for r in rows if "round_medians" in r]
+    if per_round:
+        lines += ["Medians of each round (ms):", ""] + [f"- {line}" for line in per_round] + [""]
     disturbed = [f"{r['impl']} on {r['workload']} ({r['others_cores']:.2f})" for r in rows
                  if r.get("others_cores", 0) > runner.DISTURBED_CORES]
     if disturbed:

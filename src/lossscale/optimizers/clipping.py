@@ -4,6 +4,9 @@ At most one of `clipnorm` (per gradient), `global_clipnorm` (across all) and
 `clipvalue` (elementwise) is set on an optimizer; the constructor checks that.
 """
 
+# The smallest normal float32.
+_TINY = 2.0 ** -126
+
 
 def clip_by_norm(ops, grad, clipnorm):
     """Rescales `grad` so its L2 norm is at most `clipnorm`."""
@@ -18,9 +21,13 @@ def clip_by_norm(ops, grad, clipnorm):
 def clip_by_global_norm(ops, grads, clipnorm):
     """Rescales all `grads` together so their global L2 norm is at most `clipnorm`."""
     norm = ops.global_norm(grads)
-    # `norm - norm` is 0 for a finite norm and NaN otherwise, so a non-finite
-    # gradient poisons the result instead of being silently scaled to zero.
-    factor = clipnorm * ops.minimum(1.0 / norm, 1.0 / clipnorm) + (norm - norm)
+    # Below the smallest normal float32, 1 / norm only ever loses the
+    # minimum; the floor keeps an all-zero gradient from dividing by zero
+    # (a NumPy warning) without changing any result.
+    factor = clipnorm * ops.minimum(1.0 / ops.maximum(norm, _TINY), 1.0 / clipnorm)
+    # A non-finite gradient poisons the result instead of being silently
+    # scaled to zero (selected, not computed as `norm - norm`, which warns).
+    factor = factor + ops.where(ops.isfinite(norm), 0.0, float("nan"))
     return [g * ops.cast(factor, ops.dtype_name(g)) for g in grads]
 
 
