@@ -1,6 +1,7 @@
 """Adam: adaptive moment estimation."""
 
 from lossscale import validation
+from lossscale.optimizers import moments
 from lossscale.optimizers.base import Optimizer
 
 
@@ -41,9 +42,7 @@ class Adam(Optimizer):
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                  amsgrad=False, name="adam", **kwargs):
-        validation.check_number("beta_1", beta_1, low=0, high=1, high_open=True)
-        validation.check_number("beta_2", beta_2, low=0, high=1, high_open=True)
-        validation.check_number("epsilon", epsilon, low=0, low_open=True)
+        moments.check_rates(beta_1, beta_2, epsilon)
         validation.check_bool("amsgrad", amsgrad)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.beta_1 = beta_1
@@ -55,8 +54,7 @@ class Adam(Optimizer):
         if self.built:
             return
         super().build(var_list)
-        self._momentums, self._velocities = self.add_optimizer_variables(
-            var_list, ["momentum", "velocity"])
+        self._momentums, self._velocities = moments.add_moments(self, var_list)
         if self.amsgrad:
             self._velocity_hats = self.add_optimizer_variables(var_list, "velocity_hat")
 
@@ -65,14 +63,11 @@ class Adam(Optimizer):
         dtype = variable.dtype
         lr = ops.cast(learning_rate, dtype)
         gradient = ops.cast(gradient, dtype)
-        step = ops.cast(self.iterations + 1, dtype)
-        beta_1_power = ops.power(ops.cast(self.beta_1, dtype), step)
-        beta_2_power = ops.power(ops.cast(self.beta_2, dtype), step)
+        beta_1_power, beta_2_power = moments.powers_at_step(self, dtype, self.beta_1, self.beta_2)
+        alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
         index = self._get_variable_index(variable)
         m, v = self._momentums[index], self._velocities[index]
-        alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-        self.assign_add(m, (gradient - m.value) * (1 - self.beta_1))
-        self.assign_add(v, (ops.square(gradient) - v.value) * (1 - self.beta_2))
+        moments.update_moments(self, m, v, gradient)
         if self.amsgrad:
             v_hat = self._velocity_hats[index]
             self.assign(v_hat, ops.maximum(v_hat.value, v.value))

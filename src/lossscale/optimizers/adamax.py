@@ -1,6 +1,6 @@
 """Adamax: Adam with the infinity norm in place of the second moment."""
 
-from lossscale import validation
+from lossscale.optimizers import moments
 from lossscale.optimizers.base import Optimizer
 
 
@@ -42,9 +42,7 @@ class Adamax(Optimizer):
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                  name="adamax", **kwargs):
-        validation.check_number("beta_1", beta_1, low=0, high=1, high_open=True)
-        validation.check_number("beta_2", beta_2, low=0, high=1, high_open=True)
-        validation.check_number("epsilon", epsilon, low=0, low_open=True)
+        moments.check_rates(beta_1, beta_2, epsilon)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.beta_1 = beta_1
         self.beta_2 = beta_2
@@ -61,10 +59,9 @@ class Adamax(Optimizer):
         dtype = variable.dtype
         lr = ops.cast(learning_rate, dtype)
         gradient = ops.cast(gradient, dtype)
-        step = ops.cast(self.iterations + 1, dtype)
-        beta_1_power = ops.power(ops.cast(self.beta_1, dtype), step)
+        (beta_1_power,) = moments.powers_at_step(self, dtype, self.beta_1)
         index = self._get_variable_index(variable)
         m, u = self._m[index], self._u[index]
-        self.assign_add(m, (gradient - m.value) * (1 - self.beta_1))
+        moments.update_average(self, m, gradient, self.beta_1)
         self.assign(u, ops.maximum(u.value * self.beta_2, ops.abs(gradient)))
         self.assign_sub(variable, lr * m.value / ((1 - beta_1_power) * (u.value + self.epsilon)))

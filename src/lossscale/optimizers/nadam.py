@@ -1,6 +1,6 @@
 """Nadam: Adam with Nesterov momentum."""
 
-from lossscale import validation
+from lossscale.optimizers import moments
 from lossscale.optimizers.base import Optimizer
 
 # Dozat's momentum schedule: u_t = beta_1 * (1 - 0.5 * 0.96**t).
@@ -51,9 +51,7 @@ class Nadam(Optimizer):
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                  name="nadam", **kwargs):
-        validation.check_number("beta_1", beta_1, low=0, high=1, high_open=True)
-        validation.check_number("beta_2", beta_2, low=0, high=1, high_open=True)
-        validation.check_number("epsilon", epsilon, low=0, low_open=True)
+        moments.check_rates(beta_1, beta_2, epsilon)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.beta_1 = beta_1
         self.beta_2 = beta_2
@@ -63,8 +61,7 @@ class Nadam(Optimizer):
         if self.built:
             return
         super().build(var_list)
-        self._momentums, self._velocities = self.add_optimizer_variables(
-            var_list, ["momentum", "velocity"])
+        self._momentums, self._velocities = moments.add_moments(self, var_list)
         self._u_product = self.add_variable((), initializer=1.0,
                                             dtype=self._trainable_variables[0].dtype,
                                             name="u_product")
@@ -92,11 +89,10 @@ class Nadam(Optimizer):
         u_next = beta_1 * (1.0 - 0.5 * ops.power(decay, step + 1))
         u_product = ops.cast(self._u_product.value, dtype)
         u_product_next = u_product * u_next
-        beta_2_power = ops.power(ops.cast(self.beta_2, dtype), step)
+        (beta_2_power,) = moments.powers_at_step(self, dtype, self.beta_2)
         index = self._get_variable_index(variable)
         m, v = self._momentums[index], self._velocities[index]
-        self.assign_add(m, (gradient - m.value) * (1 - self.beta_1))
-        self.assign_add(v, (ops.square(gradient) - v.value) * (1 - self.beta_2))
+        moments.update_moments(self, m, v, gradient)
         m_hat = u_next * m.value / (1 - u_product_next) + (1 - u_t) * gradient / (1 - u_product)
         v_hat = v.value / (1 - beta_2_power)
         self.assign_sub(variable, m_hat * lr / (ops.sqrt(v_hat) + self.epsilon))
