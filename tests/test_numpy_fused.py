@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import lossscale as ls
-from lossscale.backends import numpy_fused, numpy_ops
+from lossscale.backends import numpy_fused, numpy_ops, numpy_parallel
 from lossscale.optimizers import SGD, Adam
 
 SHAPES = [(3, 4), (7,), (), (0, 3), (37, 29), (1500,)]
@@ -45,11 +45,11 @@ CASES = [(Adam, c) for c in ADAM_CASES] + [(SGD, c) for c in SGD_CASES]
 def blocks(request, monkeypatch):
     if request.param == "small_blocks":
         monkeypatch.setattr(numpy_fused, "BLOCK", 64)
-        monkeypatch.setattr(numpy_fused, "MIN_ELEMENTS_PER_WORKER", 128)
-        monkeypatch.setattr(numpy_fused, "MIN_MEAN_BLOCK_FOR_THREADS", 1)
+        monkeypatch.setattr(numpy_parallel, "MIN_ELEMENTS_PER_WORKER", 128)
+        monkeypatch.setattr(numpy_parallel, "MIN_MEAN_BLOCK_FOR_THREADS", 1)
         monkeypatch.setattr(numpy_fused, "PACK_BELOW", 16)
         monkeypatch.setattr(numpy_fused, "PACK_CAPACITY", 48)
-        monkeypatch.setattr(numpy_fused, "_cpu_count", lambda: 3)
+        monkeypatch.setattr(numpy_parallel, "cpu_count", lambda: 3)
     return request.param
 
 
@@ -258,7 +258,7 @@ def test_kernel_allocates_no_full_size_temporaries():
 
 
 def test_scratch_belongs_to_the_optimizer(monkeypatch):
-    monkeypatch.setattr(numpy_fused, "_cpu_count", lambda: 1)
+    monkeypatch.setattr(numpy_parallel, "cpu_count", lambda: 1)
     weights, grads = _data([(5, 5)], steps=1)
     opt = Adam()
     opt.apply(grads[0], weights)
@@ -308,21 +308,6 @@ def test_blocks_split_large_jobs_and_pack_small_ones(monkeypatch):
         else:
             assert 0 <= stop - start <= 64
     assert sum(stop - start for _, start, stop in blocks) == sum(j[0].size for j in jobs)
-
-
-def test_partition_balances_blocks():
-    blocks = [(0, 0, 10), (1, 0, 64), (1, 64, 128), ((2, 3), 0, 40), (4, 0, 64), (5, 0, 6)]
-    parts = numpy_fused._partition(blocks, 3)
-    assert len(parts) == 3 and [b for p in parts for b in p] == blocks
-    sizes = [sum(stop - start for _, start, stop in p) for p in parts]
-    assert max(sizes) - min(sizes) <= 64
-
-
-def test_executor_is_recreated_after_fork(monkeypatch):
-    first = numpy_fused._executor()
-    assert numpy_fused._executor() is first
-    monkeypatch.setitem(numpy_fused._pool, "pid", -1)
-    assert numpy_fused._executor() is not first
 
 
 def test_small_variables_are_packed_with_and_without_grad_scale(monkeypatch):

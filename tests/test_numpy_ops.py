@@ -81,14 +81,14 @@ def test_max_abs_propagates_nan_and_sees_negative_infinity():
 
 @pytest.fixture(params=["default", "small_blocks"])
 def reduce_blocks(request, monkeypatch):
-    from lossscale.backends import numpy_fused
+    from lossscale.backends import numpy_parallel
 
     if request.param == "small_blocks":
-        monkeypatch.setattr(numpy_fused, "BLOCK", 64)
-        monkeypatch.setattr(numpy_fused, "REDUCE_BLOCK", 100)
-        monkeypatch.setattr(numpy_fused, "MIN_ELEMENTS_PER_WORKER", 128)
-        monkeypatch.setattr(numpy_fused, "MIN_MEAN_BLOCK_FOR_THREADS", 1)
-        monkeypatch.setattr(numpy_fused, "_cpu_count", lambda: 3)
+        monkeypatch.setattr(numpy_parallel, "REDUCE_WHOLE_BELOW", 64)
+        monkeypatch.setattr(numpy_parallel, "REDUCE_BLOCK", 100)
+        monkeypatch.setattr(numpy_parallel, "MIN_ELEMENTS_PER_WORKER", 128)
+        monkeypatch.setattr(numpy_parallel, "MIN_MEAN_BLOCK_FOR_THREADS", 1)
+        monkeypatch.setattr(numpy_parallel, "cpu_count", lambda: 3)
     return request.param
 
 

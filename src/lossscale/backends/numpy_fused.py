@@ -7,8 +7,8 @@ These kernels walk each variable in blocks small enough to stay in a core's
 L2 cache instead: a block of gradient, parameter and slots comes from memory
 once, the whole update rule runs on it with `out=` into two block-sized
 scratch buffers, and the results go back once. Blocks are shared among a few
-threads (NumPy releases the GIL inside its loops), because on many machines
-one core cannot saturate the memory bus.
+threads (`numpy_parallel`), because on many machines one core cannot
+saturate the memory bus.
 
 Each kernel performs the same float operations in the same order and dtype
 as the optimizer's `update_step`, so the results are identical bit for bit
@@ -20,13 +20,11 @@ optimizer object), so they are allocated on its first step and reused
 afterwards.
 """
 
-import os
-import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from lossscale.backends import numpy_parallel
 from lossscale.backends._common import unwrap
 
 # Elements per block. An Adam block touches seven arrays of BLOCK values (g,
@@ -38,26 +36,15 @@ from lossscale.backends._common import unwrap
 # 2**16 ran 14-23 ms from run to run, 2**17 and 2**18 a steady 14-15 ms,
 # 2**20 19 ms.
 BLOCK = 1 << 17
-# A worker is worth its dispatch cost only with a few blocks to itself.
-MIN_ELEMENTS_PER_WORKER = 4 * BLOCK
-# Below this mean block size, Python overhead per block dominates and extra
-# threads only contend for the GIL (400 small tensors run no faster on two).
-MIN_MEAN_BLOCK_FOR_THREADS = 1 << 14
 # Variables smaller than this are packed together: their arrays are gathered
 # into one block of at most PACK_CAPACITY elements, updated there, and copied
 # back, which costs three or four copies per variable instead of a dozen
 # NumPy calls.
 PACK_BELOW = 1 << 14
 PACK_CAPACITY = 1 << 16
-# Elements per block of a reduction (`peak_magnitude`). Reductions make no
-# temporaries, so blocks can be larger (fewer Python calls, less GIL
-# traffic); 4 MiB of float32 is still in L3 for the second reduction.
-REDUCE_BLOCK = 1 << 20
 # The most arrays an update rule touches besides the gradient (Adam with
 # amsgrad: parameter, two moments, maximum second moment).
 MAX_ARRAYS = 4
-# Memory bandwidth saturates long before this many cores on any machine.
-MAX_WORKERS = 16
 
 # --- kernels -------------------------------------------------------------
 
@@ -288,31 +275,11 @@ def _blocks(jobs):
     return blocks
 
 
-def _partition(blocks, workers):
-    """Cuts `blocks` into `workers` consecutive runs of about equal element counts.
-
-    A cut goes before the block whose midpoint crosses the ideal boundary, so
-    every run is within one block of its share.
-    """
-    total = sum(stop - start for _, start, stop in blocks)
-    parts, current, done = [], [], 0
-    for block in blocks:
-        size = block[2] - block[1]
-        if (current and len(parts) < workers - 1
-                and (done + size / 2) * workers > total * (len(parts) + 1)):
-            parts.append(current)
-            current = []
-        current.append(block)
-        done += size
-    parts.append(current)
-    return parts
-
-
 def _run(optimizer, jobs, block_fn):
     if not jobs:
         return
     blocks = _blocks(jobs)
-    parts = _partition(blocks, _workers(blocks))
+    parts = numpy_parallel.partition(blocks, numpy_parallel.workers(blocks))
     scratch = _scratch(optimizer, len(parts), {job[0].dtype for job in jobs})
     # errstate is per thread: carry the caller's (quiet during a skipped
     # step's arithmetic) into the workers.
@@ -335,53 +302,7 @@ def _run(optimizer, jobs, block_fn):
                 if members:
                     _scatter(arrays, [jobs[i][1] for i in members])
 
-    # The calling thread takes the first part itself.
-    futures = [_executor().submit(work, w) for w in range(1, len(parts))]
-    try:
-        work(0)
-    finally:
-        for future in futures:
-            future.result()
-
-
-def peak_magnitude(arrays):
-    """Largest |x| over `arrays` (float32 0-d array; NaN if any NaN), in one pass.
-
-    `max()` then `min()` of a whole large array read it from memory twice;
-    here it is cut into blocks that are still in cache for the second
-    reduction, shared among threads (NumPy releases the GIL inside
-    reductions). Small arrays are reduced whole, combined once at the end.
-    """
-    highs, lows, flats = [], [], []
-    for a in arrays:
-        a = np.asarray(unwrap(a))
-        if a.size >= BLOCK and a.flags.c_contiguous:
-            flats.append(a.reshape(-1))
-        elif a.size:
-            highs.append(a.max())
-            lows.append(a.min())
-    blocks = [(j, start, min(start + REDUCE_BLOCK, f.size))
-              for j, f in enumerate(flats) for start in range(0, f.size, REDUCE_BLOCK)]
-    if blocks:
-        parts = _partition(blocks, _workers(blocks))
-
-        def work(part):
-            pieces = [flats[j][start:stop] for j, start, stop in part]
-            return [p.max() for p in pieces], [p.min() for p in pieces]
-
-        futures = [_executor().submit(work, p) for p in parts[1:]]
-        try:
-            results = [work(parts[0])]
-        finally:
-            results += [f.result() for f in futures]
-        for h, lo in results:
-            highs += h
-            lows += lo
-    if not highs:
-        return np.asarray(np.float32(0.0))
-    # np.max / np.min propagate NaN, and so does np.maximum.
-    peak = np.maximum(np.max(np.array(highs)), -np.min(np.array(lows)))
-    return np.asarray(np.maximum(peak.astype(np.float32), np.float32(0.0)))
+    numpy_parallel.run_parts(work, parts)
 
 
 def _gather(jobs, buffers, n):
@@ -400,32 +321,3 @@ def _scatter(packed, targets):
         for source, target in zip(packed, arrays):
             np.copyto(target, source[start:stop])
         start = stop
-
-
-def _workers(blocks):
-    """How many threads should share `blocks` (`(job, start, stop)` tuples)."""
-    total = sum(stop - start for _, start, stop in blocks)
-    if total < MIN_MEAN_BLOCK_FOR_THREADS * len(blocks):
-        return 1
-    return max(1, min(_cpu_count(), MAX_WORKERS, total // MIN_ELEMENTS_PER_WORKER))
-
-
-def _cpu_count():
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-_pool_lock = threading.Lock()
-_pool = {"executor": None, "pid": None}
-
-
-def _executor():
-    # A forked child inherits the executor object but not its threads, so a
-    # pool is only reused in the process that created it.
-    with _pool_lock:
-        if _pool["executor"] is None or _pool["pid"] != os.getpid():
-            _pool["executor"] = ThreadPoolExecutor(
-                max_workers=min(_cpu_count(), MAX_WORKERS), thread_name_prefix="lossscale-numpy")
-            _pool["pid"] = os.getpid()
-        return _pool["executor"]
