@@ -1,5 +1,7 @@
 """torch_multi: multi-tensor unscale, finite check, max |x| and global norm."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -90,3 +92,46 @@ def test_unscaled_gradients_in_an_autograd_graph_are_checked_without_writing():
     assert bool(torch_multi.all_finite(unscaled))
     unscaled[0].sum().backward()  # still differentiable: nothing wrote into it
     assert w.grad.tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("bad,where", [(None, None), (np.nan, "small"), (-np.inf, "small"),
+                                       (np.nan, "large"), (np.inf, "large")])
+def test_max_abs_packs_small_cpu_tensors_exactly(monkeypatch, bad, where):
+    monkeypatch.setattr(torch_multi, "PACK_BELOW", 64)
+    rng = np.random.default_rng(3)
+    tensors = [torch.tensor(rng.standard_normal(s), dtype=torch.float32)
+               for s in [(3, 4), (7,), (), (0, 5), (200,), (10, 10), (63,)]]
+    tensors[1][2] = -41.5  # the peak: negative, in a packed tensor
+    if bad is not None:
+        (tensors[5] if where == "small" else tensors[4]).view(-1)[7] = bad
+    before = [t.clone() for t in tensors]
+    peak = torch_multi.max_abs(tensors)
+    assert peak.dtype == torch.float32 and peak.shape == ()
+    if bad is None:
+        assert float(peak) == 41.5
+    elif np.isnan(bad):
+        assert np.isnan(float(peak))
+    else:
+        assert float(peak) == np.inf
+    for t, b in zip(tensors, before):  # read only
+        assert torch.equal(t, b) or (torch.isnan(t).any() and torch.equal(t.isnan(), b.isnan()))
+
+
+def test_max_abs_reuses_a_pack_per_shape_list_and_keeps_a_few(monkeypatch):
+    monkeypatch.setattr(torch_multi, "PACK_BELOW", 64)
+    monkeypatch.setattr(torch_multi, "_PACKS", threading.local())
+    a, b = torch.ones(3), torch.full((2, 2), -2.0)
+    assert float(torch_multi.max_abs([a, b])) == 2.0
+    packs = torch_multi._PACKS.by_key
+    (flat,) = [entry[0] for entry in packs.values()]
+    assert float(torch_multi.max_abs([a * 5, b])) == 5.0  # new values, same buffer
+    assert [entry[0] for entry in packs.values()] == [flat]
+    for n in range(2, 2 + torch_multi._PACKS_KEPT):
+        torch_multi.max_abs([torch.ones(n), torch.ones(1)])
+    assert len(packs) == torch_multi._PACKS_KEPT and all(e[0] is not flat for e in packs.values())
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(
+        (float(torch_multi.max_abs([a, b])), getattr(torch_multi._PACKS, "by_key", None))))
+    worker.start()
+    worker.join()
+    assert seen[0][0] == 2.0 and seen[0][1] is not packs  # each thread its own buffers

@@ -6,6 +6,8 @@ where torch's multi-tensor reductions are slow generic loops, the finite
 check takes other routes (see `_cpu_flags`).
 """
 
+import threading
+
 import torch
 
 from lossscale.backends._common import unwrap
@@ -141,10 +143,52 @@ def max_abs(arrays):
     for device, _, indices in groups(arrays):
         group = [arrays[i] for i in indices]
         if device.type == "cpu":
-            # torch's inf-norm is a slow generic reduction on CPU; min and
-            # max in one pass each are not (NaN propagates through both).
-            extremes = torch.stack([x for a in group for x in torch.aminmax(a)])
-            peaks.append(extremes.float().abs().max())
+            peaks.append(_cpu_peak(group))
         else:
             peaks.append(torch.stack(torch._foreach_norm(group, float("inf"))).max().float())
     return _combine(peaks).max()
+
+
+# CPU tensors under this many elements are copied into one buffer and reduced
+# there at once: with hundreds of small gradients, one reduction call per
+# tensor costs several times the bytes it reads (on 400 tensors holding 1M
+# floats, 0.8 ms against 0.3 ms packed). Larger ones are reduced in place.
+PACK_BELOW = 1 << 16
+# Packing buffers by (dtype, shapes), one set per thread (two threads may
+# check gradients of the same shapes at once); the last few kept.
+_PACKS = threading.local()
+_PACKS_KEPT = 4
+
+
+def _cpu_peak(group):
+    """Largest |x| over one CPU (dtype) group, as a float32 scalar; NaN if any NaN."""
+    # torch's inf-norm is a slow generic reduction on CPU; min and max in one
+    # pass are not (NaN propagates through both).
+    small = [a for a in group if a.numel() < PACK_BELOW]
+    reduced = [a for a in group if a.numel() >= PACK_BELOW]
+    if len(small) > 1 and not torch.compiler.is_compiling():
+        reduced.append(_packed(small))
+    else:
+        reduced += small
+    extremes = torch.stack([x for a in reduced for x in torch.aminmax(a)])
+    return extremes.float().abs().max()
+
+
+def _packed(tensors):
+    """`tensors` copied, in order, into one flat buffer kept for their shapes."""
+    packs = getattr(_PACKS, "by_key", None)
+    if packs is None:
+        packs = _PACKS.by_key = {}
+    key = (tensors[0].dtype, tuple(t.shape for t in tensors))
+    entry = packs.pop(key, None)
+    if entry is None:
+        flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
+        entry = (flat, [v.view(t.shape) for v, t in
+                        zip(flat.split([t.numel() for t in tensors]), tensors)])
+        while len(packs) >= _PACKS_KEPT:
+            packs.pop(next(iter(packs)))
+    packs[key] = entry  # most recently used last
+    flat, views = entry
+    with torch.no_grad():
+        torch._foreach_copy_(views, tensors)
+    return flat
