@@ -135,3 +135,14 @@ def test_max_abs_reuses_a_pack_per_shape_list_and_keeps_a_few(monkeypatch):
     worker.start()
     worker.join()
     assert seen[0][0] == 2.0 and seen[0][1] is not packs  # each thread its own buffers
+
+
+def test_max_abs_packs_at_most_pack_capacity_elements(monkeypatch):
+    monkeypatch.setattr(torch_multi, "PACK_BELOW", 64)
+    monkeypatch.setattr(torch_multi, "PACK_CAPACITY", 50)
+    monkeypatch.setattr(torch_multi, "_PACKS", threading.local())
+    tensors = [torch.full((20,), float(i)) for i in range(1, 5)]  # 80 elements, all small
+    tensors[3][5] = -7.5
+    assert float(torch_multi.max_abs(tensors)) == 7.5
+    (flat,) = [entry[0] for entry in torch_multi._PACKS.by_key.values()]
+    assert flat.numel() == 40  # the first two; the others were reduced one by one

@@ -154,6 +154,10 @@ def max_abs(arrays):
 # tensor costs several times the bytes it reads (on 400 tensors holding 1M
 # floats, 0.8 ms against 0.3 ms packed). Larger ones are reduced in place.
 PACK_BELOW = 1 << 16
+# At most this many elements are packed (16 MiB of float32): the buffer is
+# memory kept between steps, and past a few million elements the calls it
+# saves no longer matter.
+PACK_CAPACITY = 1 << 22
 # Packing buffers by (dtype, shapes), one set per thread (two threads may
 # check gradients of the same shapes at once); the last few kept.
 _PACKS = threading.local()
@@ -164,8 +168,14 @@ def _cpu_peak(group):
     """Largest |x| over one CPU (dtype) group, as a float32 scalar; NaN if any NaN."""
     # torch's inf-norm is a slow generic reduction on CPU; min and max in one
     # pass are not (NaN propagates through both).
-    small = [a for a in group if a.numel() < PACK_BELOW]
-    reduced = [a for a in group if a.numel() >= PACK_BELOW]
+    small, reduced, packed = [], [], 0
+    for a in group:
+        n = a.numel()
+        if n < PACK_BELOW and packed + n <= PACK_CAPACITY:
+            small.append(a)
+            packed += n
+        else:
+            reduced.append(a)
     if len(small) > 1 and not torch.compiler.is_compiling():
         reduced.append(_packed(small))
     else:
