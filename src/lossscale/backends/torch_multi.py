@@ -146,7 +146,7 @@ def max_abs(arrays):
             peaks.append(_cpu_peak(group))
         else:
             peaks.append(torch.stack(torch._foreach_norm(group, float("inf"))).max().float())
-    return _combine(peaks).max()
+    return peaks[0] if len(peaks) == 1 else _combine(peaks).max()
 
 
 # CPU tensors under this many elements are copied into one buffer and reduced
