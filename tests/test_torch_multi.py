@@ -146,3 +146,14 @@ def test_max_abs_packs_at_most_pack_capacity_elements(monkeypatch):
     assert float(torch_multi.max_abs(tensors)) == 7.5
     (flat,) = [entry[0] for entry in torch_multi._PACKS.by_key.values()]
     assert flat.numel() == 40  # the first two; the others were reduced one by one
+
+
+def test_max_abs_packs_inside_and_outside_inference_mode(monkeypatch):
+    monkeypatch.setattr(torch_multi, "PACK_BELOW", 64)
+    monkeypatch.setattr(torch_multi, "_PACKS", threading.local())
+    tensors = [torch.ones(3), torch.full((2,), -3.0)]
+    with torch.inference_mode():
+        assert float(torch_multi.max_abs(tensors)) == 3.0
+    assert float(torch_multi.max_abs(tensors)) == 3.0
+    with torch.inference_mode():
+        assert float(torch_multi.max_abs(tensors)) == 3.0

@@ -189,7 +189,8 @@ def _packed(tensors):
     packs = getattr(_PACKS, "by_key", None)
     if packs is None:
         packs = _PACKS.by_key = {}
-    key = (tensors[0].dtype, tuple(t.shape for t in tensors))
+    # A buffer made under inference mode cannot be written outside it.
+    key = (tensors[0].dtype, torch.is_inference_mode_enabled(), tuple(t.shape for t in tensors))
     entry = packs.pop(key, None)
     if entry is None:
         flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
