@@ -195,6 +195,9 @@ _CONSTANTS = {}
 
 def constant(value, dtype, device):
     """A cached 0-d tensor holding the Python number `value`."""
+    if torch.compiler.is_compiling():
+        # The compiler folds constants itself (and cannot trace `repr`).
+        return torch.full((), value, dtype=dtype, device=device)
     key = (type(value), repr(value), dtype, device)
     tensor = _CONSTANTS.get(key)
     if tensor is None:
