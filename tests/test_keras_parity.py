@@ -61,12 +61,15 @@ def test_loss_scale_optimizer_matches_keras(case):
         assert float(o_opt.dynamic_scale) == float(keras.ops.convert_to_numpy(k_opt.dynamic_scale))
         assert int(o_opt.step_counter) == int(keras.ops.convert_to_numpy(k_opt.step_counter))
         assert int(o_opt.iterations) == int(keras.ops.convert_to_numpy(k_opt.iterations))
+    for name in ("step_counter", "dynamic_scale", "iterations"):  # int32, float32, int32
+        assert getattr(o_opt, name).dtype == getattr(k_opt, name).dtype, name
     # Inner optimizer state matches slot for slot (Keras lists its own
     # unused iteration/learning-rate variables first; ours does not).
     k_inner = [keras.ops.convert_to_numpy(v) for v in k_opt.inner_optimizer.variables]
     o_inner = [v.numpy() for v in o_opt.inner_optimizer.variables]
     assert len(k_inner) == len(o_inner)
     for k, o in zip(k_inner, o_inner):
+        assert o.dtype == k.dtype
         np.testing.assert_allclose(o, k, rtol=1e-5, atol=1e-6)
 
 

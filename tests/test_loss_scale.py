@@ -135,12 +135,11 @@ class Model:
 
 def initial_state(backend, policy, n_vars):
     """A full initial state on `backend`, as the optimizer builds it."""
-    int_dtype = "int32" if backend.name == "jax" else "int64"
     values = {}
     for f in ls_module.state_fields(policy):
         initial = f.metadata["initial"]
         initial = policy.initial_scale if initial is None else initial
-        dtype = int_dtype if f.metadata["dtype"] == "int64" else f.metadata["dtype"]
+        dtype = f.metadata["dtype"]
         count = {"step": None, "history": ls_module.HISTORY_LENGTH, "variable": n_vars}[
             f.metadata["per"]]
         one = lambda: backend.array(np.asarray(initial, dtype))  # noqa: E731

@@ -111,7 +111,7 @@ def test_file_layout_is_plain_safetensors(rng, tmp_path):
         ls.optimizers.serialize(opt)))
     entries = json.loads(metadata["variables"])
     assert [e["path"] for e in entries] == [v.path for v in opt.variables]
-    assert entries[0]["dtype"] == "int64" and entries[1]["shape"] == []
+    assert entries[0]["dtype"] == "int32" and entries[1]["shape"] == []
     assert not list(tmp_path.glob("*.tmp-*"))
 
 

@@ -22,7 +22,7 @@ from lossscale.backends._common import bound, unwrap
 
 NAME = "jax"
 MUTABLE = False
-INT_DTYPE = "int64" if jax.config.jax_enable_x64 else "int32"
+INT_DTYPE = "int32"
 
 
 def is_native(x):

@@ -11,7 +11,7 @@ from lossscale.backends._common import unwrap
 
 NAME = "numpy"
 MUTABLE = True
-INT_DTYPE = "int64"
+INT_DTYPE = "int32"
 
 
 def is_native(x):

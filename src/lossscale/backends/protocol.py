@@ -21,6 +21,8 @@ class BackendOps(Protocol):
     # True when `assign*` write into the existing buffer (NumPy, torch);
     # False when they return a new array (JAX).
     MUTABLE: bool
+    # The dtype of integer optimizer state (`iterations`, `step_counter`):
+    # int32 on every backend, as in Keras 3 (and as JAX has without x64).
     INT_DTYPE: str
 
     # --- recognising and creating arrays -------------------------------

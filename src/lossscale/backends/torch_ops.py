@@ -22,7 +22,7 @@ from lossscale.backends.torch_multi import (all_finite, global_norm, groups,  # 
 
 NAME = "torch"
 MUTABLE = True
-INT_DTYPE = "int64"
+INT_DTYPE = "int32"
 
 
 def _dtype(name):

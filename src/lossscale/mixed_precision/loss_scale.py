@@ -141,7 +141,7 @@ def _state(group, dtype, initial, variable=None, per="step"):
 
     Args:
         group: When the field exists (see `LossScalePolicy.tracks`).
-        dtype: Its dtype (`"int64"` becomes the backend's integer type).
+        dtype: Its dtype (integers are int32 on every backend, as in Keras 3).
         initial: Its initial value; `None` means `initial_scale`.
         variable: The optimizer variable's name (defaults to the field's).
         per: `"step"` for a scalar, `"history"` for `HISTORY_LENGTH`
@@ -175,15 +175,15 @@ class LossScaleState:
     """
 
     scale: object = _state("keras", "float32", None, "dynamic_scale")
-    counter: object = _state("keras", "int64", 0, "step_counter")
-    consecutive_skips: object = _state("streak", "int64", 0)
-    steps: object = _state("telemetry", "int64", 0)
-    skipped: object = _state("telemetry", "int64", 0, "skipped_steps")
-    last_overflow_step: object = _state("telemetry", "int64", -1)
+    counter: object = _state("keras", "int32", 0, "step_counter")
+    consecutive_skips: object = _state("streak", "int32", 0)
+    steps: object = _state("telemetry", "int32", 0)
+    skipped: object = _state("telemetry", "int32", 0, "skipped_steps")
+    last_overflow_step: object = _state("telemetry", "int32", -1)
     scale_history: tuple = _state("telemetry", "float32", 0.0, per="history")
     nonfinite: tuple = _state("telemetry", "bool", False, per="variable")
-    error: object = _state("fail_fast", "int64", NO_ERROR)
-    error_step: object = _state("fail_fast", "int64", -1)
+    error: object = _state("fail_fast", "int32", NO_ERROR)
+    error_step: object = _state("fail_fast", "int32", -1)
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(LossScaleState)}

@@ -138,7 +138,7 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
         self._wrappers = {}
         self._exclusions = WeightDecayExclusions()
         if self._owns_step_state:
-            self._iterations = self.add_variable((), initializer=0, dtype="int64",
+            self._iterations = self.add_variable((), initializer=0, dtype="int32",
                                                  aggregation="only_first_replica",
                                                  name="iteration")
             self._learning_rate = None
