@@ -378,3 +378,13 @@ def test_jit_traces_every_option():
         assert read_state(backend, state, policy) == model.expected()
     assert model.error == ls_module.BELOW_MIN_SCALE
     assert len(traces) == 1
+
+
+def test_plain_policies_are_keras_with_float32_factors_at_most():
+    assert LossScalePolicy().is_plain
+    assert LossScalePolicy(growth_factor=4.0, backoff_factor=0.25).is_plain
+    for kwargs in [dict(hysteresis=2), dict(telemetry=True), dict(min_scale=1.0),
+                   dict(max_scale=2.0 ** 20), dict(max_consecutive_skips=3),
+                   dict(growth_policy="headroom"), dict(backoff_factor=0.7),
+                   dict(growth_factor=1.1)]:
+        assert not LossScalePolicy(**kwargs).is_plain, kwargs

@@ -187,6 +187,10 @@ def fused_update(optimizer):
     return FUSED_KERNELS.get(type(optimizer))
 
 
+def fused_scale_update():
+    return None  # the generic selects of `next_loss_scale` are this backend's path
+
+
 def cond(pred, true_fn, false_fn, variables):
     if bool(unwrap(pred)):
         true_fn()

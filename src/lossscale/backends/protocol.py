@@ -71,6 +71,15 @@ class BackendOps(Protocol):
     def fused_update(self, optimizer: Any) -> Callable | None:
         """A kernel `(optimizer, grads, variables, lr)` for `type(optimizer)`, or None."""
 
+    def fused_scale_update(self) -> Callable | None:
+        """A kernel for the plain dynamic loss-scale update, or None.
+
+        `kernel(scale, counter, finite, growth_steps, growth_factor,
+        backoff_factor, min_scale)` returns the new `(scale, counter)` of a
+        policy without hysteresis, limits, headroom or telemetry: what
+        `loss_scale.next_loss_scale` computes for it, exactly.
+        """
+
     # --- control flow ---------------------------------------------------
     def cond(self, pred: Any, true_fn: Callable[[], None],
              false_fn: Callable[[], None], variables: Sequence[Any]) -> None: ...

@@ -296,6 +296,31 @@ def fused_update(optimizer):
     return fused_kernels().get(type(optimizer))
 
 
+def fused_scale_update():
+    return _update_scale
+
+
+def _update_scale(scale, counter, finite, growth_steps, growth_factor, backoff_factor,
+                  min_scale):
+    """The plain loss-scale update in torch's `_amp_update_scale_` kernel.
+
+    That kernel (GradScaler's) does what `next_loss_scale` does for a plain
+    policy: on overflow it backs off and resets the counter; otherwise it
+    counts, and on the `growth_steps`-th step grows unless the result is not
+    finite, and resets. It does not stop a backoff at `min_scale`, so that
+    floor is applied after it, on overflowing steps only. It works in place
+    on an int32 counter and a float32 scale: it gets copies of those types.
+    """
+    scale, counter, finite = unwrap(scale), unwrap(counter), unwrap(finite)
+    new_scale = scale.to(dtype=torch.float32, copy=True)
+    new_counter = counter.to(dtype=torch.int32, copy=True)
+    overflow = (~finite).to(torch.float32).reshape(1)
+    torch._amp_update_scale_(new_scale, new_counter, overflow, growth_factor, backoff_factor,
+                             growth_steps)
+    new_scale = torch.where(finite, new_scale, new_scale.clamp_min(min_scale))
+    return new_scale.to(scale.dtype), new_counter.to(counter.dtype)
+
+
 def cond(pred, true_fn, false_fn, variables):
     """Runs `true_fn` where `pred` holds and `false_fn` where it does not.
 

@@ -120,6 +120,20 @@ class LossScalePolicy:
         """Whether the telemetry fields (counters, history, variable flags) are kept."""
         return self.telemetry or self.fails_fast
 
+    @property
+    def is_plain(self):
+        """Whether the update is Keras's own, with other factors at most.
+
+        No hysteresis, limits, headroom or telemetry, and factors that are
+        float32 numbers (so every kernel multiplies by the same value): the
+        state is the scale and the counter, and a backend may update them
+        in one kernel (`fused_scale_update`).
+        """
+        return (self.hysteresis == 1 and not self.records_details and self.max_scale is None
+                and self.growth_policy == "fixed"
+                and all(float(np.float32(f)) == f
+                        for f in (self.growth_factor, self.backoff_factor)))
+
     def tracks(self, field_name):
         """Whether `LossScaleState.<field_name>` exists under this policy."""
         group = _FIELDS[field_name].metadata["group"]
@@ -251,6 +265,12 @@ def next_loss_scale(ops, state, finite, policy, peak=None, variable_finite=()):
             "`variable_finite` must hold one entry per entry of `state.nonfinite` "
             f"({len(state.nonfinite)}). Received: {len(variable_finite)} entries")
     state = _complete(ops, state, policy)
+    kernel = ops.fused_scale_update() if policy.is_plain else None
+    if kernel is not None:
+        scale, counter = kernel(state.scale, state.counter, finite,
+                                policy.dynamic_growth_steps, policy.growth_factor,
+                                policy.backoff_factor, MIN_SCALE)
+        return dataclasses.replace(state, scale=scale, counter=counter)
     scale, counter = state.scale, state.counter
     overflow = ops.logical_not(finite)
     new = {}
