@@ -169,3 +169,18 @@ def test_jax_sharded_step_is_one_global_decision():
                          timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[0] == "ok"
+
+
+def test_all_true_and_all_max_in_one_process_return_their_input(backend):
+    """Outside torch.distributed every backend has one participant: no collective."""
+    from lossscale.backends import get_ops
+
+    ops = get_ops(backend.name)
+    for flag in (True, False):
+        assert bool(backend.numpy(ops.all_true(backend.array(np.bool_(flag))))) is flag
+    assert float(backend.numpy(ops.all_max(backend.array(np.float32(2.5))))) == 2.5
+    message = ("torch.distributed is not initialised" if backend.name == "torch"
+               else "`process_group` applies to torch.distributed only")
+    for primitive in (ops.all_true, ops.all_max):
+        with pytest.raises(ValueError, match=message):
+            primitive(backend.array(np.bool_(True)), object())

@@ -206,6 +206,11 @@ def all_max(x, group=None):
     return unwrap(x)
 
 
+def all_true(flag, group=None):
+    """Whether `flag` holds for every participant: `flag` itself here."""
+    return all_max(flag, group)  # the same checks of `group`
+
+
 # Fused multi-tensor kernels, keyed by the exact optimizer class they
 # reproduce. Each entry has a test proving it equals `update_step`.
 FUSED_KERNELS = {}

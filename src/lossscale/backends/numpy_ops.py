@@ -177,6 +177,11 @@ def all_max(x, group=None):
     return unwrap(x)
 
 
+def all_true(flag, group=None):
+    """Whether `flag` holds for every participant: `flag` itself here."""
+    return all_max(flag, group)  # the same checks of `group`
+
+
 # Fused multi-tensor kernels, keyed by the exact optimizer class they
 # reproduce (a subclass may change the rule, so it gets the generic path).
 # Each entry has a test proving it equals `update_step`.

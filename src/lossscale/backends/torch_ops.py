@@ -260,17 +260,31 @@ def all_max(x, group=None):
     like any kernel, so it adds no host synchronisation.
     """
     x = unwrap(x)
+    if not _several_ranks(group):
+        return x
+    reduced = x.detach().to(torch.float32).clone()
+    torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, group=group)
+    return reduced.to(x.dtype)
+
+
+def all_true(flag, group=None):
+    """Whether boolean scalar `flag` holds on every rank of `group` (see `all_max`)."""
+    flag = unwrap(flag)
+    if not _several_ranks(group):
+        return flag
+    reduced = flag.detach().to(torch.float32).clone()
+    torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MIN, group=group)
+    return reduced > 0
+
+
+def _several_ranks(group):
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise ValueError("`process_group` was given but torch.distributed is not "
                              f"initialised. Received: process_group={group!r}")
-        return x
-    if dist.get_world_size(group) == 1:
-        return x
-    reduced = x.detach().to(torch.float32).clone()
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
-    return reduced.to(x.dtype)
+        return False
+    return dist.get_world_size(group) > 1
 
 
 # Fused multi-tensor kernels, keyed by the exact optimizer class they

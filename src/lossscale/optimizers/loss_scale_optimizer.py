@@ -232,7 +232,7 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
             update = functools.partial(inner._apply_validated, grads, variables)
         # Every process must take the same decision (sharded gradients differ
         # per rank): one small all-reduce where torch.distributed runs.
-        finite = ops.logical_not(ops.all_max(ops.logical_not(finite), self.process_group))
+        finite = ops.all_true(finite, self.process_group)
         if peak is not None:
             peak = ops.all_max(peak, self.process_group)
         state = self._read_state()
