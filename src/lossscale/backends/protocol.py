@@ -76,9 +76,10 @@ class BackendOps(Protocol):
         """A kernel for the plain dynamic loss-scale update, or None.
 
         `kernel(scale, counter, finite, growth_steps, growth_factor,
-        backoff_factor, min_scale)` returns the new `(scale, counter)` of a
-        policy without hysteresis, limits, headroom or telemetry: what
-        `loss_scale.next_loss_scale` computes for it, exactly.
+        backoff_factor, floor)` returns the new `(scale, counter)` of a
+        policy without hysteresis, limits, headroom or telemetry (a backoff
+        stops at `floor`): what `loss_scale.next_loss_scale` computes for
+        it, exactly.
         """
 
     # --- control flow ---------------------------------------------------

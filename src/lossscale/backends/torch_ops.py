@@ -314,15 +314,14 @@ def fused_scale_update():
     return _update_scale
 
 
-def _update_scale(scale, counter, finite, growth_steps, growth_factor, backoff_factor,
-                  min_scale):
+def _update_scale(scale, counter, finite, growth_steps, growth_factor, backoff_factor, floor):
     """The plain loss-scale update in torch's `_amp_update_scale_` kernel.
 
     That kernel (GradScaler's) does what `next_loss_scale` does for a plain
     policy: on overflow it backs off and resets the counter; otherwise it
     counts, and on the `growth_steps`-th step grows unless the result is not
-    finite, and resets. It does not stop a backoff at `min_scale`, so that
-    floor is applied after it, on overflowing steps only. It works in place
+    finite, and resets. It does not stop a backoff at `floor`, so the floor
+    is applied after it, on overflowing steps only. It works in place
     on an int32 counter and a float32 scale: it gets copies of those types.
     """
     scale, counter, finite = unwrap(scale), unwrap(counter), unwrap(finite)
@@ -331,7 +330,7 @@ def _update_scale(scale, counter, finite, growth_steps, growth_factor, backoff_f
     overflow = (~finite).to(torch.float32).reshape(1)
     torch._amp_update_scale_(new_scale, new_counter, overflow, growth_factor, backoff_factor,
                              growth_steps)
-    new_scale = torch.where(finite, new_scale, new_scale.clamp_min(min_scale))
+    new_scale = torch.where(finite, new_scale, new_scale.clamp_min(floor))
     return new_scale.to(scale.dtype), new_counter.to(counter.dtype)
 
 
