@@ -1,4 +1,4 @@
-"""The CUDA entry point: the `gpu_large` workload (64 tensors, ~256M parameters).
+"""The CUDA entry point: `gpu_many_small` (400 tensors, ~1M) and `gpu_large` (64 tensors, ~256M).
 
 One prepared script for a CUDA machine, sized to finish within 5 minutes:
 the bandwidth floor of the GPU, then every installed implementation that
@@ -20,7 +20,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 
 # Per subprocess: data generation (2 x 1 GiB), compilation and 24 steps fit
 # well inside this; a hung worker cannot eat the whole budget.
-DEFAULTS = ["--workload", "gpu_large", "--repeats", "20", "--warmup", "4", "--timeout", "150"]
+DEFAULTS = ["--workload", "gpu", "--repeats", "20", "--warmup", "4", "--timeout", "150"]
 
 
 def main(argv):

@@ -65,12 +65,25 @@ def test_bad_arguments(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_gpu_workload_without_cuda_fails_loudly(monkeypatch, capsys):
+@pytest.mark.parametrize("choice", ["gpu_large", "gpu_many_small", "gpu"])
+def test_gpu_workload_without_cuda_fails_loudly(monkeypatch, capsys, choice):
     monkeypatch.setattr(runner, "cuda_available", lambda: False)
     with pytest.raises(SystemExit) as exc:
-        bench.main(["--workload", "gpu_large", "--quick"])
+        bench.main(["--workload", choice, "--quick"])
     assert exc.value.code == 2
-    assert "--workload gpu_large needs a CUDA device" in capsys.readouterr().err
+    assert f"--workload {choice} needs a CUDA device" in capsys.readouterr().err
+
+
+def test_gpu_choice_runs_both_gpu_workloads_on_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(runner, "cuda_available", lambda: True)
+    calls = []
+    monkeypatch.setattr(runner, "run_job", lambda job, env=None, timeout=None: calls.append(
+        job) or ({"gb_per_s": 10.0, "method": "fake", "bytes": 8}
+                 if job["kind"] == "floor" else {"median_ms": 1.0}))
+    assert bench.main(["--quick", "--workload", "gpu", "--impl", "lossscale-torch"]) == 0
+    assert [(j["impl"], j["workload"]) for j in calls if j["kind"] == "step"] == [
+        ("lossscale-torch", "gpu_many_small"), ("lossscale-torch", "gpu_large")]
+    assert [j["device"] for j in calls if j["kind"] == "floor"] == ["cuda"]
 
 
 def test_all_runs_only_cpu_workloads_without_cuda(monkeypatch, capsys):
@@ -116,13 +129,13 @@ def test_gpu_script_fails_loudly_without_cuda(monkeypatch, capsys):
     assert "benchmarks/gpu.py: error: CUDA is not available" in capsys.readouterr().err
 
 
-def test_gpu_script_runs_gpu_large_with_its_defaults(monkeypatch):
+def test_gpu_script_runs_the_gpu_workloads_with_its_defaults(monkeypatch):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     seen = []
     monkeypatch.setattr(bench, "main", lambda argv: seen.append(argv) or 0)
     assert _load_script("gpu").main(["--repeats", "50"]) == 0
-    assert seen == [["--workload", "gpu_large", "--repeats", "20", "--warmup", "4",
+    assert seen == [["--workload", "gpu", "--repeats", "20", "--warmup", "4",
                      "--timeout", "150", "--repeats", "50"]]
 
 

@@ -9,6 +9,7 @@ from lossscale.bench import workloads
 @pytest.mark.parametrize("name,tensors,low,high,device", [
     ("many_small", 400, 0.9e6, 1.1e6, "cpu"),
     ("large", 16, 16e6, 17e6, "cpu"),
+    ("gpu_many_small", 400, 0.9e6, 1.1e6, "cuda"),
     ("gpu_large", 64, 250e6, 270e6, "cuda"),
 ])
 def test_sizes(name, tensors, low, high, device):
@@ -49,5 +50,11 @@ def test_arrays_are_float32_random_never_zero_and_reproducible():
 
 def test_unknown_workload():
     with pytest.raises(ValueError, match=r"`workload` must be one of \('many_small', 'large', "
-                                         r"'gpu_large'\). Received: workload='huge'"):
+                                         r"'gpu_many_small', 'gpu_large'\). Received: "
+                                         r"workload='huge'"):
         workloads.get("huge")
+
+
+def test_gpu_many_small_is_many_small_on_cuda():
+    cpu, gpu = workloads.get("many_small"), workloads.get("gpu_many_small")
+    assert gpu.shapes == cpu.shapes and gpu.device == "cuda"

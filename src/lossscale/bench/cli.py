@@ -26,9 +26,10 @@ def build_parser():
         description="Time one LossScaleOptimizer(Adam) step against its peers; print a "
                     "Markdown table of median ms, ratio to the memory floor and ratio to the "
                     "best peer.")
-    parser.add_argument("--workload", default="all", choices=workloads.NAMES + ("all",),
-                        help="Which workload to run. 'all' (default) runs many_small and large, "
-                             "plus gpu_large when torch sees a CUDA device.")
+    parser.add_argument("--workload", default="all", choices=workloads.NAMES + ("gpu", "all"),
+                        help="Which workload to run. 'gpu' runs gpu_many_small and gpu_large; "
+                             "'all' (default) runs many_small and large, plus the GPU ones "
+                             "when torch sees a CUDA device.")
     parser.add_argument("--impl", action="append", metavar="NAME", default=None,
                         help=f"Run only this implementation (repeatable). One of: {names}. "
                              "Default: every installed one.")
@@ -75,11 +76,12 @@ def _machine():
 
 def _workload_names(choice, parser):
     if choice == "all":
-        return workloads.CPU_NAMES + (("gpu_large",) if runner.cuda_available() else ())
-    if choice == "gpu_large" and not runner.cuda_available():
-        parser.exit(2, "lossscale bench: error: --workload gpu_large needs a CUDA device, and "
+        return workloads.CPU_NAMES + (workloads.GPU_NAMES if runner.cuda_available() else ())
+    names = workloads.GPU_NAMES if choice == "gpu" else (choice,)
+    if choice in ("gpu",) + workloads.GPU_NAMES and not runner.cuda_available():
+        parser.exit(2, f"lossscale bench: error: --workload {choice} needs a CUDA device, and "
                        "torch sees none (or is not installed).\n")
-    return (choice,)
+    return names
 
 
 def _run_rows(impls, names, args, explicit):

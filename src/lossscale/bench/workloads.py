@@ -5,6 +5,8 @@
   parameters), so per-tensor overhead dominates.
 - `large`: 16 tensors of 1024x1024, about 16M parameters, so memory
   bandwidth dominates.
+- `gpu_many_small`: `many_small` on CUDA, where a step is bound by kernel
+  launches rather than memory.
 - `gpu_large`: 64 tensors of 2048x2048, about 256M parameters, on CUDA.
 
 Parameters and gradients are random and never zero (magnitudes in
@@ -71,13 +73,16 @@ def _build(name, quick):
         return Workload(name, _small_network((8, 12, 16, 20, 24, 28, 32, 36, 40), 400), "cpu")
     if name == "large":
         return Workload(name, ((128, 128),) * 2 if quick else ((1024, 1024),) * 16, "cpu")
+    if name == "gpu_many_small":
+        return dataclasses.replace(_build("many_small", quick), name=name, device="cuda")
     if name == "gpu_large":
         return Workload(name, ((256, 256),) * 2 if quick else ((2048, 2048),) * 64, "cuda")
     raise ValueError(f"`workload` must be one of {NAMES}. Received: workload={name!r}")
 
 
-NAMES = ("many_small", "large", "gpu_large")
+NAMES = ("many_small", "large", "gpu_many_small", "gpu_large")
 CPU_NAMES = ("many_small", "large")
+GPU_NAMES = ("gpu_many_small", "gpu_large")
 
 
 def get(name, quick=False):
