@@ -280,3 +280,26 @@ def test_usage_errors(tmp_path):
                                          r"`lossscale.saving.load\(path, trainable_variables\)`"):
         saving.restore(Adam(), tmp_path / "x")
     assert not list(tmp_path.iterdir())
+
+
+def test_values_cast_within_their_kind(rng, tmp_path):
+    """float64 state restores into float32 state, int64 counters into int32 ones."""
+    init = [rng.normal(size=s) for s in SHAPES]
+    variables = [ls.Variable(x.copy(), name=f"w{i}") for i, x in enumerate(init)]  # float64
+    _, opt = make(Backend("numpy"), init)
+    for grads in steps(rng, 4, None):
+        opt.apply([g.astype(np.float64) * float(opt.dynamic_scale) for g in grads], variables)
+    opt.step_counter._storage = np.asarray(opt.step_counter.numpy(), np.int64)  # as if saved wide
+    path = tmp_path / "wide.safetensors"
+    saving.save(opt, path)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as f:
+        saved = {e["dtype"] for e in json.loads(f.metadata()["variables"])}
+    assert {"float64", "int64"} <= saved
+    narrow_vars, narrow = make(Backend("numpy"), [x.astype(np.float32) for x in init])
+    narrow.build(narrow_vars)
+    saving.restore(narrow, path)
+    for wide, cast in zip(opt.variables, narrow.variables):
+        assert cast.dtype in ("float32", "int32", "bool")
+        np.testing.assert_array_equal(cast.numpy(), wide.numpy().astype(cast.dtype))

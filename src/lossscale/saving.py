@@ -200,8 +200,8 @@ def _read(path):
 
 
 def _kind(dtype_name):
-    """`"float"`, `"int"` or `"bool"`: values cast freely within a kind (int64 saved
-    from torch loads into JAX's int32), never across."""
+    """`"float"`, `"int"` or `"bool"`: values cast freely within a kind (an int64
+    counter loads into int32 state), never across."""
     for kind in ("float", "int", "bool", "complex"):
         if kind in dtype_name:
             return kind
