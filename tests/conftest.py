@@ -14,6 +14,15 @@ from hypothesis import settings
 
 BACKENDS = ("numpy", "torch", "jax")
 
+
+def force_numpy_threads(monkeypatch, workers=3):
+    """Makes `numpy_parallel` share even tiny block lists among `workers` threads."""
+    from lossscale.backends import numpy_parallel
+
+    monkeypatch.setattr(numpy_parallel, "MIN_ELEMENTS_PER_WORKER", 128)
+    monkeypatch.setattr(numpy_parallel, "MIN_MEAN_BLOCK_FOR_THREADS", 1)
+    monkeypatch.setattr(numpy_parallel, "cpu_count", lambda: workers)
+
 # Property tests draw the same examples on every run, like every other seeded
 # input here: a CI run is reproducible, and a new example set is a deliberate
 # change (HYPOTHESIS_PROFILE=explore draws fresh ones, for hunting locally).

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import lossscale as ls
+from conftest import force_numpy_threads
 from lossscale.backends import numpy_fused, numpy_ops, numpy_parallel
 from lossscale.optimizers import SGD, Adam
 
@@ -45,11 +46,9 @@ CASES = [(Adam, c) for c in ADAM_CASES] + [(SGD, c) for c in SGD_CASES]
 def blocks(request, monkeypatch):
     if request.param == "small_blocks":
         monkeypatch.setattr(numpy_fused, "BLOCK", 64)
-        monkeypatch.setattr(numpy_parallel, "MIN_ELEMENTS_PER_WORKER", 128)
-        monkeypatch.setattr(numpy_parallel, "MIN_MEAN_BLOCK_FOR_THREADS", 1)
         monkeypatch.setattr(numpy_fused, "PACK_BELOW", 16)
         monkeypatch.setattr(numpy_fused, "PACK_CAPACITY", 48)
-        monkeypatch.setattr(numpy_parallel, "cpu_count", lambda: 3)
+        force_numpy_threads(monkeypatch)
     return request.param
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import lossscale as ls
+from conftest import force_numpy_threads
 from lossscale.backends import numpy_ops as ops
 
 
@@ -86,9 +87,7 @@ def reduce_blocks(request, monkeypatch):
     if request.param == "small_blocks":
         monkeypatch.setattr(numpy_parallel, "REDUCE_WHOLE_BELOW", 64)
         monkeypatch.setattr(numpy_parallel, "REDUCE_BLOCK", 100)
-        monkeypatch.setattr(numpy_parallel, "MIN_ELEMENTS_PER_WORKER", 128)
-        monkeypatch.setattr(numpy_parallel, "MIN_MEAN_BLOCK_FOR_THREADS", 1)
-        monkeypatch.setattr(numpy_parallel, "cpu_count", lambda: 3)
+        force_numpy_threads(monkeypatch)
     return request.param
 
 

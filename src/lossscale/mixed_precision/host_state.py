@@ -34,8 +34,7 @@ class HostStateMixin:
         values = as_numpy(self._ops, {
             f.name: getattr(state, f.name) for f in state_fields(self.policy)})
         values.setdefault("nonfinite", [])
-        return summarize(values, self.policy,
-                                   [v.path for v in self._trainable_variables])
+        return summarize(values, self.policy, [v.path for v in self._trainable_variables])
 
     def check(self, optimizer_variables=None):
         """Raises `LossScaleError` if the state records a crossed limit.
