@@ -27,13 +27,18 @@ def main(argv):
     try:
         import torch
     except ImportError:
-        print("benchmarks/gpu.py: error: torch is not installed; this benchmark needs torch "
-              "with CUDA.", file=sys.stderr)
+        print(
+            "benchmarks/gpu.py: error: torch is not installed; this benchmark needs torch "
+            "with CUDA.",
+            file=sys.stderr,
+        )
         return 2
     if not torch.cuda.is_available():
-        print(f"benchmarks/gpu.py: error: CUDA is not available (torch {torch.__version__}, "
-              f"built for CUDA {torch.version.cuda}); run this on a CUDA machine.",
-              file=sys.stderr)
+        print(
+            f"benchmarks/gpu.py: error: CUDA is not available (torch {torch.__version__}, "
+            f"built for CUDA {torch.version.cuda}); run this on a CUDA machine.",
+            file=sys.stderr,
+        )
         return 2
     from lossscale.bench import main as bench
 

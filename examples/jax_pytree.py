@@ -17,8 +17,10 @@ x = jax.random.normal(data_key, (4096, 32))
 y = (x @ jax.random.normal(label_key, (32,)) > 0).astype(jnp.int32)
 
 k1, k2 = jax.random.split(init_key)
-params = {"hidden": {"w": jax.random.normal(k1, (32, 64)) * 32 ** -0.5, "b": jnp.zeros(64)},
-          "out": {"w": jax.random.normal(k2, (64, 2)) * 64 ** -0.5, "b": jnp.zeros(2)}}
+params = {
+    "hidden": {"w": jax.random.normal(k1, (32, 64)) * 32**-0.5, "b": jnp.zeros(64)},
+    "out": {"w": jax.random.normal(k2, (64, 2)) * 64**-0.5, "b": jnp.zeros(2)},
+}
 leaves, treedef = jax.tree_util.tree_flatten(params)
 
 
@@ -34,8 +36,9 @@ def scaled_loss(leaves, x, y, scale):
     return loss * scale, loss
 
 
-opt = ls.LossScaleOptimizer(ls.optimizers.Adam(learning_rate=3e-3),
-                            initial_scale=2.0 ** 15, dynamic_growth_steps=100)
+opt = ls.LossScaleOptimizer(
+    ls.optimizers.Adam(learning_rate=3e-3), initial_scale=2.0**15, dynamic_growth_steps=100
+)
 opt.build(leaves)
 scale_index = next(i for i, v in enumerate(opt.variables) if v is opt.dynamic_scale)
 opt_values = [v.value for v in opt.variables]
@@ -52,5 +55,7 @@ for step in range(300):
 
 params = jax.tree_util.tree_unflatten(treedef, leaves)
 accuracy = float((predict(leaves, x).argmax(axis=1) == y).mean())
-print(f"accuracy {accuracy:.3f}  loss scale {float(opt_values[scale_index]):g}  "
-      f"hidden.w dtype {params['hidden']['w'].dtype}")
+print(
+    f"accuracy {accuracy:.3f}  loss scale {float(opt_values[scale_index]):g}  "
+    f"hidden.w dtype {params['hidden']['w'].dtype}"
+)

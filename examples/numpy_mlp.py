@@ -22,8 +22,9 @@ b1 = np.zeros(64, np.float32)
 w2 = (rng.normal(size=(64, 2)) / np.sqrt(64)).astype(np.float32)
 b2 = np.zeros(2, np.float32)
 params = [w1, b1, w2, b2]
-opt = ls.LossScaleOptimizer(ls.optimizers.Adam(learning_rate=3e-3),
-                            initial_scale=2.0 ** 15, dynamic_growth_steps=100)
+opt = ls.LossScaleOptimizer(
+    ls.optimizers.Adam(learning_rate=3e-3), initial_scale=2.0**15, dynamic_growth_steps=100
+)
 
 
 def forward(xb, dtype):
@@ -41,8 +42,7 @@ def loss_and_grads(xb, yb, scale):
     p[np.arange(len(yb)), yb] -= 1  # d loss / d logits, times the batch size
     d_logits = (p * (scale / len(yb))).astype(np.float16)
     d_a1 = (d_logits @ w2.astype(np.float16).T) * (a1 > 0)
-    grads = [xb.astype(np.float16).T @ d_a1, d_a1.sum(axis=0),
-             h.T @ d_logits, d_logits.sum(axis=0)]
+    grads = [xb.astype(np.float16).T @ d_a1, d_a1.sum(axis=0), h.T @ d_logits, d_logits.sum(axis=0)]
     return loss, grads
 
 
@@ -54,5 +54,7 @@ for step in range(300):
         print(f"step {step:3d}  loss {loss:.4f}  scale {float(opt.dynamic_scale):g}")
 
 accuracy = (forward(x, np.float32)[2].argmax(axis=1) == y).mean()
-print(f"accuracy {accuracy:.3f}  loss scale {float(opt.dynamic_scale):g}  "
-      f"steps applied {int(opt.iterations)}")
+print(
+    f"accuracy {accuracy:.3f}  loss scale {float(opt.dynamic_scale):g}  "
+    f"steps applied {int(opt.iterations)}"
+)

@@ -15,6 +15,6 @@ def loss_fn(params):  # float16 compute, float32 loss
 def train_step(params, state):  # gradients of the scaled loss; unscale, skip inf/NaN, update
     return tx.apply(jax.grad(lambda p: tx.scale_loss(loss_fn(p), state))(params), state, params)
 
-for step in range(200):
+for _ in range(200):
     params, state = train_step(params, state)
 print(f"loss {float(loss_fn(params)):.4g}  loss scale {tx.summary(state)['dynamic_scale']:g}")

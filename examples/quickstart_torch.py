@@ -4,7 +4,7 @@ import lossscale as ls
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 opt = ls.LossScaleOptimizer(ls.optimizers.Adam(learning_rate=1e-2))
 x = torch.randn(256, 16)
-for step in range(200):
+for _ in range(200):
     with torch.autocast("cpu", dtype=torch.float16):  # "cuda" on a GPU
         loss = torch.nn.functional.mse_loss(model(x).float(), x.sum(1, keepdim=True) / 4)
     opt.scale_loss(loss).backward()  # scaled, so small float16 gradients survive

@@ -23,8 +23,9 @@ y = (x @ torch.randn(32, device=device) > 0).long()
 
 model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 2)).to(device)
 params = list(model.parameters())
-opt = ls.LossScaleOptimizer(ls.optimizers.Adam(learning_rate=3e-3),
-                            initial_scale=2.0 ** 15, dynamic_growth_steps=100)
+opt = ls.LossScaleOptimizer(
+    ls.optimizers.Adam(learning_rate=3e-3), initial_scale=2.0**15, dynamic_growth_steps=100
+)
 
 for step in range(300):
     batch = torch.randint(0, len(x), (128,), device=device)
@@ -39,5 +40,7 @@ for step in range(300):
 
 with torch.no_grad():
     accuracy = (model(x).argmax(dim=1) == y).float().mean().item()
-print(f"accuracy {accuracy:.3f}  loss scale {float(opt.dynamic_scale):g}  "
-      f"steps applied {int(opt.iterations)}")
+print(
+    f"accuracy {accuracy:.3f}  loss scale {float(opt.dynamic_scale):g}  "
+    f"steps applied {int(opt.iterations)}"
+)

@@ -30,8 +30,9 @@ params = list(model.parameters())
 
 
 def make_optimizer():
-    opt = ls.LossScaleOptimizer(ls.optimizers.Adam(learning_rate=3e-3),
-                                initial_scale=2.0 ** 15, dynamic_growth_steps=100)
+    opt = ls.LossScaleOptimizer(
+        ls.optimizers.Adam(learning_rate=3e-3), initial_scale=2.0**15, dynamic_growth_steps=100
+    )
     opt.build(params)  # outside the compiled step: creating state is one-off work
     return opt
 
@@ -44,6 +45,7 @@ def make_step(opt):
         grads = torch.autograd.grad(opt.scale_loss(loss), params)
         opt.apply(grads, params)
         return loss.detach()
+
     return torch.compile(step, backend=backend)
 
 
@@ -64,5 +66,7 @@ for i in range(300):
 
 with torch.no_grad():
     accuracy = (model(x).argmax(dim=1) == y).float().mean().item()
-print(f"accuracy {accuracy:.3f}  loss scale {float(opt.dynamic_scale):g}  "
-      f"steps applied {int(opt.iterations)}")
+print(
+    f"accuracy {accuracy:.3f}  loss scale {float(opt.dynamic_scale):g}  "
+    f"steps applied {int(opt.iterations)}"
+)

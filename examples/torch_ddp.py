@@ -23,7 +23,8 @@ def main():
     y = x @ torch.randn(8, 1) / 3
     mine = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
     model = torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)))
+        torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    )
     params = list(model.parameters())
     opt = ls.LossScaleOptimizer(ls.optimizers.Adam(1e-2), dynamic_growth_steps=50)
     for step in range(300):
@@ -39,8 +40,10 @@ def main():
     dist.all_gather(gathered, torch.stack([checksum, opt.dynamic_scale.value]))
     assert all(torch.equal(g, gathered[0]) for g in gathered), gathered
     if rank == 0:
-        print(f"ranks {world}  loss {loss.item():.4g}  loss scale {float(opt.dynamic_scale):g}  "
-              f"steps {int(opt.iterations)}  pid {os.getpid()}")
+        print(
+            f"ranks {world}  loss {loss.item():.4g}  loss scale {float(opt.dynamic_scale):g}  "
+            f"steps {int(opt.iterations)}  pid {os.getpid()}"
+        )
     del model  # DDP's reducer must go before its process group does
     dist.barrier()
     dist.destroy_process_group()

@@ -23,6 +23,7 @@ def force_numpy_threads(monkeypatch, workers=3):
     monkeypatch.setattr(numpy_parallel, "MIN_MEAN_BLOCK_FOR_THREADS", 1)
     monkeypatch.setattr(numpy_parallel, "cpu_count", lambda: workers)
 
+
 # Property tests draw the same examples on every run, like every other seeded
 # input here: a CI run is reproducible, and a new example set is a deliberate
 # change (HYPOTHESIS_PROFILE=explore draws fresh ones, for hunting locally).

@@ -37,8 +37,9 @@ def sharded(rank, singleton_groups):
     own = [2 * rank, 2 * rank + 1]
     groups = [dist.new_group([0]), dist.new_group([1])]
     group = groups[rank] if singleton_groups else None
-    opt = ls.LossScaleOptimizer(ls.optimizers.Adam(0.01), initial_scale=2.0 ** 10,
-                                dynamic_growth_steps=2, process_group=group)
+    opt = ls.LossScaleOptimizer(
+        ls.optimizers.Adam(0.01), initial_scale=2.0**10, dynamic_growth_steps=2, process_group=group
+    )
     scales = []
     for grads in gradient_sequence():
         scale = np.float32(opt.scale_loss(1.0) if not opt.built else float(opt.dynamic_scale))
@@ -46,8 +47,11 @@ def sharded(rank, singleton_groups):
         for i, p in enumerate(params):
             dist.broadcast(p, src=i // 2)
         scales.append(float(opt.dynamic_scale))
-    return {"scales": np.array(scales), "iterations": int(opt.iterations),
-            **{f"param{i}": p.numpy() for i, p in enumerate(params)}}
+    return {
+        "scales": np.array(scales),
+        "iterations": int(opt.iterations),
+        **{f"param{i}": p.numpy() for i, p in enumerate(params)},
+    }
 
 
 def make_model():
@@ -57,15 +61,18 @@ def make_model():
 
 def data():
     rng = np.random.default_rng(2)
-    return (torch.from_numpy(rng.normal(size=(16, 4)).astype(np.float32)),
-            torch.from_numpy(rng.normal(size=(16, 1)).astype(np.float32)))
+    return (
+        torch.from_numpy(rng.normal(size=(16, 4)).astype(np.float32)),
+        torch.from_numpy(rng.normal(size=(16, 1)).astype(np.float32)),
+    )
 
 
 def train(model, x, y, poison_step=3):
     """The training loop shared by the DDP ranks and the single-process reference."""
     params = list(model.parameters())
-    opt = ls.LossScaleOptimizer(ls.optimizers.Adam(0.01), initial_scale=2.0 ** 8,
-                                dynamic_growth_steps=3)
+    opt = ls.LossScaleOptimizer(
+        ls.optimizers.Adam(0.01), initial_scale=2.0**8, dynamic_growth_steps=3
+    )
     scales = []
     for step in range(STEPS):
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -75,8 +82,11 @@ def train(model, x, y, poison_step=3):
         opt.apply([p.grad for p in params], params)
         model.zero_grad()
         scales.append(float(opt.dynamic_scale))
-    return {"scales": np.array(scales), "iterations": int(opt.iterations),
-            **{f"param{i}": p.detach().numpy().copy() for i, p in enumerate(params)}}
+    return {
+        "scales": np.array(scales),
+        "iterations": int(opt.iterations),
+        **{f"param{i}": p.detach().numpy().copy() for i, p in enumerate(params)},
+    }
 
 
 def ddp(rank):
@@ -87,8 +97,7 @@ def ddp(rank):
 
 
 def run(rank, scenario, out_dir, port):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         if scenario == "ddp":
             result = ddp(rank)

@@ -38,8 +38,7 @@ def weights(seed=0):
 
 def gradients(seed=1, steps=STEPS):
     rng = np.random.default_rng(seed)
-    return [[rng.normal(size=shape).astype(np.float32) for shape in SHAPES]
-            for _ in range(steps)]
+    return [[rng.normal(size=shape).astype(np.float32) for shape in SHAPES] for _ in range(steps)]
 
 
 class Rule:
@@ -108,8 +107,13 @@ def snapshot(optimizer, variables):
 def assert_same_snapshot(actual, expected, rtol=RTOL, atol=ATOL, context=""):
     assert sorted(actual) == sorted(expected), context
     for name in expected:
-        np.testing.assert_allclose(np.asarray(actual[name], np.float64), expected[name],
-                                   rtol=rtol, atol=atol, err_msg=f"{context} variable {name}")
+        np.testing.assert_allclose(
+            np.asarray(actual[name], np.float64),
+            expected[name],
+            rtol=rtol,
+            atol=atol,
+            err_msg=f"{context} variable {name}",
+        )
 
 
 def check_reference(backend, make, rule, learning_rate, weight_decay=None, **clip):
@@ -127,8 +131,7 @@ def check_loss_scale(backend, make, overflow_step=2, **kwargs):
     """Wrapped with scaled gradients and one overflow == unwrapped with unscaled ones."""
     initial, grads = weights(), gradients()
     plain = make(**kwargs)
-    wrapped = ls.LossScaleOptimizer(make(**kwargs), initial_scale=2.0 ** 10,
-                                    dynamic_growth_steps=2)
+    wrapped = ls.LossScaleOptimizer(make(**kwargs), initial_scale=2.0**10, dynamic_growth_steps=2)
     plain_vars, wrapped_vars = model_variables(backend, initial), model_variables(backend, initial)
     for t, step_grads in enumerate(grads):
         # The loss is scaled as a user would; the gradients of a scaled loss
@@ -149,14 +152,17 @@ def check_loss_scale(backend, make, overflow_step=2, **kwargs):
     skipped = 1
     assert int(wrapped.iterations.numpy()) == STEPS - skipped
     # Growth every 2 finite steps, one halving at the overflow.
-    assert float(wrapped.dynamic_scale.numpy()) == 2.0 ** 10 * 2 ** 2 / 2
+    assert float(wrapped.dynamic_scale.numpy()) == 2.0**10 * 2**2 / 2
 
 
 def check_stateless(backend, make, **kwargs):
     """Threading values through `stateless_apply` equals stateful `apply`; nothing mutates."""
     initial, grads = weights(), gradients(steps=3)
     stateful, stateless = make(**kwargs), make(**kwargs)
-    stateful_vars, stateless_vars = model_variables(backend, initial), model_variables(backend, initial)
+    stateful_vars, stateless_vars = (
+        model_variables(backend, initial),
+        model_variables(backend, initial),
+    )
     stateless.build(stateless_vars)
     before = snapshot(stateless, stateless_vars)
     model = [v.value for v in stateless_vars]
@@ -165,9 +171,13 @@ def check_stateless(backend, make, **kwargs):
         native = [backend.array(g) for g in step_grads]
         stateful.apply(native, stateful_vars)
         model, state = stateless.stateless_apply(state, native, model)
-    assert_same_snapshot(snapshot(stateless, stateless_vars),
-                         {k: np.asarray(v, np.float64) for k, v in before.items()},
-                         rtol=0, atol=0, context="stateless_apply mutated state")
+    assert_same_snapshot(
+        snapshot(stateless, stateless_vars),
+        {k: np.asarray(v, np.float64) for k, v in before.items()},
+        rtol=0,
+        atol=0,
+        context="stateless_apply mutated state",
+    )
     got = {v.name: backend.numpy(x) for v, x in zip(stateless_vars, model)}
     got.update({v.name: backend.numpy(x) for v, x in zip(stateless.variables, state)})
     want = snapshot(stateful, stateful_vars)

@@ -48,16 +48,32 @@ def adam_rule(beta_1=0.9, beta_2=0.999, epsilon=1e-7, amsgrad=False):
 class ReferenceOptimizer:
     """Float64 model of `Optimizer.apply` for one list of weights."""
 
-    def __init__(self, rule, weights, lr=0.01, weight_decay=None, clipnorm=None,
-                 clipvalue=None, global_clipnorm=None, use_ema=False, ema_momentum=0.99,
-                 ema_overwrite_frequency=None, loss_scale_factor=None,
-                 gradient_accumulation_steps=None, exclude=()):
+    def __init__(
+        self,
+        rule,
+        weights,
+        lr=0.01,
+        weight_decay=None,
+        clipnorm=None,
+        clipvalue=None,
+        global_clipnorm=None,
+        use_ema=False,
+        ema_momentum=0.99,
+        ema_overwrite_frequency=None,
+        loss_scale_factor=None,
+        gradient_accumulation_steps=None,
+        exclude=(),
+    ):
         init, self.step_fn = rule
         self.w = [np.asarray(w, np.float64).copy() for w in weights]
         self.slots = [init(w) for w in self.w]
         self.lr, self.wd = lr, weight_decay
         self.clipnorm, self.clipvalue, self.global_clipnorm = clipnorm, clipvalue, global_clipnorm
-        self.use_ema, self.ema_momentum, self.ema_freq = use_ema, ema_momentum, ema_overwrite_frequency
+        self.use_ema, self.ema_momentum, self.ema_freq = (
+            use_ema,
+            ema_momentum,
+            ema_overwrite_frequency,
+        )
         self.lsf, self.gas = loss_scale_factor, gradient_accumulation_steps
         self.exclude = set(exclude)
         self.raw_iterations = 0
@@ -109,8 +125,12 @@ class ReferenceOptimizer:
 class ReferenceLossScale:
     """Pure-Python model of the dynamic loss scale with the two guards."""
 
-    def __init__(self, initial_scale=2.0 ** 15, growth_steps=2000):
-        self.scale, self.counter, self.growth_steps = float(np.float32(initial_scale)), 0, growth_steps
+    def __init__(self, initial_scale=2.0**15, growth_steps=2000):
+        self.scale, self.counter, self.growth_steps = (
+            float(np.float32(initial_scale)),
+            0,
+            growth_steps,
+        )
 
     def step(self, finite):
         if finite:

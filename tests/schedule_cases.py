@@ -34,8 +34,9 @@ def check_values(backend, schedule, reference, steps):
         assert backend_of(value) == backend.name
         got = backend.numpy(value)
         assert got.dtype == np.float32 and got.shape == (), (got.dtype, got.shape)
-        np.testing.assert_allclose(float(got), reference(step), rtol=RTOL, atol=ATOL,
-                                   err_msg=f"step {step}")
+        np.testing.assert_allclose(
+            float(got), reference(step), rtol=RTOL, atol=ATOL, err_msg=f"step {step}"
+        )
 
 
 def check_python_steps(schedule, reference, steps):
@@ -44,8 +45,9 @@ def check_python_steps(schedule, reference, steps):
         value = schedule(step)
         assert backend_of(value) == "numpy"
         assert np.asarray(value).dtype == np.float32
-        np.testing.assert_allclose(float(value), reference(step), rtol=RTOL, atol=ATOL,
-                                   err_msg=f"step {step}")
+        np.testing.assert_allclose(
+            float(value), reference(step), rtol=RTOL, atol=ATOL, err_msg=f"step {step}"
+        )
 
 
 def check_jit(schedule, steps):
@@ -63,8 +65,9 @@ def check_jit(schedule, steps):
     for step in steps:
         step = jnp.asarray(step, jnp.int32)
         # XLA may fuse and pick other float32 kernels than eager dispatch.
-        np.testing.assert_allclose(float(jitted(step)), float(schedule(step)), rtol=RTOL,
-                                   atol=ATOL, err_msg=f"step {step}")
+        np.testing.assert_allclose(
+            float(jitted(step)), float(schedule(step)), rtol=RTOL, atol=ATOL, err_msg=f"step {step}"
+        )
     assert len(traces) == 1
 
 
@@ -94,8 +97,9 @@ def check_in_optimizer(backend, schedule, reference, steps=6):
     expected = w0.astype(np.float64)
     half = steps // 2
     for t, g in enumerate(grads[:half]):
-        np.testing.assert_allclose(float(backend.numpy(optimizer.learning_rate)), reference(t),
-                                   rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(
+            float(backend.numpy(optimizer.learning_rate)), reference(t), rtol=RTOL, atol=ATOL
+        )
         optimizer.apply([backend.array(g)], [w])
         expected = expected - reference(t) * g
     np.testing.assert_allclose(w.numpy(), expected, rtol=1e-5, atol=1e-6)
@@ -115,8 +119,9 @@ def check_in_optimizer(backend, schedule, reference, steps=6):
         optimizer.apply([backend.array(g)], [w])
         resumed.apply([backend.array(g)], [w_resumed])
     np.testing.assert_array_equal(w_resumed.numpy(), w.numpy())
-    assert float(backend.numpy(resumed.learning_rate)) == float(backend.numpy(
-        optimizer.learning_rate))
+    assert float(backend.numpy(resumed.learning_rate)) == float(
+        backend.numpy(optimizer.learning_rate)
+    )
 
 
 def check_doctest(module):

@@ -21,16 +21,24 @@ def test_accumulate_mean_reset(backend):
 
 def test_is_update_step():
     assert [bool(accumulation.is_update_step(np.int64(i), 3)) for i in range(6)] == [
-        False, False, True, False, False, True]
+        False,
+        False,
+        True,
+        False,
+        False,
+        True,
+    ]
 
 
 def test_overwrite_with_max(backend):
     ops = get_ops(backend.name)
     v = ls.Variable(backend.array(np.array([9.0, 9.0])))
     acc = ls.Variable(backend.array(np.array([1.0, 5.0])))
-    accumulation.overwrite_with_max(ops, v, backend.array(np.array([2.0, 3.0])), acc,
-                                    backend.array(np.array(False)))
+    accumulation.overwrite_with_max(
+        ops, v, backend.array(np.array([2.0, 3.0])), acc, backend.array(np.array(False))
+    )
     assert backend.numpy(v).tolist() == [9.0, 9.0] and backend.numpy(acc).tolist() == [2.0, 5.0]
-    accumulation.overwrite_with_max(ops, v, backend.array(np.array([0.0, 7.0])), acc,
-                                    backend.array(np.array(True)))
+    accumulation.overwrite_with_max(
+        ops, v, backend.array(np.array([0.0, 7.0])), acc, backend.array(np.array(True))
+    )
     assert backend.numpy(v).tolist() == [2.0, 7.0] and backend.numpy(acc).tolist() == [0.0, 0.0]

@@ -4,11 +4,11 @@ import functools
 import re
 
 import numpy as np
+import optimizer_cases as cases
 import pytest
 
-import optimizer_cases as cases
-from lossscale.optimizers import adadelta as adadelta_module
 from lossscale.optimizers import Adadelta
+from lossscale.optimizers import adadelta as adadelta_module
 
 
 class AdadeltaRule(cases.Rule):
@@ -23,7 +23,9 @@ class AdadeltaRule(cases.Rule):
     def step(self, g, w, s, lr, t):
         rho, eps = self.rho, self.epsilon
         s["accumulated_grad"] = rho * s["accumulated_grad"] + (1 - rho) * g * g
-        delta = -np.sqrt(s["accumulated_delta_var"] + eps) / np.sqrt(s["accumulated_grad"] + eps) * g
+        delta = (
+            -np.sqrt(s["accumulated_delta_var"] + eps) / np.sqrt(s["accumulated_grad"] + eps) * g
+        )
         s["accumulated_delta_var"] = rho * s["accumulated_delta_var"] + (1 - rho) * delta * delta
         return w + lr * delta
 
@@ -36,13 +38,20 @@ CASES = [(None, {}), (0.05, {"clipnorm": 0.7})]
 @pytest.mark.parametrize("weight_decay,clip", CASES, ids=["no_decay", "decay_clipnorm"])
 def test_matches_float64_reference(backend, options, weight_decay, clip):
     # A large learning rate: Adadelta's raw steps are of order sqrt(epsilon).
-    cases.check_reference(backend, functools.partial(Adadelta, **options),
-                          AdadeltaRule(**options), 1.0, weight_decay, **clip)
+    cases.check_reference(
+        backend,
+        functools.partial(Adadelta, **options),
+        AdadeltaRule(**options),
+        1.0,
+        weight_decay,
+        **clip,
+    )
 
 
 def test_inside_loss_scale_optimizer(backend):
-    cases.check_loss_scale(backend, Adadelta, learning_rate=1.0, epsilon=1e-3,
-                           weight_decay=0.05, global_clipnorm=1.0)
+    cases.check_loss_scale(
+        backend, Adadelta, learning_rate=1.0, epsilon=1e-3, weight_decay=0.05, global_clipnorm=1.0
+    )
 
 
 def test_stateless_apply_matches_apply(backend):
@@ -54,8 +63,9 @@ def test_jit_stateless_apply_matches_eager():
 
 
 def test_config_round_trip():
-    cases.check_config_round_trip(Adadelta, learning_rate=1.0, rho=0.9, epsilon=1e-6,
-                                  weight_decay=0.01)
+    cases.check_config_round_trip(
+        Adadelta, learning_rate=1.0, rho=0.9, epsilon=1e-6, weight_decay=0.01
+    )
 
 
 def test_resumes_from_config_and_saved_variables(backend):
@@ -68,11 +78,14 @@ def test_defaults_follow_keras():
     assert float(opt.learning_rate) == pytest.approx(0.001)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"rho": 1.5}, "`rho` must be a finite number >= 0 and < 1. Received: rho=1.5"),
-    ({"epsilon": 0.0}, "`epsilon` must be a finite number > 0. Received: epsilon=0.0"),
-    ({"rho": True}, "`rho` must be a finite number >= 0 and < 1. Received: rho=True"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"rho": 1.5}, "`rho` must be a finite number >= 0 and < 1. Received: rho=1.5"),
+        ({"epsilon": 0.0}, "`epsilon` must be a finite number > 0. Received: epsilon=0.0"),
+        ({"rho": True}, "`rho` must be a finite number >= 0 and < 1. Received: rho=True"),
+    ],
+)
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         Adadelta(**kwargs)

@@ -4,11 +4,11 @@ import functools
 import re
 
 import numpy as np
+import optimizer_cases as cases
 import pytest
 
-import optimizer_cases as cases
-from lossscale.optimizers import adagrad as adagrad_module
 from lossscale.optimizers import Adagrad
+from lossscale.optimizers import adagrad as adagrad_module
 
 
 class AdagradRule(cases.Rule):
@@ -32,13 +32,18 @@ CASES = [(None, {}), (0.05, {"global_clipnorm": 1.5})]
 @pytest.mark.parametrize("options", VARIANTS, ids=["default", "zero_accumulator"])
 @pytest.mark.parametrize("weight_decay,clip", CASES, ids=["no_decay", "decay_global_clipnorm"])
 def test_matches_float64_reference(backend, options, weight_decay, clip):
-    cases.check_reference(backend, functools.partial(Adagrad, **options),
-                          AdagradRule(**options), 0.1, weight_decay, **clip)
+    cases.check_reference(
+        backend,
+        functools.partial(Adagrad, **options),
+        AdagradRule(**options),
+        0.1,
+        weight_decay,
+        **clip,
+    )
 
 
 def test_inside_loss_scale_optimizer(backend):
-    cases.check_loss_scale(backend, Adagrad, learning_rate=0.1, weight_decay=0.05,
-                           clipvalue=0.5)
+    cases.check_loss_scale(backend, Adagrad, learning_rate=0.1, weight_decay=0.05, clipvalue=0.5)
 
 
 def test_stateless_apply_matches_apply(backend):
@@ -50,8 +55,9 @@ def test_jit_stateless_apply_matches_eager():
 
 
 def test_config_round_trip():
-    cases.check_config_round_trip(Adagrad, learning_rate=0.5, initial_accumulator_value=0.5,
-                                  epsilon=1e-5, clipvalue=2.0)
+    cases.check_config_round_trip(
+        Adagrad, learning_rate=0.5, initial_accumulator_value=0.5, epsilon=1e-5, clipvalue=2.0
+    )
 
 
 def test_resumes_from_config_and_saved_variables(backend):
@@ -64,13 +70,21 @@ def test_defaults_follow_keras():
     assert float(opt.learning_rate) == pytest.approx(0.001)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"initial_accumulator_value": -0.1},
-     "`initial_accumulator_value` must be a finite number >= 0. "
-     "Received: initial_accumulator_value=-0.1"),
-    ({"epsilon": 0}, "`epsilon` must be a finite number > 0. Received: epsilon=0"),
-    ({"learning_rate": "fast"}, "`learning_rate` must be a finite number >= 0. Received: learning_rate='fast'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (
+            {"initial_accumulator_value": -0.1},
+            "`initial_accumulator_value` must be a finite number >= 0. "
+            "Received: initial_accumulator_value=-0.1",
+        ),
+        ({"epsilon": 0}, "`epsilon` must be a finite number > 0. Received: epsilon=0"),
+        (
+            {"learning_rate": "fast"},
+            "`learning_rate` must be a finite number >= 0. Received: learning_rate='fast'",
+        ),
+    ],
+)
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         Adagrad(**kwargs)

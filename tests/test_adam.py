@@ -4,10 +4,10 @@ import math
 
 import numpy as np
 import pytest
+from reference import ReferenceOptimizer, adam_rule
 
 import lossscale as ls
 from lossscale.optimizers import Adam
-from reference import ReferenceOptimizer, adam_rule
 
 
 def test_first_step_is_lr_times_sign(backend):
@@ -46,18 +46,27 @@ def test_random_against_reference(backend, rng, amsgrad):
 
 def test_defaults_and_config():
     opt = Adam()
-    assert (opt.name, opt.beta_1, opt.beta_2, opt.epsilon, opt.amsgrad) == ("adam", 0.9, 0.999, 1e-7, False)
+    assert (opt.name, opt.beta_1, opt.beta_2, opt.epsilon, opt.amsgrad) == (
+        "adam",
+        0.9,
+        0.999,
+        1e-7,
+        False,
+    )
     config = Adam(0.5, beta_1=0.8, amsgrad=True, weight_decay=0.1).get_config()
     clone = Adam.from_config(config)
     assert clone.get_config() == config
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"beta_1": 1.0}, r"`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=1.0"),
-    ({"beta_2": -0.5}, r"`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=-0.5"),
-    ({"epsilon": 0}, r"`epsilon` must be a finite number > 0. Received: epsilon=0"),
-    ({"amsgrad": None}, r"`amsgrad` must be a boolean. Received: amsgrad=None"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"beta_1": 1.0}, r"`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=1.0"),
+        ({"beta_2": -0.5}, r"`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=-0.5"),
+        ({"epsilon": 0}, r"`epsilon` must be a finite number > 0. Received: epsilon=0"),
+        ({"amsgrad": None}, r"`amsgrad` must be a boolean. Received: amsgrad=None"),
+    ],
+)
 def test_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Adam(**kwargs)

@@ -4,11 +4,11 @@ import functools
 import re
 
 import numpy as np
+import optimizer_cases as cases
 import pytest
 
-import optimizer_cases as cases
-from lossscale.optimizers import adamax as adamax_module
 from lossscale.optimizers import Adamax
+from lossscale.optimizers import adamax as adamax_module
 
 
 class AdamaxRule(cases.Rule):
@@ -34,13 +34,18 @@ CASES = [(None, {}), (0.05, {"global_clipnorm": 1.5})]
 @pytest.mark.parametrize("options", VARIANTS, ids=["default", "custom_betas"])
 @pytest.mark.parametrize("weight_decay,clip", CASES, ids=["no_decay", "decay_global_clipnorm"])
 def test_matches_float64_reference(backend, options, weight_decay, clip):
-    cases.check_reference(backend, functools.partial(Adamax, **options),
-                          AdamaxRule(**options), 0.01, weight_decay, **clip)
+    cases.check_reference(
+        backend,
+        functools.partial(Adamax, **options),
+        AdamaxRule(**options),
+        0.01,
+        weight_decay,
+        **clip,
+    )
 
 
 def test_inside_loss_scale_optimizer(backend):
-    cases.check_loss_scale(backend, Adamax, learning_rate=0.01, weight_decay=0.05,
-                           clipvalue=0.5)
+    cases.check_loss_scale(backend, Adamax, learning_rate=0.01, weight_decay=0.05, clipvalue=0.5)
 
 
 def test_stateless_apply_matches_apply(backend):
@@ -52,8 +57,9 @@ def test_jit_stateless_apply_matches_eager():
 
 
 def test_config_round_trip():
-    cases.check_config_round_trip(Adamax, learning_rate=0.02, beta_1=0.5, beta_2=0.9,
-                                  epsilon=1e-4, global_clipnorm=3.0)
+    cases.check_config_round_trip(
+        Adamax, learning_rate=0.02, beta_1=0.5, beta_2=0.9, epsilon=1e-4, global_clipnorm=3.0
+    )
 
 
 def test_resumes_from_config_and_saved_variables(backend):
@@ -66,11 +72,14 @@ def test_defaults_follow_keras():
     assert float(opt.learning_rate) == pytest.approx(0.001)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"beta_1": -0.1}, "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=-0.1"),
-    ({"beta_2": 1}, "`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=1"),
-    ({"epsilon": float("inf")}, "`epsilon` must be a finite number > 0. Received: epsilon=inf"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"beta_1": -0.1}, "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=-0.1"),
+        ({"beta_2": 1}, "`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=1"),
+        ({"epsilon": float("inf")}, "`epsilon` must be a finite number > 0. Received: epsilon=inf"),
+    ],
+)
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         Adamax(**kwargs)

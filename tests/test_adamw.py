@@ -5,11 +5,11 @@ import math
 import re
 
 import numpy as np
+import optimizer_cases as cases
 import pytest
 
-import optimizer_cases as cases
-from lossscale.optimizers import adamw as adamw_module
 from lossscale.optimizers import Adam, AdamW
+from lossscale.optimizers import adamw as adamw_module
 
 
 class AdamRule(cases.Rule):
@@ -41,13 +41,20 @@ CASES = [(0.0, {}), (0.05, {"clipnorm": 0.5})]
 @pytest.mark.parametrize("options", VARIANTS, ids=["default", "amsgrad"])
 @pytest.mark.parametrize("weight_decay,clip", CASES, ids=["no_decay", "decay_clipnorm"])
 def test_matches_float64_reference(backend, options, weight_decay, clip):
-    cases.check_reference(backend, functools.partial(AdamW, **options), AdamRule(**options),
-                          0.01, weight_decay, **clip)
+    cases.check_reference(
+        backend,
+        functools.partial(AdamW, **options),
+        AdamRule(**options),
+        0.01,
+        weight_decay,
+        **clip,
+    )
 
 
 def test_inside_loss_scale_optimizer(backend):
-    cases.check_loss_scale(backend, AdamW, learning_rate=0.01, weight_decay=0.05,
-                           global_clipnorm=1.0, amsgrad=True)
+    cases.check_loss_scale(
+        backend, AdamW, learning_rate=0.01, weight_decay=0.05, global_clipnorm=1.0, amsgrad=True
+    )
 
 
 def test_stateless_apply_matches_apply(backend):
@@ -59,8 +66,15 @@ def test_jit_stateless_apply_matches_eager():
 
 
 def test_config_round_trip():
-    cases.check_config_round_trip(AdamW, learning_rate=0.02, weight_decay=0.1, beta_1=0.8,
-                                  amsgrad=True, clipnorm=1.0, name="my_adamw")
+    cases.check_config_round_trip(
+        AdamW,
+        learning_rate=0.02,
+        weight_decay=0.1,
+        beta_1=0.8,
+        amsgrad=True,
+        clipnorm=1.0,
+        name="my_adamw",
+    )
 
 
 def test_resumes_from_config_and_saved_variables(backend):
@@ -71,19 +85,37 @@ def test_defaults_follow_keras():
     opt = AdamW()
     assert isinstance(opt, Adam)
     assert (opt.name, opt.weight_decay, opt.beta_1, opt.beta_2, opt.epsilon, opt.amsgrad) == (
-        "adam_w", 0.004, 0.9, 0.999, 1e-7, False)
+        "adam_w",
+        0.004,
+        0.9,
+        0.999,
+        1e-7,
+        False,
+    )
     assert float(opt.learning_rate) == pytest.approx(0.001)
     assert AdamW(0.1, 0.2).weight_decay == 0.2  # weight_decay is the second argument
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"weight_decay": None}, "`weight_decay` must be a finite number >= 0. Received: weight_decay=None"),
-    ({"weight_decay": -0.1}, "`weight_decay` must be a finite number >= 0. Received: weight_decay=-0.1"),
-    ({"beta_1": 1.0}, "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=1.0"),
-    ({"beta_2": -0.5}, "`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=-0.5"),
-    ({"epsilon": 0.0}, "`epsilon` must be a finite number > 0. Received: epsilon=0.0"),
-    ({"learning_rate": -1.0}, "`learning_rate` must be a finite number >= 0. Received: learning_rate=-1.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (
+            {"weight_decay": None},
+            "`weight_decay` must be a finite number >= 0. Received: weight_decay=None",
+        ),
+        (
+            {"weight_decay": -0.1},
+            "`weight_decay` must be a finite number >= 0. Received: weight_decay=-0.1",
+        ),
+        ({"beta_1": 1.0}, "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=1.0"),
+        ({"beta_2": -0.5}, "`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=-0.5"),
+        ({"epsilon": 0.0}, "`epsilon` must be a finite number > 0. Received: epsilon=0.0"),
+        (
+            {"learning_rate": -1.0},
+            "`learning_rate` must be a finite number >= 0. Received: learning_rate=-1.0",
+        ),
+    ],
+)
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         AdamW(**kwargs)

@@ -23,7 +23,10 @@ def test_torch_parameter_is_torch():
 
 
 def test_unknown_type_rejected():
-    with pytest.raises(TypeError, match="Expected a NumPy array, a torch.Tensor, a jax.Array or a lossscale.Variable. Received: str"):
+    with pytest.raises(
+        TypeError,
+        match="Expected a NumPy array, a torch.Tensor, a jax.Array or a lossscale.Variable. Received: str",
+    ):
         backend_of("x")
 
 
@@ -35,7 +38,10 @@ def test_mixing_backends_names_both():
         common_backend([torch.ones(1), None, 2.0, jnp.ones(1)])
     assert common_backend([None, 3.0]) == "numpy"
     assert ops_for(torch.ones(1)).NAME == "torch"
-    with pytest.raises(ValueError, match=r"`backend` must be one of \('numpy', 'torch', 'jax'\). Received: backend='tf'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`backend` must be one of \('numpy', 'torch', 'jax'\). Received: backend='tf'",
+    ):
         get_ops("tf")
 
 
@@ -44,13 +50,20 @@ def test_primitives(backend):
     x = backend.array(np.array([-4.0, 1.0, 9.0]))
     y = backend.array(np.array([1.0, 2.0, 3.0]))
     checks = {
-        "sqrt": (ops.sqrt(ops.abs(x)), [2, 1, 3]), "square": (ops.square(x), [16, 1, 81]),
-        "sign": (ops.sign(x), [-1, 1, 1]), "maximum": (ops.maximum(x, y), [1, 2, 9]),
-        "minimum": (ops.minimum(x, 2.0), [-4, 1, 2]), "clip": (ops.clip(x, -1, 2), [-1, 1, 2]),
-        "where": (ops.where(x > 0, x, y), [1, 1, 9]), "power": (ops.power(y, 2.0), [1, 4, 9]),
-        "floor": (ops.floor(x / 2), [-2, 0, 4]), "exp": (ops.exp(y * 0), [1, 1, 1]),
-        "log": (ops.log(ops.exp(y)), [1, 2, 3]), "cos": (ops.cos(y * 0), [1, 1, 1]),
-        "sum": (ops.sum(x), 6.0), "cast": (ops.cast(x, "float16"), [-4, 1, 9]),
+        "sqrt": (ops.sqrt(ops.abs(x)), [2, 1, 3]),
+        "square": (ops.square(x), [16, 1, 81]),
+        "sign": (ops.sign(x), [-1, 1, 1]),
+        "maximum": (ops.maximum(x, y), [1, 2, 9]),
+        "minimum": (ops.minimum(x, 2.0), [-4, 1, 2]),
+        "clip": (ops.clip(x, -1, 2), [-1, 1, 2]),
+        "where": (ops.where(x > 0, x, y), [1, 1, 9]),
+        "power": (ops.power(y, 2.0), [1, 4, 9]),
+        "floor": (ops.floor(x / 2), [-2, 0, 4]),
+        "exp": (ops.exp(y * 0), [1, 1, 1]),
+        "log": (ops.log(ops.exp(y)), [1, 2, 3]),
+        "cos": (ops.cos(y * 0), [1, 1, 1]),
+        "sum": (ops.sum(x), 6.0),
+        "cast": (ops.cast(x, "float16"), [-4, 1, 9]),
     }
     for name, (got, expected) in checks.items():
         np.testing.assert_allclose(backend.numpy(got), expected, rtol=1e-6, err_msg=name)
@@ -68,8 +81,11 @@ def test_multi_tensor_helpers(backend, rng):
     ops = get_ops(backend.name)
     grads = [rng.normal(size=s).astype(np.float32) for s in [(3, 2), (4,)]]
     native = [backend.array(g) for g in grads]
-    np.testing.assert_allclose(float(backend.numpy(ops.global_norm(native))),
-                               np.sqrt(sum((g.astype(np.float64) ** 2).sum() for g in grads)), rtol=1e-6)
+    np.testing.assert_allclose(
+        float(backend.numpy(ops.global_norm(native))),
+        np.sqrt(sum((g.astype(np.float64) ** 2).sum() for g in grads)),
+        rtol=1e-6,
+    )
     assert bool(backend.numpy(ops.all_finite(native)))
     for bad in (np.inf, -np.inf, np.nan):
         broken = native[:1] + [backend.array(np.array([1.0, bad, 0.0, 2.0]))]
@@ -77,7 +93,9 @@ def test_multi_tensor_helpers(backend, rng):
     half = [backend.array(g, dtype="float16") for g in grads]
     unscaled = ops.unscale(half, backend.array(np.float32(4.0)))
     assert all(ops.dtype_name(u) == "float32" for u in unscaled)
-    np.testing.assert_allclose(backend.numpy(unscaled[0]), grads[0].astype(np.float16) / 4, rtol=1e-6)
+    np.testing.assert_allclose(
+        backend.numpy(unscaled[0]), grads[0].astype(np.float16) / 4, rtol=1e-6
+    )
 
 
 def test_assign_primitives_keep_dtype(backend):
@@ -93,10 +111,16 @@ def test_assign_primitives_keep_dtype(backend):
 def test_cond_takes_the_right_branch(backend):
     ops = get_ops(backend.name)
     v = ls.Variable(backend.array(np.array([1.0, 2.0])))
-    for pred, expected in [(backend.array(np.array(True)), [2.0, 3.0]),
-                           (backend.array(np.array(False)), [2.0, 1.0])]:
-        ops.cond(pred, lambda: v.assign_add(backend.array(np.ones(2))),
-                 lambda: v.assign(backend.array(np.array([2.0, 1.0]))), [v])
+    for pred, expected in [
+        (backend.array(np.array(True)), [2.0, 3.0]),
+        (backend.array(np.array(False)), [2.0, 1.0]),
+    ]:
+        ops.cond(
+            pred,
+            lambda: v.assign_add(backend.array(np.ones(2))),
+            lambda: v.assign(backend.array(np.array([2.0, 1.0]))),
+            [v],
+        )
         assert backend.numpy(v).tolist() == expected
 
 
@@ -127,19 +151,23 @@ def test_numpy_quiet_silences_overflow():
 
 
 def test_import_pulls_in_neither_torch_nor_jax():
-    code = "import sys, lossscale, numpy as np; import lossscale.optimizers as o; " \
-           "o.Adam().apply([np.ones(2, np.float32)], [np.ones(2, np.float32)]); " \
-           "print('torch' in sys.modules, 'jax' in sys.modules)"
+    code = (
+        "import sys, lossscale, numpy as np; import lossscale.optimizers as o; "
+        "o.Adam().apply([np.ones(2, np.float32)], [np.ones(2, np.float32)]); "
+        "print('torch' in sys.modules, 'jax' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
 
 
 def test_import_reads_no_environment_variable():
     # numpy is imported first so that only lossscale's own reads are recorded.
-    code = ("import os, numpy\nseen = []\nenv = type(os.environ)\n"
-            "get, getitem = env.get, env.__getitem__\n"
-            "env.get = lambda self, k, d=None: seen.append(k) or get(self, k, d)\n"
-            "env.__getitem__ = lambda self, k: seen.append(k) or getitem(self, k)\n"
-            "import lossscale\nprint(seen)")
+    code = (
+        "import os, numpy\nseen = []\nenv = type(os.environ)\n"
+        "get, getitem = env.get, env.__getitem__\n"
+        "env.get = lambda self, k, d=None: seen.append(k) or get(self, k, d)\n"
+        "env.__getitem__ = lambda self, k: seen.append(k) or getitem(self, k)\n"
+        "import lossscale\nprint(seen)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

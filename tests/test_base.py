@@ -4,10 +4,10 @@ import warnings
 
 import numpy as np
 import pytest
+from reference import ReferenceOptimizer, adam_rule, sgd_rule
 
 import lossscale as ls
 from lossscale.optimizers import SGD, Adam, Optimizer
-from reference import ReferenceOptimizer, adam_rule, sgd_rule
 
 SHAPES = [(3, 4), (5,), ()]
 
@@ -34,8 +34,12 @@ PIPELINES = {
     "global_clipnorm": {"global_clipnorm": 0.7},
     "ema": {"use_ema": True, "ema_momentum": 0.9, "ema_overwrite_frequency": 3},
     "accumulation": {"gradient_accumulation_steps": 3},
-    "accumulation_ema": {"gradient_accumulation_steps": 2, "use_ema": True,
-                         "ema_momentum": 0.8, "ema_overwrite_frequency": 2},
+    "accumulation_ema": {
+        "gradient_accumulation_steps": 2,
+        "use_ema": True,
+        "ema_momentum": 0.8,
+        "ema_overwrite_frequency": 2,
+    },
     "loss_scale_factor": {"loss_scale_factor": 128.0},
 }
 
@@ -100,8 +104,9 @@ def test_overwrite_with_gradient_accumulates_running_max(backend):
 
 
 def test_constraint_applied_after_update(backend):
-    v = ls.Variable(backend.array(np.array([1.0, -1.0])), name="w",
-                    constraint=lambda x: x * 0 + 0.25)
+    v = ls.Variable(
+        backend.array(np.array([1.0, -1.0])), name="w", constraint=lambda x: x * 0 + 0.25
+    )
     SGD(learning_rate=0.1).apply([backend.array(np.array([1.0, 1.0]))], [v])
     np.testing.assert_allclose(backend.numpy(v), [0.25, 0.25])
 
@@ -131,7 +136,9 @@ def test_errors_leave_everything_unchanged(backend, rng):
     opt.apply(grads, variables)
     before = [backend.numpy(v).copy() for v in variables + opt.variables]
     bad_shape = grads[:2] + [backend.array(np.ones((2,), np.float32))]
-    with pytest.raises(ValueError, match=r"must have the variable's shape \(\). Received: gradient shape \(2,\)"):
+    with pytest.raises(
+        ValueError, match=r"must have the variable's shape \(\). Received: gradient shape \(2,\)"
+    ):
         opt.apply(bad_shape, variables)
     with pytest.raises(ValueError, match="Received: 2 gradients for 3 variables"):
         opt.apply(grads[:2], variables)
@@ -194,7 +201,7 @@ def test_learning_rate_float_settable_and_callable(backend, rng):
 def test_learning_rate_schedule_reads_raw_iterations(backend):
     class Halving(ls.schedules.LearningRateSchedule):
         def __call__(self, step):
-            return 1.0 * 0.5 ** step
+            return 1.0 * 0.5**step
 
         def get_config(self):
             return {}
@@ -251,8 +258,13 @@ def test_assign_on_raw_arrays():
 def test_stateless_apply_equals_apply_and_mutates_nothing(backend, rng):
     init, variables = make_vars(backend, rng)
     twin = [ls.Variable(backend.array(x), name=v.name) for x, v in zip(init, variables)]
-    kwargs = dict(learning_rate=0.05, weight_decay=0.01, use_ema=True,
-                  ema_overwrite_frequency=2, gradient_accumulation_steps=2)
+    kwargs = dict(
+        learning_rate=0.05,
+        weight_decay=0.01,
+        use_ema=True,
+        ema_overwrite_frequency=2,
+        gradient_accumulation_steps=2,
+    )
     stateful, stateless = Adam(**kwargs), Adam(**kwargs)
     stateless.build(twin)
     opt_values = [v.value for v in stateless.variables]
@@ -275,27 +287,47 @@ def test_stateless_apply_errors(backend, rng):
         opt.stateless_apply([], [], [])
     opt.build(variables)
     values = [v.value for v in opt.variables]
-    with pytest.raises(ValueError, match=r"`optimizer_variables` must be a list .* \(2 expected\). Received: 1"):
+    with pytest.raises(
+        ValueError, match=r"`optimizer_variables` must be a list .* \(2 expected\). Received: 1"
+    ):
         opt.stateless_apply(values[:1], [None] * 3, [v.value for v in variables])
-    with pytest.raises(ValueError, match=r"`trainable_variables` entry for 'kernel' must have shape \(3, 4\)"):
-        opt.stateless_apply(values, [None] * 3,
-                            [backend.array(np.ones(2))] + [v.value for v in variables[1:]])
+    with pytest.raises(
+        ValueError, match=r"`trainable_variables` entry for 'kernel' must have shape \(3, 4\)"
+    ):
+        opt.stateless_apply(
+            values, [None] * 3, [backend.array(np.ones(2))] + [v.value for v in variables[1:]]
+        )
 
 
 def test_constructor_errors():
-    with pytest.raises(ValueError, match="Only one of `clipnorm`, `clipvalue` and `global_clipnorm`"):
+    with pytest.raises(
+        ValueError, match="Only one of `clipnorm`, `clipvalue` and `global_clipnorm`"
+    ):
         SGD(clipnorm=1.0, clipvalue=1.0)
-    with pytest.raises(ValueError, match=r"`gradient_accumulation_steps` must be an integer >= 2 or None. Received: gradient_accumulation_steps=1"):
+    with pytest.raises(
+        ValueError,
+        match=r"`gradient_accumulation_steps` must be an integer >= 2 or None. Received: gradient_accumulation_steps=1",
+    ):
         SGD(gradient_accumulation_steps=1)
-    with pytest.raises(ValueError, match=r"`ema_momentum` must be a finite number >= 0 and <= 1. Received: ema_momentum=1.5"):
+    with pytest.raises(
+        ValueError,
+        match=r"`ema_momentum` must be a finite number >= 0 and <= 1. Received: ema_momentum=1.5",
+    ):
         SGD(use_ema=True, ema_momentum=1.5)
-    with pytest.raises(ValueError, match=r"`learning_rate` must be a finite number >= 0. Received: learning_rate=-1"):
+    with pytest.raises(
+        ValueError,
+        match=r"`learning_rate` must be a finite number >= 0. Received: learning_rate=-1",
+    ):
         SGD(learning_rate=-1)
-    with pytest.raises(ValueError, match=r"`learning_rate` must be .* Received: learning_rate='fast'"):
+    with pytest.raises(
+        ValueError, match=r"`learning_rate` must be .* Received: learning_rate='fast'"
+    ):
         SGD(learning_rate="fast")
     with pytest.raises(ValueError, match=r"Argument\(s\) not recognized by SGD: \['bogus'\]"):
         SGD(bogus=1)
-    with pytest.raises(ValueError, match="`clipnorm` must be a finite number > 0 or None. Received: clipnorm=0"):
+    with pytest.raises(
+        ValueError, match="`clipnorm` must be a finite number > 0 or None. Received: clipnorm=0"
+    ):
         SGD(clipnorm=0)
     with pytest.raises(ValueError, match="`name` must be a string or None"):
         SGD(name=3)
@@ -374,7 +406,10 @@ def test_load_count_mismatch_warns_and_loads_nothing(backend, rng):
     opt = Adam()
     opt.build(variables)
     before = [backend.numpy(v).copy() for v in opt.variables]
-    with pytest.warns(UserWarning, match="Skipping variable loading for optimizer 'adam', because it has 8 variables whereas the saved optimizer has 1"):
+    with pytest.warns(
+        UserWarning,
+        match="Skipping variable loading for optimizer 'adam', because it has 8 variables whereas the saved optimizer has 1",
+    ):
         opt.load_own_variables({"0": np.zeros(())})
     with pytest.warns(UserWarning, match="not been called/built yet"):
         Adam().load_own_variables({"0": np.zeros(()), "1": np.zeros(()), "2": np.zeros(())})
@@ -391,9 +426,15 @@ def test_shape_mismatch_raises_before_writing(backend, rng):
     store = {k: np.asarray(v) + 5 for k, v in store.items()}
     store["5"] = np.zeros((9,), np.float32)
     before = [backend.numpy(v).copy() for v in opt.variables]
-    with pytest.raises(ValueError, match=r"Optimizer variable 'adam/bias_velocity' has shape \(5,\).*Received: store\[5\].shape=\(9,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"Optimizer variable 'adam/bias_velocity' has shape \(5,\).*Received: store\[5\].shape=\(9,\)",
+    ):
         opt.load_own_variables(store)
-    with pytest.raises(ValueError, match=r"`weights` must hold one array per optimizer variable \(8\). Received: 1 arrays"):
+    with pytest.raises(
+        ValueError,
+        match=r"`weights` must hold one array per optimizer variable \(8\). Received: 1 arrays",
+    ):
         opt.set_weights([np.zeros(())])
     for v, b in zip(opt.variables, before):
         np.testing.assert_array_equal(backend.numpy(v), b)
@@ -401,9 +442,17 @@ def test_shape_mismatch_raises_before_writing(backend, rng):
         Adam().set_weights([])
 
 
-@pytest.mark.parametrize("cls_name, expected", [
-    ("LossScaleOptimizer", "loss_scale_optimizer"), ("RMSprop", "rm_sprop"), ("SGD", "sgd"),
-    ("MyAdam", "my_adam")])
+@pytest.mark.parametrize(
+    "cls_name, expected",
+    [
+        ("LossScaleOptimizer", "loss_scale_optimizer"),
+        ("RMSprop", "rm_sprop"),
+        ("SGD", "sgd"),
+        ("MyAdam", "my_adam"),
+    ],
+)
 def test_default_names_follow_keras(cls_name, expected):
-    cls = type(cls_name, (SGD,), {"__init__": lambda self, **kw: Optimizer.__init__(self, 0.1, **kw)})
+    cls = type(
+        cls_name, (SGD,), {"__init__": lambda self, **kw: Optimizer.__init__(self, 0.1, **kw)}
+    )
     assert cls().name == expected

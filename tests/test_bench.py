@@ -22,42 +22,74 @@ def _table_rows(out):
 
 def test_quick_run_prints_one_row_per_implementation(capsys):
     # Three subprocesses: the bandwidth floor and one per implementation.
-    status = bench.main(["--quick", "--workload", "many_small", "--impl", "lossscale-numpy",
-                         "--impl", "torch-gradscaler-foreach", "--repeats", "2"])
+    status = bench.main(
+        [
+            "--quick",
+            "--workload",
+            "many_small",
+            "--impl",
+            "lossscale-numpy",
+            "--impl",
+            "torch-gradscaler-foreach",
+            "--repeats",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0, out
     rows = [ROW.match(line) for line in _table_rows(out)]
     assert all(rows), out
-    assert [(m[1], m[2]) for m in rows] == [("lossscale-numpy", "many_small"),
-                                            ("torch-gradscaler-foreach", "many_small")]
+    assert [(m[1], m[2]) for m in rows] == [
+        ("lossscale-numpy", "many_small"),
+        ("torch-gradscaler-foreach", "many_small"),
+    ]
     assert rows[1][5] == "1.00x"  # the only peer is the best peer
     assert "Bandwidth (cpu):" in out and "Median of 2 steps after 1 warm-up" in out
     assert "floor" in out and "torch 2." in out
 
 
 def test_worker_runs_a_step_job_in_process():
-    result = worker.run({"kind": "step", "impl": "lossscale-numpy", "workload": "large",
-                         "quick": True, "repeats": 3, "warmup": 1})
+    result = worker.run(
+        {
+            "kind": "step",
+            "impl": "lossscale-numpy",
+            "workload": "large",
+            "quick": True,
+            "repeats": 3,
+            "warmup": 1,
+        }
+    )
     assert result["steps"] == 3
     assert 0 < result["min_ms"] <= result["median_ms"] <= result["max_ms"]
     assert set(result["versions"]) == {"lossscale", "numpy"}
 
 
 def test_runner_reports_a_failing_worker():
-    result = runner.run_job({"kind": "step", "impl": "no-such-impl", "workload": "large",
-                             "quick": True, "repeats": 1, "warmup": 0})
+    result = runner.run_job(
+        {
+            "kind": "step",
+            "impl": "no-such-impl",
+            "workload": "large",
+            "quick": True,
+            "repeats": 1,
+            "warmup": 0,
+        }
+    )
     assert set(result) == {"error"}
     assert "KeyError" in result["error"] and "no-such-impl" in result["error"]
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--impl", "nope"], "unknown --impl ['nope']"),
-    (["--repeats", "0"], "--repeats must be an integer >= 1. Received: 0"),
-    (["--warmup", "-1"], "--warmup must be an integer >= 0. Received: -1"),
-    (["--retries", "-2"], "--retries must be an integer >= 0. Received: -2"),
-    (["--rounds", "0"], "--rounds must be an integer >= 1. Received: 0"),
-    (["--workload", "tiny"], "invalid choice: 'tiny'"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--impl", "nope"], "unknown --impl ['nope']"),
+        (["--repeats", "0"], "--repeats must be an integer >= 1. Received: 0"),
+        (["--warmup", "-1"], "--warmup must be an integer >= 0. Received: -1"),
+        (["--retries", "-2"], "--retries must be an integer >= 0. Received: -2"),
+        (["--rounds", "0"], "--rounds must be an integer >= 1. Received: 0"),
+        (["--workload", "tiny"], "invalid choice: 'tiny'"),
+    ],
+)
 def test_bad_arguments(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
         bench.main(argv)
@@ -77,35 +109,63 @@ def test_gpu_workload_without_cuda_fails_loudly(monkeypatch, capsys, choice):
 def test_gpu_choice_runs_both_gpu_workloads_on_cuda(monkeypatch, capsys):
     monkeypatch.setattr(runner, "cuda_available", lambda: True)
     calls = []
-    monkeypatch.setattr(runner, "run_job", lambda job, env=None, timeout=None: calls.append(
-        job) or ({"gb_per_s": 10.0, "method": "fake", "bytes": 8}
-                 if job["kind"] == "floor" else {"median_ms": 1.0}))
+    monkeypatch.setattr(
+        runner,
+        "run_job",
+        lambda job, env=None, timeout=None: (
+            calls.append(job)
+            or (
+                {"gb_per_s": 10.0, "method": "fake", "bytes": 8}
+                if job["kind"] == "floor"
+                else {"median_ms": 1.0}
+            )
+        ),
+    )
     assert bench.main(["--quick", "--workload", "gpu", "--impl", "lossscale-torch"]) == 0
     assert [(j["impl"], j["workload"]) for j in calls if j["kind"] == "step"] == [
-        ("lossscale-torch", "gpu_many_small"), ("lossscale-torch", "gpu_large")]
+        ("lossscale-torch", "gpu_many_small"),
+        ("lossscale-torch", "gpu_large"),
+    ]
     assert [j["device"] for j in calls if j["kind"] == "floor"] == ["cuda"]
 
 
 def test_all_runs_only_cpu_workloads_without_cuda(monkeypatch, capsys):
     monkeypatch.setattr(runner, "cuda_available", lambda: False)
     calls = []
-    monkeypatch.setattr(runner, "run_job", lambda job, env=None, timeout=None: calls.append(
-        (job, env)) or ({"gb_per_s": 10.0, "method": "fake", "bytes": 8}
-                        if job["kind"] == "floor" else {"median_ms": 1.0}))
+    monkeypatch.setattr(
+        runner,
+        "run_job",
+        lambda job, env=None, timeout=None: (
+            calls.append((job, env))
+            or (
+                {"gb_per_s": 10.0, "method": "fake", "bytes": 8}
+                if job["kind"] == "floor"
+                else {"median_ms": 1.0}
+            )
+        ),
+    )
     assert bench.main(["--quick", "--impl", "keras-jax", "--impl", "lossscale-numpy"]) == 0
     steps = [(job["impl"], job["workload"], env) for job, env in calls if job["kind"] == "step"]
-    assert steps == [("keras-jax", "many_small", {"KERAS_BACKEND": "jax"}),
-                     ("lossscale-numpy", "many_small", {}),
-                     ("keras-jax", "large", {"KERAS_BACKEND": "jax"}),
-                     ("lossscale-numpy", "large", {})]
+    assert steps == [
+        ("keras-jax", "many_small", {"KERAS_BACKEND": "jax"}),
+        ("lossscale-numpy", "many_small", {}),
+        ("keras-jax", "large", {"KERAS_BACKEND": "jax"}),
+        ("lossscale-numpy", "large", {}),
+    ]
     assert [job["device"] for job, _ in calls if job["kind"] == "floor"] == ["cpu"]
     assert len(_table_rows(capsys.readouterr().out)) == 4
 
 
 def test_failures_give_exit_status_one_and_a_row(monkeypatch, capsys):
-    monkeypatch.setattr(runner, "run_job", lambda job, env=None, timeout=None: (
-        {"gb_per_s": 10.0, "method": "fake", "bytes": 8} if job["kind"] == "floor"
-        else {"error": "exit status 1: boom"}))
+    monkeypatch.setattr(
+        runner,
+        "run_job",
+        lambda job, env=None, timeout=None: (
+            {"gb_per_s": 10.0, "method": "fake", "bytes": 8}
+            if job["kind"] == "floor"
+            else {"error": "exit status 1: boom"}
+        ),
+    )
     assert bench.main(["--quick", "--workload", "large", "--impl", "lossscale-numpy"]) == 1
     rows = _table_rows(capsys.readouterr().out)
     assert rows == ["| lossscale-numpy | large | failed: exit status 1: boom | - | - |"]
@@ -124,6 +184,7 @@ def _load_script(name):
 
 def test_gpu_script_fails_loudly_without_cuda(monkeypatch, capsys):
     import torch
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _load_script("gpu").main([]) == 2
     assert "benchmarks/gpu.py: error: CUDA is not available" in capsys.readouterr().err
@@ -131,23 +192,46 @@ def test_gpu_script_fails_loudly_without_cuda(monkeypatch, capsys):
 
 def test_gpu_script_runs_the_gpu_workloads_with_its_defaults(monkeypatch):
     import torch
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     seen = []
     monkeypatch.setattr(bench, "main", lambda argv: seen.append(argv) or 0)
     assert _load_script("gpu").main(["--repeats", "50"]) == 0
-    assert seen == [["--workload", "gpu", "--repeats", "20", "--warmup", "4",
-                     "--timeout", "150", "--repeats", "50"]]
+    assert seen == [
+        [
+            "--workload",
+            "gpu",
+            "--repeats",
+            "20",
+            "--warmup",
+            "4",
+            "--timeout",
+            "150",
+            "--repeats",
+            "50",
+        ]
+    ]
 
 
 def test_rows_disturbed_by_other_processes_are_flagged(monkeypatch, capsys):
-    monkeypatch.setattr(runner, "run_job", lambda job, env=None, timeout=None: (
-        {"gb_per_s": 10.0, "method": "fake", "bytes": 8} if job["kind"] == "floor"
-        else {"median_ms": 2.0, "others_cores": 0.75 if job["impl"] == "keras-jax" else 0.01}))
-    assert bench.main(["--quick", "--workload", "large", "--impl", "keras-jax",
-                       "--impl", "optax-jmp"]) == 0
+    monkeypatch.setattr(
+        runner,
+        "run_job",
+        lambda job, env=None, timeout=None: (
+            {"gb_per_s": 10.0, "method": "fake", "bytes": 8}
+            if job["kind"] == "floor"
+            else {"median_ms": 2.0, "others_cores": 0.75 if job["impl"] == "keras-jax" else 0.01}
+        ),
+    )
+    assert (
+        bench.main(["--quick", "--workload", "large", "--impl", "keras-jax", "--impl", "optax-jmp"])
+        == 0
+    )
     out = capsys.readouterr().out
-    assert ("**Unreliable rows**: other processes kept CPUs busy (mean cores in parentheses) "
-            "while these ran: keras-jax on large (0.75). Rerun on an idle machine.") in out
+    assert (
+        "**Unreliable rows**: other processes kept CPUs busy (mean cores in parentheses) "
+        "while these ran: keras-jax on large (0.75). Rerun on an idle machine."
+    ) in out
     assert "optax-jmp on large (" not in out
 
 
@@ -161,8 +245,13 @@ def test_others_cores_is_busy_time_minus_the_jobs_own():
 
 
 def test_disturbed_runs_are_retried_after_waiting_for_idle(monkeypatch):
-    results = iter([{"median_ms": 5.0, "others_cores": 0.9}, {"median_ms": 3.0, "others_cores": 0.3},
-                    {"median_ms": 4.0, "others_cores": 0.5}])
+    results = iter(
+        [
+            {"median_ms": 5.0, "others_cores": 0.9},
+            {"median_ms": 3.0, "others_cores": 0.3},
+            {"median_ms": 4.0, "others_cores": 0.5},
+        ]
+    )
     waits = []
     monkeypatch.setattr(runner, "wait_for_idle", lambda: waits.append(1) or True)
     monkeypatch.setattr(runner, "run_job", lambda job, env=None, timeout=None: next(results))
@@ -195,10 +284,30 @@ def test_rounds_alternate_the_order_and_report_the_median_of_medians(monkeypatch
         return {"median_ms": next(medians), "others_cores": 0.0}
 
     monkeypatch.setattr(runner, "run_job", fake_run_job)
-    assert bench.main(["--quick", "--workload", "large", "--impl", "lossscale-numpy",
-                       "--impl", "keras-jax", "--rounds", "3"]) == 0
-    assert calls == ["lossscale-numpy", "keras-jax", "keras-jax", "lossscale-numpy",
-                     "lossscale-numpy", "keras-jax"]
+    assert (
+        bench.main(
+            [
+                "--quick",
+                "--workload",
+                "large",
+                "--impl",
+                "lossscale-numpy",
+                "--impl",
+                "keras-jax",
+                "--rounds",
+                "3",
+            ]
+        )
+        == 0
+    )
+    assert calls == [
+        "lossscale-numpy",
+        "keras-jax",
+        "keras-jax",
+        "lossscale-numpy",
+        "lossscale-numpy",
+        "keras-jax",
+    ]
     out = capsys.readouterr().out
     rows = [ROW.match(line) for line in _table_rows(out)]
     assert [(m[1], m[3]) for m in rows] == [("lossscale-numpy", "4.000"), ("keras-jax", "20.000")]

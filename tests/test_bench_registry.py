@@ -12,8 +12,13 @@ def test_every_requested_implementation_is_registered():
         by_kind.setdefault(impl.kind, []).append(impl.name)
     assert by_kind == {
         "ours": ["lossscale-numpy", "lossscale-torch", "lossscale-jax"],
-        "peer": ["torch-gradscaler-fused", "torch-gradscaler-foreach", "keras-torch",
-                 "keras-jax", "optax-jmp"],
+        "peer": [
+            "torch-gradscaler-fused",
+            "torch-gradscaler-foreach",
+            "keras-torch",
+            "keras-jax",
+            "optax-jmp",
+        ],
         "baseline": ["torch-adam-fused-unscaled"],
     }
     assert impls["keras-torch"].env == {"KERAS_BACKEND": "torch"}
@@ -34,9 +39,13 @@ def test_registration_errors(monkeypatch):
     registry.implementation("a", "ours", "d")(lambda w: None)
     with pytest.raises(ValueError, match="Implementation 'a' is registered twice."):
         registry.implementation("a", "ours", "d")(lambda w: None)
-    with pytest.raises(ValueError, match=r"`kind` must be one of \('ours', 'peer', 'baseline'\). "
-                                         r"Received: kind='rival'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`kind` must be one of \('ours', 'peer', 'baseline'\). "
+        r"Received: kind='rival'",
+    ):
         registry.implementation("b", "rival", "d")
-    missing = registry.Implementation("c", "peer", "d", ("no_such_module_xyz",), ("cpu",), {},
-                                      lambda w: None)
+    missing = registry.Implementation(
+        "c", "peer", "d", ("no_such_module_xyz",), ("cpu",), {}, lambda w: None
+    )
     assert missing.missing() == ["no_such_module_xyz"]

@@ -17,8 +17,9 @@ def _rows():
 
 def test_columns_and_one_row_per_result():
     lines = table.markdown_table(_rows(), {"w": 1.5}).splitlines()
-    assert lines[0] == ("| implementation | workload | median ms | ratio to floor | "
-                        "ratio to best peer |")
+    assert lines[0] == (
+        "| implementation | workload | median ms | ratio to floor | ratio to best peer |"
+    )
     assert lines[1] == "|---|---|---:|---:|---:|"
     assert lines[2:] == [
         "| ours | w | 3.000 | 2.00x | 1.50x |",
@@ -41,10 +42,13 @@ def test_best_peers_ignores_baselines_and_missing_results():
 def test_header_lines():
     lines = table.header(
         "a machine",
-        {"cpu": {"gb_per_s": 37.25, "method": "torch copy_, 2 threads", "bytes": 2 ** 28},
-         "cuda": {"error": "no GPU"}},
+        {
+            "cpu": {"gb_per_s": 37.25, "method": "torch copy_, 2 threads", "bytes": 2**28},
+            "cuda": {"error": "no GPU"},
+        },
         {"large": 14.5},
-        {"large": "16 tensors", "other": "2 tensors"})
+        {"large": "16 tensors", "other": "2 tensors"},
+    )
     assert lines == [
         "Machine: a machine",
         "Bandwidth (cpu): 37.2 GB/s (torch copy_, 2 threads, copy of 256 MiB, bytes read + "

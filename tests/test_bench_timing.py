@@ -5,9 +5,11 @@ from lossscale.bench import timing
 
 def test_time_steps_order_and_counts():
     events = []
-    stepper = timing.Stepper(step=lambda: events.append("step") or "result",
-                             sync=lambda r: events.append(("sync", r)),
-                             prepare=lambda: events.append("prepare"))
+    stepper = timing.Stepper(
+        step=lambda: events.append("step") or "result",
+        sync=lambda r: events.append(("sync", r)),
+        prepare=lambda: events.append("prepare"),
+    )
     times = timing.time_steps(stepper, repeats=3, warmup=2)
     assert len(times) == 3 and all(t >= 0 for t in times)
     assert events == ["prepare", ("sync", None), "step", ("sync", "result")] * 5
@@ -15,4 +17,8 @@ def test_time_steps_order_and_counts():
 
 def test_summary_in_milliseconds():
     assert timing.summary([0.003, 0.001, 0.002, 0.010]) == {
-        "median_ms": 2.5, "min_ms": 1.0, "max_ms": 10.0, "steps": 4}
+        "median_ms": 2.5,
+        "min_ms": 1.0,
+        "max_ms": 10.0,
+        "steps": 4,
+    }

@@ -6,12 +6,15 @@ import pytest
 from lossscale.bench import workloads
 
 
-@pytest.mark.parametrize("name,tensors,low,high,device", [
-    ("many_small", 400, 0.9e6, 1.1e6, "cpu"),
-    ("large", 16, 16e6, 17e6, "cpu"),
-    ("gpu_many_small", 400, 0.9e6, 1.1e6, "cuda"),
-    ("gpu_large", 64, 250e6, 270e6, "cuda"),
-])
+@pytest.mark.parametrize(
+    "name,tensors,low,high,device",
+    [
+        ("many_small", 400, 0.9e6, 1.1e6, "cpu"),
+        ("large", 16, 16e6, 17e6, "cpu"),
+        ("gpu_many_small", 400, 0.9e6, 1.1e6, "cuda"),
+        ("gpu_large", 64, 250e6, 270e6, "cuda"),
+    ],
+)
 def test_sizes(name, tensors, low, high, device):
     w = workloads.get(name)
     assert (w.name, len(w.shapes), w.device) == (name, tensors, device)
@@ -49,9 +52,12 @@ def test_arrays_are_float32_random_never_zero_and_reproducible():
 
 
 def test_unknown_workload():
-    with pytest.raises(ValueError, match=r"`workload` must be one of \('many_small', 'large', "
-                                         r"'gpu_many_small', 'gpu_large'\). Received: "
-                                         r"workload='huge'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`workload` must be one of \('many_small', 'large', "
+        r"'gpu_many_small', 'gpu_large'\). Received: "
+        r"workload='huge'",
+    ):
         workloads.get("huge")
 
 

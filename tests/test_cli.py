@@ -17,23 +17,28 @@ def _error(capsys, argv):
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["demo", "--steps", "0"], "argument --steps: must be an integer >= 1. Received: '0'"),
-    (["demo", "--steps", "ten"], "argument --steps: must be an integer >= 1. Received: 'ten'"),
-    (["demo", "--seed", "-1"], "argument --seed: must be an integer >= 0. Received: '-1'"),
-    (["demo", "--growth-steps", "0"],
-     "argument --growth-steps: must be an integer >= 1. Received: '0'"),
-    (["demo", "--initial-scale", "0"], "argument --initial-scale: must be a finite number > 0"),
-    (["demo", "--initial-scale", "nan"], "Received: 'nan'"),
-    (["demo", "--initial-scale", "inf"], "Received: 'inf'"),
-    (["demo", "--initial-scale", "2**2000"], "Received: '2**2000'"),
-    (["demo", "--loss-weight=-1e-5"], "argument --loss-weight: must be a finite number > 0"),
-    (["demo", "--backend", "tensorflow"], "argument --backend: invalid choice: 'tensorflow'"),
-    (["demo", "--bogus"], "unrecognized arguments: --bogus"),
-    (["demo", "--steps"], "argument --steps: expected one argument"),
-    (["train"], "argument COMMAND: invalid choice: 'train'"),
-    ([], "the following arguments are required: COMMAND"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--steps", "0"], "argument --steps: must be an integer >= 1. Received: '0'"),
+        (["demo", "--steps", "ten"], "argument --steps: must be an integer >= 1. Received: 'ten'"),
+        (["demo", "--seed", "-1"], "argument --seed: must be an integer >= 0. Received: '-1'"),
+        (
+            ["demo", "--growth-steps", "0"],
+            "argument --growth-steps: must be an integer >= 1. Received: '0'",
+        ),
+        (["demo", "--initial-scale", "0"], "argument --initial-scale: must be a finite number > 0"),
+        (["demo", "--initial-scale", "nan"], "Received: 'nan'"),
+        (["demo", "--initial-scale", "inf"], "Received: 'inf'"),
+        (["demo", "--initial-scale", "2**2000"], "Received: '2**2000'"),
+        (["demo", "--loss-weight=-1e-5"], "argument --loss-weight: must be a finite number > 0"),
+        (["demo", "--backend", "tensorflow"], "argument --backend: invalid choice: 'tensorflow'"),
+        (["demo", "--bogus"], "unrecognized arguments: --bogus"),
+        (["demo", "--steps"], "argument --steps: expected one argument"),
+        (["train"], "argument COMMAND: invalid choice: 'train'"),
+        ([], "the following arguments are required: COMMAND"),
+    ],
+)
 def test_bad_options_exit_2_with_a_message(capsys, argv, message):
     err = _error(capsys, argv)
     assert message in err
@@ -44,18 +49,60 @@ def test_demo_option_errors_name_the_subcommand(capsys):
     assert "lossscale demo: error:" in _error(capsys, ["demo", "--steps", "0"])
 
 
-@pytest.mark.parametrize("argv, expected", [
-    ([], {"steps": None, "seed": 0, "out": "lossscale-demo", "initial_scale": 2.0 ** 15,
-          "growth_steps": 50, "backend": "torch", "loss_weight": 2.0 ** -16, "quick": False,
-          "no_progress": False}),
-    (["--steps", "7", "--seed", "3", "--out", "d", "--initial-scale", "2**20",
-      "--growth-steps", "9", "--backend", "jax", "--loss-weight", "2^-3", "--quick",
-      "--no-progress"],
-     {"steps": 7, "seed": 3, "out": "d", "initial_scale": 2.0 ** 20, "growth_steps": 9,
-      "backend": "jax", "loss_weight": 0.125, "quick": True, "no_progress": True}),
-    (["--initial-scale", "1e3", "--loss-weight", "0.5"],
-     {"initial_scale": 1000.0, "loss_weight": 0.5}),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            [],
+            {
+                "steps": None,
+                "seed": 0,
+                "out": "lossscale-demo",
+                "initial_scale": 2.0**15,
+                "growth_steps": 50,
+                "backend": "torch",
+                "loss_weight": 2.0**-16,
+                "quick": False,
+                "no_progress": False,
+            },
+        ),
+        (
+            [
+                "--steps",
+                "7",
+                "--seed",
+                "3",
+                "--out",
+                "d",
+                "--initial-scale",
+                "2**20",
+                "--growth-steps",
+                "9",
+                "--backend",
+                "jax",
+                "--loss-weight",
+                "2^-3",
+                "--quick",
+                "--no-progress",
+            ],
+            {
+                "steps": 7,
+                "seed": 3,
+                "out": "d",
+                "initial_scale": 2.0**20,
+                "growth_steps": 9,
+                "backend": "jax",
+                "loss_weight": 0.125,
+                "quick": True,
+                "no_progress": True,
+            },
+        ),
+        (
+            ["--initial-scale", "1e3", "--loss-weight", "0.5"],
+            {"initial_scale": 1000.0, "loss_weight": 0.5},
+        ),
+    ],
+)
 def test_demo_options_parse(argv, expected):
     args = cli.build_parser().parse_args(["demo", *argv])
     assert {k: getattr(args, k) for k in expected} == expected
@@ -79,8 +126,16 @@ def test_help_lists_commands_and_options(capsys):
         cli.main(["demo", "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--steps", "--seed", "--out", "--initial-scale", "--growth-steps",
-                   "--backend", "--quick", "--loss-weight"):
+    for option in (
+        "--steps",
+        "--seed",
+        "--out",
+        "--initial-scale",
+        "--growth-steps",
+        "--backend",
+        "--quick",
+        "--loss-weight",
+    ):
         assert option in out
 
 
@@ -91,15 +146,15 @@ def test_bench_forwards_its_arguments(monkeypatch):
         received.append(argv)
         return 3
 
-    monkeypatch.setitem(sys.modules, "lossscale.bench",
-                        types.SimpleNamespace(main=fake_main))
+    monkeypatch.setitem(sys.modules, "lossscale.bench", types.SimpleNamespace(main=fake_main))
     assert cli.main(["bench", "--workload", "large", "--help"]) == 3
     assert received == [["--workload", "large", "--help"]]
 
 
 def test_bench_returning_none_exits_0(monkeypatch):
-    monkeypatch.setitem(sys.modules, "lossscale.bench",
-                        types.SimpleNamespace(main=lambda argv: None))
+    monkeypatch.setitem(
+        sys.modules, "lossscale.bench", types.SimpleNamespace(main=lambda argv: None)
+    )
     assert cli.main(["bench"]) == 0
 
 
@@ -113,8 +168,9 @@ def test_missing_demo_dependency_exits_1(monkeypatch, capsys, tmp_path):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "tqdm" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tqdm" else real(name, *a)
+    )
     assert cli.main(["demo", "--quick", "--backend", "numpy", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "lossscale demo: error: `lossscale demo --backend numpy` needs tqdm" in err
@@ -122,13 +178,17 @@ def test_missing_demo_dependency_exits_1(monkeypatch, capsys, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("command", [
-    [sys.executable, "-m", "lossscale"],
-    [str(__import__("pathlib").Path(sys.executable).parent / "lossscale")],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        [sys.executable, "-m", "lossscale"],
+        [str(__import__("pathlib").Path(sys.executable).parent / "lossscale")],
+    ],
+)
 def test_entry_points(command):
-    proc = subprocess.run(command + ["demo", "--steps", "0"], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        command + ["demo", "--steps", "0"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2
     assert "lossscale demo: error: argument --steps" in proc.stderr
     proc = subprocess.run(command + ["--help"], capture_output=True, text=True, timeout=120)
@@ -136,9 +196,10 @@ def test_entry_points(command):
 
 
 def test_the_command_line_imports_neither_torch_nor_jax():
-    code = ("import sys, lossscale.cli; "
-            "print(sorted(m for m in ('torch', 'jax', 'matplotlib', 'sklearn') "
-            "if m in sys.modules))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        "import sys, lossscale.cli; "
+        "print(sorted(m for m in ('torch', 'jax', 'matplotlib', 'sklearn') "
+        "if m in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "[]", proc.stderr

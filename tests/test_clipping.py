@@ -11,8 +11,12 @@ from lossscale.optimizers import clipping
 def test_clip_by_norm(backend):
     ops = get_ops(backend.name)
     g = backend.array(np.array([3.0, 4.0]))
-    np.testing.assert_allclose(backend.numpy(clipping.clip_by_norm(ops, g, 1.0)), [0.6, 0.8], rtol=1e-6)
-    np.testing.assert_allclose(backend.numpy(clipping.clip_by_norm(ops, g, 10.0)), [3, 4], rtol=1e-6)
+    np.testing.assert_allclose(
+        backend.numpy(clipping.clip_by_norm(ops, g, 1.0)), [0.6, 0.8], rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        backend.numpy(clipping.clip_by_norm(ops, g, 10.0)), [3, 4], rtol=1e-6
+    )
     zero = backend.array(np.zeros(2))
     np.testing.assert_array_equal(backend.numpy(clipping.clip_by_norm(ops, zero, 1.0)), [0, 0])
 
@@ -39,13 +43,16 @@ def test_clipping_zero_gradients_is_silent_and_exact(backend):
     for out in by_global + [by_norm]:
         assert np.array_equal(backend.numpy(out), np.zeros_like(backend.numpy(out)))
     tiny = [backend.array(np.array([1e-30, -2e-30]))]  # norm far below the floor
-    np.testing.assert_allclose(backend.numpy(clipping.clip_by_global_norm(ops, tiny, 0.5)[0]),
-                               [1e-30, -2e-30], rtol=1e-6)
+    np.testing.assert_allclose(
+        backend.numpy(clipping.clip_by_global_norm(ops, tiny, 0.5)[0]), [1e-30, -2e-30], rtol=1e-6
+    )
 
 
 def test_clip_gradients_dispatch(backend):
     ops = get_ops(backend.name)
     grads = [backend.array(np.array([-3.0, 0.5]))]
-    np.testing.assert_array_equal(backend.numpy(clipping.clip_gradients(ops, grads, clipvalue=1.0)[0]), [-1, 0.5])
+    np.testing.assert_array_equal(
+        backend.numpy(clipping.clip_gradients(ops, grads, clipvalue=1.0)[0]), [-1, 0.5]
+    )
     same = clipping.clip_gradients(ops, grads)
     assert same[0] is grads[0]

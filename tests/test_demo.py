@@ -17,8 +17,12 @@ LABELS = ("float32", "float16, no loss scaling", "float16 + LossScaleOptimizer")
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    proc = subprocess.run([sys.executable, "-m", "lossscale", "demo", "--quick", "--out",
-                           str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lossscale", "demo", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     with open(out / "results.json", encoding="utf-8") as f:
         results = json.load(f)
@@ -29,8 +33,7 @@ def test_prints_the_table(quick_run):
     proc, _, results = quick_run
     header = next(line for line in proc.stdout.splitlines() if line.startswith("| run"))
     assert [c.strip() for c in header.strip("|").split("|")] == list(COLUMNS)
-    rows = [line for line in proc.stdout.splitlines()
-            if line.startswith("| float")]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| float")]
     assert [r.split("|")[1].strip() for r in rows] == list(LABELS)
     assert results["table"] in proc.stdout
     assert results["summary"] in proc.stdout

@@ -41,9 +41,13 @@ def test_batch_indices():
 
 
 def test_batch_indices_rejects_a_batch_larger_than_the_data():
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "`batch_size` must be an integer from 1 to 10 (the number of training examples). "
-            "Received: batch_size=11")):
+            "Received: batch_size=11"
+        ),
+    ):
         digits.batch_indices(10, 11, 5, seed=0)
 
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
+from lossscale.backends import get_ops
 from lossscale.demo import data as digits
 from lossscale.demo.models import make_model
-from lossscale.backends import get_ops
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def _shared_layout(backend, grads):
 
 def _relative_error(grads, reference):
     diff = np.sqrt(sum(np.sum((g - r) ** 2) for g, r in zip(grads, reference)))
-    return diff / np.sqrt(sum(np.sum(r ** 2) for r in reference))
+    return diff / np.sqrt(sum(np.sum(r**2) for r in reference))
 
 
 def test_float32_gradients_match_float64(backend, weights, batch):
@@ -69,25 +69,27 @@ def test_float16_gradients_are_float16_and_close_when_scaled(backend, weights, b
 def test_float16_flushes_small_gradients_and_scaling_restores_them(backend, weights, batch):
     x, y = batch
     model = make_model(backend.name, weights)
-    _, ref_grads, _ = _reference(weights, x, y, 2.0 ** -24)
+    _, ref_grads, _ = _reference(weights, x, y, 2.0**-24)
     live = sum(int(np.count_nonzero(r)) for r in ref_grads)
 
     def flushed(grads):
-        return sum(int(np.count_nonzero((r != 0) & (g == 0)))
-                   for r, g in zip(ref_grads, _shared_layout(backend, grads)))
+        return sum(
+            int(np.count_nonzero((r != 0) & (g == 0)))
+            for r, g in zip(ref_grads, _shared_layout(backend, grads))
+        )
 
-    _, plain = model.gradients(x, y, "float16", 2.0 ** -24, lambda loss: loss)
-    _, scaled = model.gradients(x, y, "float16", 2.0 ** -24, lambda loss: loss * 2.0 ** 24)
+    _, plain = model.gradients(x, y, "float16", 2.0**-24, lambda loss: loss)
+    _, scaled = model.gradients(x, y, "float16", 2.0**-24, lambda loss: loss * 2.0**24)
     assert flushed(plain) > 0.5 * live
     assert flushed(scaled) < 0.01 * live
-    unscaled = [g * 2.0 ** -24 for g in _shared_layout(backend, scaled)]
+    unscaled = [g * 2.0**-24 for g in _shared_layout(backend, scaled)]
     assert _relative_error(unscaled, ref_grads) < 5e-3
 
 
 def test_float16_overflow_gives_non_finite_gradients(backend, weights, batch):
     x, y = batch
     model = make_model(backend.name, weights)
-    _, grads = model.gradients(x, y, "float16", 1.0, lambda loss: loss * 2.0 ** 40)
+    _, grads = model.gradients(x, y, "float16", 1.0, lambda loss: loss * 2.0**40)
     assert not all(np.isfinite(g).all() for g in _shared_layout(backend, grads))
 
 
@@ -120,9 +122,15 @@ def test_torch_variables_wrap_the_module_parameters_in_place(weights, batch):
 
 def test_bad_precision_and_backend(weights, batch):
     x, y = batch
-    with pytest.raises(ValueError, match=r"`precision` must be one of \('float32', 'float16'\)"
-                                         r"\. Received: precision='bfloat16'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`precision` must be one of \('float32', 'float16'\)"
+        r"\. Received: precision='bfloat16'",
+    ):
         make_model("numpy", weights).gradients(x, y, "bfloat16", 1.0, lambda loss: loss)
-    with pytest.raises(ValueError, match=r"`backend` must be one of \('torch', 'numpy', 'jax'\)"
-                                         r"\. Received: backend='mxnet'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`backend` must be one of \('torch', 'numpy', 'jax'\)"
+        r"\. Received: backend='mxnet'",
+    ):
         make_model("mxnet", weights)

@@ -7,11 +7,28 @@ from lossscale.demo.training import RUNS, RunResult
 def _results():
     return (
         RunResult(RUNS[0], test_accuracy=0.9861, train_loss=0.00183),
-        RunResult(RUNS[1], test_accuracy=0.35, train_loss=11.51281, flushed=117, nonzero=1000,
-                  subnormal=800, received_nonzero=883, gradient_errors=[0.6, 0.75]),
-        RunResult(RUNS[2], test_accuracy=0.98888, train_loss=0.0018, skipped_steps=[3, 9],
-                  final_scale=2.0 ** 40, flushed=3, nonzero=10000, subnormal=1,
-                  received_nonzero=9997, gradient_errors=[0.004]),
+        RunResult(
+            RUNS[1],
+            test_accuracy=0.35,
+            train_loss=11.51281,
+            flushed=117,
+            nonzero=1000,
+            subnormal=800,
+            received_nonzero=883,
+            gradient_errors=[0.6, 0.75],
+        ),
+        RunResult(
+            RUNS[2],
+            test_accuracy=0.98888,
+            train_loss=0.0018,
+            skipped_steps=[3, 9],
+            final_scale=2.0**40,
+            flushed=3,
+            nonzero=10000,
+            subnormal=1,
+            received_nonzero=9997,
+            gradient_errors=[0.004],
+        ),
     )
 
 
@@ -49,11 +66,17 @@ def test_summary_quotes_the_measured_numbers():
         "significant bits), its gradients were off by 67.5 % on average, and it reached "
         "35.0 % test accuracy. With LossScaleOptimizer, float16 flushed 0.03 %, 0.01 % were "
         "subnormal, it was off by 0.4 %, skipped 2 overflowing step(s) and reached 98.9 % "
-        "(float32: 98.6 %).")
+        "(float32: 98.6 %)."
+    )
 
 
 def test_format_number():
     from lossscale.demo.report import format_number
 
-    assert [format_number(x) for x in (2.0 ** 15, 2.0 ** -16, 1.0, 1000.0, 1e-5)] == [
-        "2^15", "2^-16", "2^0", "1000", "1e-05"]
+    assert [format_number(x) for x in (2.0**15, 2.0**-16, 1.0, 1000.0, 1e-5)] == [
+        "2^15",
+        "2^-16",
+        "2^0",
+        "1000",
+        "1e-05",
+    ]

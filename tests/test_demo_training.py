@@ -50,43 +50,48 @@ def test_compare_counts_flushed_and_subnormal_values_and_the_relative_error():
     ref64 = [r.astype(np.float64) for r in reference]
     unscaled = [g.astype(np.float64) / 2048.0 for g in grads]
     expected = np.sqrt(sum(((u - r) ** 2).sum() for u, r in zip(unscaled, ref64))) / np.sqrt(
-        sum((r ** 2).sum() for r in ref64))
+        sum((r**2).sum() for r in ref64)
+    )
     assert error == pytest.approx(expected, rel=1e-12)
 
 
 def test_compare_counts_subnormals_below_two_to_the_minus_14():
     ops = get_ops("numpy")
-    grads = [np.array([2.0 ** -14, -(2.0 ** -15), 2.0 ** -24, 0.0, 1.0], np.float16)]
+    grads = [np.array([2.0**-14, -(2.0**-15), 2.0**-24, 0.0, 1.0], np.float16)]
     comparison = _compare([np.ones(5, np.float32)], grads, 1.0, ops)
     assert (comparison.subnormal, comparison.received_nonzero, comparison.flushed) == (2, 4, 1)
 
 
 def test_compare_leaves_out_the_error_of_an_overflowed_step():
     ops = get_ops("numpy")
-    comparison = _compare([np.array([1.0, 2.0, 1e-9], np.float32)],
-                          [np.array([np.inf, 1.0, 0.0], np.float16)], 1.0, ops)
+    comparison = _compare(
+        [np.array([1.0, 2.0, 1e-9], np.float32)],
+        [np.array([np.inf, 1.0, 0.0], np.float16)],
+        1.0,
+        ops,
+    )
     assert (comparison.flushed, comparison.nonzero, comparison.error) == (1, 3, None)
 
 
 def test_make_optimizer_scales_epsilon_with_the_loss_weight():
-    config = DemoConfig(loss_weight=2.0 ** -10, initial_scale=2.0 ** 12, growth_steps=7,
-                        learning_rate=0.01)
+    config = DemoConfig(
+        loss_weight=2.0**-10, initial_scale=2.0**12, growth_steps=7, learning_rate=0.01
+    )
     plain = make_optimizer(UNSCALED, config)
     assert type(plain) is Adam
-    assert plain.epsilon == 1e-7 * 2.0 ** -10
+    assert plain.epsilon == 1e-7 * 2.0**-10
     assert float(plain.learning_rate) == pytest.approx(0.01)
     wrapped = make_optimizer(SCALED, config)
     assert isinstance(wrapped, LossScaleOptimizer)
-    assert (wrapped.initial_scale, wrapped.dynamic_growth_steps) == (2.0 ** 12, 7)
-    assert wrapped.inner_optimizer.epsilon == 1e-7 * 2.0 ** -10
+    assert (wrapped.initial_scale, wrapped.dynamic_growth_steps) == (2.0**12, 7)
+    assert wrapped.inner_optimizer.epsilon == 1e-7 * 2.0**-10
 
 
 def test_float32_run_is_the_same_for_any_power_of_two_loss_weight(backend, data):
     plain, _ = _train(FLOAT32, backend.name, data, 8, loss_weight=1.0)
-    weighted, _ = _train(FLOAT32, backend.name, data, 8, loss_weight=2.0 ** -16)
+    weighted, _ = _train(FLOAT32, backend.name, data, 8, loss_weight=2.0**-16)
     assert plain.losses == weighted.losses
-    assert (plain.train_loss, plain.test_accuracy) == (weighted.train_loss,
-                                                       weighted.test_accuracy)
+    assert (plain.train_loss, plain.test_accuracy) == (weighted.train_loss, weighted.test_accuracy)
     assert plain.flush_share is None and plain.gradient_error is None
     assert plain.scales == [None] * 8 and plain.final_scale is None
 
@@ -102,27 +107,28 @@ def test_unscaled_float16_run_records_underflow(backend, data):
 
 
 def test_too_large_a_scale_skips_steps_and_halves_the_scale(backend, data):
-    result, bar = _train(SCALED, backend.name, data, 8, initial_scale=2.0 ** 38)
+    result, bar = _train(SCALED, backend.name, data, 8, initial_scale=2.0**38)
     skipped = result.skipped_steps
     assert skipped == list(range(len(skipped))) and 0 < len(skipped) < 8
-    assert result.scales[:len(skipped) + 1] == [2.0 ** (38 - i) for i in range(len(skipped) + 1)]
-    assert result.scales[len(skipped):] == [result.scales[len(skipped)]] * (8 - len(skipped))
+    assert result.scales[: len(skipped) + 1] == [2.0 ** (38 - i) for i in range(len(skipped) + 1)]
+    assert result.scales[len(skipped) :] == [result.scales[len(skipped)]] * (8 - len(skipped))
     assert result.final_scale == result.scales[-1]
     # Overflowed steps carry no error measurement; the others do.
     assert len(result.gradient_errors) == 8 - len(skipped)
-    assert bar.postfixes[0].endswith(f"scale={2.0 ** 38:g}")
+    assert bar.postfixes[0].endswith(f"scale={2.0**38:g}")
 
 
 def test_scale_grows_every_growth_steps(data):
-    result, _ = _train(SCALED, "numpy", data, 9, initial_scale=2.0 ** 10, growth_steps=4)
+    result, _ = _train(SCALED, "numpy", data, 9, initial_scale=2.0**10, growth_steps=4)
     assert result.skipped_steps == []
-    assert result.scales == [2.0 ** 10] * 4 + [2.0 ** 11] * 4 + [2.0 ** 12]
-    assert result.final_scale == 2.0 ** 12
+    assert result.scales == [2.0**10] * 4 + [2.0**11] * 4 + [2.0**12]
+    assert result.final_scale == 2.0**12
 
 
 def test_run_result_summaries():
-    result = RunResult(SCALED, flushed=3, nonzero=12, subnormal=1, received_nonzero=8,
-                       gradient_errors=[0.1, 0.3])
+    result = RunResult(
+        SCALED, flushed=3, nonzero=12, subnormal=1, received_nonzero=8, gradient_errors=[0.1, 0.3]
+    )
     assert result.flush_share == 0.25 and result.subnormal_share == 0.125
     assert result.gradient_error == pytest.approx(0.2)
     as_dict = result.to_dict()

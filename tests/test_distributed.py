@@ -12,10 +12,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import distributed_worker as worker
 import numpy as np
 import pytest
-
-import distributed_worker as worker
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
@@ -51,12 +50,14 @@ def run_ranks(scenario, tmp_path):
 
 
 def single_process_sharded_reference():
-    import lossscale as ls
     import torch
 
+    import lossscale as ls
+
     params = worker.initial_parameters()
-    opt = ls.LossScaleOptimizer(ls.optimizers.Adam(0.01), initial_scale=2.0 ** 10,
-                                dynamic_growth_steps=2)
+    opt = ls.LossScaleOptimizer(
+        ls.optimizers.Adam(0.01), initial_scale=2.0**10, dynamic_growth_steps=2
+    )
     scales = []
     for grads in worker.gradient_sequence():
         scale = np.float32(opt.scale_loss(1.0) if not opt.built else float(opt.dynamic_scale))
@@ -163,10 +164,12 @@ JAX_SHARDED = textwrap.dedent("""
 
 
 def test_jax_sharded_step_is_one_global_decision():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", JAX_SHARDED], capture_output=True, text=True,
-                         timeout=120, env=env)
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", JAX_SHARDED], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[0] == "ok"
 
@@ -179,8 +182,11 @@ def test_all_true_and_all_max_in_one_process_return_their_input(backend):
     for flag in (True, False):
         assert bool(backend.numpy(ops.all_true(backend.array(np.bool_(flag))))) is flag
     assert float(backend.numpy(ops.all_max(backend.array(np.float32(2.5))))) == 2.5
-    message = ("torch.distributed is not initialised" if backend.name == "torch"
-               else "`process_group` applies to torch.distributed only")
+    message = (
+        "torch.distributed is not initialised"
+        if backend.name == "torch"
+        else "`process_group` applies to torch.distributed only"
+    )
     for primitive in (ops.all_true, ops.all_max):
         with pytest.raises(ValueError, match=message):
             primitive(backend.array(np.bool_(True)), object())

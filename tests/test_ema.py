@@ -22,5 +22,7 @@ def test_first_step_copies_then_averages(backend):
 
 
 def test_overwrite_length_mismatch():
-    with pytest.raises(ValueError, match=r"length of model variables \(2\) to override does not match"):
+    with pytest.raises(
+        ValueError, match=r"length of model variables \(2\) to override does not match"
+    ):
         ema.overwrite_with_averages([1, 2], [None])

@@ -20,8 +20,14 @@ def _run(name, cwd):
     # One thread: the examples' matrices are tiny, and spinning worker
     # threads on a busy test machine would only slow them down.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(EXAMPLES / name)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().splitlines()[-1]
 
@@ -31,7 +37,7 @@ def test_example_runs_and_learns(name, tmp_path):
     last = _run(name, tmp_path)
     assert float(re.search(r"accuracy (\S+)", last).group(1)) > 0.95
     # 300 steps, no overflow, doubling every 100 finite steps: 2**15 -> 2**18.
-    assert float(re.search(r"loss scale (\S+)", last).group(1)) == 2.0 ** 18
+    assert float(re.search(r"loss scale (\S+)", last).group(1)) == 2.0**18
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -85,8 +91,11 @@ def test_ddp_example_on_two_ranks(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     from test_distributed import launch  # retries once after a gloo teardown abort
 
-    proc = launch([sys.executable, str(launcher), str(EXAMPLES / "torch_ddp.py"), str(port)],
-                  cwd=tmp_path, env=env)
+    proc = launch(
+        [sys.executable, str(launcher), str(EXAMPLES / "torch_ddp.py"), str(port)],
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("ranks 2") and float(re.search(r"loss (\S+)", last).group(1)) < 0.05

@@ -6,8 +6,7 @@ import pytest
 import lossscale as ls
 from lossscale.mixed_precision import LossScaleError
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore::lossscale.mixed_precision.UnscaledLossWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
 
 
 def built(backend, **kwargs):
@@ -40,11 +39,18 @@ def test_check_raises_only_on_a_recorded_error(backend):
 def test_values_must_match_the_variables_one_for_one(backend):
     _, plain = built(backend)
     _, limited = built(backend, max_consecutive_skips=3)
-    for opt, method in ((plain, plain.summary), (limited, limited.summary),
-                        (limited, limited.check)):
+    for opt, method in (
+        (plain, plain.summary),
+        (limited, limited.summary),
+        (limited, limited.check),
+    ):
         count = len(opt.variables)
-        with pytest.raises(ValueError, match=(
+        with pytest.raises(
+            ValueError,
+            match=(
                 rf"`optimizer_variables` must hold one value per optimizer variable "
-                rf"\({count}\). Received: {count - 1} values")):
+                rf"\({count}\). Received: {count - 1} values"
+            ),
+        ):
             method([v.value for v in opt.variables][:-1])
     plain.check([])  # without limits there is nothing to check, and nothing is read

@@ -13,16 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import ReferenceLossScale, ReferenceOptimizer, adam_rule
 
 import lossscale as ls
 from lossscale import optimizers, schedules
 from lossscale.optimizers import LossScaleOptimizer
-from reference import ReferenceLossScale, ReferenceOptimizer, adam_rule
 
 # The tests feed gradients that are already scaled, as `jax.grad` of a scaled
 # loss would give them, so the stateful wrapper's reminder does not apply.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore::lossscale.mixed_precision.UnscaledLossWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
 SHAPES = [(4, 3), (5,)]
 STEPS = 20
 # Gradients are scaled by 8; overflow at step 3 (inf) and 7 (NaN), growth
@@ -51,8 +50,9 @@ def make_gradients(seed=1, steps=STEPS, dtype=np.float32):
 
 
 def wrapped(inner, **settings):
-    return LossScaleOptimizer(inner, initial_scale=INITIAL_SCALE,
-                              dynamic_growth_steps=GROWTH_STEPS, **settings)
+    return LossScaleOptimizer(
+        inner, initial_scale=INITIAL_SCALE, dynamic_growth_steps=GROWTH_STEPS, **settings
+    )
 
 
 def run_eager(make_inner, weights, grads, **settings):
@@ -86,8 +86,9 @@ def assert_values_close(got, expected):
     assert len(got) == len(expected)
     for a, b in zip(got, expected):
         assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
-                                   rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=RTOL, atol=ATOL
+        )
 
 
 @pytest.mark.parametrize("cls", INNER_CLASSES, ids=lambda c: c.__name__)
@@ -143,10 +144,14 @@ OPTION_CASES = {
     "clipvalue": dict(clipvalue=0.3),
     "weight_decay": dict(weight_decay=0.1),
     "schedule_subclass": dict(learning_rate=Halving()),
-    "exponential_decay": dict(learning_rate=schedules.ExponentialDecay(
-        0.05, decay_steps=3, decay_rate=0.5, staircase=True)),
-    "piecewise_constant": dict(learning_rate=schedules.PiecewiseConstantDecay(
-        [3, 6], [0.05, 0.02, 0.01])),
+    "exponential_decay": dict(
+        learning_rate=schedules.ExponentialDecay(
+            0.05, decay_steps=3, decay_rate=0.5, staircase=True
+        )
+    ),
+    "piecewise_constant": dict(
+        learning_rate=schedules.PiecewiseConstantDecay([3, 6], [0.05, 0.02, 0.01])
+    ),
     "cosine_restarts": dict(learning_rate=schedules.CosineDecayRestarts(0.05, 4)),
     "callable": dict(learning_rate=lambda: 0.02),
 }
@@ -199,9 +204,11 @@ def test_outputs_keep_input_dtypes_and_weak_types():
     opt.build([jnp.asarray(w) for w in weights])
     names = [v.path for v in opt.variables]
     own = [v.value for v in opt.variables]
-    python_scalars = {"loss_scale_optimizer/step_counter": 0,
-                      "loss_scale_optimizer/dynamic_scale": INITIAL_SCALE,
-                      "adam/learning_rate": 0.05}
+    python_scalars = {
+        "loss_scale_optimizer/step_counter": 0,
+        "loss_scale_optimizer/dynamic_scale": INITIAL_SCALE,
+        "adam/learning_rate": 0.05,
+    }
     own = [python_scalars.get(n, x) for n, x in zip(names, own)]
     traces = []
 
@@ -224,8 +231,9 @@ def test_outputs_keep_input_dtypes_and_weak_types():
 
 def test_buffer_donation():
     weights, grads = make_weights(), make_gradients(steps=6)
-    model, own, traces = run_jit(lambda: optimizers.Adam(0.05), weights, grads,
-                                 donate_argnums=(0, 2))
+    model, own, traces = run_jit(
+        lambda: optimizers.Adam(0.05), weights, grads, donate_argnums=(0, 2)
+    )
     plain_model, plain_own, _ = run_jit(lambda: optimizers.Adam(0.05), weights, grads)
     assert traces == 1
     assert_values_close(model, plain_model)
@@ -234,7 +242,8 @@ def test_buffer_donation():
     opt.build([jnp.asarray(w) for w in weights])
     inputs = ([jnp.array(v.value) for v in opt.variables], [jnp.asarray(w) for w in weights])
     jax.jit(opt.stateless_apply, donate_argnums=(0, 2))(
-        inputs[0], [jnp.asarray(g) for g in grads[0]], inputs[1])
+        inputs[0], [jnp.asarray(g) for g in grads[0]], inputs[1]
+    )
     assert all(x.is_deleted() for x in inputs[0] + inputs[1])
 
 
@@ -248,12 +257,21 @@ def test_donation_in_output_order_updates_every_buffer_in_place():
     weights = make_weights()
     opt = wrapped(optimizers.Adam(0.05))
     opt.build([jnp.asarray(w) for w in weights])
-    step = jax.jit(lambda model, own, g: opt.stateless_apply(own, g, model),
-                   donate_argnums=(0, 1))
-    text = step.lower([jnp.asarray(w) for w in weights], [v.value for v in opt.variables],
-                      [jnp.asarray(w) for w in weights]).compile().as_text()
-    copies = [line for line in text.splitlines()
-              if re.search(r"= [a-z0-9]+\[\d+(,\d+)*\]\S* copy\(", line)]
+    step = jax.jit(lambda model, own, g: opt.stateless_apply(own, g, model), donate_argnums=(0, 1))
+    text = (
+        step.lower(
+            [jnp.asarray(w) for w in weights],
+            [v.value for v in opt.variables],
+            [jnp.asarray(w) for w in weights],
+        )
+        .compile()
+        .as_text()
+    )
+    copies = [
+        line
+        for line in text.splitlines()
+        if re.search(r"= [a-z0-9]+\[\d+(,\d+)*\]\S* copy\(", line)
+    ]
     assert copies == []
 
 
@@ -262,7 +280,7 @@ def test_half_precision_gradients_with_float32_parameters(dtype):
     """Scaled half gradients are unscaled in float32 and applied to float32 weights."""
     weights = make_weights()
     rng = np.random.default_rng(3)
-    scale = 2.0 ** 12
+    scale = 2.0**12
     # Small true gradients: many of them underflow in half precision unscaled.
     true = [[(rng.normal(size=s) * 1e-5).astype(np.float32) for s in SHAPES] for _ in range(5)]
     scaled = [[jnp.asarray(g * scale, dtype=dtype) for g in step] for step in true]

@@ -48,10 +48,12 @@ def test_assign_broadcasts_a_scalar_into_the_shape():
 def test_new_arrays_follow_a_committed_reference():
     device = jax.devices()[0]
     committed = jax.device_put(jnp.ones((2, 2)), device)
-    for made in (jax_ops.asarray(np.zeros((2, 2), np.float32), like=committed),
-                 jax_ops.full((2, 2), 1.0, "float32", like=committed),
-                 jax_ops.full((), 0, "int32", like=committed),
-                 jax_ops.place(np.ones(5, np.float32), committed)):
+    for made in (
+        jax_ops.asarray(np.zeros((2, 2), np.float32), like=committed),
+        jax_ops.full((2, 2), 1.0, "float32", like=committed),
+        jax_ops.full((), 0, "int32", like=committed),
+        jax_ops.place(np.ones(5, np.float32), committed),
+    ):
         assert made.committed and made.sharding.device_set == {device}
     # Default placement stays uncommitted: nothing to follow.
     assert not jax_ops.asarray(np.zeros(2), like=jnp.ones(2)).committed
@@ -82,13 +84,17 @@ def test_unscale_in_float32(dtype, rng):
 def test_unscale_keeps_small_half_gradients_representable():
     # 1e-3 * 2**-16 underflows float16 (smallest subnormal ~6e-8) but not float32.
     g = jnp.asarray(np.float16(1e-3))
-    out = jax_ops.unscale([g], jnp.asarray(np.float32(2.0 ** 16)))[0]
+    out = jax_ops.unscale([g], jnp.asarray(np.float32(2.0**16)))[0]
     assert float(out) > 0 and np.float16(float(out)) == 0
 
 
 def test_all_finite(rng):
-    good = [jnp.asarray(rng.normal(size=3), jnp.float16), jnp.asarray(rng.normal(size=(2, 2))),
-            jnp.zeros((0, 3)), jnp.asarray([3, -7], jnp.int32)]
+    good = [
+        jnp.asarray(rng.normal(size=3), jnp.float16),
+        jnp.asarray(rng.normal(size=(2, 2))),
+        jnp.zeros((0, 3)),
+        jnp.asarray([3, -7], jnp.int32),
+    ]
     assert bool(jax_ops.all_finite(good))
     assert bool(jax_ops.all_finite([]))
     assert bool(jax_ops.all_finite([jnp.zeros(0)]))
@@ -137,8 +143,9 @@ def test_cond_under_jit_selects_and_keeps_types(pred):
 
     def step(p, a_value, b_value):
         with ls.backends._common.bound([a, b], [a_value, b_value]):
-            jax_ops.cond(p, lambda: (a.assign(a.value * 3.0), b.assign_add(1)),
-                         lambda: a.assign(0.5), [a, b])
+            jax_ops.cond(
+                p, lambda: (a.assign(a.value * 3.0), b.assign_add(1)), lambda: a.assign(0.5), [a, b]
+            )
             return a.value, b.value
 
     new_a, new_b = jax.jit(step)(jnp.asarray(pred), jnp.asarray(2.0), jnp.asarray(np.int32(7)))

@@ -24,18 +24,34 @@ PATTERN = ["f", "f", "inf", "f", "nan", "f", "f", "f", "inf", "f", "f", "f"]
 
 CASES = {
     "adam": (lambda: keras.optimizers.Adam(0.01), lambda: ls.optimizers.Adam(0.01)),
-    "adam_amsgrad_wd": (lambda: keras.optimizers.Adam(0.01, amsgrad=True, weight_decay=0.05),
-                        lambda: ls.optimizers.Adam(0.01, amsgrad=True, weight_decay=0.05)),
+    "adam_amsgrad_wd": (
+        lambda: keras.optimizers.Adam(0.01, amsgrad=True, weight_decay=0.05),
+        lambda: ls.optimizers.Adam(0.01, amsgrad=True, weight_decay=0.05),
+    ),
     "sgd_nesterov_clip": (
         lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True, clipnorm=0.5),
-        lambda: ls.optimizers.SGD(0.05, momentum=0.9, nesterov=True, clipnorm=0.5)),
+        lambda: ls.optimizers.SGD(0.05, momentum=0.9, nesterov=True, clipnorm=0.5),
+    ),
     "sgd_accumulation_ema": (
-        lambda: keras.optimizers.SGD(0.05, gradient_accumulation_steps=2, use_ema=True,
-                                     ema_momentum=0.9, ema_overwrite_frequency=2),
-        lambda: ls.optimizers.SGD(0.05, gradient_accumulation_steps=2, use_ema=True,
-                                  ema_momentum=0.9, ema_overwrite_frequency=2)),
-    "adam_global_clipnorm": (lambda: keras.optimizers.Adam(0.02, global_clipnorm=0.3),
-                             lambda: ls.optimizers.Adam(0.02, global_clipnorm=0.3)),
+        lambda: keras.optimizers.SGD(
+            0.05,
+            gradient_accumulation_steps=2,
+            use_ema=True,
+            ema_momentum=0.9,
+            ema_overwrite_frequency=2,
+        ),
+        lambda: ls.optimizers.SGD(
+            0.05,
+            gradient_accumulation_steps=2,
+            use_ema=True,
+            ema_momentum=0.9,
+            ema_overwrite_frequency=2,
+        ),
+    ),
+    "adam_global_clipnorm": (
+        lambda: keras.optimizers.Adam(0.02, global_clipnorm=0.3),
+        lambda: ls.optimizers.Adam(0.02, global_clipnorm=0.3),
+    ),
 }
 
 
@@ -46,8 +62,9 @@ def test_loss_scale_optimizer_matches_keras(case):
     init = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
     k_vars = [keras.Variable(x.copy()) for x in init]
     o_vars = [ls.Variable(torch.from_numpy(x.copy())) for x in init]
-    k_opt = keras.optimizers.LossScaleOptimizer(make_keras(), initial_scale=256.0,
-                                                dynamic_growth_steps=3)
+    k_opt = keras.optimizers.LossScaleOptimizer(
+        make_keras(), initial_scale=256.0, dynamic_growth_steps=3
+    )
     o_opt = ls.LossScaleOptimizer(make_ours(), initial_scale=256.0, dynamic_growth_steps=3)
     for kind in PATTERN:
         grads = [rng.normal(size=s).astype(np.float32) * 256 for s in SHAPES]
@@ -56,8 +73,9 @@ def test_loss_scale_optimizer_matches_keras(case):
         k_opt.apply([torch.from_numpy(g.copy()) for g in grads], k_vars)
         o_opt.apply([torch.from_numpy(g.copy()) for g in grads], o_vars)
         for k, o in zip(k_vars, o_vars):
-            np.testing.assert_allclose(o.numpy(), keras.ops.convert_to_numpy(k), rtol=1e-5,
-                                       atol=1e-6)
+            np.testing.assert_allclose(
+                o.numpy(), keras.ops.convert_to_numpy(k), rtol=1e-5, atol=1e-6
+            )
         assert float(o_opt.dynamic_scale) == float(keras.ops.convert_to_numpy(k_opt.dynamic_scale))
         assert int(o_opt.step_counter) == int(keras.ops.convert_to_numpy(k_opt.step_counter))
         assert int(o_opt.iterations) == int(keras.ops.convert_to_numpy(k_opt.iterations))
@@ -80,4 +98,5 @@ def test_config_keys_match_keras():
     assert sorted(ours["inner_optimizer"]["config"]) == sorted(theirs["inner_optimizer"]["config"])
     for name in ("Adam", "SGD"):
         assert sorted(getattr(ls.optimizers, name)().get_config()) == sorted(
-            getattr(keras.optimizers, name)().get_config())
+            getattr(keras.optimizers, name)().get_config()
+        )

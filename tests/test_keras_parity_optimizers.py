@@ -15,9 +15,9 @@ os.environ["KERAS_BACKEND"] = "torch"
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import optimizer_cases as cases  # noqa: E402
 import pytest  # noqa: E402
 
-import optimizer_cases as cases  # noqa: E402
 import lossscale as ls  # noqa: E402
 
 NAMES = ["AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "Lamb"]
@@ -25,42 +25,82 @@ NAMES = ["AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "
 # Per optimizer: a default-settings scenario and one with its own options,
 # weight decay and a clipping option (the three clipping options rotate).
 SCENARIOS = {
-    "AdamW": [{"learning_rate": 0.01},
-              {"learning_rate": 0.01, "amsgrad": True, "weight_decay": 0.1, "clipnorm": 0.5}],
-    "RMSprop": [{"learning_rate": 0.01},
-                {"learning_rate": 0.01, "momentum": 0.9, "centered": True, "rho": 0.8,
-                 "weight_decay": 0.05, "clipvalue": 0.5}],
-    "Adagrad": [{"learning_rate": 0.1},
-                {"learning_rate": 0.1, "initial_accumulator_value": 0.5, "weight_decay": 0.05,
-                 "global_clipnorm": 1.5}],
-    "Adadelta": [{"learning_rate": 1.0, "epsilon": 1e-3},
-                 {"learning_rate": 1.0, "rho": 0.5, "epsilon": 1e-2, "weight_decay": 0.05,
-                  "clipnorm": 0.7}],
-    "Adamax": [{"learning_rate": 0.01},
-               {"learning_rate": 0.01, "beta_1": 0.5, "beta_2": 0.9, "weight_decay": 0.05,
-                "clipvalue": 0.5}],
-    "Nadam": [{"learning_rate": 0.01},
-              {"learning_rate": 0.01, "beta_1": 0.8, "weight_decay": 0.05,
-               "global_clipnorm": 1.5}],
-    "Lion": [{"learning_rate": 0.01},
-             {"learning_rate": 0.01, "beta_1": 0.5, "beta_2": 0.9, "weight_decay": 0.5,
-              "clipnorm": 0.5}],
-    "Ftrl": [{"learning_rate": 0.1},
-             {"learning_rate": 0.1, "learning_rate_power": -0.7,
-              "initial_accumulator_value": 0.5, "l1_regularization_strength": 0.05,
-              "l2_regularization_strength": 0.1, "l2_shrinkage_regularization_strength": 0.02,
-              "beta": 0.3, "weight_decay": 0.05, "clipvalue": 0.5}],
-    "Lamb": [{"learning_rate": 0.01},
-             {"learning_rate": 0.01, "beta_1": 0.8, "weight_decay": 0.05,
-              "global_clipnorm": 1.5}],
+    "AdamW": [
+        {"learning_rate": 0.01},
+        {"learning_rate": 0.01, "amsgrad": True, "weight_decay": 0.1, "clipnorm": 0.5},
+    ],
+    "RMSprop": [
+        {"learning_rate": 0.01},
+        {
+            "learning_rate": 0.01,
+            "momentum": 0.9,
+            "centered": True,
+            "rho": 0.8,
+            "weight_decay": 0.05,
+            "clipvalue": 0.5,
+        },
+    ],
+    "Adagrad": [
+        {"learning_rate": 0.1},
+        {
+            "learning_rate": 0.1,
+            "initial_accumulator_value": 0.5,
+            "weight_decay": 0.05,
+            "global_clipnorm": 1.5,
+        },
+    ],
+    "Adadelta": [
+        {"learning_rate": 1.0, "epsilon": 1e-3},
+        {"learning_rate": 1.0, "rho": 0.5, "epsilon": 1e-2, "weight_decay": 0.05, "clipnorm": 0.7},
+    ],
+    "Adamax": [
+        {"learning_rate": 0.01},
+        {
+            "learning_rate": 0.01,
+            "beta_1": 0.5,
+            "beta_2": 0.9,
+            "weight_decay": 0.05,
+            "clipvalue": 0.5,
+        },
+    ],
+    "Nadam": [
+        {"learning_rate": 0.01},
+        {"learning_rate": 0.01, "beta_1": 0.8, "weight_decay": 0.05, "global_clipnorm": 1.5},
+    ],
+    "Lion": [
+        {"learning_rate": 0.01},
+        {"learning_rate": 0.01, "beta_1": 0.5, "beta_2": 0.9, "weight_decay": 0.5, "clipnorm": 0.5},
+    ],
+    "Ftrl": [
+        {"learning_rate": 0.1},
+        {
+            "learning_rate": 0.1,
+            "learning_rate_power": -0.7,
+            "initial_accumulator_value": 0.5,
+            "l1_regularization_strength": 0.05,
+            "l2_regularization_strength": 0.1,
+            "l2_shrinkage_regularization_strength": 0.02,
+            "beta": 0.3,
+            "weight_decay": 0.05,
+            "clipvalue": 0.5,
+        },
+    ],
+    "Lamb": [
+        {"learning_rate": 0.01},
+        {"learning_rate": 0.01, "beta_1": 0.8, "weight_decay": 0.05, "global_clipnorm": 1.5},
+    ],
 }
 # A schedule as learning rate: read from the raw iteration count, and no
 # `learning_rate` variable on either side.
 SCHEDULED = {
-    "RMSprop": ("ExponentialDecay", {"initial_learning_rate": 0.02, "decay_steps": 2,
-                                     "decay_rate": 0.5, "staircase": True}),
-    "Nadam": ("CosineDecay", {"initial_learning_rate": 0.0, "decay_steps": 4,
-                              "warmup_target": 0.02, "warmup_steps": 2}),
+    "RMSprop": (
+        "ExponentialDecay",
+        {"initial_learning_rate": 0.02, "decay_steps": 2, "decay_rate": 0.5, "staircase": True},
+    ),
+    "Nadam": (
+        "CosineDecay",
+        {"initial_learning_rate": 0.0, "decay_steps": 4, "warmup_target": 0.02, "warmup_steps": 2},
+    ),
     "Ftrl": ("PiecewiseConstantDecay", {"boundaries": [1, 3], "values": [0.3, 0.2, 0.1]}),
     "Lamb": ("CosineDecayRestarts", {"initial_learning_rate": 0.02, "first_decay_steps": 2}),
 }
@@ -75,7 +115,7 @@ def build(library, name, index):
     settings = dict(SCENARIOS[name][index])
     if isinstance(settings["learning_rate"], tuple):
         schedule, schedule_settings = settings["learning_rate"]
-        schedules = (keras.optimizers.schedules if library is keras else ls.schedules)
+        schedules = keras.optimizers.schedules if library is keras else ls.schedules
         settings["learning_rate"] = getattr(schedules, schedule)(**schedule_settings)
     return getattr(library.optimizers, name)(**settings)
 
@@ -84,7 +124,7 @@ def test_keras_runs_on_torch():
     assert keras.backend.backend() == "torch"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def keras_trajectory(name, index):
     """Keras's snapshots `{variable name: value}` after each step."""
     optimizer = build(keras, name, index)
@@ -108,8 +148,13 @@ def test_every_variable_matches_keras_after_every_step(backend, name, index):
     variables = cases.model_variables(backend, cases.weights())
     for t, (step_grads, want) in enumerate(zip(cases.gradients(), expected)):
         optimizer.apply([backend.array(g) for g in step_grads], variables)
-        cases.assert_same_snapshot(cases.snapshot(optimizer, variables), want, rtol=1e-5,
-                                   atol=1e-7, context=f"{name} step {t + 1}")
+        cases.assert_same_snapshot(
+            cases.snapshot(optimizer, variables),
+            want,
+            rtol=1e-5,
+            atol=1e-7,
+            context=f"{name} step {t + 1}",
+        )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -124,9 +169,13 @@ def test_default_config_matches_keras(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_argument_order_matches_keras(name):
     """Positional use works as in Keras: our arguments are a prefix of Keras's."""
+
     def arguments(cls):
-        return [p for p in inspect.signature(cls.__init__).parameters
-                if p not in ("self", "name", "kwargs")]
+        return [
+            p
+            for p in inspect.signature(cls.__init__).parameters
+            if p not in ("self", "name", "kwargs")
+        ]
 
     ours = arguments(getattr(ls.optimizers, name))
-    assert arguments(getattr(keras.optimizers, name))[:len(ours)] == ours
+    assert arguments(getattr(keras.optimizers, name))[: len(ours)] == ours

@@ -4,12 +4,12 @@ import functools
 import re
 
 import numpy as np
+import optimizer_cases as cases
 import pytest
 
 import lossscale as ls
-import optimizer_cases as cases
-from lossscale.optimizers import lamb as lamb_module
 from lossscale.optimizers import Lamb
+from lossscale.optimizers import lamb as lamb_module
 
 
 class LambRule(cases.Rule):
@@ -40,13 +40,13 @@ CASES = [(None, {}), (0.05, {"clipvalue": 0.5})]
 @pytest.mark.parametrize("options", VARIANTS, ids=["default", "custom_betas"])
 @pytest.mark.parametrize("weight_decay,clip", CASES, ids=["no_decay", "decay_clipvalue"])
 def test_matches_float64_reference(backend, options, weight_decay, clip):
-    cases.check_reference(backend, functools.partial(Lamb, **options), LambRule(**options),
-                          0.01, weight_decay, **clip)
+    cases.check_reference(
+        backend, functools.partial(Lamb, **options), LambRule(**options), 0.01, weight_decay, **clip
+    )
 
 
 def test_inside_loss_scale_optimizer(backend):
-    cases.check_loss_scale(backend, Lamb, learning_rate=0.01, weight_decay=0.05,
-                           clipnorm=0.5)
+    cases.check_loss_scale(backend, Lamb, learning_rate=0.01, weight_decay=0.05, clipnorm=0.5)
 
 
 def test_stateless_apply_matches_apply(backend):
@@ -58,8 +58,9 @@ def test_jit_stateless_apply_matches_eager():
 
 
 def test_config_round_trip():
-    cases.check_config_round_trip(Lamb, learning_rate=0.02, beta_1=0.8, beta_2=0.99,
-                                  epsilon=1e-5, clipnorm=2.0)
+    cases.check_config_round_trip(
+        Lamb, learning_rate=0.02, beta_1=0.8, beta_2=0.99, epsilon=1e-5, clipnorm=2.0
+    )
 
 
 def test_resumes_from_config_and_saved_variables(backend):
@@ -80,11 +81,14 @@ def test_defaults_follow_keras():
     assert float(opt.learning_rate) == pytest.approx(0.001)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"beta_1": 1.0}, "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=1.0"),
-    ({"beta_2": -0.1}, "`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=-0.1"),
-    ({"epsilon": 0}, "`epsilon` must be a finite number > 0. Received: epsilon=0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"beta_1": 1.0}, "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=1.0"),
+        ({"beta_2": -0.1}, "`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=-0.1"),
+        ({"epsilon": 0}, "`epsilon` must be a finite number > 0. Received: epsilon=0"),
+    ],
+)
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         Lamb(**kwargs)

@@ -4,11 +4,11 @@ import functools
 import re
 
 import numpy as np
+import optimizer_cases as cases
 import pytest
 
-import optimizer_cases as cases
-from lossscale.optimizers import lion as lion_module
 from lossscale.optimizers import Lion
+from lossscale.optimizers import lion as lion_module
 
 
 class LionRule(cases.Rule):
@@ -33,13 +33,13 @@ CASES = [(None, {}), (0.5, {"clipnorm": 0.5})]
 @pytest.mark.parametrize("options", VARIANTS, ids=["default", "custom_betas"])
 @pytest.mark.parametrize("weight_decay,clip", CASES, ids=["no_decay", "decay_clipnorm"])
 def test_matches_float64_reference(backend, options, weight_decay, clip):
-    cases.check_reference(backend, functools.partial(Lion, **options), LionRule(**options),
-                          0.01, weight_decay, **clip)
+    cases.check_reference(
+        backend, functools.partial(Lion, **options), LionRule(**options), 0.01, weight_decay, **clip
+    )
 
 
 def test_inside_loss_scale_optimizer(backend):
-    cases.check_loss_scale(backend, Lion, learning_rate=0.01, weight_decay=0.5,
-                           global_clipnorm=1.0)
+    cases.check_loss_scale(backend, Lion, learning_rate=0.01, weight_decay=0.5, global_clipnorm=1.0)
 
 
 def test_stateless_apply_matches_apply(backend):
@@ -51,8 +51,9 @@ def test_jit_stateless_apply_matches_eager():
 
 
 def test_config_round_trip():
-    cases.check_config_round_trip(Lion, learning_rate=0.0003, beta_1=0.95, beta_2=0.98,
-                                  weight_decay=1.0)
+    cases.check_config_round_trip(
+        Lion, learning_rate=0.0003, beta_1=0.95, beta_2=0.98, weight_decay=1.0
+    )
 
 
 def test_resumes_from_config_and_saved_variables(backend):
@@ -69,11 +70,14 @@ def test_defaults_follow_keras():
     assert float(opt.learning_rate) == pytest.approx(0.001)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"beta_1": 0.0}, "`beta_1` must be a finite number > 0 and <= 1. Received: beta_1=0.0"),
-    ({"beta_1": 1.1}, "`beta_1` must be a finite number > 0 and <= 1. Received: beta_1=1.1"),
-    ({"beta_2": 1.0}, "`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=1.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"beta_1": 0.0}, "`beta_1` must be a finite number > 0 and <= 1. Received: beta_1=0.0"),
+        ({"beta_1": 1.1}, "`beta_1` must be a finite number > 0 and <= 1. Received: beta_1=1.1"),
+        ({"beta_2": 1.0}, "`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=1.0"),
+    ],
+)
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         Lion(**kwargs)

@@ -4,16 +4,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import F32_MAX, F32_TINY, ReferenceLossScale
 
 from lossscale.backends import get_ops
 from lossscale.mixed_precision import LossScalePolicy, LossScaleState, next_loss_scale
-from reference import F32_MAX, F32_TINY, ReferenceLossScale
 
 
 def run(backend, policy, pattern):
     ops = get_ops(backend.name)
-    state = LossScaleState(backend.array(np.float32(policy.initial_scale)),
-                           backend.array(np.int32(0)))
+    state = LossScaleState(
+        backend.array(np.float32(policy.initial_scale)), backend.array(np.int32(0))
+    )
     ref = ReferenceLossScale(policy.initial_scale, policy.dynamic_growth_steps)
     for finite in pattern:
         state = next_loss_scale(ops, state, backend.array(np.bool_(finite)), policy)
@@ -30,35 +31,50 @@ def test_known_trajectory(backend):
 
 
 def test_guards_at_both_ends(backend):
-    ref = run(backend, LossScalePolicy(2.0 ** 127, 1), [True] * 3)
-    assert ref.scale == 2.0 ** 127
+    ref = run(backend, LossScalePolicy(2.0**127, 1), [True] * 3)
+    assert ref.scale == 2.0**127
     ref = run(backend, LossScalePolicy(F32_TINY * 2, 5), [False] * 4)
     assert ref.scale == F32_TINY
 
 
 @settings(max_examples=60, deadline=None)
-@given(initial=st.sampled_from([1.0, 2.0 ** 15, 2.0 ** 126, 3.0 * F32_TINY]),
-       growth=st.integers(1, 4), pattern=st.lists(st.booleans(), max_size=30))
+@given(
+    initial=st.sampled_from([1.0, 2.0**15, 2.0**126, 3.0 * F32_TINY]),
+    growth=st.integers(1, 4),
+    pattern=st.lists(st.booleans(), max_size=30),
+)
 def test_random_sequences_numpy(initial, growth, pattern):
     from conftest import Backend
 
     run(Backend("numpy"), LossScalePolicy(initial, growth), pattern)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"initial_scale": 0}, "`initial_scale` must be a finite number > 0"),
-    ({"initial_scale": F32_MAX * 2}, "`initial_scale` must be a finite number > 0 and <= "),
-    ({"dynamic_growth_steps": 0}, "`dynamic_growth_steps` must be an integer >= 1. Received: dynamic_growth_steps=0"),
-    ({"growth_factor": 1.0}, "`growth_factor` must be a finite number > 1. Received: growth_factor=1.0"),
-    ({"backoff_factor": 1.0}, "`backoff_factor` must be a finite number > 0 and < 1. Received: backoff_factor=1.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"initial_scale": 0}, "`initial_scale` must be a finite number > 0"),
+        ({"initial_scale": F32_MAX * 2}, "`initial_scale` must be a finite number > 0 and <= "),
+        (
+            {"dynamic_growth_steps": 0},
+            "`dynamic_growth_steps` must be an integer >= 1. Received: dynamic_growth_steps=0",
+        ),
+        (
+            {"growth_factor": 1.0},
+            "`growth_factor` must be a finite number > 1. Received: growth_factor=1.0",
+        ),
+        (
+            {"backoff_factor": 1.0},
+            "`backoff_factor` must be a finite number > 0 and < 1. Received: backoff_factor=1.0",
+        ),
+    ],
+)
 def test_policy_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LossScalePolicy(**kwargs)
 
 
 def test_policy_is_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         LossScalePolicy().initial_scale = 3.0
 
 
@@ -67,9 +83,9 @@ def test_policy_is_frozen():
 import dataclasses  # noqa: E402
 import math  # noqa: E402
 
+from conftest import Backend  # noqa: E402
 from hypothesis import assume  # noqa: E402
 
-from conftest import BACKENDS, Backend  # noqa: E402
 from lossscale.mixed_precision import loss_scale as ls_module  # noqa: E402
 
 F16_MAX = 65504.0
@@ -101,7 +117,8 @@ class Model:
                 elif not math.isfinite(grown):
                     grown = used
                 if p.growth_policy == "headroom" and not (
-                        f32(f32(peak) * f32(p.growth_factor)) < f32(F16_MAX / ls_module.HEADROOM_MARGIN)):
+                    f32(f32(peak) * f32(p.growth_factor)) < f32(F16_MAX / ls_module.HEADROOM_MARGIN)
+                ):
                     grown = used
                 self.scale, self.counter = grown, 0
             else:
@@ -114,8 +131,11 @@ class Model:
                     self.error = ls_module.BELOW_MIN_SCALE
                 else:
                     self.scale = max(backed, F32_TINY)
-            if (not self.error and p.max_consecutive_skips is not None
-                    and self.streak > p.max_consecutive_skips):
+            if (
+                not self.error
+                and p.max_consecutive_skips is not None
+                and self.streak > p.max_consecutive_skips
+            ):
                 self.error = ls_module.TOO_MANY_SKIPS
             self.skipped, self.last = self.skipped + 1, self.steps
             self.nonfinite = [ok is False for ok in variable_finite]
@@ -126,10 +146,18 @@ class Model:
 
     def expected(self):
         """The model as `{state field: value}` for the fields the policy tracks."""
-        values = dict(scale=self.scale, counter=self.counter, consecutive_skips=self.streak,
-                      steps=self.steps, skipped=self.skipped, last_overflow_step=self.last,
-                      scale_history=self.history, nonfinite=self.nonfinite, error=self.error,
-                      error_step=self.error_step)
+        values = dict(
+            scale=self.scale,
+            counter=self.counter,
+            consecutive_skips=self.streak,
+            steps=self.steps,
+            skipped=self.skipped,
+            last_overflow_step=self.last,
+            scale_history=self.history,
+            nonfinite=self.nonfinite,
+            error=self.error,
+            error_step=self.error_step,
+        )
         return {f.name: values[f.name] for f in ls_module.state_fields(self.p)}
 
 
@@ -141,8 +169,9 @@ def initial_state(backend, policy, n_vars):
         initial = policy.initial_scale if initial is None else initial
         dtype = f.metadata["dtype"]
         count = {"step": None, "history": ls_module.HISTORY_LENGTH, "variable": n_vars}[
-            f.metadata["per"]]
-        one = lambda: backend.array(np.asarray(initial, dtype))  # noqa: E731
+            f.metadata["per"]
+        ]
+        one = lambda initial=initial, dtype=dtype: backend.array(np.asarray(initial, dtype))  # noqa: E731
         values[f.name] = one() if count is None else tuple(one() for _ in range(count))
     return LossScaleState(**values)
 
@@ -161,16 +190,17 @@ def read_state(backend, state, policy):
 @st.composite
 def policies(draw):
     options = dict(
-        initial_scale=draw(st.sampled_from([1.0, 8.0, 2.0 ** 15, 2.0 ** 126, 3.0 * F32_TINY])),
+        initial_scale=draw(st.sampled_from([1.0, 8.0, 2.0**15, 2.0**126, 3.0 * F32_TINY])),
         dynamic_growth_steps=draw(st.integers(1, 4)),
         growth_factor=draw(st.sampled_from([2.0, 1.5, 4.0, 3.0])),
         backoff_factor=draw(st.sampled_from([0.5, 0.25, 0.75, 0.375])),
         hysteresis=draw(st.integers(1, 3)),
         min_scale=draw(st.sampled_from([None, None, 1.0, 0.125, F32_TINY * 2])),
-        max_scale=draw(st.sampled_from([None, None, 64.0, 2.0 ** 20])),
+        max_scale=draw(st.sampled_from([None, None, 64.0, 2.0**20])),
         max_consecutive_skips=draw(st.sampled_from([None, None, 0, 2, 4])),
         growth_policy=draw(st.sampled_from(["fixed", "headroom"])),
-        telemetry=draw(st.booleans()))
+        telemetry=draw(st.booleans()),
+    )
     low, high = options["min_scale"] or 0.0, options["max_scale"] or F32_MAX
     assume(low <= options["initial_scale"] <= high and low < high)
     return LossScalePolicy(**options)
@@ -178,10 +208,13 @@ def policies(draw):
 
 # Each step: per-variable gradient status (True finite, False non-finite,
 # None no gradient) and the largest scaled gradient magnitude.
-STEPS = st.lists(st.tuples(st.lists(st.sampled_from([True, True, True, False, None]),
-                                    min_size=3, max_size=3),
-                           st.sampled_from([0.5, 100.0, 4000.0, 4095.0, 4096.0, 30000.0])),
-                 max_size=14)
+STEPS = st.lists(
+    st.tuples(
+        st.lists(st.sampled_from([True, True, True, False, None]), min_size=3, max_size=3),
+        st.sampled_from([0.5, 100.0, 4000.0, 4095.0, 4096.0, 30000.0]),
+    ),
+    max_size=14,
+)
 
 
 def check_against_model(backend, policy, steps):
@@ -191,13 +224,20 @@ def check_against_model(backend, policy, steps):
     for flags, peak in steps:
         finite = all(ok is not False for ok in flags)
         if policy.records_details:
-            variable_finite = tuple(None if ok is None else backend.array(np.bool_(ok))
-                                    for ok in flags)
+            variable_finite = tuple(
+                None if ok is None else backend.array(np.bool_(ok)) for ok in flags
+            )
         else:
             variable_finite = ()
             state = dataclasses.replace(state, nonfinite=())
-        state = next_loss_scale(ops, state, backend.array(np.bool_(finite)), policy,
-                                peak=backend.array(f32(peak)), variable_finite=variable_finite)
+        state = next_loss_scale(
+            ops,
+            state,
+            backend.array(np.bool_(finite)),
+            policy,
+            peak=backend.array(f32(peak)),
+            variable_finite=variable_finite,
+        )
         model.step(finite, peak, flags)
         got = read_state(backend, state, policy)
         expected = model.expected()
@@ -259,8 +299,9 @@ def test_headroom_blocks_growth_near_float16_max(backend):
     state = initial_state(backend, policy, 0)
     scales = []
     for peak in [limit / 2 - 1, limit / 2, 10.0]:
-        state = next_loss_scale(ops, state, backend.array(np.bool_(True)), policy,
-                                peak=backend.array(f32(peak)))
+        state = next_loss_scale(
+            ops, state, backend.array(np.bool_(True)), policy, peak=backend.array(f32(peak))
+        )
         scales.append(backend.numpy(state.scale).item())
         assert backend.numpy(state.counter).item() == 0  # a blocked growth resets it too
     assert scales == [16.0, 16.0, 32.0]
@@ -278,19 +319,20 @@ def test_min_scale_error_freezes_the_state(backend):
     frozen = read_state(backend, state, policy)
     assert frozen["scale"] == 1.0 and frozen["error_step"] == 1 and frozen["steps"] == 2
     assert frozen["nonfinite"] == [False, True]
-    assert not backend.numpy(ls_module.may_apply(ops, state, backend.array(np.bool_(True)),
-                                                 policy)).item()
+    assert not backend.numpy(
+        ls_module.may_apply(ops, state, backend.array(np.bool_(True)), policy)
+    ).item()
     for finite in [True, False]:
-        state = next_loss_scale(ops, state, backend.array(np.bool_(finite)), policy,
-                                variable_finite=flags)
+        state = next_loss_scale(
+            ops, state, backend.array(np.bool_(finite)), policy, variable_finite=flags
+        )
         assert read_state(backend, state, policy) == frozen
 
 
 def test_two_field_state_is_completed(backend):
     policy = LossScalePolicy(8.0, 2, telemetry=True, max_consecutive_skips=1)
     state = LossScaleState(backend.array(f32(8.0)), backend.array(np.int32(0)))
-    state = next_loss_scale(get_ops(backend.name), state, backend.array(np.bool_(False)),
-                            policy)
+    state = next_loss_scale(get_ops(backend.name), state, backend.array(np.bool_(False)), policy)
     got = read_state(backend, state, policy)
     assert got["scale"] == 4.0 and got["steps"] == 1 and got["skipped"] == 1
     assert got["last_overflow_step"] == 0 and got["error"] == 0 and got["error_step"] == -1
@@ -300,32 +342,53 @@ def test_two_field_state_is_completed(backend):
 def test_next_loss_scale_argument_errors():
     ops = get_ops("numpy")
     state = LossScaleState(np.float32(8.0), np.int64(0))
-    with pytest.raises(ValueError, match='`peak` is required with growth_policy="headroom". '
-                                         "Received: peak=None"):
+    with pytest.raises(
+        ValueError, match='`peak` is required with growth_policy="headroom". Received: peak=None'
+    ):
         next_loss_scale(ops, state, np.bool_(True), LossScalePolicy(growth_policy="headroom"))
-    with pytest.raises(ValueError, match=r"`variable_finite` must hold one entry per entry of "
-                                         r"`state.nonfinite` \(0\). Received: 2 entries"):
+    with pytest.raises(
+        ValueError,
+        match=r"`variable_finite` must hold one entry per entry of "
+        r"`state.nonfinite` \(0\). Received: 2 entries",
+    ):
         next_loss_scale(ops, state, np.bool_(True), LossScalePolicy(), variable_finite=(1, 2))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"hysteresis": 0}, "`hysteresis` must be an integer >= 1. Received: hysteresis=0"),
-    ({"hysteresis": 1.5}, "Received: hysteresis=1.5"),
-    ({"min_scale": 0.0}, r"`min_scale` must be a finite number >= 1.17549\d*e-38 and <= "
-                         r"3.40282\d*e\+38 or None. Received: min_scale=0.0"),
-    ({"max_scale": float("inf")}, "Received: max_scale=inf"),
-    ({"max_consecutive_skips": -1}, "`max_consecutive_skips` must be an integer >= 0 or None. "
-                                    "Received: max_consecutive_skips=-1"),
-    ({"growth_policy": "adaptive"}, r"`growth_policy` must be one of \('fixed', 'headroom'\). "
-                                    "Received: growth_policy='adaptive'"),
-    ({"telemetry": 1}, "`telemetry` must be a boolean. Received: telemetry=1"),
-    ({"min_scale": 2.0 ** 16}, r"`min_scale` <= `initial_scale` <= `max_scale` and `min_scale` "
-                               r"< `max_scale`. Received: min_scale=65536.0, "
-                               r"initial_scale=32768.0, max_scale=None"),
-    ({"max_scale": 1.0}, "Received: min_scale=None, initial_scale=32768.0, max_scale=1.0"),
-    ({"initial_scale": 4.0, "min_scale": 4.0, "max_scale": 4.0},
-     "Received: min_scale=4.0, initial_scale=4.0, max_scale=4.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"hysteresis": 0}, "`hysteresis` must be an integer >= 1. Received: hysteresis=0"),
+        ({"hysteresis": 1.5}, "Received: hysteresis=1.5"),
+        (
+            {"min_scale": 0.0},
+            r"`min_scale` must be a finite number >= 1.17549\d*e-38 and <= "
+            r"3.40282\d*e\+38 or None. Received: min_scale=0.0",
+        ),
+        ({"max_scale": float("inf")}, "Received: max_scale=inf"),
+        (
+            {"max_consecutive_skips": -1},
+            "`max_consecutive_skips` must be an integer >= 0 or None. "
+            "Received: max_consecutive_skips=-1",
+        ),
+        (
+            {"growth_policy": "adaptive"},
+            r"`growth_policy` must be one of \('fixed', 'headroom'\). "
+            "Received: growth_policy='adaptive'",
+        ),
+        ({"telemetry": 1}, "`telemetry` must be a boolean. Received: telemetry=1"),
+        (
+            {"min_scale": 2.0**16},
+            r"`min_scale` <= `initial_scale` <= `max_scale` and `min_scale` "
+            r"< `max_scale`. Received: min_scale=65536.0, "
+            r"initial_scale=32768.0, max_scale=None",
+        ),
+        ({"max_scale": 1.0}, "Received: min_scale=None, initial_scale=32768.0, max_scale=1.0"),
+        (
+            {"initial_scale": 4.0, "min_scale": 4.0, "max_scale": 4.0},
+            "Received: min_scale=4.0, initial_scale=4.0, max_scale=4.0",
+        ),
+    ],
+)
 def test_new_policy_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LossScalePolicy(**kwargs)
@@ -335,27 +398,47 @@ def test_tracked_fields_follow_the_policy():
     names = lambda policy: [f.name for f in ls_module.state_fields(policy)]  # noqa: E731
     assert names(LossScalePolicy()) == ["scale", "counter"]
     assert names(LossScalePolicy(hysteresis=2)) == ["scale", "counter", "consecutive_skips"]
-    telemetry = ["scale", "counter", "consecutive_skips", "steps", "skipped",
-                 "last_overflow_step", "scale_history", "nonfinite"]
+    telemetry = [
+        "scale",
+        "counter",
+        "consecutive_skips",
+        "steps",
+        "skipped",
+        "last_overflow_step",
+        "scale_history",
+        "nonfinite",
+    ]
     assert names(LossScalePolicy(telemetry=True)) == telemetry
     assert names(LossScalePolicy(max_consecutive_skips=3)) == telemetry + ["error", "error_step"]
     assert names(LossScalePolicy(min_scale=1.0)) == telemetry + ["error", "error_step"]
 
 
 def test_non_default_settings():
-    assert LossScalePolicy().non_default_settings() == {"initial_scale": 2.0 ** 15,
-                                                       "dynamic_growth_steps": 2000}
+    assert LossScalePolicy().non_default_settings() == {
+        "initial_scale": 2.0**15,
+        "dynamic_growth_steps": 2000,
+    }
     assert LossScalePolicy(hysteresis=2, telemetry=True).non_default_settings() == {
-        "initial_scale": 2.0 ** 15, "dynamic_growth_steps": 2000, "hysteresis": 2,
-        "telemetry": True}
+        "initial_scale": 2.0**15,
+        "dynamic_growth_steps": 2000,
+        "hysteresis": 2,
+        "telemetry": True,
+    }
 
 
 def test_jit_traces_every_option():
     import jax
     import jax.numpy as jnp
 
-    policy = LossScalePolicy(8.0, 2, hysteresis=2, min_scale=0.5, max_scale=64.0,
-                             max_consecutive_skips=6, growth_policy="headroom")
+    policy = LossScalePolicy(
+        8.0,
+        2,
+        hysteresis=2,
+        min_scale=0.5,
+        max_scale=64.0,
+        max_consecutive_skips=6,
+        growth_policy="headroom",
+    )
     backend = Backend("jax")
     ops = get_ops("jax")
     model = Model(policy, 2)
@@ -363,17 +446,33 @@ def test_jit_traces_every_option():
 
     def step(fields, finite, peak, flags):
         traces.append(1)
-        return dataclasses.asdict(next_loss_scale(ops, LossScaleState(**fields), finite, policy,
-                                                  peak=peak, variable_finite=flags))
+        return dataclasses.asdict(
+            next_loss_scale(
+                ops, LossScaleState(**fields), finite, policy, peak=peak, variable_finite=flags
+            )
+        )
 
     jitted = jax.jit(step)
     state = initial_state(backend, policy, 2)
-    for finite, peak in [(True, 1.0), (True, 1.0), (False, 1.0), (True, 5000.0), (True, 5000.0),
-                         (False, 1.0), (False, 1.0), (False, 1.0), (False, 1.0), (False, 1.0),
-                         (False, 1.0), (False, 1.0), (True, 1.0)]:
+    for finite, peak in [
+        (True, 1.0),
+        (True, 1.0),
+        (False, 1.0),
+        (True, 5000.0),
+        (True, 5000.0),
+        (False, 1.0),
+        (False, 1.0),
+        (False, 1.0),
+        (False, 1.0),
+        (False, 1.0),
+        (False, 1.0),
+        (False, 1.0),
+        (True, 1.0),
+    ]:
         flags = (jnp.asarray(True), jnp.asarray(finite))
-        state = LossScaleState(**jitted(dataclasses.asdict(state), jnp.asarray(finite),
-                                        jnp.asarray(f32(peak)), flags))
+        state = LossScaleState(
+            **jitted(dataclasses.asdict(state), jnp.asarray(finite), jnp.asarray(f32(peak)), flags)
+        )
         model.step(finite, peak, [True, finite])
         assert read_state(backend, state, policy) == model.expected()
     assert model.error == ls_module.BELOW_MIN_SCALE
@@ -383,8 +482,14 @@ def test_jit_traces_every_option():
 def test_plain_policies_are_keras_with_float32_factors_at_most():
     assert LossScalePolicy().is_plain
     assert LossScalePolicy(growth_factor=4.0, backoff_factor=0.25).is_plain
-    for kwargs in [dict(hysteresis=2), dict(telemetry=True), dict(min_scale=1.0),
-                   dict(max_scale=2.0 ** 20), dict(max_consecutive_skips=3),
-                   dict(growth_policy="headroom"), dict(backoff_factor=0.7),
-                   dict(growth_factor=1.1)]:
+    for kwargs in [
+        dict(hysteresis=2),
+        dict(telemetry=True),
+        dict(min_scale=1.0),
+        dict(max_scale=2.0**20),
+        dict(max_consecutive_skips=3),
+        dict(growth_policy="headroom"),
+        dict(backoff_factor=0.7),
+        dict(growth_factor=1.1),
+    ]:
         assert not LossScalePolicy(**kwargs).is_plain, kwargs

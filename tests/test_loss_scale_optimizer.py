@@ -2,16 +2,15 @@
 
 import numpy as np
 import pytest
+from reference import F32_MAX, F32_TINY, ReferenceLossScale, ReferenceOptimizer, adam_rule
 
 import lossscale as ls
 from lossscale.optimizers import SGD, Adam, LossScaleOptimizer
-from reference import F32_MAX, F32_TINY, ReferenceLossScale, ReferenceOptimizer, adam_rule
 
 SHAPES = [(4, 3), (3,)]
 
 # Most tests here hand pre-scaled gradients to `apply` without `scale_loss`.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore::lossscale.mixed_precision.UnscaledLossWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
 
 
 def setup(backend, rng, inner=None, **kwargs):
@@ -61,8 +60,9 @@ def test_trajectory_matches_reference(backend, rng):
 
 
 def test_growth_after_dynamic_growth_steps(backend, rng):
-    _, variables, opt = setup(backend, rng, inner=SGD(0.0), initial_scale=2.0,
-                              dynamic_growth_steps=2)
+    _, variables, opt = setup(
+        backend, rng, inner=SGD(0.0), initial_scale=2.0, dynamic_growth_steps=2
+    )
     scales, counters = [], []
     for _ in range(5):
         opt.apply([backend.array(np.ones(s, np.float32)) for s in SHAPES], variables)
@@ -73,13 +73,14 @@ def test_growth_after_dynamic_growth_steps(backend, rng):
 
 
 def test_growth_never_reaches_inf(backend, rng):
-    _, variables, opt = setup(backend, rng, inner=SGD(0.0), initial_scale=2.0 ** 127,
-                              dynamic_growth_steps=1)
+    _, variables, opt = setup(
+        backend, rng, inner=SGD(0.0), initial_scale=2.0**127, dynamic_growth_steps=1
+    )
     for _ in range(3):
         opt.apply([backend.array(np.ones(s, np.float32)) for s in SHAPES], variables)
-        assert scalar(backend, opt.dynamic_scale) == 2.0 ** 127
+        assert scalar(backend, opt.dynamic_scale) == 2.0**127
         assert scalar(backend, opt.step_counter) == 0
-    assert 2.0 ** 127 * 2 > F32_MAX
+    assert 2.0**127 * 2 > F32_MAX
 
 
 def test_backoff_stops_at_smallest_normal(backend, rng):
@@ -119,9 +120,17 @@ def test_inner_loss_scale_factor_disabled():
 
 
 def test_base_keyword_arguments_rejected():
-    for key, value in [("clipnorm", 1.0), ("weight_decay", 0.1), ("use_ema", True),
-                       ("gradient_accumulation_steps", 2), ("loss_scale_factor", 2.0)]:
-        with pytest.raises(ValueError, match=f"does not support `{key}`. Instead, set `{key}` on the `inner_optimizer`"):
+    for key, value in [
+        ("clipnorm", 1.0),
+        ("weight_decay", 0.1),
+        ("use_ema", True),
+        ("gradient_accumulation_steps", 2),
+        ("loss_scale_factor", 2.0),
+    ]:
+        with pytest.raises(
+            ValueError,
+            match=f"does not support `{key}`. Instead, set `{key}` on the `inner_optimizer`",
+        ):
             LossScaleOptimizer(SGD(), **{key: value})
     LossScaleOptimizer(SGD(), clipnorm=None, use_ema=False, ema_momentum=0.99)  # defaults pass
     with pytest.raises(ValueError, match=r"does not support arguments: \['foo'\]"):
@@ -130,28 +139,41 @@ def test_base_keyword_arguments_rejected():
         LossScaleOptimizer(SGD(), dynamic=False)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"initial_scale": 0.0}, r"`initial_scale` must be a finite number > 0 and <= .*Received: initial_scale=0.0"),
-    ({"initial_scale": -2.0}, r"Received: initial_scale=-2.0"),
-    ({"initial_scale": float("inf")}, r"Received: initial_scale=inf"),
-    ({"initial_scale": float("nan")}, r"Received: initial_scale=nan"),
-    ({"initial_scale": "big"}, r"Received: initial_scale='big'"),
-    ({"dynamic_growth_steps": 0}, r"`dynamic_growth_steps` must be an integer >= 1. Received: dynamic_growth_steps=0"),
-    ({"dynamic_growth_steps": 2.5}, r"Received: dynamic_growth_steps=2.5"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"initial_scale": 0.0},
+            r"`initial_scale` must be a finite number > 0 and <= .*Received: initial_scale=0.0",
+        ),
+        ({"initial_scale": -2.0}, r"Received: initial_scale=-2.0"),
+        ({"initial_scale": float("inf")}, r"Received: initial_scale=inf"),
+        ({"initial_scale": float("nan")}, r"Received: initial_scale=nan"),
+        ({"initial_scale": "big"}, r"Received: initial_scale='big'"),
+        (
+            {"dynamic_growth_steps": 0},
+            r"`dynamic_growth_steps` must be an integer >= 1. Received: dynamic_growth_steps=0",
+        ),
+        ({"dynamic_growth_steps": 2.5}, r"Received: dynamic_growth_steps=2.5"),
+    ],
+)
 def test_constructor_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LossScaleOptimizer(SGD(), **kwargs)
 
 
 def test_inner_optimizer_type_error():
-    with pytest.raises(ValueError, match="`inner_optimizer` must be a lossscale.optimizers.Optimizer, a torch.optim.Optimizer or an optax.GradientTransformation instance. Received: inner_optimizer='adam'"):
+    with pytest.raises(
+        ValueError,
+        match="`inner_optimizer` must be a lossscale.optimizers.Optimizer, a torch.optim.Optimizer or an optax.GradientTransformation instance. Received: inner_optimizer='adam'",
+    ):
         LossScaleOptimizer("adam")
 
 
 def test_accumulation_skips_overflowing_micro_step(backend, rng):
-    init, variables, opt = setup(backend, rng, inner=Adam(0.01, gradient_accumulation_steps=2),
-                                 initial_scale=16.0)
+    init, variables, opt = setup(
+        backend, rng, inner=Adam(0.01, gradient_accumulation_steps=2), initial_scale=16.0
+    )
     ref = ReferenceOptimizer(adam_rule(), init, lr=0.01, gradient_accumulation_steps=2)
     for kind in ["f", "inf", "f", "f", "f"]:
         scale = scalar(backend, opt.dynamic_scale)
@@ -170,8 +192,9 @@ def test_accumulation_skips_overflowing_micro_step(backend, rng):
 
 
 def test_clipping_sees_unscaled_gradients(backend, rng):
-    init, variables, opt = setup(backend, rng, inner=Adam(0.01, global_clipnorm=0.5),
-                                 initial_scale=1024.0)
+    init, variables, opt = setup(
+        backend, rng, inner=Adam(0.01, global_clipnorm=0.5), initial_scale=1024.0
+    )
     ref = ReferenceOptimizer(adam_rule(), init, lr=0.01, global_clipnorm=0.5)
     grads = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
     opt.apply([backend.array(g * 1024) for g in grads], variables)
@@ -181,8 +204,9 @@ def test_clipping_sees_unscaled_gradients(backend, rng):
 
 
 def test_ema_and_finalize_delegate(backend, rng):
-    init, variables, opt = setup(backend, rng, inner=SGD(0.1, use_ema=True, ema_momentum=0.5),
-                                 initial_scale=4.0)
+    init, variables, opt = setup(
+        backend, rng, inner=SGD(0.1, use_ema=True, ema_momentum=0.5), initial_scale=4.0
+    )
     ref = ReferenceOptimizer(adam_rule(), init)  # only its EMA bookkeeping is used
     ref.use_ema, ref.ema_momentum = True, 0.5
     for kind in ["f", "nan", "f"]:
@@ -214,7 +238,10 @@ def test_check_finite(backend):
     ok = opt.check_finite([backend.array(np.ones(3)), None])
     bad = opt.check_finite([backend.array(np.ones(3)), backend.array(np.array([1.0, np.nan]))])
     assert bool(backend.numpy(ok)) is True and bool(backend.numpy(bad)) is False
-    assert type(ok).__module__.split(".")[0] == type(backend.array(np.ones(1))).__module__.split(".")[0]
+    assert (
+        type(ok).__module__.split(".")[0]
+        == type(backend.array(np.ones(1))).__module__.split(".")[0]
+    )
 
 
 def test_properties_read_and_write_through(backend, rng):
@@ -236,8 +263,9 @@ def test_config_round_trip_and_custom_objects():
     class MySGD(SGD):
         pass
 
-    opt = LossScaleOptimizer(MySGD(0.3, momentum=0.5), initial_scale=128.0,
-                             dynamic_growth_steps=7, name="ls")
+    opt = LossScaleOptimizer(
+        MySGD(0.3, momentum=0.5), initial_scale=128.0, dynamic_growth_steps=7, name="ls"
+    )
     config = opt.get_config()
     assert sorted(config) == ["dynamic_growth_steps", "initial_scale", "inner_optimizer", "name"]
     with pytest.raises(ValueError, match="Unknown class_name 'MySGD'"):
@@ -271,8 +299,9 @@ def test_save_load_continues_trajectory(backend, rng):
 def test_stateless_apply_matches_apply(backend, rng):
     init, variables, opt = setup(backend, rng, initial_scale=16.0, dynamic_growth_steps=2)
     twins = [ls.Variable(backend.array(x), name=f"t{i}") for i, x in enumerate(init)]
-    functional = LossScaleOptimizer(Adam(learning_rate=0.01), initial_scale=16.0,
-                                    dynamic_growth_steps=2)
+    functional = LossScaleOptimizer(
+        Adam(learning_rate=0.01), initial_scale=16.0, dynamic_growth_steps=2
+    )
     functional.build(twins)
     opt_values, model_values = [v.value for v in functional.variables], [v.value for v in twins]
     for kind in ["f", "inf", "f", "f", "nan", "f"]:
@@ -283,7 +312,8 @@ def test_stateless_apply_matches_apply(backend, rng):
         # gradients `apply` receives (as GradScaler does).
         opt.apply([backend.array(g) for g in grads], variables)
         model_values, opt_values = functional.stateless_apply(
-            opt_values, [backend.array(g) for g in grads], model_values)
+            opt_values, [backend.array(g) for g in grads], model_values
+        )
     for v, x in zip(variables + opt.variables, model_values + opt_values):
         np.testing.assert_allclose(backend.numpy(x), backend.numpy(v), rtol=1e-6)
     for v, x in zip(twins, init):
@@ -339,14 +369,17 @@ import inspect  # noqa: E402
 import re  # noqa: E402
 import warnings  # noqa: E402
 
+from conftest import BACKENDS, Backend  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-from conftest import BACKENDS, Backend  # noqa: E402
-from lossscale.mixed_precision import (LossScaleError, LossScalePolicy,  # noqa: E402
-                                       UnscaledLossWarning)
-from lossscale.mixed_precision.telemetry import summarize  # noqa: E402
 from test_loss_scale import STEPS, Model, policies  # noqa: E402
+
+from lossscale.mixed_precision import (  # noqa: E402
+    LossScaleError,
+    LossScalePolicy,
+    UnscaledLossWarning,
+)
+from lossscale.mixed_precision.telemetry import summarize  # noqa: E402
 
 
 def grads_for(backend, scale, kinds, magnitude=1.0):
@@ -365,20 +398,41 @@ def grads_for(backend, scale, kinds, magnitude=1.0):
 
 def test_signature_lists_the_policy_fields():
     parameters = inspect.signature(LossScaleOptimizer.__init__).parameters
-    named = {n: p.default for n, p in parameters.items()
-             if n not in ("self", "inner_optimizer", "name", "process_group", "kwargs")}
+    named = {
+        n: p.default
+        for n, p in parameters.items()
+        if n not in ("self", "inner_optimizer", "name", "process_group", "kwargs")
+    }
     assert named == {f.name: f.default for f in dataclasses.fields(LossScalePolicy)}
     for f in dataclasses.fields(LossScalePolicy):
         assert getattr(LossScaleOptimizer(SGD()), f.name) == f.default
 
 
 def test_options_through_the_optimizer(backend, rng):
-    _, variables, opt = setup(backend, rng, inner=SGD(0.1), initial_scale=16.0,
-                              dynamic_growth_steps=2, growth_factor=4.0, backoff_factor=0.25,
-                              hysteresis=2, max_scale=128.0)
+    _, variables, opt = setup(
+        backend,
+        rng,
+        inner=SGD(0.1),
+        initial_scale=16.0,
+        dynamic_growth_steps=2,
+        growth_factor=4.0,
+        backoff_factor=0.25,
+        hysteresis=2,
+        max_scale=128.0,
+    )
     scales = []
-    for kinds in [("f", "f"), ("f", "f"), ("inf", "f"), ("f", "f"), ("f", "f"), ("f", "nan"),
-                  ("inf", "f"), ("f", "inf"), ("f", "f"), ("f", "f")]:
+    for kinds in [
+        ("f", "f"),
+        ("f", "f"),
+        ("inf", "f"),
+        ("f", "f"),
+        ("f", "f"),
+        ("f", "nan"),
+        ("inf", "f"),
+        ("f", "inf"),
+        ("f", "f"),
+        ("f", "f"),
+    ]:
         before = snapshot(backend, variables + opt.inner_optimizer.variables)
         opt.apply(grads_for(backend, scalar(backend, opt.dynamic_scale), kinds), variables)
         if kinds != ("f", "f"):
@@ -391,20 +445,36 @@ def test_options_through_the_optimizer(backend, rng):
 
 @pytest.mark.filterwarnings("ignore:Gradients do not exist")
 def test_telemetry_after_a_known_sequence(backend, rng):
-    _, variables, opt = setup(backend, rng, inner=SGD(0.1), initial_scale=8.0,
-                              dynamic_growth_steps=2, telemetry=True)
+    _, variables, opt = setup(
+        backend, rng, inner=SGD(0.1), initial_scale=8.0, dynamic_growth_steps=2, telemetry=True
+    )
     assert [v.name for v in opt.variables[:2]] == ["step_counter", "dynamic_scale"]
-    for kinds in [("f", "f"), ("f", "nan"), ("inf", "inf"), ("f", "f"), ("f", "f"),
-                  ("f", None), ("inf", None), ("f", "f")]:
+    for kinds in [
+        ("f", "f"),
+        ("f", "nan"),
+        ("inf", "inf"),
+        ("f", "f"),
+        ("f", "f"),
+        ("f", None),
+        ("inf", None),
+        ("f", "f"),
+    ]:
         opt.apply(grads_for(backend, scalar(backend, opt.dynamic_scale), kinds), variables)
     assert opt.summary() == {
-        "dynamic_scale": 2.0, "step_counter": 1, "consecutive_skips": 0, "steps": 8,
-        "skipped_steps": 3, "last_overflow_step": 6,
+        "dynamic_scale": 2.0,
+        "step_counter": 1,
+        "consecutive_skips": 0,
+        "steps": 8,
+        "skipped_steps": 3,
+        "last_overflow_step": 6,
         "scale_history": [8.0, 8.0, 4.0, 2.0, 2.0, 4.0, 4.0, 2.0],
-        "nonfinite_variables": ["v0"]}
+        "nonfinite_variables": ["v0"],
+    }
     names = [v.name for v in opt.variables]
-    assert names[-len(opt.inner_optimizer.variables) - 2:-len(opt.inner_optimizer.variables)] == [
-        "v0_nonfinite", "v1_nonfinite"]
+    assert names[-len(opt.inner_optimizer.variables) - 2 : -len(opt.inner_optimizer.variables)] == [
+        "v0_nonfinite",
+        "v1_nonfinite",
+    ]
 
 
 def test_summary_before_build_and_without_telemetry():
@@ -417,8 +487,9 @@ def test_summary_before_build_and_without_telemetry():
 
 
 def test_min_scale_raises_naming_variables_step_and_history(backend, rng):
-    _, variables, opt = setup(backend, rng, inner=Adam(0.01), initial_scale=4.0,
-                              dynamic_growth_steps=3, min_scale=1.0)
+    _, variables, opt = setup(
+        backend, rng, inner=Adam(0.01), initial_scale=4.0, dynamic_growth_steps=3, min_scale=1.0
+    )
     opt.apply(grads_for(backend, 4.0, ("f", "f")), variables)
     opt.apply(grads_for(backend, 4.0, ("f", "nan")), variables)
     opt.apply(grads_for(backend, 2.0, ("inf", "nan")), variables)
@@ -426,20 +497,32 @@ def test_min_scale_raises_naming_variables_step_and_history(backend, rng):
     with pytest.raises(LossScaleError) as info:
         opt.apply(grads_for(backend, 1.0, ("f", "nan")), variables)
     message = str(info.value)
-    assert message.startswith("Loss scaling failed at step 3: the loss scale would fall below "
-                              "`min_scale` (min_scale=1.0, max_consecutive_skips=None, "
-                              "hysteresis=1, backoff_factor=0.5).")
+    assert message.startswith(
+        "Loss scaling failed at step 3: the loss scale would fall below "
+        "`min_scale` (min_scale=1.0, max_consecutive_skips=None, "
+        "hysteresis=1, backoff_factor=0.5)."
+    )
     assert "Steps skipped in a row: 3; in total: 3 of 4." in message
     assert "Loss scale of the last steps, oldest first: [4, 4, 2, 1]; now 1." in message
     assert "non-finite at that step: ['v1']." in message
     assert "not from float16 overflow" in message
     after = snapshot(backend, variables + opt.variables)
-    changed = [v.name for v, b, a in zip(variables + opt.variables, before, after)
-               if not np.array_equal(a, b, equal_nan=True)]
+    changed = [
+        v.name
+        for v, b, a in zip(variables + opt.variables, before, after)
+        if not np.array_equal(a, b, equal_nan=True)
+    ]
     # The failing step touched only the loss-scale state.
-    assert set(changed) <= {"consecutive_skips", "steps", "skipped_steps", "last_overflow_step",
-                            "error", "error_step", "v0_nonfinite", "v1_nonfinite"} | {
-        f"scale_history_{i}" for i in range(8)}
+    assert set(changed) <= {
+        "consecutive_skips",
+        "steps",
+        "skipped_steps",
+        "last_overflow_step",
+        "error",
+        "error_step",
+        "v0_nonfinite",
+        "v1_nonfinite",
+    } | {f"scale_history_{i}" for i in range(8)}
     assert scalar(backend, opt.iterations) == 1
     frozen = snapshot(backend, variables + opt.variables)
     with pytest.raises(LossScaleError, match="failed at step 3"):
@@ -449,21 +532,25 @@ def test_min_scale_raises_naming_variables_step_and_history(backend, rng):
 
 
 def test_max_consecutive_skips_raises(backend, rng):
-    _, variables, opt = setup(backend, rng, inner=SGD(0.1), initial_scale=2.0 ** 10,
-                              max_consecutive_skips=2)
+    _, variables, opt = setup(
+        backend, rng, inner=SGD(0.1), initial_scale=2.0**10, max_consecutive_skips=2
+    )
     for _ in range(2):
         opt.apply(grads_for(backend, 1.0, ("inf", "f")), variables)
-    with pytest.raises(LossScaleError, match=re.escape(
+    with pytest.raises(
+        LossScaleError,
+        match=re.escape(
             "Loss scaling failed at step 2: more than `max_consecutive_skips` steps in a row "
-            "were skipped (min_scale=None, max_consecutive_skips=2,")) as info:
+            "were skipped (min_scale=None, max_consecutive_skips=2,"
+        ),
+    ) as info:
         opt.apply(grads_for(backend, 1.0, ("inf", "f")), variables)
     assert "[1024, 512, 256]; now 128." in str(info.value)
     assert "['v0']" in str(info.value)
 
 
 def test_stateless_apply_records_and_check_raises(backend, rng):
-    init, variables, opt = setup(backend, rng, inner=SGD(0.1), initial_scale=2.0,
-                                 min_scale=1.0)
+    init, variables, opt = setup(backend, rng, inner=SGD(0.1), initial_scale=2.0, min_scale=1.0)
     opt.build(variables)
     values, model = [v.value for v in opt.variables], [v.value for v in variables]
     own_before = snapshot(backend, opt.variables)
@@ -478,8 +565,11 @@ def test_stateless_apply_records_and_check_raises(backend, rng):
     for b, v in zip(own_before, opt.variables):
         np.testing.assert_array_equal(backend.numpy(v), b)
     opt.check()  # the optimizer's own state holds no error
-    with pytest.raises(ValueError, match=r"`optimizer_variables` must hold one value per "
-                                         r"optimizer variable \(\d+\). Received: 1 values"):
+    with pytest.raises(
+        ValueError,
+        match=r"`optimizer_variables` must hold one value per "
+        r"optimizer variable \(\d+\). Received: 1 values",
+    ):
         opt.summary(values[:1])
 
 
@@ -488,9 +578,16 @@ def test_jit_fail_fast_traces_once_and_freezes(rng):
     import jax.numpy as jnp
 
     backend = Backend("jax")
-    init, variables, opt = setup(backend, rng, inner=Adam(0.01), initial_scale=8.0,
-                                 dynamic_growth_steps=2, max_consecutive_skips=1,
-                                 growth_policy="headroom", telemetry=True)
+    init, variables, opt = setup(
+        backend,
+        rng,
+        inner=Adam(0.01),
+        initial_scale=8.0,
+        dynamic_growth_steps=2,
+        max_consecutive_skips=1,
+        growth_policy="headroom",
+        telemetry=True,
+    )
     opt.build(variables)
     traces = []
 
@@ -516,8 +613,14 @@ def test_jit_fail_fast_traces_once_and_freezes(rng):
 
 
 def test_headroom_growth_through_the_optimizer(backend, rng):
-    _, variables, opt = setup(backend, rng, inner=SGD(0.0), initial_scale=8.0,
-                              dynamic_growth_steps=1, growth_policy="headroom")
+    _, variables, opt = setup(
+        backend,
+        rng,
+        inner=SGD(0.0),
+        initial_scale=8.0,
+        dynamic_growth_steps=1,
+        growth_policy="headroom",
+    )
     scales = []
     # Scaled gradients of 5000 cannot double below 65504 / 8; of 100 they can.
     for magnitude in [100.0, 5000.0, 100.0]:
@@ -530,8 +633,9 @@ def test_headroom_growth_through_the_optimizer(backend, rng):
 
 
 def test_headroom_still_checks_overwrite_with_gradient_variables(backend, rng):
-    _, variables, opt = setup(backend, rng, inner=SGD(0.5), initial_scale=8.0,
-                              growth_policy="headroom")
+    _, variables, opt = setup(
+        backend, rng, inner=SGD(0.5), initial_scale=8.0, growth_policy="headroom"
+    )
     variables[1].overwrite_with_gradient = True
     before = snapshot(backend, variables)
     opt.apply(grads_for(backend, 8.0, ("f", "nan")), variables)
@@ -558,8 +662,9 @@ def test_unscaled_loss_warning_once_and_silenceable(backend, rng):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         scaled.apply(grads, variables)
-        functional.stateless_apply([v.value for v in functional.variables], grads,
-                                   [v.value for v in variables])
+        functional.stateless_apply(
+            [v.value for v in functional.variables], grads, [v.value for v in variables]
+        )
     _, variables, silenced = setup(backend, rng, inner=SGD(0.1))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -568,38 +673,67 @@ def test_unscaled_loss_warning_once_and_silenceable(backend, rng):
 
 
 def test_config_holds_changed_settings_and_round_trips():
-    opt = LossScaleOptimizer(SGD(0.3), initial_scale=64.0, hysteresis=2, min_scale=0.5,
-                             growth_policy="headroom", telemetry=True)
+    opt = LossScaleOptimizer(
+        SGD(0.3),
+        initial_scale=64.0,
+        hysteresis=2,
+        min_scale=0.5,
+        growth_policy="headroom",
+        telemetry=True,
+    )
     config = opt.get_config()
-    assert sorted(config) == ["dynamic_growth_steps", "growth_policy", "hysteresis",
-                              "initial_scale", "inner_optimizer", "min_scale", "name",
-                              "telemetry"]
+    assert sorted(config) == [
+        "dynamic_growth_steps",
+        "growth_policy",
+        "hysteresis",
+        "initial_scale",
+        "inner_optimizer",
+        "min_scale",
+        "name",
+        "telemetry",
+    ]
     clone = LossScaleOptimizer.from_config(config)
     assert clone.policy == opt.policy and clone.get_config() == config
     assert [v.name for v in clone.variables] == [v.name for v in opt.variables]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"hysteresis": 0}, "`hysteresis` must be an integer >= 1. Received: hysteresis=0"),
-    ({"growth_policy": "auto"}, "Received: growth_policy='auto'"),
-    ({"telemetry": "yes"}, "`telemetry` must be a boolean. Received: telemetry='yes'"),
-    ({"min_scale": 4.0, "initial_scale": 2.0}, "Received: min_scale=4.0, initial_scale=2.0"),
-    ({"max_consecutive_skips": 1.5}, "Received: max_consecutive_skips=1.5"),
-    ({"bogus": 1}, r"does not support arguments: \['bogus'\]. Accepted: inner_optimizer, name, "
-                   r"initial_scale, dynamic_growth_steps, growth_factor, backoff_factor, "
-                   r"hysteresis, min_scale, max_scale, max_consecutive_skips, growth_policy, "
-                   r"telemetry"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"hysteresis": 0}, "`hysteresis` must be an integer >= 1. Received: hysteresis=0"),
+        ({"growth_policy": "auto"}, "Received: growth_policy='auto'"),
+        ({"telemetry": "yes"}, "`telemetry` must be a boolean. Received: telemetry='yes'"),
+        ({"min_scale": 4.0, "initial_scale": 2.0}, "Received: min_scale=4.0, initial_scale=2.0"),
+        ({"max_consecutive_skips": 1.5}, "Received: max_consecutive_skips=1.5"),
+        (
+            {"bogus": 1},
+            r"does not support arguments: \['bogus'\]. Accepted: inner_optimizer, name, "
+            r"initial_scale, dynamic_growth_steps, growth_factor, backoff_factor, "
+            r"hysteresis, min_scale, max_scale, max_consecutive_skips, growth_policy, "
+            r"telemetry",
+        ),
+    ],
+)
 def test_new_constructor_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LossScaleOptimizer(SGD(), **kwargs)
 
 
 def test_save_load_own_variables_with_telemetry(backend, rng):
-    _, variables, opt = setup(backend, rng, initial_scale=32.0, telemetry=True, hysteresis=2,
-                              max_consecutive_skips=5)
-    steps = [grads_for(backend, 32.0, kinds) for kinds in
-             [("f", "f"), ("inf", "f"), ("f", "nan"), ("f", "f"), ("nan", "nan"), ("f", "f")]]
+    _, variables, opt = setup(
+        backend, rng, initial_scale=32.0, telemetry=True, hysteresis=2, max_consecutive_skips=5
+    )
+    steps = [
+        grads_for(backend, 32.0, kinds)
+        for kinds in [
+            ("f", "f"),
+            ("inf", "f"),
+            ("f", "nan"),
+            ("f", "f"),
+            ("nan", "nan"),
+            ("f", "f"),
+        ]
+    ]
     for grads in steps[:3]:
         opt.apply(grads, variables)
     store = {}
@@ -639,26 +773,28 @@ def test_optimizer_matches_model(backend, policy, steps):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for flags, peak in steps:
-            flags = flags[:len(SHAPES)]
+            flags = flags[: len(SHAPES)]
             if all(ok is None for ok in flags):
                 continue
             magnitude = 1.0 if peak < 1000 else 30000.0  # far from the headroom limits
             scale = np.float32(scalar(backend, opt.dynamic_scale))
             grads = grads_for(backend, 1.0, [KIND[ok] for ok in flags], magnitude)
             if flags[0] is False and flags[1] is True:
-                grads[0] = backend.array(np.where(np.arange(12).reshape(4, 3) == 5, np.nan,
-                                                  backend.numpy(grads[0])))
+                grads[0] = backend.array(
+                    np.where(np.arange(12).reshape(4, 3) == 5, np.nan, backend.numpy(grads[0]))
+                )
             with np.errstate(over="ignore"):
                 unscaled = np.float32(magnitude) / scale
             # A finite gradient that overflows when unscaled counts as non-finite.
-            flags = [ok and bool(np.isfinite(unscaled)) if ok is not None else None
-                     for ok in flags]
+            flags = [ok and bool(np.isfinite(unscaled)) if ok is not None else None for ok in flags]
             finite = all(ok is not False for ok in flags)
             applied = finite and not model.error
             model.step(finite, magnitude, flags)
             if applied:
-                weights = [w - 0.125 * np.float64(unscaled) if ok is not None else w
-                           for w, ok in zip(weights, flags)]
+                weights = [
+                    w - 0.125 * np.float64(unscaled) if ok is not None else w
+                    for w, ok in zip(weights, flags)
+                ]
             try:
                 opt.apply(grads, variables)
             except LossScaleError:

@@ -11,8 +11,10 @@ from lossscale.optimizers import Adam, moments
 
 def _built(backend, rng, **kwargs):
     """An Adam built on two random variables (shapes (3, 2) and (4,))."""
-    variables = [ls.Variable(backend.array(rng.normal(size=s)), name=f"w{i}")
-                 for i, s in enumerate([(3, 2), (4,)])]
+    variables = [
+        ls.Variable(backend.array(rng.normal(size=s)), name=f"w{i}")
+        for i, s in enumerate([(3, 2), (4,)])
+    ]
     opt = Adam(**kwargs)
     opt.build(variables)
     return opt, variables
@@ -23,19 +25,25 @@ def test_check_rates_accepts_the_edges_of_each_range():
     assert moments.check_rates(0.999999, 0.5, 1.0) is None
 
 
-@pytest.mark.parametrize("args, message", [
-    ((1.0, 0.9, 1e-7), "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=1.0"),
-    ((-0.1, 0.9, 1e-7), "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=-0.1"),
-    ((math.nan, 0.9, 1e-7), "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=nan"),
-    ((True, 0.9, 1e-7), "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=True"),
-    ((0.9, 1, 1e-7), "`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=1"),
-    ((0.9, None, 1e-7), "`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=None"),
-    ((0.9, 0.9, 0), "`epsilon` must be a finite number > 0. Received: epsilon=0"),
-    ((0.9, 0.9, "1e-7"), "`epsilon` must be a finite number > 0. Received: epsilon='1e-7'"),
-    # Several bad arguments: the first in signature order is named.
-    ((2.0, -1.0, 0), "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=2.0"),
-    ((0.9, -1.0, 0), "`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=-1.0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((1.0, 0.9, 1e-7), "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=1.0"),
+        ((-0.1, 0.9, 1e-7), "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=-0.1"),
+        (
+            (math.nan, 0.9, 1e-7),
+            "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=nan",
+        ),
+        ((True, 0.9, 1e-7), "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=True"),
+        ((0.9, 1, 1e-7), "`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=1"),
+        ((0.9, None, 1e-7), "`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=None"),
+        ((0.9, 0.9, 0), "`epsilon` must be a finite number > 0. Received: epsilon=0"),
+        ((0.9, 0.9, "1e-7"), "`epsilon` must be a finite number > 0. Received: epsilon='1e-7'"),
+        # Several bad arguments: the first in signature order is named.
+        ((2.0, -1.0, 0), "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=2.0"),
+        ((0.9, -1.0, 0), "`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=-1.0"),
+    ],
+)
 def test_check_rates_messages(args, message):
     with pytest.raises(ValueError) as info:
         moments.check_rates(*args)
@@ -43,10 +51,13 @@ def test_check_rates_messages(args, message):
 
 
 def test_add_moments_makes_a_momentum_and_a_velocity_per_variable(backend, rng):
-    variables = [ls.Variable(backend.array(rng.normal(size=(3, 2))), name="kernel"),
-                 ls.Variable(backend.array(rng.normal(size=(2,))), name="step",
-                             overwrite_with_gradient=True),
-                 ls.Variable(backend.array(rng.normal(size=(4,)), dtype="float16"), name="bias")]
+    variables = [
+        ls.Variable(backend.array(rng.normal(size=(3, 2))), name="kernel"),
+        ls.Variable(
+            backend.array(rng.normal(size=(2,))), name="step", overwrite_with_gradient=True
+        ),
+        ls.Variable(backend.array(rng.normal(size=(4,)), dtype="float16"), name="bias"),
+    ]
     opt = Adam()
     opt.build(variables)
     before = len(opt.variables)
@@ -54,8 +65,12 @@ def test_add_moments_makes_a_momentum_and_a_velocity_per_variable(backend, rng):
     assert momentums[1] is None and velocities[1] is None
     made = [momentums[0], velocities[0], momentums[2], velocities[2]]
     assert opt.variables[before:] == made
-    assert [v.name for v in made] == ["kernel_momentum", "kernel_velocity", "bias_momentum",
-                                      "bias_velocity"]
+    assert [v.name for v in made] == [
+        "kernel_momentum",
+        "kernel_velocity",
+        "bias_momentum",
+        "bias_velocity",
+    ]
     for slot, like in zip(made, [variables[0]] * 2 + [variables[2]] * 2):
         assert (slot.shape, slot.dtype) == (like.shape, like.dtype)
         assert type(slot.value) is type(like.value)
@@ -72,7 +87,7 @@ def test_powers_at_step_raise_each_beta_to_the_step_being_taken(backend, rng, dt
     assert len(powers) == 3
     for power, beta in zip(powers, [0.9, 0.999, 0.5]):
         assert backend.numpy(power).dtype == np.dtype(dtype)
-        np.testing.assert_allclose(backend.numpy(power), beta ** 5, rtol=rtol)
+        np.testing.assert_allclose(backend.numpy(power), beta**5, rtol=rtol)
 
 
 def test_update_average_moves_toward_the_value(backend, rng):

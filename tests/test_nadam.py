@@ -4,12 +4,12 @@ import functools
 import re
 
 import numpy as np
+import optimizer_cases as cases
 import pytest
 
 import lossscale as ls
-import optimizer_cases as cases
-from lossscale.optimizers import nadam as nadam_module
 from lossscale.optimizers import Nadam
+from lossscale.optimizers import nadam as nadam_module
 
 
 class NadamRule(cases.Rule):
@@ -21,8 +21,11 @@ class NadamRule(cases.Rule):
         self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
 
     def slots(self, w):
-        return {"momentum": np.zeros_like(w), "velocity": np.zeros_like(w),
-                "u_product": np.float64(1.0)}
+        return {
+            "momentum": np.zeros_like(w),
+            "velocity": np.zeros_like(w),
+            "u_product": np.float64(1.0),
+        }
 
     def step(self, g, w, s, lr, t):
         b1, b2 = self.beta_1, self.beta_2
@@ -31,8 +34,9 @@ class NadamRule(cases.Rule):
         s["u_product"] = s["u_product"] * u_t
         s["momentum"] = b1 * s["momentum"] + (1 - b1) * g
         s["velocity"] = b2 * s["velocity"] + (1 - b2) * g * g
-        m_hat = (u_next * s["momentum"] / (1 - s["u_product"] * u_next)
-                 + (1 - u_t) * g / (1 - s["u_product"]))
+        m_hat = u_next * s["momentum"] / (1 - s["u_product"] * u_next) + (1 - u_t) * g / (
+            1 - s["u_product"]
+        )
         v_hat = s["velocity"] / (1 - b2 ** (t + 1))
         return w - lr * m_hat / (np.sqrt(v_hat) + self.epsilon)
 
@@ -44,15 +48,20 @@ CASES = [(None, {}), (0.05, {"clipvalue": 0.5})]
 @pytest.mark.parametrize("options", VARIANTS, ids=["default", "custom_betas"])
 @pytest.mark.parametrize("weight_decay,clip", CASES, ids=["no_decay", "decay_clipvalue"])
 def test_matches_float64_reference(backend, options, weight_decay, clip):
-    cases.check_reference(backend, functools.partial(Nadam, **options),
-                          NadamRule(**options), 0.01, weight_decay, **clip)
+    cases.check_reference(
+        backend,
+        functools.partial(Nadam, **options),
+        NadamRule(**options),
+        0.01,
+        weight_decay,
+        **clip,
+    )
 
 
 def test_inside_loss_scale_optimizer(backend):
     # The skipped step must not advance `u_product` either: the comparison
     # covers every inner variable, `u_product` included.
-    cases.check_loss_scale(backend, Nadam, learning_rate=0.01, weight_decay=0.05,
-                           clipnorm=0.5)
+    cases.check_loss_scale(backend, Nadam, learning_rate=0.01, weight_decay=0.05, clipnorm=0.5)
 
 
 def test_stateless_apply_matches_apply(backend):
@@ -64,8 +73,9 @@ def test_jit_stateless_apply_matches_eager():
 
 
 def test_config_round_trip():
-    cases.check_config_round_trip(Nadam, learning_rate=0.02, beta_1=0.8, beta_2=0.99,
-                                  epsilon=1e-5, clipvalue=1.0)
+    cases.check_config_round_trip(
+        Nadam, learning_rate=0.02, beta_1=0.8, beta_2=0.99, epsilon=1e-5, clipvalue=1.0
+    )
 
 
 def test_resumes_from_config_and_saved_variables(backend):
@@ -79,7 +89,11 @@ def test_u_product_is_a_variable_on_the_model_backend(backend):
     opt.build(variables)
     u_product = opt.variables[-1]
     assert (u_product.name, u_product.shape, u_product.dtype, u_product.backend) == (
-        "u_product", (), "float32", backend.name)
+        "u_product",
+        (),
+        "float32",
+        backend.name,
+    )
     assert float(u_product.numpy()) == 1.0
 
 
@@ -89,7 +103,7 @@ def test_u_product_advances_once_per_optimizer_step_with_accumulation(backend):
     grads = cases.gradients()
     for step_grads in grads[:4]:
         opt.apply([backend.array(g) for g in step_grads], variables)
-    expected = 0.9 * (1 - 0.5 * 0.96) * 0.9 * (1 - 0.5 * 0.96 ** 2)
+    expected = 0.9 * (1 - 0.5 * 0.96) * 0.9 * (1 - 0.5 * 0.96**2)
     assert float(opt.variables[-1].numpy()) == pytest.approx(expected, rel=1e-6)
 
 
@@ -99,11 +113,14 @@ def test_defaults_follow_keras():
     assert float(opt.learning_rate) == pytest.approx(0.001)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"beta_1": 1.2}, "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=1.2"),
-    ({"beta_2": None}, "`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=None"),
-    ({"epsilon": -1.0}, "`epsilon` must be a finite number > 0. Received: epsilon=-1.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"beta_1": 1.2}, "`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=1.2"),
+        ({"beta_2": None}, "`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=None"),
+        ({"epsilon": -1.0}, "`epsilon` must be a finite number > 0. Received: epsilon=-1.0"),
+    ],
+)
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         Nadam(**kwargs)

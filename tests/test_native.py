@@ -5,9 +5,8 @@ import subprocess
 import sys
 
 import optax
-import torch
-
 import pytest
+import torch
 
 import lossscale as ls
 from lossscale.optimizers import native
@@ -34,17 +33,21 @@ def test_other_objects_pass_through():
 
 
 def test_an_unloaded_library_is_not_imported():
-    code = ("import sys; from lossscale.optimizers.native import wrap_native; "
-            "wrap_native(object()); "
-            "print(sorted(m for m in ('torch', 'jax', 'optax') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    code = (
+        "import sys; from lossscale.optimizers.native import wrap_native; "
+        "wrap_native(object()); "
+        "print(sorted(m for m in ('torch', 'jax', 'optax') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 # A `LossScaleOptimizer` with the mixin first among its bases, as it is meant to be.
-Wrapper = ls.LossScaleOptimizer if issubclass(ls.LossScaleOptimizer, NativeInnerStateMixin) else (
-    type("Wrapper", (NativeInnerStateMixin, ls.LossScaleOptimizer), {}))
+Wrapper = (
+    ls.LossScaleOptimizer
+    if issubclass(ls.LossScaleOptimizer, NativeInnerStateMixin)
+    else (type("Wrapper", (NativeInnerStateMixin, ls.LossScaleOptimizer), {}))
+)
 
 
 def steps(opt, params, grads):
@@ -58,18 +61,28 @@ def test_a_wrapper_checkpoints_a_native_inner_optimizer_through_its_state_dict()
     grads = [torch.randn(3, generator=generator) for _ in range(6)]
     grads[2] = torch.tensor([float("inf"), 0.0, 0.0])
     params = [torch.nn.Parameter(torch.ones(3))]
-    opt = Wrapper(TorchOptimizer(torch.optim.Adam(params, lr=0.1)), initial_scale=8.0,
-                  dynamic_growth_steps=1, name="lso")
+    opt = Wrapper(
+        TorchOptimizer(torch.optim.Adam(params, lr=0.1)),
+        initial_scale=8.0,
+        dynamic_growth_steps=1,
+        name="lso",
+    )
     steps(opt, params, grads[:4])
     state = opt.state_dict()
     assert sorted(state) == ["optimizer_variables", "param_groups", "state"]
     assert {k: float(v) for k, v in state["optimizer_variables"].items()} == {
-        "lso/step_counter": 0.0, "lso/dynamic_scale": 32.0,
-        "torch_optimizer/iteration": 3.0}
+        "lso/step_counter": 0.0,
+        "lso/dynamic_scale": 32.0,
+        "torch_optimizer/iteration": 3.0,
+    }
     assert int(state["state"][0]["step"]) == 3
     twin_params = [torch.nn.Parameter(params[0].detach().clone())]
-    twin = Wrapper(TorchOptimizer(torch.optim.Adam(twin_params, lr=0.1)), initial_scale=8.0,
-                   dynamic_growth_steps=1, name="lso")
+    twin = Wrapper(
+        TorchOptimizer(torch.optim.Adam(twin_params, lr=0.1)),
+        initial_scale=8.0,
+        dynamic_growth_steps=1,
+        name="lso",
+    )
     twin.build(twin_params)
     twin.load_state_dict(state)
     steps(opt, params, grads[4:])

@@ -16,9 +16,9 @@ import weakref
 
 import numpy as np
 import pytest
+from conftest import force_numpy_threads
 
 import lossscale as ls
-from conftest import force_numpy_threads
 from lossscale.backends import numpy_fused, numpy_ops, numpy_parallel
 from lossscale.optimizers import SGD, Adam
 
@@ -115,7 +115,7 @@ def test_fused_equals_update_step(monkeypatch, blocks, cls, config):
 
 @pytest.mark.parametrize("cls,config", CASES, ids=lambda x: getattr(x, "__name__", str(x)))
 def test_fused_equals_update_step_under_loss_scaling(monkeypatch, blocks, cls, config):
-    scale = 2.0 ** 10
+    scale = 2.0**10
     weights, grads = _data(SHAPES, steps=7, seed=1)
     grads = [[g * np.float32(scale) for g in step] for step in grads]
     grads[1][4][3, 5] = np.inf  # overflow: skipped, scale halves
@@ -131,13 +131,15 @@ def test_fused_equals_update_step_under_loss_scaling(monkeypatch, blocks, cls, c
     scales = _assert_same(monkeypatch, cls, make, weights, grads)
     # Without clipping or accumulation the wrapper hands its scale to the
     # kernel instead of unscaling first; with them it unscales.
-    folds = not ({"clipnorm", "clipvalue", "global_clipnorm",
-                  "gradient_accumulation_steps"} & set(config))
+    folds = not (
+        {"clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps"} & set(config)
+    )
     assert all((s is not None) == folds for s in scales)
 
 
-@pytest.mark.parametrize("cls,config", [(Adam, {"amsgrad": True}),
-                                        (SGD, {"momentum": 0.9, "nesterov": True})])
+@pytest.mark.parametrize(
+    "cls,config", [(Adam, {"amsgrad": True}), (SGD, {"momentum": 0.9, "nesterov": True})]
+)
 @pytest.mark.parametrize("dtype", ["float16", "float64"])
 def test_other_float_dtypes(monkeypatch, blocks, cls, config, dtype):
     weights, grads = _data(SHAPES, steps=3, dtype=dtype, seed=2)
@@ -149,20 +151,34 @@ def test_mixed_dtypes_and_half_gradients(monkeypatch, blocks, cls, config):
     # float32 and float64 variables in one optimizer, float16 gradients for
     # the float32 ones (cast like `update_step` casts them).
     rng = np.random.default_rng(3)
-    weights = [rng.standard_normal((40, 9)).astype("float32"),
-               rng.standard_normal((300,)).astype("float64")]
-    grads = [[rng.standard_normal((40, 9)).astype("float16"),
-              rng.standard_normal((300,)).astype("float64")] for _ in range(3)]
+    weights = [
+        rng.standard_normal((40, 9)).astype("float32"),
+        rng.standard_normal((300,)).astype("float64"),
+    ]
+    grads = [
+        [
+            rng.standard_normal((40, 9)).astype("float16"),
+            rng.standard_normal((300,)).astype("float64"),
+        ]
+        for _ in range(3)
+    ]
     _assert_same(monkeypatch, cls, lambda: cls(**config), weights, grads)
 
 
 @pytest.mark.parametrize("cls,config", [(Adam, {"amsgrad": True}), (SGD, {"momentum": 0.9})])
 def test_strided_arrays_take_update_step(monkeypatch, blocks, cls, config):
     rng = np.random.default_rng(4)
-    weights = [np.asfortranarray(rng.standard_normal((30, 20)).astype("float32")),
-               rng.standard_normal((500,)).astype("float32")]
-    grads = [[rng.standard_normal((30, 20)).astype("float32")[:, ::-1],
-              rng.standard_normal((1000,)).astype("float32")[::2]] for _ in range(3)]
+    weights = [
+        np.asfortranarray(rng.standard_normal((30, 20)).astype("float32")),
+        rng.standard_normal((500,)).astype("float32"),
+    ]
+    grads = [
+        [
+            rng.standard_normal((30, 20)).astype("float32")[:, ::-1],
+            rng.standard_normal((1000,)).astype("float32")[::2],
+        ]
+        for _ in range(3)
+    ]
     _assert_same(monkeypatch, cls, lambda: cls(**config), weights, grads)
 
 
@@ -170,24 +186,31 @@ def test_learning_rate_callable_and_schedule(monkeypatch, blocks):
     weights, grads = _data(SHAPES, steps=3, seed=5)
     schedule = ls.schedules.ExponentialDecay(0.01, decay_steps=1, decay_rate=0.5)
     _assert_same(monkeypatch, Adam, lambda: Adam(learning_rate=schedule), weights, grads)
-    _assert_same(monkeypatch, SGD, lambda: SGD(learning_rate=lambda: 0.02, momentum=0.3),
-                 weights, grads)
+    _assert_same(
+        monkeypatch, SGD, lambda: SGD(learning_rate=lambda: 0.02, momentum=0.3), weights, grads
+    )
 
 
-@pytest.mark.parametrize("cls,config", [(Adam, {"amsgrad": True}), (Adam, {}),
-                                        (SGD, {"momentum": 0.9, "nesterov": True}), (SGD, {})])
+@pytest.mark.parametrize(
+    "cls,config",
+    [(Adam, {"amsgrad": True}), (Adam, {}), (SGD, {"momentum": 0.9, "nesterov": True}), (SGD, {})],
+)
 def test_grad_scale_equals_unscaling_first(blocks, cls, config):
     # A kernel given the loss scale divides each block in cache; the result
     # must equal unscaling the whole gradients first (`numpy_ops.unscale`).
     rng = np.random.default_rng(9)
-    weights = [rng.standard_normal((40, 9)).astype("float32"),
-               rng.standard_normal((300,)).astype("float64"),
-               np.asfortranarray(rng.standard_normal((20, 30)).astype("float32")),
-               rng.standard_normal((1200,)).astype("float32")]
-    grads = [rng.standard_normal((40, 9)).astype("float16"),
-             rng.standard_normal((300,)).astype("float64"),
-             rng.standard_normal((20, 30)).astype("float32"),
-             rng.standard_normal((1200,)).astype("float32")]
+    weights = [
+        rng.standard_normal((40, 9)).astype("float32"),
+        rng.standard_normal((300,)).astype("float64"),
+        np.asfortranarray(rng.standard_normal((20, 30)).astype("float32")),
+        rng.standard_normal((1200,)).astype("float32"),
+    ]
+    grads = [
+        rng.standard_normal((40, 9)).astype("float16"),
+        rng.standard_normal((300,)).astype("float64"),
+        rng.standard_normal((20, 30)).astype("float32"),
+        rng.standard_normal((1200,)).astype("float32"),
+    ]
     scale = np.asarray(np.float32(3.0))  # not a power of two: division rounds
     results = []
     for fused_scale in (True, False):
@@ -218,8 +241,8 @@ def test_stateless_apply_matches_and_mutates_nothing(monkeypatch, blocks):
             opt.build(weights)
             before = _snapshot(opt, weights)
             new_weights, new_state = opt.stateless_apply(
-                [v.numpy() for v in opt.variables], [g * np.float32(4) for g in grads[0]],
-                weights)
+                [v.numpy() for v in opt.variables], [g * np.float32(4) for g in grads[0]], weights
+            )
             for x, y in zip(before, _snapshot(opt, weights)):
                 np.testing.assert_array_equal(x, y)
             results.append([np.asarray(a) for a in new_weights + new_state])
@@ -265,7 +288,8 @@ def test_scratch_belongs_to_the_optimizer(monkeypatch):
     assert {key[1] for key in buffers} == {np.dtype("float32")}
     for group in buffers.values():
         assert [t.shape for t in group] == [(numpy_fused.BLOCK,)] * 3 + [
-            (numpy_fused.PACK_CAPACITY,)] * (1 + numpy_fused.MAX_ARRAYS)
+            (numpy_fused.PACK_CAPACITY,)
+        ] * (1 + numpy_fused.MAX_ARRAYS)
     opt.apply(grads[0], weights)
     assert numpy_fused._SCRATCH[opt] is buffers
     alive, count = weakref.ref(opt), len(numpy_fused._SCRATCH)
@@ -282,12 +306,29 @@ def test_blocks_split_large_jobs_and_pack_small_ones(monkeypatch):
     def job(n, constants=same, arrays=2, dtype="float32"):
         return (np.empty(n, dtype), [np.empty(n, dtype)] * arrays, constants, None)
 
-    jobs = [job(10), job(300), job(0), job(70), job(15), job(15, other), job(15),
-            job(12, arrays=5), job(9, dtype="float64"), job(20), job(15), job(15)]
+    jobs = [
+        job(10),
+        job(300),
+        job(0),
+        job(70),
+        job(15),
+        job(15, other),
+        job(15),
+        job(12, arrays=5),
+        job(9, dtype="float64"),
+        job(20),
+        job(15),
+        job(15),
+    ]
     blocks = numpy_fused._blocks(jobs)
     assert blocks == [
-        (1, 0, 64), (1, 64, 128), (1, 128, 192), (1, 192, 256), (1, 256, 300),  # cut
-        (3, 0, 64), (3, 64, 70),
+        (1, 0, 64),
+        (1, 64, 128),
+        (1, 128, 192),
+        (1, 192, 256),
+        (1, 256, 300),  # cut
+        (3, 0, 64),
+        (3, 64, 70),
         ((0, 2, 4), 0, 25),  # closed by job 5's other constants
         (5, 0, 15),  # alone: job 6 differs from it
         (7, 0, 12),  # too many arrays to pack
@@ -315,12 +356,16 @@ def test_small_variables_are_packed_with_and_without_grad_scale(monkeypatch):
     grads = [rng.standard_normal(w.shape).astype("float32") for w in weights]
     gathered = []
     gather = numpy_fused._gather
-    monkeypatch.setattr(numpy_fused, "_gather",
-                        lambda jobs, *args: gathered.append(len(jobs)) or gather(jobs, *args))
+    monkeypatch.setattr(
+        numpy_fused,
+        "_gather",
+        lambda jobs, *args: gathered.append(len(jobs)) or gather(jobs, *args),
+    )
     opt = Adam()
     opt.build(weights)
     variables = opt._trainable_variables
     numpy_fused.adam(opt, grads, variables, opt.learning_rate)
-    numpy_fused.adam(opt, grads, variables, opt.learning_rate,
-                     grad_scale=np.asarray(np.float32(8.0)))
+    numpy_fused.adam(
+        opt, grads, variables, opt.learning_rate, grad_scale=np.asarray(np.float32(8.0))
+    )
     assert gathered == [5, 5]  # one pack of all five, both times

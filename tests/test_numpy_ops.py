@@ -9,9 +9,9 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import force_numpy_threads
 
 import lossscale as ls
-from conftest import force_numpy_threads
 from lossscale.backends import numpy_ops as ops
 
 
@@ -26,8 +26,9 @@ def test_all_finite_finds_any_non_finite_value(rng, dtype, bad, where):
     assert isinstance(result, np.ndarray) and result.shape == () and result == np.False_
 
 
-@pytest.mark.parametrize("dtype,big", [("float32", 3e38), ("float32", 2e19), ("float64", 1e200),
-                                       ("float16", 6e4)])
+@pytest.mark.parametrize(
+    "dtype,big", [("float32", 3e38), ("float32", 2e19), ("float64", 1e200), ("float16", 6e4)]
+)
 def test_all_finite_large_finite_values_are_finite(dtype, big):
     # Their sum of squares overflows; the exact check must still say finite,
     # without a warning about the overflow.
@@ -40,8 +41,18 @@ def test_all_finite_large_finite_values_are_finite(dtype, big):
 
 def test_all_finite_strided_empty_scalar_integer_and_variables(rng):
     strided = rng.standard_normal((30, 20)).astype("float32")[:, ::3]
-    assert ops.all_finite([strided, np.zeros((0, 4), "float32"), np.float32(2.0),
-                           np.arange(5), ls.Variable(np.ones(3, "float32"))]) == np.True_
+    assert (
+        ops.all_finite(
+            [
+                strided,
+                np.zeros((0, 4), "float32"),
+                np.float32(2.0),
+                np.arange(5),
+                ls.Variable(np.ones(3, "float32")),
+            ]
+        )
+        == np.True_
+    )
     strided[7, 2] = np.nan
     assert ops.all_finite([strided]) == np.False_
     assert ops.all_finite([ls.Variable(np.array([1.0, np.inf], "float32"))]) == np.False_
@@ -95,14 +106,17 @@ def _two_pass_max_abs(arrays):
     return max((float(np.maximum(np.max(a), -np.min(a))) for a in arrays if a.size), default=0.0)
 
 
-@pytest.mark.parametrize("bad,position", [(None, None), (np.nan, 0), (np.nan, 70_000),
-                                          (np.inf, 131_071), (-np.inf, 5)])
+@pytest.mark.parametrize(
+    "bad,position", [(None, None), (np.nan, 0), (np.nan, 70_000), (np.inf, 131_071), (-np.inf, 5)]
+)
 def test_max_abs_of_large_arrays_in_blocks(rng, reduce_blocks, bad, position):
-    arrays = [rng.standard_normal(1 << 17).astype("float32"),
-              rng.standard_normal((300, 301)).astype("float32")[:, ::2],  # strided
-              rng.standard_normal(70).astype("float64"),
-              (rng.standard_normal((257, 255)) * 3).astype("float32"),
-              np.zeros(0, "float32")]
+    arrays = [
+        rng.standard_normal(1 << 17).astype("float32"),
+        rng.standard_normal((300, 301)).astype("float32")[:, ::2],  # strided
+        rng.standard_normal(70).astype("float64"),
+        (rng.standard_normal((257, 255)) * 3).astype("float32"),
+        np.zeros(0, "float32"),
+    ]
     arrays[3][100, 7] = -40.5  # the peak is a negative value
     if bad is not None:
         arrays[0][position] = bad

@@ -20,8 +20,7 @@ import lossscale as ls
 from lossscale.optimizers import optax_native
 from lossscale.optimizers.optax_native import OptaxOptimizer
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore::lossscale.mixed_precision.UnscaledLossWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
 
 SHAPES = [(4, 3), (5,)]
 STEPS = 10
@@ -33,8 +32,9 @@ TRANSFORMATIONS = {
     "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
     # Gradients are ~N(0, 2): their global norm (~7) is clipped to 1.
     "clip_then_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.01)),
-    "injected_adamw": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=0.01,
-                                                                     weight_decay=0.1),
+    "injected_adamw": lambda: optax.inject_hyperparams(optax.adamw)(
+        learning_rate=0.01, weight_decay=0.1
+    ),
 }
 
 
@@ -46,9 +46,12 @@ def make_params(seed=0):
 def make_grads(seed=1):
     """Unscaled gradients per step; `None` where the step overflows."""
     rng = np.random.default_rng(seed)
-    return [None if step in BAD_STEPS else
-            [jnp.asarray(2 * rng.normal(size=s).astype(np.float32)) for s in SHAPES]
-            for step in range(STEPS)]
+    return [
+        None
+        if step in BAD_STEPS
+        else [jnp.asarray(2 * rng.normal(size=s).astype(np.float32)) for s in SHAPES]
+        for step in range(STEPS)
+    ]
 
 
 def scaled(grads, step, scale):
@@ -58,8 +61,11 @@ def scaled(grads, step, scale):
 
 
 def wrapped(name):
-    return ls.LossScaleOptimizer(OptaxOptimizer(TRANSFORMATIONS[name]()),
-                                 initial_scale=INITIAL_SCALE, dynamic_growth_steps=GROWTH_STEPS)
+    return ls.LossScaleOptimizer(
+        OptaxOptimizer(TRANSFORMATIONS[name]()),
+        initial_scale=INITIAL_SCALE,
+        dynamic_growth_steps=GROWTH_STEPS,
+    )
 
 
 def reference(name, params, steps=range(STEPS)):
@@ -139,11 +145,13 @@ def test_stateless_apply_of_the_adapter_itself():
     opt.build(params)
     grads = make_grads()[1]
     new_params, new_values = jax.jit(opt.stateless_apply)(
-        [v.value for v in opt.variables], grads, params)
-    (ref_params, ref_state), = reference("adam", make_params(), [1])
+        [v.value for v in opt.variables], grads, params
+    )
+    ((ref_params, ref_state),) = reference("adam", make_params(), [1])
     # Compiled, XLA may fuse the arithmetic differently: equal to rounding.
-    for a, b in zip(new_params + new_values[1:], jax.tree_util.tree_leaves((ref_params,
-                                                                            ref_state))):
+    for a, b in zip(
+        new_params + new_values[1:], jax.tree_util.tree_leaves((ref_params, ref_state))
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     assert int(new_values[0]) == 1 and int(opt.iterations) == 0
 
@@ -152,19 +160,28 @@ def test_variables_are_the_state_leaves_named_by_their_paths():
     opt = wrapped("clip_then_adam")
     opt.build(make_params())
     assert [v.path for v in opt.inner_optimizer.variables] == [
-        "optax_optimizer/iteration", "optax_optimizer/1/0/count", "optax_optimizer/1/0/mu/0",
-        "optax_optimizer/1/0/mu/1", "optax_optimizer/1/0/nu/0", "optax_optimizer/1/0/nu/1"]
+        "optax_optimizer/iteration",
+        "optax_optimizer/1/0/count",
+        "optax_optimizer/1/0/mu/0",
+        "optax_optimizer/1/0/mu/1",
+        "optax_optimizer/1/0/nu/0",
+        "optax_optimizer/1/0/nu/1",
+    ]
     assert [v.dtype for v in opt.inner_optimizer.variables[1:3]] == ["int32", "float32"]
 
 
 def test_colliding_short_names_fall_back_to_full_key_strings():
     tx = optax.GradientTransformation(
         lambda params: {"a/b": jnp.zeros(()), "a": {"b": jnp.ones(())}},
-        lambda updates, state, params=None: (updates, state))
+        lambda updates, state, params=None: (updates, state),
+    )
     opt = OptaxOptimizer(tx, name="custom")
     opt.build(make_params())
     assert [v.path for v in opt.variables] == [
-        "custom/iteration", "custom/['a']['b']", "custom/['a/b']"]
+        "custom/iteration",
+        "custom/['a']['b']",
+        "custom/['a/b']",
+    ]
 
 
 # --- learning rate ------------------------------------------------------------
@@ -191,14 +208,19 @@ def test_injected_learning_rate_reads_and_sets_the_state_leaf():
 
 def test_learning_rate_errors():
     plain = OptaxOptimizer(optax.adam(0.01))
-    with pytest.raises(AttributeError, match=r"created when the optimizer is built\. Call "
-                                         r"`optimizer\.build\(trainable_variables\)`"):
-        plain.learning_rate
+    with pytest.raises(
+        AttributeError,
+        match=r"created when the optimizer is built\. Call "
+        r"`optimizer\.build\(trainable_variables\)`",
+    ):
+        _ = plain.learning_rate
     plain.build(make_params())
-    message = (r"keeps its learning rate inside a closure.*optax\.inject_hyperparams\(optax\."
-               r"adam\)\(learning_rate=1e-3\)")
+    message = (
+        r"keeps its learning rate inside a closure.*optax\.inject_hyperparams\(optax\."
+        r"adam\)\(learning_rate=1e-3\)"
+    )
     with pytest.raises(AttributeError, match=message):
-        plain.learning_rate
+        _ = plain.learning_rate
     with pytest.raises(AttributeError, match=message):
         ls.LossScaleOptimizer(plain).learning_rate = 0.1
     assert getattr(plain, "learning_rate", None) is None
@@ -206,15 +228,24 @@ def test_learning_rate_errors():
     injected.build(make_params())
     with pytest.raises(TypeError, match="only be set to a number.*Received: learning_rate="):
         injected.learning_rate = optax.constant_schedule(0.1)
-    with pytest.raises(ValueError, match=r"`learning_rate` must be a finite number >= 0\. "
-                                         r"Received: learning_rate=-0\.5"):
+    with pytest.raises(
+        ValueError,
+        match=r"`learning_rate` must be a finite number >= 0\. "
+        r"Received: learning_rate=-0\.5",
+    ):
         injected.learning_rate = -0.5
     assert float(injected.learning_rate) == pytest.approx(0.1)
-    twice = OptaxOptimizer(optax.chain(
-        optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
-        optax.inject_hyperparams(optax.sgd)(learning_rate=0.2)))
-    with pytest.raises(ValueError, match=r"injects several learning rates \(\[\"\[0\]\.hyperpa"
-                                         r"rams\['learning_rate'\]\", \"\[1\]\.hyperparams"):
+    twice = OptaxOptimizer(
+        optax.chain(
+            optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+            optax.inject_hyperparams(optax.sgd)(learning_rate=0.2),
+        )
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"injects several learning rates \(\[\"\[0\]\.hyperpa"
+        r"rams\['learning_rate'\]\", \"\[1\]\.hyperparams",
+    ):
         twice.build(make_params())
     assert not twice.built and len(twice.variables) == 1
 
@@ -245,12 +276,18 @@ def test_saved_state_resumes_the_trajectory(how, name):
 
 # --- errors ----------------------------------------------------------------------
 def test_construction_errors():
-    with pytest.raises(ValueError, match=r"`transformation` must be an optax\."
-                                         r"GradientTransformation.*Received: transformation="
-                                         r"'adam'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`transformation` must be an optax\."
+        r"GradientTransformation.*Received: transformation="
+        r"'adam'",
+    ):
         OptaxOptimizer("adam")
-    with pytest.raises(ValueError, match=r"not recognized by OptaxOptimizer: \['clipnorm'\]\. "
-                                         r"Accepted: transformation, name\. .*optax\.chain"):
+    with pytest.raises(
+        ValueError,
+        match=r"not recognized by OptaxOptimizer: \['clipnorm'\]\. "
+        r"Accepted: transformation, name\. .*optax\.chain",
+    ):
         OptaxOptimizer(optax.adam(0.1), clipnorm=1.0)
 
 
@@ -260,8 +297,10 @@ def test_build_errors_leave_the_optimizer_unbuilt():
     cases = [
         ([np.ones(2, np.float32)], r"works on JAX arrays\. Received: var_list of numpy arrays"),
         ([torch.ones(2)], r"works on JAX arrays\. Received: var_list of torch arrays"),
-        ([ls.Variable(jnp.ones(2), name="scale", overwrite_with_gradient=True)],
-         r"cannot hold overwrite-with-gradient variables.*Received: \['scale'\]"),
+        (
+            [ls.Variable(jnp.ones(2), name="scale", overwrite_with_gradient=True)],
+            r"cannot hold overwrite-with-gradient variables.*Received: \['scale'\]",
+        ),
     ]
     for var_list, message in cases:
         opt = OptaxOptimizer(optax.adam(0.1))
@@ -278,23 +317,28 @@ def test_every_variable_needs_a_gradient(missing):
     before = [v.numpy() for v in variables + opt.variables]
     g = scaled(make_grads()[2], 2, opt.scale_loss(1.0))
     grads, targets = ([g[0], None], variables) if missing == "none" else (g[:1], variables[:1])
-    with pytest.raises(ValueError, match=r"needs a gradient for every variable it was built "
-                                         r"with.*optax\.masked.*Received: no gradient for "
-                                         r"\['w1'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs a gradient for every variable it was built "
+        r"with.*optax\.masked.*Received: no gradient for "
+        r"\['w1'\]",
+    ):
         opt.apply(grads, targets)
     for variable, value in zip(variables + opt.variables, before):
         np.testing.assert_array_equal(variable.numpy(), value)
 
 
 def test_a_state_of_another_structure_is_refused_before_writing():
-    tx = optax.GradientTransformation(lambda params: (),
-                                      lambda updates, state, params=None: (updates, (1.0,)))
+    tx = optax.GradientTransformation(
+        lambda params: (), lambda updates, state, params=None: (updates, (1.0,))
+    )
     variables = [ls.Variable(p) for p in make_params()]
     opt = OptaxOptimizer(tx)
     opt.build(variables)
     before = [v.numpy() for v in variables]
-    with pytest.raises(ValueError, match="returned a state of another structure than its "
-                                         "`init` made"):
+    with pytest.raises(
+        ValueError, match="returned a state of another structure than its `init` made"
+    ):
         opt.apply(make_grads()[1], variables)
     for variable, value in zip(variables, before):
         np.testing.assert_array_equal(variable.numpy(), value)
@@ -305,9 +349,11 @@ def test_unsupported_methods_raise():
     opt = wrapped("adam")
     opt.build(make_params())
     for target in (opt.inner_optimizer, opt):
-        with pytest.raises(NotImplementedError,
-                           match="OptaxOptimizer cannot be serialized: an optax."
-                                 "GradientTransformation is a pair of functions"):
+        with pytest.raises(
+            NotImplementedError,
+            match="OptaxOptimizer cannot be serialized: an optax."
+            "GradientTransformation is a pair of functions",
+        ):
             target.get_config()
     with pytest.raises(NotImplementedError, match="optax.add_decayed_weights"):
         opt.inner_optimizer.exclude_from_weight_decay(var_names=["bias"])

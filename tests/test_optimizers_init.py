@@ -9,10 +9,27 @@ import pytest
 import lossscale as ls
 from lossscale import serialization
 
-FAMILY = ["Adadelta", "Adagrad", "Adam", "Adamax", "AdamW", "Ftrl", "Lamb", "Lion", "Nadam",
-          "RMSprop", "SGD"]
-SCHEDULES = ["CosineDecay", "CosineDecayRestarts", "ExponentialDecay", "InverseTimeDecay",
-             "PiecewiseConstantDecay", "PolynomialDecay"]
+FAMILY = [
+    "Adadelta",
+    "Adagrad",
+    "Adam",
+    "Adamax",
+    "AdamW",
+    "Ftrl",
+    "Lamb",
+    "Lion",
+    "Nadam",
+    "RMSprop",
+    "SGD",
+]
+SCHEDULES = [
+    "CosineDecay",
+    "CosineDecayRestarts",
+    "ExponentialDecay",
+    "InverseTimeDecay",
+    "PiecewiseConstantDecay",
+    "PolynomialDecay",
+]
 
 
 def test_every_optimizer_is_exported_and_listed():
@@ -20,7 +37,8 @@ def test_every_optimizer_is_exported_and_listed():
         assert name in ls.optimizers.__all__
         assert getattr(ls.optimizers, name).__name__ == name
     assert set(ls.optimizers.ALL_OPTIMIZERS) == {
-        getattr(ls.optimizers, name) for name in FAMILY + ["LossScaleOptimizer"]}
+        getattr(ls.optimizers, name) for name in FAMILY + ["LossScaleOptimizer"]
+    }
 
 
 @pytest.mark.parametrize("name", FAMILY)
@@ -57,8 +75,12 @@ def test_deserialize_knows_every_class(name):
 
 
 def test_wrapped_family_member_round_trips():
-    wrapped = ls.LossScaleOptimizer(ls.optimizers.Nadam(learning_rate=ls.schedules.CosineDecay(
-        0.1, 100, warmup_target=0.2, warmup_steps=10)), initial_scale=256.0)
+    wrapped = ls.LossScaleOptimizer(
+        ls.optimizers.Nadam(
+            learning_rate=ls.schedules.CosineDecay(0.1, 100, warmup_target=0.2, warmup_steps=10)
+        ),
+        initial_scale=256.0,
+    )
     payload = json.loads(json.dumps(ls.optimizers.serialize(wrapped)))
     rebuilt = ls.optimizers.deserialize(payload)
     assert type(rebuilt.inner_optimizer) is ls.optimizers.Nadam

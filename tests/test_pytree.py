@@ -17,8 +17,7 @@ from lossscale.pytree import OptimizerState, Transform, transform
 
 # The tests feed gradients that are already scaled, as `jax.grad` of a scaled
 # loss would give them, so the stateful wrapper's reminder does not apply.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore::lossscale.mixed_precision.UnscaledLossWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
 SCALE = 16.0
 # Leaf order of the tree below (dict keys sorted): bias, kernel, out/0, out/1.
 SHAPES = {"dense/bias": (3,), "dense/kernel": (2, 3), "out/0": (3, 2), "out/1": (2,)}
@@ -39,8 +38,9 @@ def random_arrays(rng, scale=1.0):
 
 
 def lso(inner=None, growth=2):
-    return LossScaleOptimizer(inner or optimizers.Adam(0.05), initial_scale=SCALE,
-                              dynamic_growth_steps=growth)
+    return LossScaleOptimizer(
+        inner or optimizers.Adam(0.05), initial_scale=SCALE, dynamic_growth_steps=growth
+    )
 
 
 def gradient_steps(rng, steps):
@@ -81,10 +81,21 @@ def test_state_names_follow_the_tree(backend):
     params = nested([backend.array(np.zeros(s)) for s in SHAPES.values()])
     tx = transform(lso())
     state = tx.init(params)
-    slots = [f"adam/{path.replace('/', '_')}_{slot}" for path in SHAPES
-             for slot in ("momentum", "velocity")]
-    assert tx.names == ["loss_scale_optimizer/step_counter", "loss_scale_optimizer/dynamic_scale",
-                        "adam/iteration", "adam/learning_rate"] + slots
+    slots = [
+        f"adam/{path.replace('/', '_')}_{slot}"
+        for path in SHAPES
+        for slot in ("momentum", "velocity")
+    ]
+    assert (
+        tx.names
+        == [
+            "loss_scale_optimizer/step_counter",
+            "loss_scale_optimizer/dynamic_scale",
+            "adam/iteration",
+            "adam/learning_rate",
+        ]
+        + slots
+    )
     assert list(state) == sorted(tx.names) and len(state) == len(tx.names)
     assert float(backend.numpy(state["loss_scale_optimizer/dynamic_scale"])) == SCALE
     assert "'adam/dense_kernel_momentum': float32[2, 3]" in repr(state)
@@ -99,7 +110,9 @@ def test_scale_loss(backend):
     assert float(backend.numpy(tx.scale_loss(backend.array(np.float32(0.5)), state))) == 2.0
     plain = transform(optimizers.SGD(0.1, loss_scale_factor=8.0))
     plain_state = plain.init(params)
-    assert float(backend.numpy(plain.scale_loss(backend.array(np.float32(0.5)), plain_state))) == 4.0
+    assert (
+        float(backend.numpy(plain.scale_loss(backend.array(np.float32(0.5)), plain_state))) == 4.0
+    )
     with pytest.raises(ValueError, match="`loss_scale` needs a transform of a LossScaleOptimizer"):
         plain.loss_scale(plain_state)
 
@@ -169,14 +182,18 @@ def test_jit_checkpoint_round_trip_and_no_retrace(rng):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(s)
     for name in s:
-        np.testing.assert_allclose(np.asarray(state[name]), np.asarray(s[name]), rtol=1e-6,
-                                   atol=1e-7)
+        np.testing.assert_allclose(
+            np.asarray(state[name]), np.asarray(s[name]), rtol=1e-6, atol=1e-7
+        )
 
 
 def full_size_copies(hlo_text):
     """Lines of compiled HLO that copy a non-scalar array (a buffer not updated in place)."""
-    return [line for line in hlo_text.splitlines()
-            if re.search(r"= [a-z0-9]+\[\d+(,\d+)*\]\S* copy\(", line)]
+    return [
+        line
+        for line in hlo_text.splitlines()
+        if re.search(r"= [a-z0-9]+\[\d+(,\d+)*\]\S* copy\(", line)
+    ]
 
 
 def test_tx_jit_donates_and_updates_in_place(rng):
@@ -196,8 +213,10 @@ def test_tx_jit_donates_and_updates_in_place(rng):
         old = jax.tree_util.tree_leaves([params, state])
         params, state = step(grads, state, params)
         assert all(x.is_deleted() for x in old)
-    for a, b in zip(jax.tree_util.tree_leaves([params, state]),
-                    jax.tree_util.tree_leaves([plain_params, plain_state])):
+    for a, b in zip(
+        jax.tree_util.tree_leaves([params, state]),
+        jax.tree_util.tree_leaves([plain_params, plain_state]),
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     kept = tx.jit(donate=False)
     args = (nested([jnp.asarray(g) for g in steps[0]]), state, params)
@@ -206,8 +225,12 @@ def test_tx_jit_donates_and_updates_in_place(rng):
     with pytest.raises(ValueError, match=r"`donate` must be a boolean. Received: donate=1"):
         tx.jit(donate=1)
     # Inputs donated in output order: XLA writes every parameter and slot in place.
-    compiled = jax.jit(lambda p, s, g: tx.apply(g, s, p), donate_argnums=(0, 1)).lower(
-        params, state, args[0]).compile().as_text()
+    compiled = (
+        jax.jit(lambda p, s, g: tx.apply(g, s, p), donate_argnums=(0, 1))
+        .lower(params, state, args[0])
+        .compile()
+        .as_text()
+    )
     assert full_size_copies(compiled) == []
 
 
@@ -217,11 +240,14 @@ def test_state_is_a_keyed_pytree():
 
     tx = transform(lso())
     state = tx.init({"w": jnp.ones(3)})
-    paths = [jax.tree_util.keystr(path) for path, _ in
-             jax.tree_util.tree_flatten_with_path(state)[0]]
+    paths = [
+        jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]
+    ]
     assert paths == [f"[{name!r}]" for name in sorted(tx.names)]
     doubled = jax.tree_util.tree_map(lambda x: x * 2, state)
-    assert isinstance(doubled, OptimizerState) and float(doubled["adam/learning_rate"]) == np.float32(0.1)
+    assert isinstance(doubled, OptimizerState) and float(
+        doubled["adam/learning_rate"]
+    ) == np.float32(0.1)
 
 
 def test_half_precision_gradients_on_float32_params():
@@ -236,12 +262,14 @@ def test_half_precision_gradients_on_float32_params():
     true = {"w": jnp.asarray([[3e-6, -1e-5], [2e-4, 7e-7]]), "b": jnp.asarray([-2e-6, 5e-3])}
     step = jax.jit(tx.apply)
     for dtype in ("float16", "bfloat16"):
-        grads = jax.tree_util.tree_map(lambda g: (g * SCALE).astype(dtype), true)
+        grads = jax.tree_util.tree_map(lambda g, dtype=dtype: (g * SCALE).astype(dtype), true)
         as_float32 = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
         new_params, new_state = step(grads, state, params)
         expected_params, expected_state = step(as_float32, state, params)
-        for a, b in zip(jax.tree_util.tree_leaves([new_params, new_state]),
-                        jax.tree_util.tree_leaves([expected_params, expected_state])):
+        for a, b in zip(
+            jax.tree_util.tree_leaves([new_params, new_state]),
+            jax.tree_util.tree_leaves([expected_params, expected_state]),
+        ):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert int(new_state["adam/iteration"]) == 1
@@ -266,8 +294,9 @@ def test_vmap_over_an_ensemble(rng):
     state = jax.vmap(tx.init)(stacked)
     new_params, new_state = jax.jit(jax.vmap(tx.apply))(stacked_grads, state, stacked)
     np.testing.assert_array_equal(np.asarray(new_state["adam/iteration"]), [1, 0])
-    np.testing.assert_array_equal(np.asarray(new_state["loss_scale_optimizer/dynamic_scale"]),
-                                  [SCALE, SCALE / 2])
+    np.testing.assert_array_equal(
+        np.asarray(new_state["loss_scale_optimizer/dynamic_scale"]), [SCALE, SCALE / 2]
+    )
     for k in range(2):
         single = transform(lso())
         p = nested([jnp.asarray(x) for x in members[k]])
@@ -285,8 +314,9 @@ def test_prebuilt_optimizer_continues_stateful_training():
     tx = transform(opt)
     state = tx.init([v.value for v in variables])
     assert int(state["adam/iteration"]) == 1
-    params, state = tx.apply([jnp.full(3, SCALE), jnp.full(2, SCALE)], state,
-                             [v.value for v in variables])
+    params, state = tx.apply(
+        [jnp.full(3, SCALE), jnp.full(2, SCALE)], state, [v.value for v in variables]
+    )
     opt.apply([jnp.full(3, SCALE), jnp.full(2, SCALE)], variables)
     for a, v in zip(params, variables):
         np.testing.assert_allclose(np.asarray(a), v.numpy(), rtol=1e-6)
@@ -296,8 +326,11 @@ def test_errors(rng):
     import jax
     import jax.numpy as jnp
 
-    with pytest.raises(ValueError, match=r"`optimizer` must be a lossscale.optimizers.Optimizer "
-                                         r"instance. Received: optimizer='adam'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`optimizer` must be a lossscale.optimizers.Optimizer "
+        r"instance. Received: optimizer='adam'",
+    ):
         transform("adam")
     tx = transform(lso())
     params = {"a": jnp.ones(2), "b": [jnp.ones(3)]}
@@ -305,31 +338,48 @@ def test_errors(rng):
         tx.apply(params, None, params)
     with pytest.raises(ValueError, match=r"`loss_scale` needs an initialised transform"):
         tx.loss_scale(None)
-    with pytest.raises(ValueError, match=r"`params` must hold at least one array. Received: params=\{\}"):
+    with pytest.raises(
+        ValueError, match=r"`params` must hold at least one array. Received: params=\{\}"
+    ):
         tx.init({})
-    with pytest.raises(ValueError, match=r"The first `tx.init\(params\)` builds the optimizer and "
-                                         r"must run eagerly"):
+    with pytest.raises(
+        ValueError,
+        match=r"The first `tx.init\(params\)` builds the optimizer and "
+        r"must run eagerly",
+    ):
         jax.jit(tx.init)(params)
     assert not tx.optimizer.built
     state = tx.init(params)
-    with pytest.raises(ValueError, match=r"`params` must have the tree structure this transform "
-                                         r"was initialised with. Expected: .*Received: "):
+    with pytest.raises(
+        ValueError,
+        match=r"`params` must have the tree structure this transform "
+        r"was initialised with. Expected: .*Received: ",
+    ):
         tx.init({"a": jnp.ones(2)})
     with pytest.raises(ValueError, match=r"`grads` must have the structure of `params`"):
         tx.apply({"a": jnp.ones(2), "b": jnp.ones(3)}, state, params)
-    with pytest.raises(TypeError, match=r"`state` must be the OptimizerState returned by `init` "
-                                        r"or `apply`. Received: state of type dict"):
+    with pytest.raises(
+        TypeError,
+        match=r"`state` must be the OptimizerState returned by `init` "
+        r"or `apply`. Received: state of type dict",
+    ):
         tx.apply(params, dict(state), params)
     partial = OptimizerState({k: v for k, v in state.items() if k != "adam/iteration"})
-    with pytest.raises(ValueError, match=r"`state` does not match this optimizer's variables. "
-                                         r"Missing: \['adam/iteration'\]. Unexpected: \[\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"`state` does not match this optimizer's variables. "
+        r"Missing: \['adam/iteration'\]. Unexpected: \[\]",
+    ):
         tx.apply(params, partial, params)
     with pytest.raises(ValueError, match=r"must have shape \(2,\)"):
         tx.apply(params, state, {"a": jnp.ones(4), "b": [jnp.ones(3)]})
     with pytest.raises(KeyError, match=r"No optimizer variable named 'adam/nope'"):
         state.replace(**{"adam/nope": 1})
-    with pytest.raises(TypeError, match=r"`values` must be a mapping from names to arrays. "
-                                        r"Received: values of type list"):
+    with pytest.raises(
+        TypeError,
+        match=r"`values` must be a mapping from names to arrays. "
+        r"Received: values of type list",
+    ):
         OptimizerState([1, 2])
     with pytest.raises(TypeError, match=r"`values` keys must be strings. Received: key 3"):
         OptimizerState({3: np.ones(1)})
@@ -342,8 +392,11 @@ def test_donated_initial_state_cannot_be_reused():
     params = {"w": jnp.ones(3)}
     state = tx.init(params)
     tx.jit()({"w": jnp.ones(3)}, state, params)
-    with pytest.raises(ValueError, match=r"The initial optimizer state was donated to a jitted "
-                                         r"step and no longer exists"):
+    with pytest.raises(
+        ValueError,
+        match=r"The initial optimizer state was donated to a jitted "
+        r"step and no longer exists",
+    ):
         tx.init({"w": jnp.ones(3)})
 
 
@@ -374,14 +427,17 @@ _NO_JAX = textwrap.dedent("""
 
 def test_without_jax_nested_containers_work():
     """NumPy trees flatten without importing JAX, with JAX's leaf order and error text."""
-    out = subprocess.run([sys.executable, "-c", _NO_JAX], capture_output=True, text=True,
-                         timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_JAX], capture_output=True, text=True, timeout=60, check=True
+    )
     result = json.loads(out.stdout)
     assert result["new"] == {"a": [-0.5], "b": [0.0, 0.0], "b_type": "tuple", "none": None}
     assert result["names"] == ["sgd/iteration", "sgd/learning_rate"]
     assert result["iteration"] == 1
-    assert result["error"] == ("`grads` must have the structure of `params`. Expected: "
-                               "{'a': [*], 'b': (*, None)}. Received: {'a': [*]}")
+    assert result["error"] == (
+        "`grads` must have the structure of `params`. Expected: "
+        "{'a': [*], 'b': (*, None)}. Received: {'a': [*]}"
+    )
 
 
 _SHARDED = textwrap.dedent("""
@@ -428,19 +484,28 @@ _SHARDED = textwrap.dedent("""
 
 
 def test_sharded_step_keeps_sharding_and_matches_unsharded():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True,
-                         timeout=120, env=env)
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _SHARDED], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     w, b, s = ["data", "model"], ["model"], []
     assert result["params"] == {"w": w, "b": b, "s": s}
     assert result["state"] == {
-        "adam/b_momentum": b, "adam/b_velocity": b, "adam/iteration": s,
-        "adam/learning_rate": s, "adam/s_momentum": s, "adam/s_velocity": s,
-        "adam/w_momentum": w, "adam/w_velocity": w,
-        "loss_scale_optimizer/dynamic_scale": s, "loss_scale_optimizer/step_counter": s}
+        "adam/b_momentum": b,
+        "adam/b_velocity": b,
+        "adam/iteration": s,
+        "adam/learning_rate": s,
+        "adam/s_momentum": s,
+        "adam/s_velocity": s,
+        "adam/w_momentum": w,
+        "adam/w_velocity": w,
+        "loss_scale_optimizer/dynamic_scale": s,
+        "loss_scale_optimizer/step_counter": s,
+    }
     assert set(result["devices"].values()) == {4}
     assert result["iteration"] == 2
     assert result["param_diff"] <= 1e-6 and result["state_diff"] <= 1e-6

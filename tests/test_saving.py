@@ -6,16 +6,15 @@ import struct
 
 import numpy as np
 import pytest
+from conftest import Backend
 
 import lossscale as ls
-from conftest import Backend
 from lossscale import saving
 from lossscale.optimizers import SGD, Adam, LossScaleOptimizer
 
 SHAPES = [(5, 3), (3,), (3, 2)]
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore::lossscale.mixed_precision.UnscaledLossWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
 
 
 def make(backend, init, **kwargs):
@@ -61,16 +60,18 @@ def test_round_trip_on_each_backend(backend, rng, tmp_path):
         np.testing.assert_array_equal(backend.numpy(b), backend.numpy(a))
         assert a.path == b.path
     assert clone.summary() == opt.summary()
-    fresh = make(backend, [backend.numpy(v) for v in variables], telemetry=True,
-                 max_consecutive_skips=4)[1]
+    fresh = make(
+        backend, [backend.numpy(v) for v in variables], telemetry=True, max_consecutive_skips=4
+    )[1]
     fresh.build(twins)
     saving.restore(fresh, str(path))
     for a, b in zip(opt.variables, fresh.variables):
         np.testing.assert_array_equal(backend.numpy(b), backend.numpy(a))
 
 
-@pytest.mark.parametrize("source, target", [("torch", "numpy"), ("torch", "jax"),
-                                            ("jax", "torch"), ("numpy", "jax")])
+@pytest.mark.parametrize(
+    "source, target", [("torch", "numpy"), ("torch", "jax"), ("jax", "torch"), ("numpy", "jax")]
+)
 def test_resume_on_another_backend_continues_the_trajectory(source, target, tmp_path):
     source, target = Backend(source), Backend(target)
     rng = np.random.default_rng(7)
@@ -107,8 +108,7 @@ def test_file_layout_is_plain_safetensors(rng, tmp_path):
         assert sorted(f.keys(), key=int) == [str(i) for i in range(len(opt.variables))]
         np.testing.assert_array_equal(f.get_tensor("1"), backend.numpy(opt.dynamic_scale))
     assert metadata["format"] == "lossscale.optimizer" and metadata["format_version"] == "1"
-    assert json.loads(metadata["config"]) == json.loads(json.dumps(
-        ls.optimizers.serialize(opt)))
+    assert json.loads(metadata["config"]) == json.loads(json.dumps(ls.optimizers.serialize(opt)))
     entries = json.loads(metadata["variables"])
     assert [e["path"] for e in entries] == [v.path for v in opt.variables]
     assert entries[0]["dtype"] == "int32" and entries[1]["shape"] == []
@@ -116,6 +116,7 @@ def test_file_layout_is_plain_safetensors(rng, tmp_path):
 
 
 # --- every bad file: a clear error naming the path, and nothing changed -------
+
 
 def flip_last_byte(path):
     data = bytearray(path.read_bytes())
@@ -126,11 +127,11 @@ def flip_last_byte(path):
 def edit_metadata(path, **changes):
     data = path.read_bytes()
     length = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + length])
+    header = json.loads(data[8 : 8 + length])
     header["__metadata__"].update(changes)
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length :])
 
 
 def other_count(tmp_path, backend, rng):
@@ -146,10 +147,12 @@ def other_class(tmp_path, backend, rng):
 
 
 def other_shapes(tmp_path, backend, rng):
-    variables = [ls.Variable(np.ones((4, 3), np.float32)), ls.Variable(np.ones(3, np.float32)),
-                 ls.Variable(np.ones((3, 2), np.float32))]
-    other = LossScaleOptimizer(Adam(0.01, amsgrad=True), initial_scale=64.0,
-                               dynamic_growth_steps=2)
+    variables = [
+        ls.Variable(np.ones((4, 3), np.float32)),
+        ls.Variable(np.ones(3, np.float32)),
+        ls.Variable(np.ones((3, 2), np.float32)),
+    ]
+    other = LossScaleOptimizer(Adam(0.01, amsgrad=True), initial_scale=64.0, dynamic_growth_steps=2)
     other.build(variables)
     saving.save(other, tmp_path / "other.safetensors")
     return tmp_path / "other.safetensors"
@@ -172,39 +175,58 @@ def written(tmp_path, opt, damage):
 BAD_FILES = {
     "missing": (lambda tmp, opt, b, r: tmp / "nope.safetensors", r"no such file"),
     "directory": (lambda tmp, opt, b, r: tmp, r"not a regular file"),
-    "empty": (lambda tmp, opt, b, r: written(tmp, opt, lambda p: p.write_bytes(b"")),
-              r"not a readable safetensors file \(truncated or corrupt\)"),
-    "truncated": (lambda tmp, opt, b, r: written(
-        tmp, opt, lambda p: p.write_bytes(p.read_bytes()[:-5])),
-        r"not a readable safetensors file \(truncated or corrupt\): .*incomplete"),
-    "header cut": (lambda tmp, opt, b, r: written(
-        tmp, opt, lambda p: p.write_bytes(p.read_bytes()[:40])),
-        r"not a readable safetensors file"),
-    "garbage": (lambda tmp, opt, b, r: written(tmp, opt, lambda p: p.write_bytes(os.urandom(300))),
-                r"not a readable safetensors file"),
-    "flipped byte": (lambda tmp, opt, b, r: written(tmp, opt, flip_last_byte),
-                     r"variable \d+ \('[^']+'\) is corrupt: its bytes do not "
-                     r"match the shape, dtype and SHA-256 digest"),
-    "not ours": (lambda tmp, opt, b, r: not_ours(tmp, b, r),
-                 r"not a lossscale optimizer checkpoint \(metadata 'format' is None"),
-    "future version": (lambda tmp, opt, b, r: written(
-        tmp, opt, lambda p: edit_metadata(p, format_version="2")),
-        r"format version '2' is not supported \(this lossscale reads version 1\)"),
-    "bad config json": (lambda tmp, opt, b, r: written(
-        tmp, opt, lambda p: edit_metadata(p, config="{not json")),
-        r"its metadata is corrupt \(JSONDecodeError"),
-    "bad variable list": (lambda tmp, opt, b, r: written(
-        tmp, opt, lambda p: edit_metadata(p, variables="[1, 2]")),
-        r"its metadata is corrupt \(TypeError"),
-    "other optimizer class": (lambda tmp, opt, b, r: other_class(tmp, b, r),
-                              r"holds the state of a LossScaleOptimizer\(SGD\), not of this "
-                              r"LossScaleOptimizer\(Adam\)"),
-    "other count": (lambda tmp, opt, b, r: other_count(tmp, b, r),
-                    r"holds 2\d optimizer variables but this LossScaleOptimizer\(Adam\) has 1\d; "
-                    r"it was saved with other settings or for another model"),
-    "other shapes": (lambda tmp, opt, b, r: other_shapes(tmp, b, r),
-                     r"variable 4 \('adam/variable_momentum'\) has shape \(4, 3\) but this "
-                     r"optimizer's \('adam/\w+_momentum'\) has shape \(5, 3\)"),
+    "empty": (
+        lambda tmp, opt, b, r: written(tmp, opt, lambda p: p.write_bytes(b"")),
+        r"not a readable safetensors file \(truncated or corrupt\)",
+    ),
+    "truncated": (
+        lambda tmp, opt, b, r: written(tmp, opt, lambda p: p.write_bytes(p.read_bytes()[:-5])),
+        r"not a readable safetensors file \(truncated or corrupt\): .*incomplete",
+    ),
+    "header cut": (
+        lambda tmp, opt, b, r: written(tmp, opt, lambda p: p.write_bytes(p.read_bytes()[:40])),
+        r"not a readable safetensors file",
+    ),
+    "garbage": (
+        lambda tmp, opt, b, r: written(tmp, opt, lambda p: p.write_bytes(os.urandom(300))),
+        r"not a readable safetensors file",
+    ),
+    "flipped byte": (
+        lambda tmp, opt, b, r: written(tmp, opt, flip_last_byte),
+        r"variable \d+ \('[^']+'\) is corrupt: its bytes do not "
+        r"match the shape, dtype and SHA-256 digest",
+    ),
+    "not ours": (
+        lambda tmp, opt, b, r: not_ours(tmp, b, r),
+        r"not a lossscale optimizer checkpoint \(metadata 'format' is None",
+    ),
+    "future version": (
+        lambda tmp, opt, b, r: written(tmp, opt, lambda p: edit_metadata(p, format_version="2")),
+        r"format version '2' is not supported \(this lossscale reads version 1\)",
+    ),
+    "bad config json": (
+        lambda tmp, opt, b, r: written(tmp, opt, lambda p: edit_metadata(p, config="{not json")),
+        r"its metadata is corrupt \(JSONDecodeError",
+    ),
+    "bad variable list": (
+        lambda tmp, opt, b, r: written(tmp, opt, lambda p: edit_metadata(p, variables="[1, 2]")),
+        r"its metadata is corrupt \(TypeError",
+    ),
+    "other optimizer class": (
+        lambda tmp, opt, b, r: other_class(tmp, b, r),
+        r"holds the state of a LossScaleOptimizer\(SGD\), not of this "
+        r"LossScaleOptimizer\(Adam\)",
+    ),
+    "other count": (
+        lambda tmp, opt, b, r: other_count(tmp, b, r),
+        r"holds 2\d optimizer variables but this LossScaleOptimizer\(Adam\) has 1\d; "
+        r"it was saved with other settings or for another model",
+    ),
+    "other shapes": (
+        lambda tmp, opt, b, r: other_shapes(tmp, b, r),
+        r"variable 4 \('adam/variable_momentum'\) has shape \(4, 3\) but this "
+        r"optimizer's \('adam/\w+_momentum'\) has shape \(5, 3\)",
+    ),
 }
 
 
@@ -236,8 +258,11 @@ def test_load_never_imports_what_the_config_names(rng, tmp_path):
     config = json.loads(json.dumps(ls.optimizers.serialize(opt)))
     config.update(module="os", class_name="system")
     edit_metadata(path, config=json.dumps(config))
-    with pytest.raises(saving.CheckpointError, match=r"its config does not rebuild an optimizer: "
-                                                     r"Unknown class_name 'system'"):
+    with pytest.raises(
+        saving.CheckpointError,
+        match=r"its config does not rebuild an optimizer: "
+        r"Unknown class_name 'system'",
+    ):
         saving.load(path, [ls.Variable(np.ones(s, np.float32)) for s in SHAPES])
 
 
@@ -262,8 +287,11 @@ def test_plain_optimizer_and_failed_save_keeps_the_old_file(rng, tmp_path):
     original = path.read_bytes()
     callable_lr = SGD(lambda: 0.1)
     callable_lr.build(variables)
-    with pytest.raises(ValueError, match=r"The config of SGD cannot be written as JSON .*a "
-                                         r"callable learning rate, for one, cannot be saved"):
+    with pytest.raises(
+        ValueError,
+        match=r"The config of SGD cannot be written as JSON .*a "
+        r"callable learning rate, for one, cannot be saved",
+    ):
         saving.save(callable_lr, path)
     assert path.read_bytes() == original
     clone = saving.load(path, variables)
@@ -271,13 +299,19 @@ def test_plain_optimizer_and_failed_save_keeps_the_old_file(rng, tmp_path):
 
 
 def test_usage_errors(tmp_path):
-    with pytest.raises(ValueError, match=r"`optimizer` must be a lossscale.optimizers.Optimizer. "
-                                         r"Received: optimizer='adam'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`optimizer` must be a lossscale.optimizers.Optimizer. "
+        r"Received: optimizer='adam'",
+    ):
         saving.save("adam", tmp_path / "x")
     with pytest.raises(ValueError, match=r"`optimizer` must be built before saving"):
         saving.save(Adam(), tmp_path / "x")
-    with pytest.raises(ValueError, match=r"`optimizer` must be built before `restore`.*use "
-                                         r"`lossscale.saving.load\(path, trainable_variables\)`"):
+    with pytest.raises(
+        ValueError,
+        match=r"`optimizer` must be built before `restore`.*use "
+        r"`lossscale.saving.load\(path, trainable_variables\)`",
+    ):
         saving.restore(Adam(), tmp_path / "x")
     assert not list(tmp_path.iterdir())
 

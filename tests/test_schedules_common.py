@@ -8,8 +8,10 @@ from lossscale.schedules import _common
 
 
 def test_float_step_keeps_the_backend(backend):
-    for step in (backend.array(np.asarray(7, np.int32)), ls.Variable(backend.array(
-            np.asarray(7, np.int64 if backend.name != "jax" else np.int32)))):
+    for step in (
+        backend.array(np.asarray(7, np.int32)),
+        ls.Variable(backend.array(np.asarray(7, np.int64 if backend.name != "jax" else np.int32))),
+    ):
         ops, value = _common.float_step(step)
         assert ops.NAME == backend.name and backend_of(value) == backend.name
         assert backend.numpy(value).dtype == np.float32 and float(backend.numpy(value)) == 7.0
@@ -34,5 +36,10 @@ def test_schedule_accepts_an_optimizer_iterations_variable(backend):
 def test_signature_config_reads_every_argument_in_order():
     schedule = ls.schedules.CosineDecay(0.1, 10, warmup_target=0.2)
     assert list(_common.signature_config(schedule).items()) == [
-        ("initial_learning_rate", 0.1), ("decay_steps", 10), ("alpha", 0.0),
-        ("name", "CosineDecay"), ("warmup_target", 0.2), ("warmup_steps", 0)]
+        ("initial_learning_rate", 0.1),
+        ("decay_steps", 10),
+        ("alpha", 0.0),
+        ("name", "CosineDecay"),
+        ("warmup_target", 0.2),
+        ("warmup_steps", 0),
+    ]

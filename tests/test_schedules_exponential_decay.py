@@ -4,10 +4,10 @@ import math
 import re
 
 import pytest
-
 import schedule_cases as cases
-from lossscale.schedules import exponential_decay as exponential_decay_module
+
 from lossscale.schedules import ExponentialDecay
+from lossscale.schedules import exponential_decay as exponential_decay_module
 
 STEPS = [0, 1, 6, 7, 8, 20, 100]
 SETTINGS = [
@@ -48,8 +48,11 @@ def test_config_round_trip(settings):
 
 
 def test_optimizer_serializes_and_follows_schedule(backend):
-    cases.check_in_optimizer(backend, ExponentialDecay(0.1, 2, 0.5, staircase=True),
-                             reference(0.1, 2, 0.5, staircase=True))
+    cases.check_in_optimizer(
+        backend,
+        ExponentialDecay(0.1, 2, 0.5, staircase=True),
+        reference(0.1, 2, 0.5, staircase=True),
+    )
 
 
 def test_defaults():
@@ -57,15 +60,26 @@ def test_defaults():
     assert (schedule.staircase, schedule.name) == (False, "ExponentialDecay")
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"decay_steps": 0}, "`decay_steps` must be a finite number > 0. Received: decay_steps=0"),
-    ({"decay_steps": -5}, "`decay_steps` must be a finite number > 0. Received: decay_steps=-5"),
-    ({"initial_learning_rate": -0.1},
-     "`initial_learning_rate` must be a finite number >= 0. Received: initial_learning_rate=-0.1"),
-    ({"decay_rate": -0.5}, "`decay_rate` must be a finite number >= 0. Received: decay_rate=-0.5"),
-    ({"staircase": "yes"}, "`staircase` must be a boolean. Received: staircase='yes'"),
-    ({"name": 3}, "`name` must be a string. Received: name=3"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"decay_steps": 0}, "`decay_steps` must be a finite number > 0. Received: decay_steps=0"),
+        (
+            {"decay_steps": -5},
+            "`decay_steps` must be a finite number > 0. Received: decay_steps=-5",
+        ),
+        (
+            {"initial_learning_rate": -0.1},
+            "`initial_learning_rate` must be a finite number >= 0. Received: initial_learning_rate=-0.1",
+        ),
+        (
+            {"decay_rate": -0.5},
+            "`decay_rate` must be a finite number >= 0. Received: decay_rate=-0.5",
+        ),
+        ({"staircase": "yes"}, "`staircase` must be a boolean. Received: staircase='yes'"),
+        ({"name": 3}, "`name` must be a string. Received: name=3"),
+    ],
+)
 def test_bad_arguments_raise(kwargs, message):
     settings = {"initial_learning_rate": 0.1, "decay_steps": 10, "decay_rate": 0.9, **kwargs}
     with pytest.raises(ValueError, match=re.escape(message)):

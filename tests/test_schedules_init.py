@@ -28,8 +28,11 @@ def test_each_schedule_is_a_registered_learning_rate_schedule(name):
     assert serialization.lookup(name) is cls
     schedule = cls(**BUILT_IN[name])
     payload = json.loads(json.dumps(serialization.serialize(schedule)))
-    assert payload == {"module": cls.__module__, "class_name": name,
-                       "config": schedule.get_config()}
+    assert payload == {
+        "module": cls.__module__,
+        "class_name": name,
+        "config": schedule.get_config(),
+    }
     assert serialization.deserialize(payload).get_config() == schedule.get_config()
 
 

@@ -4,10 +4,10 @@ import math
 import re
 
 import pytest
-
 import schedule_cases as cases
-from lossscale.schedules import inverse_time_decay as inverse_time_decay_module
+
 from lossscale.schedules import InverseTimeDecay
+from lossscale.schedules import inverse_time_decay as inverse_time_decay_module
 
 STEPS = [0, 1, 2, 3, 4, 10, 1000]
 SETTINGS = [
@@ -21,7 +21,8 @@ def reference(initial_learning_rate, decay_steps, decay_rate, staircase=False):
     def value(step):
         periods = step / decay_steps
         return initial_learning_rate / (
-            1 + decay_rate * (math.floor(periods) if staircase else periods))
+            1 + decay_rate * (math.floor(periods) if staircase else periods)
+        )
 
     return value
 
@@ -51,14 +52,24 @@ def test_optimizer_serializes_and_follows_schedule(backend):
     cases.check_in_optimizer(backend, InverseTimeDecay(0.1, 1, 0.5), reference(0.1, 1, 0.5))
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"decay_steps": 0.0}, "`decay_steps` must be a finite number > 0. Received: decay_steps=0.0"),
-    ({"decay_rate": float("nan")},
-     "`decay_rate` must be a finite number >= 0. Received: decay_rate=nan"),
-    ({"initial_learning_rate": None},
-     "`initial_learning_rate` must be a finite number >= 0. Received: initial_learning_rate=None"),
-    ({"staircase": 0}, "`staircase` must be a boolean. Received: staircase=0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (
+            {"decay_steps": 0.0},
+            "`decay_steps` must be a finite number > 0. Received: decay_steps=0.0",
+        ),
+        (
+            {"decay_rate": float("nan")},
+            "`decay_rate` must be a finite number >= 0. Received: decay_rate=nan",
+        ),
+        (
+            {"initial_learning_rate": None},
+            "`initial_learning_rate` must be a finite number >= 0. Received: initial_learning_rate=None",
+        ),
+        ({"staircase": 0}, "`staircase` must be a boolean. Received: staircase=0"),
+    ],
+)
 def test_bad_arguments_raise(kwargs, message):
     settings = {"initial_learning_rate": 0.1, "decay_steps": 10, "decay_rate": 0.9, **kwargs}
     with pytest.raises(ValueError, match=re.escape(message)):

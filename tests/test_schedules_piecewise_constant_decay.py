@@ -6,10 +6,10 @@ import re
 
 import numpy as np
 import pytest
-
 import schedule_cases as cases
-from lossscale.schedules import piecewise_constant_decay as piecewise_constant_decay_module
+
 from lossscale.schedules import PiecewiseConstantDecay
+from lossscale.schedules import piecewise_constant_decay as piecewise_constant_decay_module
 
 STEPS = [0, 4, 5, 6, 10, 11, 20, 21, 1000]
 SETTINGS = [
@@ -53,27 +53,43 @@ def test_tuples_are_stored_as_lists():
 
 
 def test_optimizer_serializes_and_follows_schedule(backend):
-    cases.check_in_optimizer(backend, PiecewiseConstantDecay([1, 3], [0.3, 0.2, 0.1]),
-                             reference([1, 3], [0.3, 0.2, 0.1]))
+    cases.check_in_optimizer(
+        backend, PiecewiseConstantDecay([1, 3], [0.3, 0.2, 0.1]), reference([1, 3], [0.3, 0.2, 0.1])
+    )
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"boundaries": [5, 10], "values": [0.1, 0.01]},
-     "The length of `boundaries` should be 1 less than the length of `values`. Received: "
-     "boundaries=[5, 10] of length 2, and values=[0.1, 0.01] of length 2."),
-    ({"boundaries": [], "values": [0.1]},
-     "`boundaries` must be a non-empty list of strictly increasing numbers. Received: "
-     "boundaries=[]"),
-    ({"boundaries": [10, 5], "values": [0.1, 0.01, 0.001]},
-     "`boundaries` must be a non-empty list of strictly increasing numbers. Received: "
-     "boundaries=[10, 5]"),
-    ({"boundaries": 5, "values": [0.1, 0.01]},
-     "`boundaries` must be a list of numbers. Received: boundaries=5"),
-    ({"boundaries": [5], "values": [0.1, "a"]},
-     "`values` must be a list of numbers. Received: values=[0.1, 'a']"),
-    ({"boundaries": [5], "values": [0.1, 0.01], "name": None},
-     "`name` must be a string. Received: name=None"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (
+            {"boundaries": [5, 10], "values": [0.1, 0.01]},
+            "The length of `boundaries` should be 1 less than the length of `values`. Received: "
+            "boundaries=[5, 10] of length 2, and values=[0.1, 0.01] of length 2.",
+        ),
+        (
+            {"boundaries": [], "values": [0.1]},
+            "`boundaries` must be a non-empty list of strictly increasing numbers. Received: "
+            "boundaries=[]",
+        ),
+        (
+            {"boundaries": [10, 5], "values": [0.1, 0.01, 0.001]},
+            "`boundaries` must be a non-empty list of strictly increasing numbers. Received: "
+            "boundaries=[10, 5]",
+        ),
+        (
+            {"boundaries": 5, "values": [0.1, 0.01]},
+            "`boundaries` must be a list of numbers. Received: boundaries=5",
+        ),
+        (
+            {"boundaries": [5], "values": [0.1, "a"]},
+            "`values` must be a list of numbers. Received: values=[0.1, 'a']",
+        ),
+        (
+            {"boundaries": [5], "values": [0.1, 0.01], "name": None},
+            "`name` must be a string. Received: name=None",
+        ),
+    ],
+)
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         PiecewiseConstantDecay(**kwargs)

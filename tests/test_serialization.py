@@ -25,7 +25,10 @@ def test_get_by_name_instance_and_config():
 
 
 def test_unknown_names_list_the_known_ones():
-    with pytest.raises(ValueError, match=r"Unknown optimizer name. Known: \[.*'adam'.*'sgd'.*\]. Received: identifier='adamx2'"):
+    with pytest.raises(
+        ValueError,
+        match=r"Unknown optimizer name. Known: \[.*'adam'.*'sgd'.*\]. Received: identifier='adamx2'",
+    ):
         ls.optimizers.get("adamx2")
     with pytest.raises(ValueError, match="Could not interpret optimizer identifier"):
         ls.optimizers.get(3)

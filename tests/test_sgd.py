@@ -15,7 +15,9 @@ def run(backend, opt, grads, init=(1.0, -2.0)):
 
 
 def test_plain(backend):
-    np.testing.assert_allclose(run(backend, SGD(0.1), [[1.0, 1.0], [2.0, -1.0]]), [0.7, -2.0], rtol=1e-6)
+    np.testing.assert_allclose(
+        run(backend, SGD(0.1), [[1.0, 1.0], [2.0, -1.0]]), [0.7, -2.0], rtol=1e-6
+    )
 
 
 def test_momentum(backend):
@@ -39,17 +41,28 @@ def test_float16_variable(backend):
 
 def test_defaults_and_config():
     opt = SGD()
-    assert (opt.name, float(opt.learning_rate), opt.momentum, opt.nesterov) == ("sgd", pytest.approx(0.01), 0.0, False)
+    assert (opt.name, float(opt.learning_rate), opt.momentum, opt.nesterov) == (
+        "sgd",
+        pytest.approx(0.01),
+        0.0,
+        False,
+    )
     clone = SGD.from_config(SGD(0.2, momentum=0.5, nesterov=True, clipvalue=1.0).get_config())
     assert (clone.momentum, clone.nesterov, clone.clipvalue) == (0.5, True, 1.0)
     assert float(clone.learning_rate) == pytest.approx(0.2)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"momentum": -0.1}, r"`momentum` must be a finite number >= 0 and <= 1. Received: momentum=-0.1"),
-    ({"momentum": 2}, r"Received: momentum=2"),
-    ({"nesterov": "yes"}, r"`nesterov` must be a boolean. Received: nesterov='yes'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"momentum": -0.1},
+            r"`momentum` must be a finite number >= 0 and <= 1. Received: momentum=-0.1",
+        ),
+        ({"momentum": 2}, r"Received: momentum=2"),
+        ({"nesterov": "yes"}, r"`nesterov` must be a boolean. Received: nesterov='yes'"),
+    ],
+)
 def test_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SGD(**kwargs)

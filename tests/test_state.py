@@ -14,8 +14,9 @@ SHAPES = [(3, 2), (2,)]
 
 MAKERS = {
     "adam_ema_accumulation": lambda: Adam(0.01, use_ema=True, gradient_accumulation_steps=2),
-    "loss_scaled_adam": lambda: LossScaleOptimizer(Adam(0.01), initial_scale=8.0,
-                                                   dynamic_growth_steps=2),
+    "loss_scaled_adam": lambda: LossScaleOptimizer(
+        Adam(0.01), initial_scale=8.0, dynamic_growth_steps=2
+    ),
     "nadam": lambda: Nadam(0.01),
     "rmsprop_centered": lambda: RMSprop(0.01, momentum=0.9, centered=True),
     "sgd": lambda: SGD(0.1),
@@ -23,8 +24,10 @@ MAKERS = {
 
 
 def make_vars(backend, rng, names=("kernel", "bias")):
-    return [ls.Variable(backend.array(rng.normal(size=s).astype(np.float32)), name=n)
-            for s, n in zip(SHAPES, names)]
+    return [
+        ls.Variable(backend.array(rng.normal(size=s).astype(np.float32)), name=n)
+        for s, n in zip(SHAPES, names)
+    ]
 
 
 def step(opt, backend, rng, variables, kind="f"):
@@ -82,8 +85,11 @@ def test_layout_follows_torch():
     assert sorted(saved["state"][1]) == ["average", "momentum", "velocity", "velocity_hat"]
     assert saved["state"][0]["momentum"].shape == params[0].shape
     assert list(saved["optimizer_variables"]) == [
-        "loss_scale_optimizer/step_counter", "loss_scale_optimizer/dynamic_scale",
-        "adam/iteration", "adam/learning_rate"]
+        "loss_scale_optimizer/step_counter",
+        "loss_scale_optimizer/dynamic_scale",
+        "adam/iteration",
+        "adam/learning_rate",
+    ]
     group = saved["param_groups"][0]
     assert group["params"] == [0, 1] and group["initial_scale"] == 4.0
     assert "weight_decay" not in group  # the wrapper's, always at its default
@@ -100,14 +106,22 @@ def test_layout_follows_torch():
 
 def test_parameters_sharing_a_name_keep_their_own_slots(backend):
     rng = np.random.default_rng(3)
-    variables = [ls.Variable(backend.array(rng.normal(size=s).astype(np.float32)))
-                 for s in [(2,), (2,), (3,)]]  # all named "variable"
+    variables = [
+        ls.Variable(backend.array(rng.normal(size=s).astype(np.float32)))
+        for s in [(2,), (2,), (3,)]
+    ]  # all named "variable"
     opt = SGD(0.1, momentum=0.9)
-    opt.apply([backend.array(np.full(v.shape, float(i + 1), np.float32))
-               for i, v in enumerate(variables)], variables)
+    opt.apply(
+        [
+            backend.array(np.full(v.shape, float(i + 1), np.float32))
+            for i, v in enumerate(variables)
+        ],
+        variables,
+    )
     state = opt.state_dict()["state"]
     assert [float(backend.numpy(state[i]["momentum"])[0]) for i in range(3)] == pytest.approx(
-        [-0.1, -0.2, -0.3])
+        [-0.1, -0.2, -0.3]
+    )
 
 
 def test_slotless_optimizer_has_empty_state(backend):
@@ -117,7 +131,9 @@ def test_slotless_optimizer_has_empty_state(backend):
     step(opt, backend, rng, variables)
     saved = opt.state_dict()
     assert saved["state"] == {} and list(saved["optimizer_variables"]) == [
-        "sgd/iteration", "sgd/learning_rate"]
+        "sgd/iteration",
+        "sgd/learning_rate",
+    ]
 
 
 def test_load_across_backends():
@@ -138,11 +154,17 @@ def test_load_across_backends():
 
 
 def test_unbuilt_optimizer_raises():
-    with pytest.raises(ValueError, match=r"`state_dict\(\)` needs the optimizer's variables.*"
-                                         r"Call `optimizer.build\(trainable_variables\)`"):
+    with pytest.raises(
+        ValueError,
+        match=r"`state_dict\(\)` needs the optimizer's variables.*"
+        r"Call `optimizer.build\(trainable_variables\)`",
+    ):
         Adam().state_dict()
-    with pytest.raises(ValueError, match=r"`load_state_dict\(\)` writes into the optimizer's "
-                                         r"variables.*Call `optimizer.build"):
+    with pytest.raises(
+        ValueError,
+        match=r"`load_state_dict\(\)` writes into the optimizer's "
+        r"variables.*Call `optimizer.build",
+    ):
         Adam().load_state_dict({})
 
 
@@ -157,36 +179,64 @@ def _saved_and_target(backend):
 
 
 BAD = {
-    "not a dict": (lambda sd: [1, 2], r"`state_dict` must be a dict with keys \['state', "
-                   r"'param_groups', 'optimizer_variables'\].*Received: list"),
-    "missing key": (lambda sd: {"state": sd["state"], "param_groups": sd["param_groups"]},
-                    r"must be a dict with keys .*Received: \['param_groups', 'state'\]"),
-    "extra key": (lambda sd: {**sd, "scaler": {}}, r"Received: \['optimizer_variables', "
-                  r"'param_groups', 'scaler', 'state'\]"),
-    "other params": (lambda sd: {**sd, "param_groups": [{"params": [0, 1, 2]}]},
-                     r"`state_dict\['param_groups'\]` must be one group listing the 2 "
-                     r"parameters .*params=\[0, \.\.\., 1\]\)\. Received: \[\{'params': "
-                     r"\[0, 1, 2\]\}\]"),
-    "two groups": (lambda sd: {**sd, "param_groups": sd["param_groups"] * 2},
-                   r"must be one group listing"),
-    "missing parameter": (lambda sd: {**sd, "state": {0: sd["state"][0]}},
-                          r"`state_dict\['state'\]` must have the keys \[0, 1\] of this "
-                          r"optimizer. Received: \[0\]"),
-    "unknown slot": (lambda sd: {**sd, "state": {0: {"exp_avg": 1}, 1: sd["state"][1]}},
-                     r"`state_dict\['state'\]\[0\]` must have the keys \['momentum', "
-                     r"'velocity'\] of this optimizer. Received: \['exp_avg'\]"),
-    "wrong shape": (lambda sd: {**sd, "state": {0: {**sd["state"][0],
-                                                    "velocity": np.zeros((2, 3), np.float32)},
-                                                1: sd["state"][1]}},
-                    r"`state_dict\['state'\]\[0\]\['velocity'\]` must have the shape \(3, 2\) "
-                    r"of optimizer variable 'adam/kernel_velocity'. Received: shape \(2, 3\)"),
-    "not an array": (lambda sd: {**sd, "optimizer_variables": {
-        **sd["optimizer_variables"], "adam/iteration": "three"}},
+    "not a dict": (
+        lambda sd: [1, 2],
+        r"`state_dict` must be a dict with keys \['state', "
+        r"'param_groups', 'optimizer_variables'\].*Received: list",
+    ),
+    "missing key": (
+        lambda sd: {"state": sd["state"], "param_groups": sd["param_groups"]},
+        r"must be a dict with keys .*Received: \['param_groups', 'state'\]",
+    ),
+    "extra key": (
+        lambda sd: {**sd, "scaler": {}},
+        r"Received: \['optimizer_variables', "
+        r"'param_groups', 'scaler', 'state'\]",
+    ),
+    "other params": (
+        lambda sd: {**sd, "param_groups": [{"params": [0, 1, 2]}]},
+        r"`state_dict\['param_groups'\]` must be one group listing the 2 "
+        r"parameters .*params=\[0, \.\.\., 1\]\)\. Received: \[\{'params': "
+        r"\[0, 1, 2\]\}\]",
+    ),
+    "two groups": (
+        lambda sd: {**sd, "param_groups": sd["param_groups"] * 2},
+        r"must be one group listing",
+    ),
+    "missing parameter": (
+        lambda sd: {**sd, "state": {0: sd["state"][0]}},
+        r"`state_dict\['state'\]` must have the keys \[0, 1\] of this "
+        r"optimizer. Received: \[0\]",
+    ),
+    "unknown slot": (
+        lambda sd: {**sd, "state": {0: {"exp_avg": 1}, 1: sd["state"][1]}},
+        r"`state_dict\['state'\]\[0\]` must have the keys \['momentum', "
+        r"'velocity'\] of this optimizer. Received: \['exp_avg'\]",
+    ),
+    "wrong shape": (
+        lambda sd: {
+            **sd,
+            "state": {
+                0: {**sd["state"][0], "velocity": np.zeros((2, 3), np.float32)},
+                1: sd["state"][1],
+            },
+        },
+        r"`state_dict\['state'\]\[0\]\['velocity'\]` must have the shape \(3, 2\) "
+        r"of optimizer variable 'adam/kernel_velocity'. Received: shape \(2, 3\)",
+    ),
+    "not an array": (
+        lambda sd: {
+            **sd,
+            "optimizer_variables": {**sd["optimizer_variables"], "adam/iteration": "three"},
+        },
         r"`state_dict\['optimizer_variables'\]\['adam/iteration'\]` must be an array. "
-        r"Received: str"),
-    "missing variable": (lambda sd: {**sd, "optimizer_variables": {}},
-                         r"`state_dict\['optimizer_variables'\]` must have the keys "
-                         r"\['adam/iteration', 'adam/learning_rate'\] of this optimizer"),
+        r"Received: str",
+    ),
+    "missing variable": (
+        lambda sd: {**sd, "optimizer_variables": {}},
+        r"`state_dict\['optimizer_variables'\]` must have the keys "
+        r"\['adam/iteration', 'adam/learning_rate'\] of this optimizer",
+    ),
 }
 
 
@@ -210,6 +260,9 @@ def test_duplicate_paths_are_refused():
 
     opt = Twice(0.1)
     opt.build([ls.Variable(np.zeros(2, np.float32))])
-    with pytest.raises(ValueError, match=r"Two variables of optimizer 'sgd' share the path "
-                                         r"'sgd/extra'.*Give each optimizer"):
+    with pytest.raises(
+        ValueError,
+        match=r"Two variables of optimizer 'sgd' share the path "
+        r"'sgd/extra'.*Give each optimizer",
+    ):
         opt.state_dict()

@@ -3,13 +3,22 @@
 import numpy as np
 import pytest
 import torch
+from torch_cases import OPTIMIZERS, assert_same_run, generic_path, train
 
 from lossscale.backends import torch_foreach, torch_ops
 from lossscale.optimizers import SGD
-from torch_cases import OPTIMIZERS, assert_same_run, generic_path, train
 
-FOREACH = ["rmsprop", "rmsprop_centered_momentum", "adagrad", "adadelta", "adamax", "nadam",
-           "lion", "ftrl", "lamb"]
+FOREACH = [
+    "rmsprop",
+    "rmsprop_centered_momentum",
+    "adagrad",
+    "adadelta",
+    "adamax",
+    "nadam",
+    "lion",
+    "ftrl",
+    "lamb",
+]
 
 
 def test_every_optimizer_has_a_kernel():
@@ -29,8 +38,9 @@ def test_foreach_rule_equals_generic_path(monkeypatch, name, wrap):
     assert_same_run(fast, generic)
 
 
-@pytest.mark.parametrize("name", FOREACH + ["sgd", "sgd_momentum", "sgd_nesterov", "adam",
-                                            "adam_amsgrad", "adamw"])
+@pytest.mark.parametrize(
+    "name", FOREACH + ["sgd", "sgd_momentum", "sgd_nesterov", "adam", "adam_amsgrad", "adamw"]
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=["float16", "float64"])
 def test_rules_equal_generic_path_in_other_dtypes(monkeypatch, name, dtype):
     """Half-precision parameters take the foreach rules, which round like `update_step`."""
@@ -92,4 +102,5 @@ def test_the_cuda_check_runs_on_cpu(monkeypatch):
 
 if torch.cuda.is_available():
     test_fast_path_on_cuda_equals_generic_path_on_cpu = pytest.mark.parametrize(
-        "name", list(OPTIMIZERS))(fast_path_on_cuda_equals_generic_path_on_cpu)
+        "name", list(OPTIMIZERS)
+    )(fast_path_on_cuda_equals_generic_path_on_cpu)

@@ -3,13 +3,21 @@
 import numpy as np
 import pytest
 import torch
+from torch_cases import (
+    OPTIMIZERS,
+    SHAPES,
+    apply,
+    assert_same_run,
+    generic_path,
+    inject,
+    random_grads,
+    train,
+)
 
 import lossscale as ls
 from lossscale.backends import torch_fused, torch_ops
 from lossscale.optimizers import SGD, Adam, AdamW
 from lossscale.schedules import ExponentialDecay
-from torch_cases import (OPTIMIZERS, SHAPES, apply, assert_same_run, generic_path, inject,
-                         random_grads, train)
 
 FUSED = ["sgd", "sgd_momentum", "sgd_nesterov", "adam", "adam_amsgrad", "adamw"]
 
@@ -50,6 +58,7 @@ def bits(t):
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_sgd_momentum_follows_keras_when_the_learning_rate_changes(monkeypatch, nesterov):
     """torch keeps `buf = momentum * buf + g`; the kernel still keeps Keras's `m`."""
+
     def make():
         schedule = ExponentialDecay(0.5, decay_steps=1, decay_rate=0.5)
         return SGD(schedule, momentum=0.9, nesterov=nesterov)
@@ -71,7 +80,7 @@ def test_adam_fused_matches_float64_keras_formula():
         opt.apply([torch.tensor(g, dtype=torch.float32)], [w])
         m += (g - m) * 0.1
         v += (g * g - v) * 0.001
-        ref -= m * (0.01 * np.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t)) / (np.sqrt(v) + 1e-7)
+        ref -= m * (0.01 * np.sqrt(1 - 0.999**t) / (1 - 0.9**t)) / (np.sqrt(v) + 1e-7)
     np.testing.assert_allclose(w.numpy(), ref, rtol=1e-5, atol=1e-7)
 
 
@@ -105,8 +114,10 @@ def test_nn_module_updated_in_place_by_fused_kernel():
         losses.append(float(loss.detach()))
         opt.apply(torch.autograd.grad(opt.scale_loss(loss), params), params)
     assert [id(p) for p in model.parameters()] == ids
-    assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad and p.grad_fn is None
-               for p in model.parameters())
+    assert all(
+        isinstance(p, torch.nn.Parameter) and p.requires_grad and p.grad_fn is None
+        for p in model.parameters()
+    )
     assert losses[-1] < losses[0] / 2
     model(x).sum().backward()  # autograd still works on the updated parameters
     assert all(p.grad is not None for p in params)

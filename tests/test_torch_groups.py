@@ -1,21 +1,24 @@
 """torch_groups: cached per-(device, dtype) plans and mask-aware multi-tensor writes."""
 
 import contextlib
+
 import numpy as np
 import pytest
 import torch
+from torch_cases import SHAPES, random_grads
 
 import lossscale as ls
 from lossscale.backends import torch_groups, torch_ops
 from lossscale.optimizers import Adam, RMSprop
-from torch_cases import SHAPES, random_grads
 
 
 def built(opt, dtypes=None):
     rng = np.random.default_rng(0)
     dtypes = dtypes or [torch.float32] * len(SHAPES)
-    params = [ls.Variable(torch.tensor(rng.normal(size=s), dtype=d), name=f"w{i}")
-              for i, (s, d) in enumerate(zip(SHAPES, dtypes))]
+    params = [
+        ls.Variable(torch.tensor(rng.normal(size=s), dtype=d), name=f"w{i}")
+        for i, (s, d) in enumerate(zip(SHAPES, dtypes))
+    ]
     opt.build(params)
     return params
 
@@ -24,8 +27,10 @@ def test_plan_groups_by_dtype_and_keeps_slots_aligned():
     opt = Adam()
     params = built(opt, [torch.float32, torch.float16, torch.float32, torch.float16])
     plan = torch_groups.plan(opt, params, ("_momentums", "_velocities"))
-    assert [(g.dtype, g.indices) for g in plan.groups] == [(torch.float32, [0, 2]),
-                                                           (torch.float16, [1, 3])]
+    assert [(g.dtype, g.indices) for g in plan.groups] == [
+        (torch.float32, [0, 2]),
+        (torch.float16, [1, 3]),
+    ]
     for group in plan.groups:
         for k, i in enumerate(group.indices):
             assert group.params[k].data_ptr() == params[i].value.data_ptr()
@@ -92,8 +97,9 @@ def test_plan_follows_loaded_values():
         assert torch.equal(p.value, q.value)
 
 
-@pytest.mark.parametrize("method,expected", [("add", [11.0, 22.0]), ("sub", [-9.0, -18.0]),
-                                             ("set", [10.0, 20.0])])
+@pytest.mark.parametrize(
+    "method,expected", [("add", [11.0, 22.0]), ("sub", [-9.0, -18.0]), ("set", [10.0, 20.0])]
+)
 @pytest.mark.parametrize("mask", [None, True, False])
 def test_writer(mask, method, expected):
     targets = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]

@@ -15,8 +15,12 @@ def storage(values, dtype=torch.float32):
 
 def test_unscale_divides_in_float32_for_half_gradients():
     scale = torch.tensor(3.0)
-    grads = [storage([1.0, 2.0], torch.float16), storage([3.0], torch.bfloat16),
-             storage([4.0]), storage([5.0], torch.float64)]
+    grads = [
+        storage([1.0, 2.0], torch.float16),
+        storage([3.0], torch.bfloat16),
+        storage([4.0]),
+        storage([5.0], torch.float64),
+    ]
     out = torch_multi.unscale(grads, scale)
     assert [g.dtype for g in out] == [torch.float32, torch.float32, torch.float32, torch.float64]
     for g, o in zip(grads, out):
@@ -28,7 +32,7 @@ def test_unscale_divides_in_float32_for_half_gradients():
 def test_unscale_is_exact_division_for_any_scale():
     rng = np.random.default_rng(0)
     grads = [storage(rng.normal(size=50) * 1e3) for _ in range(3)]
-    for value in (1000.0, 3.0, 2.0 ** 15, float(np.finfo(np.float32).tiny)):
+    for value in (1000.0, 3.0, 2.0**15, float(np.finfo(np.float32).tiny)):
         scale = torch.tensor(value)
         for g, o in zip(grads, torch_multi.unscale(grads, scale)):
             assert torch.equal(o, g / scale)
@@ -37,8 +41,12 @@ def test_unscale_is_exact_division_for_any_scale():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan, None])
 def test_all_finite(dtype, bad):
-    arrays = [storage(np.arange(6.0).reshape(2, 3), dtype), storage([1.0], torch.float32),
-              torch.zeros(0, dtype=dtype), torch.arange(3)]
+    arrays = [
+        storage(np.arange(6.0).reshape(2, 3), dtype),
+        storage([1.0], torch.float32),
+        torch.zeros(0, dtype=dtype),
+        torch.arange(3),
+    ]
     if bad is not None:
         arrays[0][1, 2] = bad
     assert bool(torch_multi.all_finite(arrays)) is (bad is None)
@@ -63,9 +71,10 @@ def test_max_abs_and_global_norm():
 def test_groups_split_by_device_and_dtype():
     tensors = [torch.zeros(1), torch.zeros(1, dtype=torch.float16), torch.zeros(2)]
     assert [(d.type, t, list(i)) for d, t, i in torch_multi.groups(tensors)] == [
-        ("cpu", torch.float32, [0, 2]), ("cpu", torch.float16, [1])]
+        ("cpu", torch.float32, [0, 2]),
+        ("cpu", torch.float16, [1]),
+    ]
     assert [list(i) for *_, i in torch_multi.groups(tensors[::2])] == [[0, 1]]
-
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
@@ -94,13 +103,17 @@ def test_unscaled_gradients_in_an_autograd_graph_are_checked_without_writing():
     assert w.grad.tolist() == [1.0, 1.0, 1.0]
 
 
-@pytest.mark.parametrize("bad,where", [(None, None), (np.nan, "small"), (-np.inf, "small"),
-                                       (np.nan, "large"), (np.inf, "large")])
+@pytest.mark.parametrize(
+    "bad,where",
+    [(None, None), (np.nan, "small"), (-np.inf, "small"), (np.nan, "large"), (np.inf, "large")],
+)
 def test_max_abs_packs_small_cpu_tensors_exactly(monkeypatch, bad, where):
     monkeypatch.setattr(torch_multi, "PACK_BELOW", 64)
     rng = np.random.default_rng(3)
-    tensors = [torch.tensor(rng.standard_normal(s), dtype=torch.float32)
-               for s in [(3, 4), (7,), (), (0, 5), (200,), (10, 10), (63,)]]
+    tensors = [
+        torch.tensor(rng.standard_normal(s), dtype=torch.float32)
+        for s in [(3, 4), (7,), (), (0, 5), (200,), (10, 10), (63,)]
+    ]
     tensors[1][2] = -41.5  # the peak: negative, in a packed tensor
     if bad is not None:
         (tensors[5] if where == "small" else tensors[4]).view(-1)[7] = bad
@@ -130,8 +143,11 @@ def test_max_abs_reuses_a_pack_per_shape_list_and_keeps_a_few(monkeypatch):
         torch_multi.max_abs([torch.ones(n), torch.ones(1)])
     assert len(packs) == torch_multi._PACKS_KEPT and all(e[0] is not flat for e in packs.values())
     seen = []
-    worker = threading.Thread(target=lambda: seen.append(
-        (float(torch_multi.max_abs([a, b])), getattr(torch_multi._PACKS, "by_key", None))))
+    worker = threading.Thread(
+        target=lambda: seen.append(
+            (float(torch_multi.max_abs([a, b])), getattr(torch_multi._PACKS, "by_key", None))
+        )
+    )
     worker.start()
     worker.join()
     assert seen[0][0] == 2.0 and seen[0][1] is not packs  # each thread its own buffers

@@ -21,8 +21,7 @@ import lossscale as ls
 from lossscale.optimizers import torch_native
 from lossscale.optimizers.torch_native import TorchOptimizer
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore::lossscale.mixed_precision.UnscaledLossWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
 
 SHAPES = [(4, 3), (5,), (2, 2)]
 STEPS = 10
@@ -37,8 +36,9 @@ NATIVE = {
     "adam_foreach": lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=True),
     "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, fused=True),
     "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
-    "sgd_momentum_fused": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5,
-                                                     fused=True),
+    "sgd_momentum_fused": lambda ps: torch.optim.SGD(
+        ps, lr=0.1, momentum=0.9, dampening=0.5, fused=True
+    ),
     "adagrad_fused": lambda ps: torch.optim.Adagrad(ps, lr=0.1, fused=True),
 }
 FUSED = {name for name in NATIVE if name.endswith("_fused")}
@@ -52,8 +52,10 @@ def make_params(seed=0):
 def make_grads(seed=1):
     """Unscaled gradients per step; `None` where the step overflows."""
     generator = torch.Generator().manual_seed(seed)
-    return [None if step in BAD_STEPS else
-            [torch.randn(s, generator=generator) for s in SHAPES] for step in range(STEPS)]
+    return [
+        None if step in BAD_STEPS else [torch.randn(s, generator=generator) for s in SHAPES]
+        for step in range(STEPS)
+    ]
 
 
 def scaled(grads, step, scale):
@@ -67,14 +69,20 @@ def scaled(grads, step, scale):
 
 def wrapped(name, params, **kwargs):
     native = NATIVE[name](params)
-    opt = ls.LossScaleOptimizer(TorchOptimizer(native, **kwargs), initial_scale=INITIAL_SCALE,
-                                dynamic_growth_steps=GROWTH_STEPS)
+    opt = ls.LossScaleOptimizer(
+        TorchOptimizer(native, **kwargs),
+        initial_scale=INITIAL_SCALE,
+        dynamic_growth_steps=GROWTH_STEPS,
+    )
     return opt, native
 
 
 def state_tensors(native):
-    return [(i, key, value) for i, entry in native.state_dict()["state"].items()
-            for key, value in sorted(entry.items())]
+    return [
+        (i, key, value)
+        for i, entry in native.state_dict()["state"].items()
+        for key, value in sorted(entry.items())
+    ]
 
 
 def assert_same_state(native, twin):
@@ -96,6 +104,7 @@ def no_host_reads():
     def forbidden(name):
         def read(self, *args, **kwargs):
             raise AssertionError(f"host read: Tensor.{name}")
+
         return read
 
     try:
@@ -210,19 +219,26 @@ def test_own_grads_are_restored_and_missing_grads_skip_the_parameter():
 
 def test_half_parameters_receive_gradients_in_their_dtype():
     params = [torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.float16))]
-    opt = ls.LossScaleOptimizer(TorchOptimizer(torch.optim.SGD(params, lr=0.5)),
-                                initial_scale=1024.0)
+    opt = ls.LossScaleOptimizer(
+        TorchOptimizer(torch.optim.SGD(params, lr=0.5)), initial_scale=1024.0
+    )
     opt.apply([torch.tensor([1024.0, 2048.0], dtype=torch.float16)], params)
     assert params[0].dtype == torch.float16
     assert params[0].detach().tolist() == [0.5, -3.0]
 
 
-@pytest.mark.parametrize("option, value, expected", [
-    ("global_clipnorm", 1.0,
-     lambda g: [x * min(1.0, 1.0 / np.sqrt(sum((y ** 2).sum() for y in g))) for x in g]),
-    ("clipnorm", 0.5, lambda g: [x * 0.5 / max(np.sqrt((x ** 2).sum()), 0.5) for x in g]),
-    ("clipvalue", 0.3, lambda g: [np.clip(x, -0.3, 0.3) for x in g]),
-])
+@pytest.mark.parametrize(
+    "option, value, expected",
+    [
+        (
+            "global_clipnorm",
+            1.0,
+            lambda g: [x * min(1.0, 1.0 / np.sqrt(sum((y**2).sum() for y in g))) for x in g],
+        ),
+        ("clipnorm", 0.5, lambda g: [x * 0.5 / max(np.sqrt((x**2).sum()), 0.5) for x in g]),
+        ("clipvalue", 0.3, lambda g: [np.clip(x, -0.3, 0.3) for x in g]),
+    ],
+)
 def test_clipping_acts_on_unscaled_gradients(option, value, expected):
     params = make_params()
     start = [p.detach().numpy().astype(np.float64) for p in params]
@@ -239,8 +255,7 @@ def test_clipping_acts_on_unscaled_gradients(option, value, expected):
 # --- learning rate ------------------------------------------------------------
 def test_learning_rate_reads_and_writes_every_param_group():
     params = make_params()
-    native = torch.optim.Adam([{"params": params[:1]}, {"params": params[1:], "lr": 0.01}],
-                              lr=0.01)
+    native = torch.optim.Adam([{"params": params[:1]}, {"params": params[1:], "lr": 0.01}], lr=0.01)
     opt = ls.LossScaleOptimizer(TorchOptimizer(native))
     assert opt.learning_rate == 0.01 and isinstance(opt.learning_rate, float)
     opt.learning_rate = 0.5
@@ -262,19 +277,24 @@ def test_tensor_learning_rate_is_written_in_place():
 
 def test_learning_rate_errors():
     params = make_params()
-    native = torch.optim.SGD([{"params": params[:1], "lr": 0.1}, {"params": params[1:]}],
-                             lr=0.2)
+    native = torch.optim.SGD([{"params": params[:1], "lr": 0.1}, {"params": params[1:]}], lr=0.2)
     opt = TorchOptimizer(native)
     assert getattr(opt, "learning_rate", None) is None
-    with pytest.raises(AttributeError, match=r"different learning rates \(\[0\.1, 0\.2\]\).*"
-                                         r"param_groups\[i\]\['lr'\]"):
-        opt.learning_rate
+    with pytest.raises(
+        AttributeError,
+        match=r"different learning rates \(\[0\.1, 0\.2\]\).*"
+        r"param_groups\[i\]\['lr'\]",
+    ):
+        _ = opt.learning_rate
     with pytest.raises(TypeError, match="torch.optim.lr_scheduler.*Received: learning_rate="):
         opt.learning_rate = ls.schedules.ExponentialDecay(0.1, 10, 0.5)
     with pytest.raises(TypeError, match="param_groups"):
         opt.learning_rate = lambda: 0.1
-    with pytest.raises(ValueError, match=r"`learning_rate` must be a finite number >= 0\. "
-                                         r"Received: learning_rate=-1\.0"):
+    with pytest.raises(
+        ValueError,
+        match=r"`learning_rate` must be a finite number >= 0\. "
+        r"Received: learning_rate=-1\.0",
+    ):
         opt.learning_rate = -1.0
     assert [g["lr"] for g in native.param_groups] == [0.1, 0.2]
 
@@ -294,14 +314,16 @@ def test_state_dict_round_trip_through_torch_save_resumes_the_trajectory(name):
     # The wrapper's own variables (the loss scale) ride along as `extra_variables`.
     own = opt.variables[:2]
     buffer = io.BytesIO()
-    torch.save({"inner": opt.inner_optimizer.state_dict(extra_variables=own),
-                "params": params}, buffer)
+    torch.save(
+        {"inner": opt.inner_optimizer.state_dict(extra_variables=own), "params": params}, buffer
+    )
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
     assert saved["inner"]["optimizer_variables"] == {
         "loss_scale_optimizer/step_counter": torch.tensor(1),
         "loss_scale_optimizer/dynamic_scale": torch.tensor(8.0),
-        "torch_optimizer/iteration": torch.tensor(4)}
+        "torch_optimizer/iteration": torch.tensor(4),
+    }
     twin_params = [torch.nn.Parameter(p.detach().clone()) for p in saved["params"]]
     twin, _ = wrapped(name, twin_params)
     twin.build(twin_params)
@@ -334,20 +356,31 @@ def test_load_state_dict_errors_change_nothing():
     good = inner.state_dict()
     other = TorchOptimizer(torch.optim.Adam(make_params()[:2])).state_dict()
     cases = [
-        (native.state_dict(), r"keys \['state', 'param_groups', 'optimizer_variables'\].*"
-                              r"adapter\.optimizer\.load_state_dict.*Received: \['param_groups', "
-                              r"'state'\]"),
+        (
+            native.state_dict(),
+            r"keys \['state', 'param_groups', 'optimizer_variables'\].*"
+            r"adapter\.optimizer\.load_state_dict.*Received: \['param_groups', "
+            r"'state'\]",
+        ),
         ([], r"Received: list"),
-        ({**good, "optimizer_variables": {"x/iteration": torch.tensor(1)}},
-         r"must have the keys \['torch_optimizer/iteration'\] of this optimizer\. Received: "
-         r"\['x/iteration'\]"),
-        ({**good, "optimizer_variables": {"torch_optimizer/iteration": torch.zeros(2)}},
-         r"\['torch_optimizer/iteration'\]` must have the shape \(\) of optimizer variable "
-         r"'torch_optimizer/iteration'\. Received: shape \(2,\)"),
-        ({**good, "optimizer_variables": {"torch_optimizer/iteration": "3"}},
-         r"must be a tensor, a NumPy array or a number\. Received: '3'"),
-        ({**other, "optimizer_variables": good["optimizer_variables"]},
-         "doesn't match the size of optimizer's group"),
+        (
+            {**good, "optimizer_variables": {"x/iteration": torch.tensor(1)}},
+            r"must have the keys \['torch_optimizer/iteration'\] of this optimizer\. Received: "
+            r"\['x/iteration'\]",
+        ),
+        (
+            {**good, "optimizer_variables": {"torch_optimizer/iteration": torch.zeros(2)}},
+            r"\['torch_optimizer/iteration'\]` must have the shape \(\) of optimizer variable "
+            r"'torch_optimizer/iteration'\. Received: shape \(2,\)",
+        ),
+        (
+            {**good, "optimizer_variables": {"torch_optimizer/iteration": "3"}},
+            r"must be a tensor, a NumPy array or a number\. Received: '3'",
+        ),
+        (
+            {**other, "optimizer_variables": good["optimizer_variables"]},
+            "doesn't match the size of optimizer's group",
+        ),
     ]
     run(opt, params, [3])
     before = inner.state_dict()
@@ -356,8 +389,10 @@ def test_load_state_dict_errors_change_nothing():
             inner.load_state_dict(state_dict)
         after = inner.state_dict()
         assert int(inner.iterations) == 3
-        for (_, _, a), (_, _, b) in zip(state_tensors(native), [
-                (i, k, v) for i, e in before["state"].items() for k, v in sorted(e.items())]):
+        for (_, _, a), (_, _, b) in zip(
+            state_tensors(native),
+            [(i, k, v) for i, e in before["state"].items() for k, v in sorted(e.items())],
+        ):
             assert torch.equal(a, b)
         assert after["param_groups"] == before["param_groups"]
 
@@ -384,40 +419,55 @@ def test_unsupported_methods_raise():
     with pytest.raises(NotImplementedError, match="does not support stateless application"):
         opt.stateless_apply(values, [g * 8 for g in grads], [p.detach() for p in params])
     for method in ("save_own_variables", "load_own_variables"):
-        with pytest.raises(NotImplementedError,
-                           match=rf"`{method}`: the wrapped Adam keeps its state in "
-                                 r"`optimizer.state`.*`state_dict\(\)`"):
+        with pytest.raises(
+            NotImplementedError,
+            match=rf"`{method}`: the wrapped Adam keeps its state in "
+            r"`optimizer.state`.*`state_dict\(\)`",
+        ):
             getattr(inner, method)({})
     for target in (inner, opt):
-        with pytest.raises(NotImplementedError,
-                           match=r"cannot be serialized: it wraps a live Adam"):
+        with pytest.raises(
+            NotImplementedError, match=r"cannot be serialized: it wraps a live Adam"
+        ):
             target.get_config()
     with pytest.raises(NotImplementedError, match="param group with weight_decay=0"):
         inner.exclude_from_weight_decay(var_names=["bias"])
 
 
 def test_construction_and_build_errors():
-    with pytest.raises(ValueError, match=r"`optimizer` must be a torch.optim.Optimizer instance"
-                                         r".*Received: optimizer='adam'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`optimizer` must be a torch.optim.Optimizer instance"
+        r".*Received: optimizer='adam'",
+    ):
         TorchOptimizer("adam")
-    with pytest.raises(ValueError, match=r"Argument\(s\) not recognized by TorchOptimizer: "
-                                         r"\['use_ema', 'weight_decay'\]\. Accepted: optimizer, "
-                                         r"name, clipnorm, clipvalue, global_clipnorm\. Set other "
-                                         r"settings on the native optimizer"):
+    with pytest.raises(
+        ValueError,
+        match=r"Argument\(s\) not recognized by TorchOptimizer: "
+        r"\['use_ema', 'weight_decay'\]\. Accepted: optimizer, "
+        r"name, clipnorm, clipvalue, global_clipnorm\. Set other "
+        r"settings on the native optimizer",
+    ):
         TorchOptimizer(torch.optim.SGD(make_params(), lr=0.1), weight_decay=0.1, use_ema=True)
     with pytest.raises(ValueError, match="Only one of `clipnorm`"):
         TorchOptimizer(torch.optim.SGD(make_params(), lr=0.1), clipnorm=1.0, clipvalue=1.0)
     params = make_params()
     cases = [
-        ([p.detach().clone() for p in params],
-         r"exactly the parameters of the wrapped SGD \(matched by tensor identity.*Received: 3 "
-         r"variable\(s\) that are not its parameters \['param_0', 'param_1', 'param_2'\], and 3 "
-         r"of its parameters missing \(shapes \[\(4, 3\), \(5,\), \(2, 2\)\]\)"),
-        (params[:2],
-         r"Received: 0 variable\(s\).*1 of its parameters missing \(shapes \[\(2, 2\)\]"),
+        (
+            [p.detach().clone() for p in params],
+            r"exactly the parameters of the wrapped SGD \(matched by tensor identity.*Received: 3 "
+            r"variable\(s\) that are not its parameters \['param_0', 'param_1', 'param_2'\], and 3 "
+            r"of its parameters missing \(shapes \[\(4, 3\), \(5,\), \(2, 2\)\]\)",
+        ),
+        (
+            params[:2],
+            r"Received: 0 variable\(s\).*1 of its parameters missing \(shapes \[\(2, 2\)\]",
+        ),
         (params + [params[0]], r"lists the parameter behind 'param_0' twice"),
-        ([p.detach().numpy() for p in params],
-         r"works on torch tensors\. Received: var_list of numpy arrays"),
+        (
+            [p.detach().numpy() for p in params],
+            r"works on torch tensors\. Received: var_list of numpy arrays",
+        ),
     ]
     for var_list, message in cases:
         opt = TorchOptimizer(torch.optim.SGD(params, lr=0.1))
@@ -443,10 +493,11 @@ def test_docstring_example():
 
 
 def test_importing_the_adapters_imports_no_framework():
-    code = ("import sys, lossscale.optimizers.torch_native, lossscale.optimizers.optax_native; "
-            "print(sorted(m for m in ('torch', 'jax', 'optax') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    code = (
+        "import sys, lossscale.optimizers.torch_native, lossscale.optimizers.optax_native; "
+        "print(sorted(m for m in ('torch', 'jax', 'optax') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 

@@ -4,11 +4,11 @@ no-synchronisation guarantee of a whole step."""
 import numpy as np
 import pytest
 import torch
+from torch_cases import SHAPES, apply, inject, no_host_reads, random_grads
 
 import lossscale as ls
 from lossscale.backends import torch_ops
 from lossscale.optimizers import SGD, Adam, RMSprop
-from torch_cases import SHAPES, apply, inject, no_host_reads, random_grads
 
 
 def storage(values, dtype=torch.float32):
@@ -51,8 +51,12 @@ def test_nested_conds_combine_masks(outer, inner):
     x = storage([0.0])
 
     def outer_true():
-        torch_ops.cond(torch.tensor(inner), lambda: torch_ops.assign_add(x, 1.0),
-                       lambda: torch_ops.assign_add(x, 2.0), [])
+        torch_ops.cond(
+            torch.tensor(inner),
+            lambda: torch_ops.assign_add(x, 1.0),
+            lambda: torch_ops.assign_add(x, 2.0),
+            [],
+        )
 
     torch_ops.cond(torch.tensor(outer), outer_true, lambda: torch_ops.assign_add(x, 4.0), [])
     expected = (1.0 if inner else 2.0) if outer else 4.0
@@ -100,10 +104,13 @@ def test_masked_write_into_parameter_keeps_autograd_state():
     assert p.requires_grad and p.grad_fn is None and p.tolist() == [0.5, 1.5]
 
 
-@pytest.mark.parametrize("make", [lambda: SGD(0.1, momentum=0.9), lambda: Adam(0.01),
-                                  lambda: RMSprop(0.01, centered=True)])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: SGD(0.1, momentum=0.9), lambda: Adam(0.01), lambda: RMSprop(0.01, centered=True)],
+)
 def test_masked_step_equals_python_if_step(monkeypatch, make):
     """A LossScaleOptimizer step under masks gives the results of a host-side `if`."""
+
     def host_cond(pred, true_fn, false_fn, variables):
         true_fn() if bool(pred) else false_fn()
 
@@ -135,9 +142,11 @@ def test_constants_are_made_once_per_value_dtype_and_device():
 # --- no synchronisation -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make", [lambda: Adam(1e-3), lambda: SGD(0.1, momentum=0.9),
-                                  lambda: RMSprop(1e-3, centered=True)],
-                         ids=["adam", "sgd", "rmsprop"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: Adam(1e-3), lambda: SGD(0.1, momentum=0.9), lambda: RMSprop(1e-3, centered=True)],
+    ids=["adam", "sgd", "rmsprop"],
+)
 def test_step_reads_nothing_on_the_host(make):
     """Structurally: no tensor value is read by Python during `apply`."""
     rng = np.random.default_rng(0)
@@ -147,8 +156,7 @@ def test_step_reads_nothing_on_the_host(make):
     opt.scale_loss(torch.ones(()))
 
     def grads(kind):
-        g = [torch.tensor(rng.normal(size=tuple(p.shape)) * 8, dtype=torch.float32)
-             for p in params]
+        g = [torch.tensor(rng.normal(size=tuple(p.shape)) * 8, dtype=torch.float32) for p in params]
         if kind != "f":
             g[kind == "nan"].view(-1)[0] = np.inf if kind == "inf" else np.nan
         return g
@@ -179,8 +187,9 @@ def cuda_step_does_not_synchronize(make):
     structural test above guards the same property.
     """
     device = torch.device("cuda")
-    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(),
-                                torch.nn.Linear(32, 8)).to(device)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)
+    ).to(device)
     params = list(model.parameters())
     opt = ls.LossScaleOptimizer(make(), initial_scale=8.0, dynamic_growth_steps=2)
     x = torch.randn(16, 64, device=device)
@@ -208,9 +217,10 @@ def cuda_step_does_not_synchronize(make):
 
 if torch.cuda.is_available():
     test_cuda_step_does_not_synchronize = pytest.mark.parametrize(
-        "make", [lambda: Adam(1e-3), lambda: SGD(0.1, momentum=0.9),
-                 lambda: RMSprop(1e-3, centered=True)],
-        ids=["adam", "sgd", "rmsprop"])(cuda_step_does_not_synchronize)
+        "make",
+        [lambda: Adam(1e-3), lambda: SGD(0.1, momentum=0.9), lambda: RMSprop(1e-3, centered=True)],
+        ids=["adam", "sgd", "rmsprop"],
+    )(cuda_step_does_not_synchronize)
 
 
 # --- torch.compile ----------------------------------------------------------------
@@ -218,10 +228,11 @@ if torch.cuda.is_available():
 
 def test_compiled_training_step_matches_eager():
     """A compiled step that calls `apply` runs (graph breaks allowed) and agrees."""
+
     def setup():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-        opt = ls.LossScaleOptimizer(Adam(1e-2), initial_scale=2.0 ** 8, dynamic_growth_steps=3)
+        opt = ls.LossScaleOptimizer(Adam(1e-2), initial_scale=2.0**8, dynamic_growth_steps=3)
         opt.build(list(model.parameters()))
         return model, opt
 
@@ -234,6 +245,7 @@ def test_compiled_training_step_matches_eager():
             loss = torch.nn.functional.mse_loss(out.float(), y)
             opt.apply(torch.autograd.grad(opt.scale_loss(loss), params), params)
             return loss.detach()
+
         return step
 
     x, y = torch.randn(16, 6), torch.randn(16, 1)
@@ -245,8 +257,9 @@ def test_compiled_training_step_matches_eager():
             torch._dynamo.reset()
             step = torch.compile(step, backend="aot_eager")
         losses = [step(x, y) for _ in range(4)]
-        results.append((losses, [p.detach().clone() for p in model.parameters()],
-                        int(opt.iterations)))
+        results.append(
+            (losses, [p.detach().clone() for p in model.parameters()], int(opt.iterations))
+        )
     (eager_losses, eager_params, eager_steps), (losses, params, steps) = results
     assert steps == eager_steps == 4
     torch.testing.assert_close(losses, eager_losses)
@@ -256,31 +269,37 @@ def test_compiled_training_step_matches_eager():
 # --- the loss-scale update kernel -------------------------------------------------
 
 
-@pytest.mark.parametrize("initial,growth,backoff,steps", [
-    (2.0 ** 15, 2.0, 0.5, 3),
-    (1.0, 4.0, 0.25, 2),
-    (2.0 ** 126, 2.0, 0.5, 1),  # growth past float32's range is not taken
-    (4 * float(np.finfo(np.float32).tiny), 2.0, 0.5, 4),  # backoff stops at the floor
-    (1e-40, 2.0, 0.5, 3),  # a scale below the floor only moves up to it on overflow
-])
-def test_fused_scale_update_equals_the_generic_selects(monkeypatch, initial, growth, backoff,
-                                                       steps):
+@pytest.mark.parametrize(
+    "initial,growth,backoff,steps",
+    [
+        (2.0**15, 2.0, 0.5, 3),
+        (1.0, 4.0, 0.25, 2),
+        (2.0**126, 2.0, 0.5, 1),  # growth past float32's range is not taken
+        (4 * float(np.finfo(np.float32).tiny), 2.0, 0.5, 4),  # backoff stops at the floor
+        (1e-40, 2.0, 0.5, 3),  # a scale below the floor only moves up to it on overflow
+    ],
+)
+def test_fused_scale_update_equals_the_generic_selects(
+    monkeypatch, initial, growth, backoff, steps
+):
     from lossscale.mixed_precision import LossScalePolicy, LossScaleState, next_loss_scale
 
-    policy = LossScalePolicy(2.0 ** 15, steps, growth_factor=growth, backoff_factor=backoff)
+    policy = LossScalePolicy(2.0**15, steps, growth_factor=growth, backoff_factor=backoff)
     assert policy.is_plain
     pattern = np.random.default_rng(7).random(60) < 0.8
     calls = []
 
     def run(kernel, counter_dtype):
         monkeypatch.setattr(torch_ops, "fused_scale_update", lambda: kernel)
-        state = LossScaleState(torch.tensor(initial, dtype=torch.float32),
-                               torch.tensor(0, dtype=counter_dtype))
+        state = LossScaleState(
+            torch.tensor(initial, dtype=torch.float32), torch.tensor(0, dtype=counter_dtype)
+        )
         trail = []
         for finite in pattern:
             state = next_loss_scale(torch_ops, state, torch.tensor(bool(finite)), policy)
-            trail.append((state.scale.item(), state.counter.item(), state.scale.dtype,
-                          state.counter.dtype))
+            trail.append(
+                (state.scale.item(), state.counter.item(), state.scale.dtype, state.counter.dtype)
+            )
         return trail
 
     def counting(*args):
@@ -297,6 +316,7 @@ def test_fused_scale_update_reads_nothing_on_the_host():
     scale, counter = torch.tensor(8.0), torch.tensor(1, dtype=torch.int32)
     with no_host_reads():
         new_scale, new_counter = torch_ops.fused_scale_update()(
-            scale, counter, torch.tensor(True), 2, 2.0, 0.5, 1e-38)
+            scale, counter, torch.tensor(True), 2, 2.0, 0.5, 1e-38
+        )
     assert (float(new_scale), int(new_counter)) == (16.0, 0)
     assert (float(scale), int(counter)) == (8.0, 1)  # inputs untouched

@@ -11,14 +11,21 @@ def test_check_number_accepts_and_returns():
     assert validation.check_number("n", 3, low=1, integer=True) == 3
 
 
-@pytest.mark.parametrize("value, kwargs, message", [
-    (0, {"low": 0, "low_open": True}, "`x` must be a finite number > 0. Received: x=0"),
-    (1.0, {"low": 0, "high": 1, "high_open": True}, "`x` must be a finite number >= 0 and < 1. Received: x=1.0"),
-    (float("nan"), {}, "`x` must be a finite number. Received: x=nan"),
-    (True, {}, "`x` must be a finite number. Received: x=True"),
-    ("1", {"allow_none": True}, "`x` must be a finite number or None. Received: x='1'"),
-    (1.5, {"integer": True, "low": 1}, "`x` must be an integer >= 1. Received: x=1.5"),
-])
+@pytest.mark.parametrize(
+    "value, kwargs, message",
+    [
+        (0, {"low": 0, "low_open": True}, "`x` must be a finite number > 0. Received: x=0"),
+        (
+            1.0,
+            {"low": 0, "high": 1, "high_open": True},
+            "`x` must be a finite number >= 0 and < 1. Received: x=1.0",
+        ),
+        (float("nan"), {}, "`x` must be a finite number. Received: x=nan"),
+        (True, {}, "`x` must be a finite number. Received: x=True"),
+        ("1", {"allow_none": True}, "`x` must be a finite number or None. Received: x='1'"),
+        (1.5, {"integer": True, "low": 1}, "`x` must be an integer >= 1. Received: x=1.5"),
+    ],
+)
 def test_check_number_messages(value, kwargs, message):
     with pytest.raises(ValueError) as info:
         validation.check_number("x", value, **kwargs)

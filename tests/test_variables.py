@@ -30,10 +30,15 @@ def test_torch_parameter_identity_and_autograd():
     np.testing.assert_array_equal(p.detach().numpy(), [0.75, 0.75])
 
 
-@pytest.mark.parametrize("initializer, expected", [
-    ("zeros", np.zeros((2, 2))), ("ones", np.ones((2, 2))), (2.5, np.full((2, 2), 2.5)),
-    (lambda shape, dtype: np.arange(4, dtype=dtype).reshape(shape), np.arange(4).reshape(2, 2)),
-])
+@pytest.mark.parametrize(
+    "initializer, expected",
+    [
+        ("zeros", np.zeros((2, 2))),
+        ("ones", np.ones((2, 2))),
+        (2.5, np.full((2, 2), 2.5)),
+        (lambda shape, dtype: np.arange(4, dtype=dtype).reshape(shape), np.arange(4).reshape(2, 2)),
+    ],
+)
 def test_initializers(backend, initializer, expected):
     v = ls.Variable(initializer, shape=(2, 2), dtype="float32", backend=backend.name)
     assert v.backend == backend.name and v.dtype == "float32"
@@ -66,14 +71,26 @@ def test_dtype_conversion_and_numpy_assign(backend):
 
 def test_arithmetic_and_conversions(backend):
     v = ls.Variable(backend.array(np.array([2.0, 4.0])))
-    for result, expected in [(v + 1, [3, 5]), (1 + v, [3, 5]), (v - 1, [1, 3]), (8 - v, [6, 4]),
-                             (v * 2, [4, 8]), (2 * v, [4, 8]), (v / 2, [1, 2]), (8 / v, [4, 2]),
-                             (v ** 2, [4, 16]), (-v, [-2, -4]), (v // 3, [0, 1])]:
+    for result, expected in [
+        (v + 1, [3, 5]),
+        (1 + v, [3, 5]),
+        (v - 1, [1, 3]),
+        (8 - v, [6, 4]),
+        (v * 2, [4, 8]),
+        (2 * v, [4, 8]),
+        (v / 2, [1, 2]),
+        (8 / v, [4, 2]),
+        (v**2, [4, 16]),
+        (-v, [-2, -4]),
+        (v // 3, [0, 1]),
+    ]:
         np.testing.assert_array_equal(backend.numpy(result), expected)
     assert bool(backend.numpy(v > 3)[1]) and np.asarray(v).tolist() == [2.0, 4.0]
     s = ls.Variable(backend.array(np.array(3.0)))
     assert float(s) == 3.0 and int(s) == 3
-    np.testing.assert_array_equal(np.ones(2, np.float32) * ls.Variable(np.array([2.0, 3.0], np.float32)), [2, 3])
+    np.testing.assert_array_equal(
+        np.ones(2, np.float32) * ls.Variable(np.array([2.0, 3.0], np.float32)), [2, 3]
+    )
 
 
 def test_repr_names_everything():
@@ -81,10 +98,16 @@ def test_repr_names_everything():
     assert "path=bias" in text and "shape=(2,)" in text and "dtype=float32" in text
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda v: v.assign(np.ones(3)), r"must match. variable.shape=\(2,\) \(path='w'\), Received: value.shape=\(3,\)"),
-    (lambda v: v.assign_add(np.ones((2, 2))), r"`variable.assign_add\(value\)` must match"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda v: v.assign(np.ones(3)),
+            r"must match. variable.shape=\(2,\) \(path='w'\), Received: value.shape=\(3,\)",
+        ),
+        (lambda v: v.assign_add(np.ones((2, 2))), r"`variable.assign_add\(value\)` must match"),
+    ],
+)
 def test_assign_shape_errors(backend, call, message):
     v = ls.Variable(backend.array(np.zeros(2)), name="w")
     with pytest.raises(ValueError, match=message):
@@ -100,16 +123,25 @@ def test_foreign_backend_value_rejected():
         v.assign(torch.ones(2))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"initializer": "zeros"}, "`shape` is required"),
-    ({"initializer": "glorot", "shape": (2,)}, r"`initializer` must be one of .* Received: initializer='glorot'"),
-    ({"initializer": np.zeros(2), "shape": (3,)}, r"`shape` does not match"),
-    ({"initializer": np.zeros(2), "aggregation": "max"}, r"`aggregation` must be one of"),
-    ({"initializer": np.zeros(2), "name": 3}, r"`name` must be a string"),
-    ({"initializer": np.zeros(2), "constraint": 3}, r"`constraint` must be callable"),
-    ({"initializer": np.zeros(2), "backend": "torch"}, r"`backend` is 'torch' but the wrapped array is a numpy array"),
-    ({"initializer": "zeros", "shape": (2,), "backend": "tf"}, r"`backend` must be one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"initializer": "zeros"}, "`shape` is required"),
+        (
+            {"initializer": "glorot", "shape": (2,)},
+            r"`initializer` must be one of .* Received: initializer='glorot'",
+        ),
+        ({"initializer": np.zeros(2), "shape": (3,)}, r"`shape` does not match"),
+        ({"initializer": np.zeros(2), "aggregation": "max"}, r"`aggregation` must be one of"),
+        ({"initializer": np.zeros(2), "name": 3}, r"`name` must be a string"),
+        ({"initializer": np.zeros(2), "constraint": 3}, r"`constraint` must be callable"),
+        (
+            {"initializer": np.zeros(2), "backend": "torch"},
+            r"`backend` is 'torch' but the wrapped array is a numpy array",
+        ),
+        ({"initializer": "zeros", "shape": (2,), "backend": "tf"}, r"`backend` must be one of"),
+    ],
+)
 def test_constructor_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ls.Variable(**kwargs)

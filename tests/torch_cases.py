@@ -10,8 +10,19 @@ import torch
 import lossscale as ls
 from lossscale.backends import torch_ops
 from lossscale.mixed_precision import UnscaledLossWarning
-from lossscale.optimizers import (SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, Ftrl, Lamb, Lion,
-                                  Nadam, RMSprop)
+from lossscale.optimizers import (
+    SGD,
+    Adadelta,
+    Adagrad,
+    Adam,
+    Adamax,
+    AdamW,
+    Ftrl,
+    Lamb,
+    Lion,
+    Nadam,
+    RMSprop,
+)
 
 SHAPES = [(3, 4), (5,), (), (2, 3, 2)]
 
@@ -30,8 +41,12 @@ OPTIMIZERS = {
     "adamax": lambda: Adamax(0.01),
     "nadam": lambda: Nadam(0.01),
     "lion": lambda: Lion(0.01),
-    "ftrl": lambda: Ftrl(0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.01,
-                         l2_shrinkage_regularization_strength=0.01),
+    "ftrl": lambda: Ftrl(
+        0.1,
+        l1_regularization_strength=0.01,
+        l2_regularization_strength=0.01,
+        l2_shrinkage_regularization_strength=0.01,
+    ),
     "lamb": lambda: Lamb(0.01),
 }
 
@@ -56,23 +71,38 @@ def inject(grads, kind):
     return grads
 
 
-def train(optimizer, *, dtype=torch.float32, grad_dtype=None, wrap=True, pattern=PATTERN,
-          seed=0, initial_scale=8.0, device="cpu"):
+def train(
+    optimizer,
+    *,
+    dtype=torch.float32,
+    grad_dtype=None,
+    wrap=True,
+    pattern=PATTERN,
+    seed=0,
+    initial_scale=8.0,
+    device="cpu",
+):
     """Runs `pattern` through `optimizer` (in a LossScaleOptimizer when `wrap`).
 
     Returns the parameters and every optimizer variable, as float64 arrays.
     """
     rng = np.random.default_rng(seed)
     params = [torch.tensor(rng.normal(size=s), dtype=dtype, device=device) for s in SHAPES]
-    opt = ls.LossScaleOptimizer(optimizer, initial_scale=initial_scale,
-                                dynamic_growth_steps=2) if wrap else optimizer
+    opt = (
+        ls.LossScaleOptimizer(optimizer, initial_scale=initial_scale, dynamic_growth_steps=2)
+        if wrap
+        else optimizer
+    )
     scale = initial_scale if wrap else 1.0
     for kind in pattern:
         grads = inject(random_grads(rng, scale), kind)
-        apply(opt, [torch.tensor(g, dtype=grad_dtype or dtype, device=device) for g in grads],
-              params)
-    return ([p.double().cpu().numpy() for p in params],
-            [torch.as_tensor(v.value).double().cpu().numpy() for v in opt.variables])
+        apply(
+            opt, [torch.tensor(g, dtype=grad_dtype or dtype, device=device) for g in grads], params
+        )
+    return (
+        [p.double().cpu().numpy() for p in params],
+        [torch.as_tensor(v.value).double().cpu().numpy() for v in opt.variables],
+    )
 
 
 def apply(opt, grads, params):
@@ -95,6 +125,7 @@ def no_host_reads():
     def forbidden(name):
         def read(self, *args, **kwargs):
             raise AssertionError(f"Tensor.{name} called during a step (a host read)")
+
         return read
 
     mp = pytest.MonkeyPatch()

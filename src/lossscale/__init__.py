@@ -11,5 +11,13 @@ from lossscale.variables import Variable
 
 __version__ = "0.1.0"
 
-__all__ = ["LossScaleError", "LossScaleOptimizer", "Variable", "mixed_precision", "optimizers",
-           "pytree", "saving", "schedules"]
+__all__ = [
+    "LossScaleError",
+    "LossScaleOptimizer",
+    "Variable",
+    "mixed_precision",
+    "optimizers",
+    "pytree",
+    "saving",
+    "schedules",
+]

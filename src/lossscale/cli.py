@@ -15,8 +15,13 @@ import math
 import re
 import sys
 
-from lossscale.demo.config import (BACKENDS, DEFAULT_LOSS_WEIGHT, DEFAULT_STEPS, QUICK_STEPS,
-                                   DemoConfig)
+from lossscale.demo.config import (
+    BACKENDS,
+    DEFAULT_LOSS_WEIGHT,
+    DEFAULT_STEPS,
+    QUICK_STEPS,
+    DemoConfig,
+)
 
 _POWER_OF_TWO = re.compile(r"^\s*2\s*(?:\*\*|\^)\s*([+-]?\d+)\s*$")
 
@@ -28,8 +33,7 @@ def _integer(low):
         except ValueError:
             value = None
         if value is None or value < low:
-            raise argparse.ArgumentTypeError(
-                f"must be an integer >= {low}. Received: {text!r}")
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}. Received: {text!r}")
         return value
 
     return parse
@@ -44,7 +48,8 @@ def _positive_number(text):
         value = None
     if value is None or not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(
-            f"must be a finite number > 0 (such as 32768, 1e-5 or 2**15). Received: {text!r}")
+            f"must be a finite number > 0 (such as 32768, 1e-5 or 2**15). Received: {text!r}"
+        )
     return value
 
 
@@ -52,44 +57,77 @@ def build_parser():
     """Returns the `argparse` parser of the `lossscale` command."""
     parser = argparse.ArgumentParser(
         prog="lossscale",
-        description="Dynamic loss scaling for mixed-precision training on NumPy, PyTorch "
-                    "and JAX.")
+        description="Dynamic loss scaling for mixed-precision training on NumPy, PyTorch and JAX.",
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     defaults = DemoConfig()
     demo = commands.add_parser(
-        "demo", help="train in float32, float16 and float16 with LossScaleOptimizer, and compare",
+        "demo",
+        help="train in float32, float16 and float16 with LossScaleOptimizer, and compare",
         description="Trains a small network on scikit-learn's 8x8 digits three times with the "
-                    "same seed and data: float32; float16 without loss scaling; float16 with "
-                    "LossScaleOptimizer. Prints a comparison table (accuracy, loss, skipped "
-                    "steps, loss scale, gradients lost to float16 underflow) and writes a PNG "
-                    "of the loss curves and the loss scale.")
-    demo.add_argument("--steps", type=_integer(1), default=None,
-                      help=f"optimizer steps per run (default: {DEFAULT_STEPS}, "
-                           f"or {QUICK_STEPS} with --quick)")
-    demo.add_argument("--seed", type=_integer(0), default=defaults.seed,
-                      help="seed of the data split, batch order and initial weights "
-                           "(default: %(default)s)")
-    demo.add_argument("--out", metavar="DIR", default=defaults.out,
-                      help="directory for demo.png and results.json (default: %(default)s)")
-    demo.add_argument("--initial-scale", type=_positive_number, default=defaults.initial_scale,
-                      help="LossScaleOptimizer's initial loss scale (default: 2**15)")
-    demo.add_argument("--growth-steps", type=_integer(1), default=defaults.growth_steps,
-                      help="LossScaleOptimizer's dynamic_growth_steps: finite steps between "
-                           "doublings of the scale (default: %(default)s)")
-    demo.add_argument("--backend", choices=BACKENDS, default=defaults.backend,
-                      help="array library for the model and the optimizer (default: "
-                           "%(default)s)")
-    demo.add_argument("--loss-weight", type=_positive_number, default=DEFAULT_LOSS_WEIGHT,
-                      help="constant every run multiplies its loss by, standing in for the "
-                           "averaging over many loss terms that makes large models' gradients "
-                           "small (default: 2**-16; 1 trains on the plain loss)")
-    demo.add_argument("--quick", action="store_true",
-                      help=f"a run of a few seconds ({QUICK_STEPS} steps), for tests")
+        "same seed and data: float32; float16 without loss scaling; float16 with "
+        "LossScaleOptimizer. Prints a comparison table (accuracy, loss, skipped "
+        "steps, loss scale, gradients lost to float16 underflow) and writes a PNG "
+        "of the loss curves and the loss scale.",
+    )
+    demo.add_argument(
+        "--steps",
+        type=_integer(1),
+        default=None,
+        help=f"optimizer steps per run (default: {DEFAULT_STEPS}, or {QUICK_STEPS} with --quick)",
+    )
+    demo.add_argument(
+        "--seed",
+        type=_integer(0),
+        default=defaults.seed,
+        help="seed of the data split, batch order and initial weights (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--out",
+        metavar="DIR",
+        default=defaults.out,
+        help="directory for demo.png and results.json (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--initial-scale",
+        type=_positive_number,
+        default=defaults.initial_scale,
+        help="LossScaleOptimizer's initial loss scale (default: 2**15)",
+    )
+    demo.add_argument(
+        "--growth-steps",
+        type=_integer(1),
+        default=defaults.growth_steps,
+        help="LossScaleOptimizer's dynamic_growth_steps: finite steps between "
+        "doublings of the scale (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=defaults.backend,
+        help="array library for the model and the optimizer (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--loss-weight",
+        type=_positive_number,
+        default=DEFAULT_LOSS_WEIGHT,
+        help="constant every run multiplies its loss by, standing in for the "
+        "averaging over many loss terms that makes large models' gradients "
+        "small (default: 2**-16; 1 trains on the plain loss)",
+    )
+    demo.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a run of a few seconds ({QUICK_STEPS} steps), for tests",
+    )
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     demo.set_defaults(subparser=demo)
-    commands.add_parser("bench", add_help=False,
-                        help="time one optimizer step against the reference implementations "
-                             "(options: lossscale bench --help)")
+    commands.add_parser(
+        "bench",
+        add_help=False,
+        help="time one optimizer step against the reference implementations "
+        "(options: lossscale bench --help)",
+    )
     return parser
 
 
@@ -98,10 +136,16 @@ def _run_demo(args):
 
     steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     try:
-        config = DemoConfig(steps=steps, seed=args.seed, out=args.out,
-                            initial_scale=args.initial_scale, growth_steps=args.growth_steps,
-                            backend=args.backend, loss_weight=args.loss_weight,
-                            progress=not args.no_progress)
+        config = DemoConfig(
+            steps=steps,
+            seed=args.seed,
+            out=args.out,
+            initial_scale=args.initial_scale,
+            growth_steps=args.growth_steps,
+            backend=args.backend,
+            loss_weight=args.loss_weight,
+            progress=not args.no_progress,
+        )
     except ValueError as error:
         args.subparser.error(str(error))
     try:
@@ -120,8 +164,11 @@ def _run_bench(argv):
     except ModuleNotFoundError as error:
         if error.name not in ("lossscale.bench", None):
             raise
-        print("lossscale bench: error: the benchmark module `lossscale.bench` is not "
-              "available in this installation.", file=sys.stderr)
+        print(
+            "lossscale bench: error: the benchmark module `lossscale.bench` is not "
+            "available in this installation.",
+            file=sys.stderr,
+        )
         return 1
     status = bench.main(list(argv))
     return status if isinstance(status, int) else 0

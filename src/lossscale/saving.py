@@ -54,29 +54,40 @@ def save(optimizer, path):
     from lossscale.optimizers.base import Optimizer
 
     if not isinstance(optimizer, Optimizer):
-        raise ValueError("`optimizer` must be a lossscale.optimizers.Optimizer. "
-                         f"Received: optimizer={optimizer!r}")
+        raise ValueError(
+            "`optimizer` must be a lossscale.optimizers.Optimizer. "
+            f"Received: optimizer={optimizer!r}"
+        )
     if not optimizer.built:
         raise ValueError(
             "`optimizer` must be built before saving, so that all of its variables exist. "
-            "Call `optimizer.build(trainable_variables)` or `apply` first.")
+            "Call `optimizer.build(trainable_variables)` or `apply` first."
+        )
     try:
         config = json.dumps(serialization.serialize(optimizer))
     except (TypeError, ValueError) as error:
         raise ValueError(
             f"The config of {type(optimizer).__name__} cannot be written as JSON ({error}); "
             "a callable learning rate, for one, cannot be saved: use a float or a "
-            "LearningRateSchedule.") from None
+            "LearningRateSchedule."
+        ) from None
     arrays = [np.asarray(v.numpy(), order="C") for v in optimizer.variables]
-    entries = [{"path": v.path, "shape": list(a.shape), "dtype": a.dtype.name,
-                "sha256": _digest(a)} for v, a in zip(optimizer.variables, arrays)]
-    metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "config": config,
-                "variables": json.dumps(entries)}
+    entries = [
+        {"path": v.path, "shape": list(a.shape), "dtype": a.dtype.name, "sha256": _digest(a)}
+        for v, a in zip(optimizer.variables, arrays)
+    ]
+    metadata = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "config": config,
+        "variables": json.dumps(entries),
+    }
     path = os.fspath(path)
     temporary = f"{path}.tmp-{os.getpid()}"
     try:
-        _safetensors().numpy.save_file({str(i): a for i, a in enumerate(arrays)}, temporary,
-                                       metadata=metadata)
+        _safetensors().numpy.save_file(
+            {str(i): a for i, a in enumerate(arrays)}, temporary, metadata=metadata
+        )
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):
@@ -101,7 +112,8 @@ def restore(optimizer, path):
         raise ValueError(
             "`optimizer` must be built before `restore`, so that all of its variables exist. "
             "Call `optimizer.build(trainable_variables)` first, or use "
-            "`lossscale.saving.load(path, trainable_variables)`.")
+            "`lossscale.saving.load(path, trainable_variables)`."
+        )
     checkpoint = _read(os.fspath(path))
     _assign(optimizer, checkpoint)
 
@@ -130,8 +142,8 @@ def load(path, variables, custom_objects=None):
         optimizer = serialization.deserialize(checkpoint.config, custom_objects=custom_objects)
     except (ValueError, TypeError) as error:
         raise CheckpointError(
-            f"Checkpoint {checkpoint.path!r}: its config does not rebuild an optimizer: "
-            f"{error}") from None
+            f"Checkpoint {checkpoint.path!r}: its config does not rebuild an optimizer: {error}"
+        ) from None
     optimizer.build(variables)
     _assign(optimizer, checkpoint)
     return optimizer
@@ -149,7 +161,8 @@ def _safetensors():
         import safetensors.numpy
     except ImportError:
         raise ImportError(
-            "lossscale.saving needs the `safetensors` package: pip install safetensors") from None
+            "lossscale.saving needs the `safetensors` package: pip install safetensors"
+        ) from None
     return safetensors
 
 
@@ -174,16 +187,29 @@ def _read(path):
     except Exception as error:  # the reader's own error types; the file is unusable
         _fail(path, f"not a readable safetensors file (truncated or corrupt): {error}")
     if metadata.get("format") != FORMAT:
-        _fail(path, f"not a lossscale optimizer checkpoint (metadata 'format' is "
-                    f"{metadata.get('format')!r}, expected {FORMAT!r})")
+        _fail(
+            path,
+            f"not a lossscale optimizer checkpoint (metadata 'format' is "
+            f"{metadata.get('format')!r}, expected {FORMAT!r})",
+        )
     if metadata.get("format_version") != str(FORMAT_VERSION):
-        _fail(path, f"format version {metadata.get('format_version')!r} is not supported "
-                    f"(this lossscale reads version {FORMAT_VERSION})")
+        _fail(
+            path,
+            f"format version {metadata.get('format_version')!r} is not supported "
+            f"(this lossscale reads version {FORMAT_VERSION})",
+        )
     try:
         config = json.loads(metadata["config"])
         entries = json.loads(metadata["variables"])
-        entries = [dict(path=str(e["path"]), shape=tuple(int(s) for s in e["shape"]),
-                        dtype=str(e["dtype"]), sha256=str(e["sha256"])) for e in entries]
+        entries = [
+            dict(
+                path=str(e["path"]),
+                shape=tuple(int(s) for s in e["shape"]),
+                dtype=str(e["dtype"]),
+                sha256=str(e["sha256"]),
+            )
+            for e in entries
+        ]
     except (KeyError, TypeError, ValueError) as error:
         _fail(path, f"its metadata is corrupt ({type(error).__name__}: {error})")
     if not isinstance(config, dict) or "class_name" not in config:
@@ -192,10 +218,16 @@ def _read(path):
         _fail(path, f"it lists {len(entries)} variables but holds arrays {sorted(keys)}")
     arrays = [raw[str(i)] for i in range(len(entries))]
     for i, (entry, array) in enumerate(zip(entries, arrays)):
-        if tuple(array.shape) != entry["shape"] or array.dtype.name != entry["dtype"] or (
-                _digest(np.asarray(array, order="C")) != entry["sha256"]):
-            _fail(path, f"variable {i} ({entry['path']!r}) is corrupt: its bytes do not match "
-                        "the shape, dtype and SHA-256 digest recorded when it was saved")
+        if (
+            tuple(array.shape) != entry["shape"]
+            or array.dtype.name != entry["dtype"]
+            or (_digest(np.asarray(array, order="C")) != entry["sha256"])
+        ):
+            _fail(
+                path,
+                f"variable {i} ({entry['path']!r}) is corrupt: its bytes do not match "
+                "the shape, dtype and SHA-256 digest recorded when it was saved",
+            )
     return _Checkpoint(path, config, entries, arrays)
 
 
@@ -226,16 +258,26 @@ def _assign(optimizer, checkpoint):
         _fail(path, f"it holds the state of a {theirs}, not of this {ours}")
     variables = optimizer.variables
     if len(variables) != len(checkpoint.arrays):
-        _fail(path, f"it holds {len(checkpoint.arrays)} optimizer variables but this {ours} "
-                    f"has {len(variables)}; it was saved with other settings or for another "
-                    "model")
-    for i, (variable, entry, array) in enumerate(zip(variables, checkpoint.entries,
-                                                     checkpoint.arrays)):
+        _fail(
+            path,
+            f"it holds {len(checkpoint.arrays)} optimizer variables but this {ours} "
+            f"has {len(variables)}; it was saved with other settings or for another "
+            "model",
+        )
+    for i, (variable, entry, array) in enumerate(
+        zip(variables, checkpoint.entries, checkpoint.arrays)
+    ):
         if tuple(variable.shape) != tuple(array.shape):
-            _fail(path, f"variable {i} ({entry['path']!r}) has shape {tuple(array.shape)} but "
-                        f"this optimizer's ({variable.path!r}) has shape {variable.shape}")
+            _fail(
+                path,
+                f"variable {i} ({entry['path']!r}) has shape {tuple(array.shape)} but "
+                f"this optimizer's ({variable.path!r}) has shape {variable.shape}",
+            )
         if _kind(array.dtype.name) != _kind(variable.dtype):
-            _fail(path, f"variable {i} ({entry['path']!r}) holds {array.dtype.name} values "
-                        f"but this optimizer's ({variable.path!r}) is {variable.dtype}")
+            _fail(
+                path,
+                f"variable {i} ({entry['path']!r}) holds {array.dtype.name} values "
+                f"but this optimizer's ({variable.path!r}) is {variable.dtype}",
+            )
     for variable, array in zip(variables, checkpoint.arrays):
         variable.assign(array)

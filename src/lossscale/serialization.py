@@ -13,6 +13,7 @@ def register_serializable(cls=None, *, name=None):
 
     Usable as `@register_serializable` or `@register_serializable(name=...)`.
     """
+
     def register(klass):
         _REGISTRY[name or klass.__name__] = klass
         return klass
@@ -31,9 +32,13 @@ def serialize(obj):
     if not hasattr(obj, "get_config"):
         raise ValueError(
             "`obj` must be an optimizer or learning-rate schedule with `get_config()`. "
-            f"Received: obj={obj!r}")
-    return {"module": type(obj).__module__, "class_name": type(obj).__name__,
-            "config": obj.get_config()}
+            f"Received: obj={obj!r}"
+        )
+    return {
+        "module": type(obj).__module__,
+        "class_name": type(obj).__name__,
+        "config": obj.get_config(),
+    }
 
 
 def deserialize(config, custom_objects=None):
@@ -49,7 +54,8 @@ def deserialize(config, custom_objects=None):
     if not isinstance(config, dict) or "class_name" not in config or "config" not in config:
         raise ValueError(
             "`config` must be a dict with keys 'class_name' and 'config'. "
-            f"Received: config={config!r}")
+            f"Received: config={config!r}"
+        )
     cls = lookup(config["class_name"], custom_objects)
     if hasattr(cls, "from_config"):
         try:
@@ -70,7 +76,8 @@ def lookup(name, custom_objects=None):
         return _REGISTRY[name]
     raise ValueError(
         f"Unknown class_name {name!r}. Known: {sorted(_REGISTRY)}; pass user classes in "
-        f"`custom_objects`. Received: class_name={name!r}")
+        f"`custom_objects`. Received: class_name={name!r}"
+    )
 
 
 def _load_builtins():

@@ -13,8 +13,17 @@ def _fail(name, accepted, value, error=ValueError):
     raise error(f"`{name}` must be {accepted}. Received: {name}={value!r}")
 
 
-def check_number(name, value, *, low=None, high=None, low_open=False, high_open=False,
-                 allow_none=False, integer=False):
+def check_number(
+    name,
+    value,
+    *,
+    low=None,
+    high=None,
+    low_open=False,
+    high_open=False,
+    allow_none=False,
+    integer=False,
+):
     """Checks a real (or integer) number against optional bounds.
 
     Args:

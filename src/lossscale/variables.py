@@ -53,14 +53,25 @@ class Variable:
     # Makes `ndarray <op> Variable` defer to the Variable's reflected operator.
     __array_ufunc__ = None
 
-    def __init__(self, initializer, shape=None, dtype=None, trainable=True, name=None,
-                 aggregation="none", overwrite_with_gradient=False, constraint=None,
-                 backend=None, like=None):
+    def __init__(
+        self,
+        initializer,
+        shape=None,
+        dtype=None,
+        trainable=True,
+        name=None,
+        aggregation="none",
+        overwrite_with_gradient=False,
+        constraint=None,
+        backend=None,
+        like=None,
+    ):
         if name is not None and not isinstance(name, str):
             raise ValueError(f"`name` must be a string. Received: name={name!r}")
         if aggregation not in AGGREGATIONS:
             raise ValueError(
-                f"`aggregation` must be one of {AGGREGATIONS}. Received: aggregation={aggregation!r}"
+                f"`aggregation` must be one of {AGGREGATIONS}. "
+                f"Received: aggregation={aggregation!r}"
             )
         if constraint is not None and not callable(constraint):
             raise ValueError(f"`constraint` must be callable. Received: constraint={constraint!r}")
@@ -79,7 +90,8 @@ class Variable:
         if native is not None:
             if backend is not None and backend != backend_of(native):
                 raise ValueError(
-                    f"`backend` is {backend!r} but the wrapped array is a {backend_of(native)} array. "
+                    f"`backend` is {backend!r} but the wrapped array is a "
+                    f"{backend_of(native)} array. "
                     f"Received: backend={backend!r}"
                 )
             self._ops = get_ops(backend_of(native))
@@ -92,7 +104,11 @@ class Variable:
                 native = self._ops.cast(native, dtype)
             self._storage = native
             return
-        if shape is None and isinstance(initializer, (int, float)) and not isinstance(initializer, bool):
+        if (
+            shape is None
+            and isinstance(initializer, (int, float))
+            and not isinstance(initializer, bool)
+        ):
             shape = ()
         if shape is None:
             raise ValueError(
@@ -227,8 +243,10 @@ class Variable:
         return abs(self.value)
 
     def __repr__(self):
-        return (f"<Variable path={self.path}, shape={self.shape}, dtype={self.dtype}, "
-                f"backend={self.backend}, value={self.numpy()!r}>")
+        return (
+            f"<Variable path={self.path}, shape={self.shape}, dtype={self.dtype}, "
+            f"backend={self.backend}, value={self.numpy()!r}>"
+        )
 
 
 def _native_or_none(x):

@@ -183,8 +183,9 @@ def all_finite(arrays):
 
 def global_norm(arrays):
     arrays = [unwrap(a) for a in arrays]
-    squares = [jnp.sum(jnp.square(a.astype(jnp.float32) if a.dtype.itemsize < 4 else a))
-               for a in arrays]
+    squares = [
+        jnp.sum(jnp.square(a.astype(jnp.float32) if a.dtype.itemsize < 4 else a)) for a in arrays
+    ]
     return jnp.sqrt(jnp.sum(jnp.stack(squares)))
 
 
@@ -201,8 +202,10 @@ def all_max(x, group=None):
     inserts the cross-device collective), so there is nothing to add.
     """
     if group is not None:
-        raise ValueError("`process_group` applies to torch.distributed only; JAX arrays are "
-                         f"global across their sharding. Received: process_group={group!r}")
+        raise ValueError(
+            "`process_group` applies to torch.distributed only; JAX arrays are "
+            f"global across their sharding. Received: process_group={group!r}"
+        )
     return unwrap(x)
 
 

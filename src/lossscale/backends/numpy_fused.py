@@ -130,8 +130,11 @@ def sgd(optimizer, grads, variables, learning_rate, grad_scale=None):
             continue
         dtype = arrays[0].dtype
         if dtype not in constants:
-            constants[dtype] = (ops.cast(learning_rate, dtype.name),
-                                ops.cast(optimizer.momentum, dtype.name), optimizer.nesterov)
+            constants[dtype] = (
+                ops.cast(learning_rate, dtype.name),
+                ops.cast(optimizer.momentum, dtype.name),
+                optimizer.nesterov,
+            )
         jobs.append(_job(grad, arrays, constants[dtype], grad_scale, divisors))
     _run(optimizer, jobs, _sgd_block)
 
@@ -233,9 +236,9 @@ def _scratch(optimizer, workers, dtypes):
     for worker in range(workers):
         for dtype in dtypes:
             if (worker, dtype) not in buffers:
-                buffers[worker, dtype] = (
-                    tuple(np.empty(BLOCK, dtype) for _ in range(3))
-                    + tuple(np.empty(_pack_capacity(), dtype) for _ in range(1 + MAX_ARRAYS)))
+                buffers[worker, dtype] = tuple(np.empty(BLOCK, dtype) for _ in range(3)) + tuple(
+                    np.empty(_pack_capacity(), dtype) for _ in range(1 + MAX_ARRAYS)
+                )
     return buffers
 
 
@@ -265,8 +268,13 @@ def _blocks(jobs):
             continue
         if pack:
             g0, arrays0, constants0, divisor0 = jobs[pack[0]]
-            if (packed + n > _pack_capacity() or g.dtype != g0.dtype or constants is not constants0
-                    or divisor is not divisor0 or len(arrays) != len(arrays0)):
+            if (
+                packed + n > _pack_capacity()
+                or g.dtype != g0.dtype
+                or constants is not constants0
+                or divisor is not divisor0
+                or len(arrays) != len(arrays0)
+            ):
                 close()
                 pack, packed = [], 0
         pack.append(j)
@@ -308,8 +316,10 @@ def _run(optimizer, jobs, block_fn):
 def _gather(jobs, buffers, n):
     """Concatenates the jobs' gradients and arrays into `buffers` (n elements each)."""
     g = np.concatenate([job[0] for job in jobs], out=buffers[0][:n])
-    arrays = [np.concatenate([job[1][a] for job in jobs], out=buffers[1 + a][:n])
-              for a in range(len(jobs[0][1]))]
+    arrays = [
+        np.concatenate([job[1][a] for job in jobs], out=buffers[1 + a][:n])
+        for a in range(len(jobs[0][1]))
+    ]
     return g, arrays
 
 

@@ -172,8 +172,10 @@ def max_abs(arrays):
 def all_max(x, group=None):
     """The maximum of scalar `x` over all participants: one process here."""
     if group is not None:
-        raise ValueError("`process_group` applies to torch.distributed only; NumPy arrays "
-                         f"live in one process. Received: process_group={group!r}")
+        raise ValueError(
+            "`process_group` applies to torch.distributed only; NumPy arrays "
+            f"live in one process. Received: process_group={group!r}"
+        )
     return unwrap(x)
 
 
@@ -207,4 +209,3 @@ def quiet():
     # A skipped overflow step computes inf/NaN on purpose; NumPy must not
     # warn about it.
     return np.errstate(over="ignore", invalid="ignore", divide="ignore")
-

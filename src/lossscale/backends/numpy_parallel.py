@@ -46,8 +46,11 @@ def partition(blocks, workers):
     parts, current, done = [], [], 0
     for block in blocks:
         size = block[2] - block[1]
-        if (current and len(parts) < workers - 1
-                and (done + size / 2) * workers > total * (len(parts) + 1)):
+        if (
+            current
+            and len(parts) < workers - 1
+            and (done + size / 2) * workers > total * (len(parts) + 1)
+        ):
             parts.append(current)
             current = []
         current.append(block)
@@ -96,8 +99,11 @@ def peak_magnitude(arrays):
         elif a.size:
             highs.append(a.max())
             lows.append(a.min())
-    blocks = [(j, start, min(start + REDUCE_BLOCK, f.size))
-              for j, f in enumerate(flats) for start in range(0, f.size, REDUCE_BLOCK)]
+    blocks = [
+        (j, start, min(start + REDUCE_BLOCK, f.size))
+        for j, f in enumerate(flats)
+        for start in range(0, f.size, REDUCE_BLOCK)
+    ]
     if blocks:
         parts = partition(blocks, workers(blocks))
 
@@ -133,6 +139,7 @@ def executor():
     with _pool_lock:
         if _pool["executor"] is None or _pool["pid"] != os.getpid():
             _pool["executor"] = ThreadPoolExecutor(
-                max_workers=min(cpu_count(), MAX_WORKERS), thread_name_prefix="lossscale-numpy")
+                max_workers=min(cpu_count(), MAX_WORKERS), thread_name_prefix="lossscale-numpy"
+            )
             _pool["pid"] = os.getpid()
         return _pool["executor"]

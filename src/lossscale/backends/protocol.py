@@ -11,7 +11,9 @@ the functions below cover the rest. Every function accepts a `Variable`
 where it accepts an array.
 """
 
-from typing import Any, Callable, ContextManager, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any, Protocol
 
 
 class BackendOps(Protocol):
@@ -83,6 +85,11 @@ class BackendOps(Protocol):
         """
 
     # --- control flow ---------------------------------------------------
-    def cond(self, pred: Any, true_fn: Callable[[], None],
-             false_fn: Callable[[], None], variables: Sequence[Any]) -> None: ...
+    def cond(
+        self,
+        pred: Any,
+        true_fn: Callable[[], None],
+        false_fn: Callable[[], None],
+        variables: Sequence[Any],
+    ) -> None: ...
     def quiet(self) -> ContextManager: ...

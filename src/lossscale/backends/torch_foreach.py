@@ -18,8 +18,12 @@ import torch
 
 from lossscale.backends import torch_groups, torch_ops
 
-_add, _sub, _mul, _div = (torch._foreach_add, torch._foreach_sub, torch._foreach_mul,
-                          torch._foreach_div)
+_add, _sub, _mul, _div = (
+    torch._foreach_add,
+    torch._foreach_sub,
+    torch._foreach_mul,
+    torch._foreach_div,
+)
 
 
 def scalar(value, group):
@@ -48,12 +52,18 @@ def make_kernel(rule, slot_attrs):
         slot_attrs: `slot_attrs(optimizer)` -> names of the slot lists the
             rule needs (they may depend on the optimizer's settings).
     """
+
     def kernel(optimizer, grads, variables, learning_rate):
         with torch.no_grad():
             groups = torch_groups.plan(optimizer, variables, slot_attrs(optimizer)).groups
             for group in groups:
-                rule(optimizer, group, group.grads(grads), scalar(learning_rate, group),
-                     torch_groups.Writer(group.device))
+                rule(
+                    optimizer,
+                    group,
+                    group.grads(grads),
+                    scalar(learning_rate, group),
+                    torch_groups.Writer(group.device),
+                )
 
     kernel.rule = rule
     return kernel
@@ -83,8 +93,9 @@ def adam(opt, group, grads, lr, write):
     m = _moment(write, group.slots["_momentums"], grads, 1 - opt.beta_1)
     v = _moment(write, group.slots["_velocities"], _mul(grads, grads), 1 - opt.beta_2)
     if opt.amsgrad:
-        v = write.set(group.slots["_velocity_hats"],
-                      torch._foreach_maximum(group.slots["_velocity_hats"], v))
+        v = write.set(
+            group.slots["_velocity_hats"], torch._foreach_maximum(group.slots["_velocity_hats"], v)
+        )
     write.sub(group.params, _div(_mul(m, alpha), _add(torch._foreach_sqrt(v), opt.epsilon)))
 
 
@@ -104,11 +115,13 @@ def _decay_average(slots, values, rho):
 
 def rmsprop(opt, group, grads, lr, write):
     slots = group.slots
-    velocity = write.set(slots["_velocities"],
-                         _decay_average(slots["_velocities"], _mul(grads, grads), opt.rho))
+    velocity = write.set(
+        slots["_velocities"], _decay_average(slots["_velocities"], _mul(grads, grads), opt.rho)
+    )
     if opt.centered:
-        average = write.set(slots["_average_gradients"],
-                            _decay_average(slots["_average_gradients"], grads, opt.rho))
+        average = write.set(
+            slots["_average_gradients"], _decay_average(slots["_average_gradients"], grads, opt.rho)
+        )
         denominator = _sub(velocity, _mul(average, average))
         torch._foreach_add_(denominator, opt.epsilon)
     else:
@@ -129,9 +142,10 @@ def adagrad(opt, group, grads, lr, write):
 
 def adadelta(opt, group, grads, lr, write):
     rho, epsilon = opt.rho, opt.epsilon
-    grad_acc = write.set(group.slots["_accumulated_grads"],
-                         _decay_average(group.slots["_accumulated_grads"], _mul(grads, grads),
-                                        rho))
+    grad_acc = write.set(
+        group.slots["_accumulated_grads"],
+        _decay_average(group.slots["_accumulated_grads"], _mul(grads, grads), rho),
+    )
     delta_acc = group.slots["_accumulated_delta_vars"]
     delta = _mul(torch._foreach_sqrt(_add(delta_acc, epsilon)), grads)
     torch._foreach_div_(delta, torch._foreach_sqrt(_add(grad_acc, epsilon)))
@@ -143,8 +157,10 @@ def adadelta(opt, group, grads, lr, write):
 def adamax(opt, group, grads, lr, write):
     beta_1_power = torch_ops.power(scalar(opt.beta_1, group), step_count(opt, group))
     m = _moment(write, group.slots["_m"], grads, 1 - opt.beta_1)
-    u = write.set(group.slots["_u"], torch._foreach_maximum(
-        _mul(group.slots["_u"], opt.beta_2), torch._foreach_abs(grads)))
+    u = write.set(
+        group.slots["_u"],
+        torch._foreach_maximum(_mul(group.slots["_u"], opt.beta_2), torch._foreach_abs(grads)),
+    )
     denominator = _add(u, opt.epsilon)
     torch._foreach_mul_(denominator, 1 - beta_1_power)
     write.sub(group.params, _div(_mul(m, lr), denominator))
@@ -182,7 +198,11 @@ def lion(opt, group, grads, lr, write):
 
 
 def ftrl(opt, group, grads, lr, write):
-    accumulators, linears, params = group.slots["_accumulators"], group.slots["_linears"], group.params
+    accumulators, linears, params = (
+        group.slots["_accumulators"],
+        group.slots["_linears"],
+        group.params,
+    )
     # `ops.power(x, p)` raises to a 0-d tensor of x's dtype; so do these.
     power = [scalar(-opt.learning_rate_power, group)] * len(params)
     l2 = opt.l2_regularization_strength + opt.beta / (2.0 * lr)
@@ -211,8 +231,9 @@ def lamb(opt, group, grads, lr, write):
     # The trust ratio is 1 unless both norms are positive, with a divisor
     # kept nonzero, as in `Lamb.update_step`.
     w_norm, u_norm = _norms(group.params), _norms(update)
-    ratio = torch.where((w_norm > 0) & (u_norm > 0),
-                        w_norm / torch.where(u_norm > 0, u_norm, 1.0), 1.0).to(group.dtype)
+    ratio = torch.where(
+        (w_norm > 0) & (u_norm > 0), w_norm / torch.where(u_norm > 0, u_norm, 1.0), 1.0
+    ).to(group.dtype)
     write.sub(group.params, _mul(update, list((ratio * lr).unbind(0))))
 
 
@@ -227,15 +248,17 @@ def _norms(tensors):
 
 def kernels():
     """Returns `{optimizer class: kernel}` for `torch_ops.FUSED_KERNELS`."""
-    from lossscale.optimizers import (Adadelta, Adagrad, Adamax, Ftrl, Lamb, Lion, Nadam,
-                                      RMSprop)
+    from lossscale.optimizers import Adadelta, Adagrad, Adamax, Ftrl, Lamb, Lion, Nadam, RMSprop
 
     def fixed(*attrs):
         return lambda optimizer: attrs
 
     def rmsprop_slots(optimizer):
-        return (("_velocities",) + (("_momentums",) if optimizer.momentum > 0 else ())
-                + (("_average_gradients",) if optimizer.centered else ()))
+        return (
+            ("_velocities",)
+            + (("_momentums",) if optimizer.momentum > 0 else ())
+            + (("_average_gradients",) if optimizer.centered else ())
+        )
 
     return {
         RMSprop: make_kernel(rmsprop, rmsprop_slots),

@@ -65,8 +65,9 @@ def adam(optimizer, grads, variables, learning_rate, grad_scale=None):
             group_grads = group.grads(grads)
             if group.dtype not in _FUSED_DTYPES:
                 if grad_scale is not None:  # unscaled in float32, as the wrapper would
-                    group_grads = [g.to(group.dtype)
-                                   for g in torch_multi.unscale(group_grads, grad_scale)]
+                    group_grads = [
+                        g.to(group.dtype) for g in torch_multi.unscale(group_grads, grad_scale)
+                    ]
                 torch_foreach.adam(optimizer, group, group_grads, lr, write)
                 continue
             if grad_scale is not None and any(g.requires_grad for g in group_grads):
@@ -81,11 +82,22 @@ def adam(optimizer, grads, variables, learning_rate, grad_scale=None):
             alpha = lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
             slots = group.slots
             torch._fused_adam_(
-                group.params, group_grads, slots["_momentums"], slots["_velocities"],
-                slots.get("_velocity_hats", []), _infinite_steps(group), lr=alpha,
-                beta1=optimizer.beta_1, beta2=optimizer.beta_2, weight_decay=0.0,
-                eps=optimizer.epsilon, amsgrad=optimizer.amsgrad, maximize=False,
-                grad_scale=grad_scale, found_inf=write.found_inf())
+                group.params,
+                group_grads,
+                slots["_momentums"],
+                slots["_velocities"],
+                slots.get("_velocity_hats", []),
+                _infinite_steps(group),
+                lr=alpha,
+                beta1=optimizer.beta_1,
+                beta2=optimizer.beta_2,
+                weight_decay=0.0,
+                eps=optimizer.epsilon,
+                amsgrad=optimizer.amsgrad,
+                maximize=False,
+                grad_scale=grad_scale,
+                found_inf=write.found_inf(),
+            )
 
 
 adam.takes_grad_scale = True
@@ -104,16 +116,33 @@ def sgd(optimizer, grads, variables, learning_rate):
                 continue
             if optimizer.momentum == 0:
                 torch._fused_sgd_(
-                    group.params, group_grads, [], weight_decay=0.0, momentum=0.0, lr=lr,
-                    dampening=0.0, nesterov=False, maximize=False, is_first_step=False,
-                    found_inf=write.found_inf())
+                    group.params,
+                    group_grads,
+                    [],
+                    weight_decay=0.0,
+                    momentum=0.0,
+                    lr=lr,
+                    dampening=0.0,
+                    nesterov=False,
+                    maximize=False,
+                    is_first_step=False,
+                    found_inf=write.found_inf(),
+                )
                 continue
             # `g * (-lr)` is `-(g * lr)` exactly, the term Keras subtracts.
             torch._fused_sgd_(
-                group.params, torch._foreach_mul(group_grads, -lr), group.slots["momentums"],
-                weight_decay=0.0, momentum=float(optimizer.momentum), lr=-1.0, dampening=0.0,
-                nesterov=optimizer.nesterov, maximize=False, is_first_step=False,
-                found_inf=write.found_inf())
+                group.params,
+                torch._foreach_mul(group_grads, -lr),
+                group.slots["momentums"],
+                weight_decay=0.0,
+                momentum=float(optimizer.momentum),
+                lr=-1.0,
+                dampening=0.0,
+                nesterov=optimizer.nesterov,
+                maximize=False,
+                is_first_step=False,
+                found_inf=write.found_inf(),
+            )
 
 
 def kernels():

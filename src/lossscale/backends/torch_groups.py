@@ -68,9 +68,11 @@ class Plan:
         self._storages = [w._storage for w in watched]
 
     def matches(self, variables):
-        return (len(variables) == len(self.variables)
-                and all(map(operator.is_, variables, self.variables))
-                and all(map(operator.is_, map(_storage_of, self._watched), self._storages)))
+        return (
+            len(variables) == len(self.variables)
+            and all(map(operator.is_, variables, self.variables))
+            and all(map(operator.is_, map(_storage_of, self._watched), self._storages))
+        )
 
 
 def plan(optimizer, variables, slot_attrs=()):
@@ -112,8 +114,10 @@ def _make(optimizer, variables, slot_attrs):
         # storages; torch's kernels take them several times faster than
         # `nn.Parameter`s, whose in-place updates go through autograd checks.
         params = [storage.detach() for _, storage, _ in entries]
-        slots = {attr: [slots[k]._storage.detach() for _, _, slots in entries]
-                 for k, attr in enumerate(slot_attrs)}
+        slots = {
+            attr: [slots[k]._storage.detach() for _, _, slots in entries]
+            for k, attr in enumerate(slot_attrs)
+        }
         groups.append(Group(device, dtype, indices, params, slots, whole))
     return Plan(variables, watched, groups)
 

@@ -83,8 +83,9 @@ def _group_flags(arrays):
         if device.type == "cpu":
             flags.extend(_cpu_flags(group))
         else:
-            flags.append(torch.isfinite(torch.stack(
-                torch._foreach_norm(group, float("inf")))).all())
+            flags.append(
+                torch.isfinite(torch.stack(torch._foreach_norm(group, float("inf")))).all()
+            )
     return flags
 
 
@@ -194,8 +195,10 @@ def _packed(tensors):
     entry = packs.pop(key, None)
     if entry is None:
         flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
-        entry = (flat, [v.view(t.shape) for v, t in
-                        zip(flat.split([t.numel() for t in tensors]), tensors)])
+        entry = (
+            flat,
+            [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)],
+        )
         while len(packs) >= _PACKS_KEPT:
             packs.pop(next(iter(packs)))
     packs[key] = entry  # most recently used last

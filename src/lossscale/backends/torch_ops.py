@@ -16,9 +16,13 @@ import numbers
 import torch
 
 from lossscale.backends._common import unwrap
+
 # The seam's multi-tensor primitives live in their own module.
-from lossscale.backends.torch_multi import (all_finite, global_norm, groups,  # noqa: F401
-                                            max_abs, unscale)
+from lossscale.backends.torch_multi import all_finite as all_finite
+from lossscale.backends.torch_multi import global_norm as global_norm
+from lossscale.backends.torch_multi import groups as groups
+from lossscale.backends.torch_multi import max_abs as max_abs
+from lossscale.backends.torch_multi import unscale as unscale
 
 NAME = "torch"
 MUTABLE = True
@@ -116,8 +120,7 @@ def mask_on(mask, device):
 def select_into(storage, mask, new):
     """`storage[...] = where(mask, new, storage)`, in place."""
     mask = mask_on(mask, storage.device)
-    if (isinstance(new, torch.Tensor) and new.dtype == storage.dtype
-            and new.shape == storage.shape):
+    if isinstance(new, torch.Tensor) and new.dtype == storage.dtype and new.shape == storage.shape:
         torch.where(mask, new, storage, out=storage)
     else:
         storage.copy_(torch.where(mask, new, storage))
@@ -281,8 +284,10 @@ def _several_ranks(group):
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
-            raise ValueError("`process_group` was given but torch.distributed is not "
-                             f"initialised. Received: process_group={group!r}")
+            raise ValueError(
+                "`process_group` was given but torch.distributed is not "
+                f"initialised. Received: process_group={group!r}"
+            )
         return False
     return dist.get_world_size(group) > 1
 
@@ -328,8 +333,9 @@ def _update_scale(scale, counter, finite, growth_steps, growth_factor, backoff_f
     new_scale = scale.to(dtype=torch.float32, copy=True)
     new_counter = counter.to(dtype=torch.int32, copy=True)
     overflow = (~finite).to(torch.float32).reshape(1)
-    torch._amp_update_scale_(new_scale, new_counter, overflow, growth_factor, backoff_factor,
-                             growth_steps)
+    torch._amp_update_scale_(
+        new_scale, new_counter, overflow, growth_factor, backoff_factor, growth_steps
+    )
     new_scale = torch.where(finite, new_scale, new_scale.clamp_min(floor))
     return new_scale.to(scale.dtype), new_counter.to(counter.dtype)
 

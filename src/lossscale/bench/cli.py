@@ -24,34 +24,66 @@ def build_parser():
     parser = argparse.ArgumentParser(
         prog="lossscale bench",
         description="Time one LossScaleOptimizer(Adam) step against its peers; print a "
-                    "Markdown table of median ms, ratio to the memory floor and ratio to the "
-                    "best peer.")
-    parser.add_argument("--workload", default="all", choices=workloads.NAMES + ("gpu", "all"),
-                        help="Which workload to run. 'gpu' runs gpu_many_small and gpu_large; "
-                             "'all' (default) runs many_small and large, plus the GPU ones "
-                             "when torch sees a CUDA device.")
-    parser.add_argument("--impl", action="append", metavar="NAME", default=None,
-                        help=f"Run only this implementation (repeatable). One of: {names}. "
-                             "Default: every installed one.")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help=f"Timed steps per implementation (default {DEFAULT_REPEATS}; "
-                             f"{QUICK_REPEATS} with --quick). The median is reported.")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="Untimed steps first (default: repeats // 5, at least 2; 1 with "
-                             "--quick).")
-    parser.add_argument("--quick", action="store_true",
-                        help="Tiny workloads and few steps: checks the harness, not speed.")
-    parser.add_argument("--timeout", type=float, default=1200.0,
-                        help="Seconds allowed per subprocess (default 1200).")
-    parser.add_argument("--retries", type=int, default=0,
-                        help="On a shared machine: wait for idle CPUs before each run, and rerun "
-                             "a run that other processes disturbed up to this many times, "
-                             "keeping the least disturbed (Linux; default 0).")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="Run every implementation this many times, alternating the order "
-                             "(A B, B A, ...), and report the median of the rounds' medians: "
-                             "on a machine whose speed drifts, rows compared side by side then "
-                             "see the same conditions (default 1).")
+        "Markdown table of median ms, ratio to the memory floor and ratio to the "
+        "best peer.",
+    )
+    parser.add_argument(
+        "--workload",
+        default="all",
+        choices=workloads.NAMES + ("gpu", "all"),
+        help="Which workload to run. 'gpu' runs gpu_many_small and gpu_large; "
+        "'all' (default) runs many_small and large, plus the GPU ones "
+        "when torch sees a CUDA device.",
+    )
+    parser.add_argument(
+        "--impl",
+        action="append",
+        metavar="NAME",
+        default=None,
+        help=f"Run only this implementation (repeatable). One of: {names}. "
+        "Default: every installed one.",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"Timed steps per implementation (default {DEFAULT_REPEATS}; "
+        f"{QUICK_REPEATS} with --quick). The median is reported.",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="Untimed steps first (default: repeats // 5, at least 2; 1 with --quick).",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="Tiny workloads and few steps: checks the harness, not speed.",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=1200.0,
+        help="Seconds allowed per subprocess (default 1200).",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="On a shared machine: wait for idle CPUs before each run, and rerun "
+        "a run that other processes disturbed up to this many times, "
+        "keeping the least disturbed (Linux; default 0).",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="Run every implementation this many times, alternating the order "
+        "(A B, B A, ...), and report the median of the rounds' medians: "
+        "on a machine whose speed drifts, rows compared side by side then "
+        "see the same conditions (default 1).",
+    )
     return parser
 
 
@@ -59,8 +91,9 @@ def _machine():
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name"))
+            model = next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         pass
     memory = ""
@@ -79,8 +112,11 @@ def _workload_names(choice, parser):
         return workloads.CPU_NAMES + (workloads.GPU_NAMES if runner.cuda_available() else ())
     names = workloads.GPU_NAMES if choice == "gpu" else (choice,)
     if choice in ("gpu",) + workloads.GPU_NAMES and not runner.cuda_available():
-        parser.exit(2, f"lossscale bench: error: --workload {choice} needs a CUDA device, and "
-                       "torch sees none (or is not installed).\n")
+        parser.exit(
+            2,
+            f"lossscale bench: error: --workload {choice} needs a CUDA device, and "
+            "torch sees none (or is not installed).\n",
+        )
     return names
 
 
@@ -99,10 +135,22 @@ def _run_rows(impls, names, args, explicit):
                 rows.append({**row, "skipped": f"not installed: {', '.join(missing)}"})
                 continue
             print(f"[bench] {impl.name} on {name} ...", file=sys.stderr, flush=True)
-            job = {"kind": "step", "impl": impl.name, "workload": name, "quick": args.quick,
-                   "repeats": args.repeats, "warmup": args.warmup}
-            rows.append({**row, **runner.run_job_retrying(job, env=impl.env, timeout=args.timeout,
-                                                          retries=args.retries)})
+            job = {
+                "kind": "step",
+                "impl": impl.name,
+                "workload": name,
+                "quick": args.quick,
+                "repeats": args.repeats,
+                "warmup": args.warmup,
+            }
+            rows.append(
+                {
+                    **row,
+                    **runner.run_job_retrying(
+                        job, env=impl.env, timeout=args.timeout, retries=args.retries
+                    ),
+                }
+            )
     return rows
 
 
@@ -113,8 +161,9 @@ def _run_rounds(impls, names, args, explicit):
         if args.rounds > 1:
             print(f"[bench] round {number + 1} of {args.rounds}", file=sys.stderr, flush=True)
         order = impls if number % 2 == 0 else impls[::-1]
-        rounds.append({(r["impl"], r["workload"]): r
-                       for r in _run_rows(order, names, args, explicit)})
+        rounds.append(
+            {(r["impl"], r["workload"]): r for r in _run_rows(order, names, args, explicit)}
+        )
     if args.rounds == 1:
         return list(rounds[0].values())
     merged = []
@@ -125,8 +174,14 @@ def _run_rounds(impls, names, args, explicit):
             merged.append(failed)
             continue
         medians = [r["median_ms"] for r in runs]
-        merged.append({**row, "median_ms": statistics.median(medians), "round_medians": medians,
-                       "others_cores": max(r.get("others_cores", 0) for r in runs)})
+        merged.append(
+            {
+                **row,
+                "median_ms": statistics.median(medians),
+                "round_medians": medians,
+                "others_cores": max(r.get("others_cores", 0) for r in runs),
+            }
+        )
     return merged
 
 
@@ -151,15 +206,18 @@ def main(argv=None):
     if args.rounds < 1:
         parser.error(f"--rounds must be an integer >= 1. Received: {args.rounds}")
     names = _workload_names(args.workload, parser)
-    impls = [available[n] for n in dict.fromkeys(args.impl)] if args.impl else list(
-        available.values())
+    impls = (
+        [available[n] for n in dict.fromkeys(args.impl)] if args.impl else list(available.values())
+    )
 
     bandwidths = {}
     for device in dict.fromkeys(workloads.get(n).device for n in names):
         print(f"[bench] measuring {device} memory bandwidth ...", file=sys.stderr, flush=True)
         bandwidths[device] = runner.run_job_retrying(
-            {"kind": "floor", "device": device, "quick": args.quick}, timeout=args.timeout,
-            retries=args.retries)
+            {"kind": "floor", "device": device, "quick": args.quick},
+            timeout=args.timeout,
+            retries=args.retries,
+        )
     floors, info = {}, {}
     for name in names:
         workload = workloads.get(name, quick=args.quick)
@@ -181,24 +239,38 @@ def report(rows, floors, bandwidths, info, args):
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"# lossscale bench ({date})", ""]
     lines += [f"- {line}" for line in table.header(_machine(), bandwidths, floors, info)]
-    lines.append(f"- Python {platform.python_version()}; "
-                 + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())))
-    lines.append(f"- Median of {args.repeats} steps after {args.warmup} warm-up steps"
-                 + (f"; median of {args.rounds} rounds in alternating order"
-                    if args.rounds > 1 else "")
-                 + (" (--quick: tiny workloads, timings meaningless)" if args.quick else ""))
+    lines.append(
+        f"- Python {platform.python_version()}; "
+        + ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))
+    )
+    lines.append(
+        f"- Median of {args.repeats} steps after {args.warmup} warm-up steps"
+        + (f"; median of {args.rounds} rounds in alternating order" if args.rounds > 1 else "")
+        + (" (--quick: tiny workloads, timings meaningless)" if args.quick else "")
+    )
     lines += ["", table.markdown_table(rows, floors), ""]
-    per_round = [f"{r['impl']} on {r['workload']}: "
-                 + " / ".join(f"{m:.3f}" for m in r["round_medians"])
-                 for r in rows if "round_medians" in r]
+    per_round = [
+        f"{r['impl']} on {r['workload']}: " + " / ".join(f"{m:.3f}" for m in r["round_medians"])
+        for r in rows
+        if "round_medians" in r
+    ]
     if per_round:
         lines += ["Medians of each round (ms):", ""] + [f"- {line}" for line in per_round] + [""]
-    disturbed = [f"{r['impl']} on {r['workload']} ({r['others_cores']:.2f})" for r in rows
-                 if r.get("others_cores", 0) > runner.DISTURBED_CORES]
+    disturbed = [
+        f"{r['impl']} on {r['workload']} ({r['others_cores']:.2f})"
+        for r in rows
+        if r.get("others_cores", 0) > runner.DISTURBED_CORES
+    ]
     if disturbed:
-        lines += [f"**Unreliable rows**: other processes kept CPUs busy (mean cores in "
-                  f"parentheses) while these ran: {', '.join(disturbed)}. Rerun on an idle "
-                  "machine.", ""]
-    lines += [f"- `{impl.name}` ({impl.kind}): {impl.description}"
-              for impl in registry.REGISTRY.values() if any(r["impl"] == impl.name for r in rows)]
+        lines += [
+            f"**Unreliable rows**: other processes kept CPUs busy (mean cores in "
+            f"parentheses) while these ran: {', '.join(disturbed)}. Rerun on an idle "
+            "machine.",
+            "",
+        ]
+    lines += [
+        f"- `{impl.name}` ({impl.kind}): {impl.description}"
+        for impl in registry.REGISTRY.values()
+        if any(r["impl"] == impl.name for r in rows)
+    ]
     return "\n".join(lines)

@@ -91,6 +91,7 @@ def _measure_numpy(quick):
     bounds = np.linspace(0, n, threads + 1).astype(int)
     pieces = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
     with ThreadPoolExecutor(threads) as pool:
+
         def copy():
             list(pool.map(lambda s: np.copyto(dst[s], src[s]), pieces))
 
@@ -107,5 +108,8 @@ def _measure_cuda(quick):
     src = torch.empty(n, dtype=torch.float32, device="cuda").uniform_(0.5, 1.5)
     dst = torch.empty_like(src)
     rate = _best_rate(lambda: dst.copy_(src), 4 * n, repeats, torch.cuda.synchronize)
-    return {"gb_per_s": rate, "bytes": 4 * n,
-            "method": f"torch copy_ on {torch.cuda.get_device_name()}"}
+    return {
+        "gb_per_s": rate,
+        "bytes": 4 * n,
+        "method": f"torch copy_ on {torch.cuda.get_device_name()}",
+    }

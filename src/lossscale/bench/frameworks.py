@@ -28,8 +28,12 @@ def torch_tensors(workload, scaled=True):
     """Returns `(torch, device, params, grads)` for `workload` (grads loss-scaled)."""
     torch, device = torch_device(workload)
     params, grads = workloads.arrays(workload, loss_scaled=scaled)
-    return (torch, device, [torch.from_numpy(p).to(device) for p in params],
-            [torch.from_numpy(g).to(device) for g in grads])
+    return (
+        torch,
+        device,
+        [torch.from_numpy(p).to(device) for p in params],
+        [torch.from_numpy(g).to(device) for g in grads],
+    )
 
 
 def torch_sync(torch, device):
@@ -63,7 +67,8 @@ def keras_for(backend, workload):
     if os.environ.get("KERAS_BACKEND") != backend:
         raise RuntimeError(
             f"The Keras {backend} implementation must run with KERAS_BACKEND={backend}. "
-            f"Received: KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}")
+            f"Received: KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}"
+        )
     if backend == "torch":
         os.environ["KERAS_TORCH_DEVICE"] = workload.device
         torch_device(workload)

@@ -5,8 +5,13 @@ from lossscale.bench.registry import implementation
 from lossscale.bench.timing import Stepper
 
 
-@implementation("optax-jmp", "peer", "optax.adam + jmp.DynamicLossScale under jax.jit, state "
-                "donated", requires=("jax", "optax", "jmp"), devices=("cpu", "cuda"))
+@implementation(
+    "optax-jmp",
+    "peer",
+    "optax.adam + jmp.DynamicLossScale under jax.jit, state donated",
+    requires=("jax", "optax", "jmp"),
+    devices=("cpu", "cuda"),
+)
 def optax_jmp(workload):
     jax = frameworks.jax_for(workload)
     import jmp
@@ -20,14 +25,19 @@ def optax_jmp(workload):
         finite = jmp.all_finite(grads)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        params, opt_state = jmp.select_tree(finite, (new_params, new_opt_state),
-                                            (params, opt_state))
+        params, opt_state = jmp.select_tree(
+            finite, (new_params, new_opt_state), (params, opt_state)
+        )
         return params, opt_state, loss_scale.adjust(finite)
 
     apply = jax.jit(apply, donate_argnums=(0, 1, 2))
-    state = [params, tx.init(params),
-             jmp.DynamicLossScale(jax.numpy.float32(workloads.LOSS_SCALE),
-                                  period=workloads.GROWTH_STEPS)]
+    state = [
+        params,
+        tx.init(params),
+        jmp.DynamicLossScale(
+            jax.numpy.float32(workloads.LOSS_SCALE), period=workloads.GROWTH_STEPS
+        ),
+    ]
 
     def step():
         state[:] = apply(*state, grads)

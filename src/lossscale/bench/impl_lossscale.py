@@ -8,37 +8,51 @@ from lossscale.bench.timing import Stepper
 def _optimizer():
     import lossscale as ls
 
-    opt = ls.LossScaleOptimizer(ls.optimizers.Adam(learning_rate=1e-3),
-                                initial_scale=workloads.LOSS_SCALE,
-                                dynamic_growth_steps=workloads.GROWTH_STEPS)
+    opt = ls.LossScaleOptimizer(
+        ls.optimizers.Adam(learning_rate=1e-3),
+        initial_scale=workloads.LOSS_SCALE,
+        dynamic_growth_steps=workloads.GROWTH_STEPS,
+    )
     opt.scale_loss(1.0)  # what a training step does first; the gradients come pre-scaled
     return opt
 
 
-@implementation("lossscale-numpy", "ours", "lossscale LossScaleOptimizer(Adam), opt.apply on "
-                "NumPy arrays")
+@implementation(
+    "lossscale-numpy", "ours", "lossscale LossScaleOptimizer(Adam), opt.apply on NumPy arrays"
+)
 def numpy_adam(workload):
     params, grads = workloads.arrays(workload)
     opt = _optimizer()
     return Stepper(step=lambda: opt.apply(grads, params))
 
 
-@implementation("lossscale-torch", "ours", "lossscale LossScaleOptimizer(Adam), opt.apply on "
-                "torch tensors", requires=("torch",), devices=("cpu", "cuda"))
+@implementation(
+    "lossscale-torch",
+    "ours",
+    "lossscale LossScaleOptimizer(Adam), opt.apply on torch tensors",
+    requires=("torch",),
+    devices=("cpu", "cuda"),
+)
 def torch_adam(workload):
     torch, device, params, grads = frameworks.torch_tensors(workload)
     opt = _optimizer()
     # Fused Adam unscales the gradients in place (as GradScaler does); give
     # every step the scaled gradients, untimed, as the GradScaler peers get.
     live = [g.clone() for g in grads]
-    return Stepper(step=lambda: opt.apply(live, params),
-                   sync=frameworks.torch_sync(torch, device),
-                   prepare=lambda: torch._foreach_copy_(live, grads))
+    return Stepper(
+        step=lambda: opt.apply(live, params),
+        sync=frameworks.torch_sync(torch, device),
+        prepare=lambda: torch._foreach_copy_(live, grads),
+    )
 
 
-@implementation("lossscale-jax", "ours", "lossscale LossScaleOptimizer(Adam), "
-                "jax.jit(opt.stateless_apply), state donated", requires=("jax",),
-                devices=("cpu", "cuda"))
+@implementation(
+    "lossscale-jax",
+    "ours",
+    "lossscale LossScaleOptimizer(Adam), jax.jit(opt.stateless_apply), state donated",
+    requires=("jax",),
+    devices=("cpu", "cuda"),
+)
 def jax_adam(workload):
     jax = frameworks.jax_for(workload)
     params, grads = frameworks.jax_arrays(jax, workload)
@@ -47,8 +61,10 @@ def jax_adam(workload):
     # Donated in the order the outputs come back (params, then optimizer
     # state): XLA pairs each output with the first donated input of its
     # shape, so the reverse order would copy every buffer (docs/jax.md).
-    apply = jax.jit(lambda params, values, grads: opt.stateless_apply(values, grads, params),
-                    donate_argnums=(0, 1))
+    apply = jax.jit(
+        lambda params, values, grads: opt.stateless_apply(values, grads, params),
+        donate_argnums=(0, 1),
+    )
     state = {"optimizer": [v.value for v in opt.variables], "params": params}
 
     def step():

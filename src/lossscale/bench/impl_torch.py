@@ -16,8 +16,9 @@ def _adam(torch, params, grads, **kwargs):
 def _grad_scaler_adam(workload, **kwargs):
     torch, device, params, grads = frameworks.torch_tensors(workload)
     params, opt = _adam(torch, params, grads, **kwargs)
-    scaler = torch.amp.GradScaler(device.type, init_scale=workloads.LOSS_SCALE,
-                                  growth_interval=workloads.GROWTH_STEPS)
+    scaler = torch.amp.GradScaler(
+        device.type, init_scale=workloads.LOSS_SCALE, growth_interval=workloads.GROWTH_STEPS
+    )
     scaler.scale(torch.ones((), device=device))  # creates the scale, as a forward pass does
     live = [p.grad for p in params]
 
@@ -26,25 +27,42 @@ def _grad_scaler_adam(workload, **kwargs):
         scaler.update()
 
     # GradScaler unscales the gradients in place; restore them, untimed.
-    return Stepper(step=step, sync=frameworks.torch_sync(torch, device),
-                   prepare=lambda: torch._foreach_copy_(live, grads))
+    return Stepper(
+        step=step,
+        sync=frameworks.torch_sync(torch, device),
+        prepare=lambda: torch._foreach_copy_(live, grads),
+    )
 
 
-@implementation("torch-gradscaler-fused", "peer", "torch.amp.GradScaler + "
-                "torch.optim.Adam(fused=True)", requires=("torch",), devices=("cpu", "cuda"))
+@implementation(
+    "torch-gradscaler-fused",
+    "peer",
+    "torch.amp.GradScaler + torch.optim.Adam(fused=True)",
+    requires=("torch",),
+    devices=("cpu", "cuda"),
+)
 def grad_scaler_fused(workload):
     return _grad_scaler_adam(workload, fused=True)
 
 
-@implementation("torch-gradscaler-foreach", "peer", "torch.amp.GradScaler + "
-                "torch.optim.Adam(foreach=True)", requires=("torch",), devices=("cpu", "cuda"))
+@implementation(
+    "torch-gradscaler-foreach",
+    "peer",
+    "torch.amp.GradScaler + torch.optim.Adam(foreach=True)",
+    requires=("torch",),
+    devices=("cpu", "cuda"),
+)
 def grad_scaler_foreach(workload):
     return _grad_scaler_adam(workload, foreach=True)
 
 
-@implementation("torch-adam-fused-unscaled", "baseline", "torch.optim.Adam(fused=True), no "
-                "loss scaling (the cost of scaling, not a peer)", requires=("torch",),
-                devices=("cpu", "cuda"))
+@implementation(
+    "torch-adam-fused-unscaled",
+    "baseline",
+    "torch.optim.Adam(fused=True), no loss scaling (the cost of scaling, not a peer)",
+    requires=("torch",),
+    devices=("cpu", "cuda"),
+)
 def adam_fused_unscaled(workload):
     torch, device, params, grads = frameworks.torch_tensors(workload, scaled=False)
     _, opt = _adam(torch, params, grads, fused=True)

@@ -15,7 +15,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import importlib.util
-from typing import Callable
+from collections.abc import Callable
 
 KINDS = ("ours", "peer", "baseline")
 # Modules whose `@implementation` functions fill the registry, in table order.
@@ -65,8 +65,9 @@ def implementation(name, kind, description, requires=(), devices=("cpu",), env=N
     def register(setup):
         if name in REGISTRY:
             raise ValueError(f"Implementation {name!r} is registered twice.")
-        REGISTRY[name] = Implementation(name, kind, description, tuple(requires),
-                                        tuple(devices), dict(env or {}), setup)
+        REGISTRY[name] = Implementation(
+            name, kind, description, tuple(requires), tuple(devices), dict(env or {}), setup
+        )
         return setup
 
     return register

@@ -33,8 +33,7 @@ def _environment(extra):
     env.update(extra)
     # The worker must import this same lossscale, installed or not.
     source_root = str(pathlib.Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (source_root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -48,14 +47,15 @@ def run_job(job, env=None, timeout=None):
     command = [sys.executable, "-m", "lossscale.bench.worker", json.dumps(job)]
     before = _cpu_seconds()
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                              env=_environment(env or {}))
+        proc = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env=_environment(env or {})
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}
     others = _others_cores(before, _cpu_seconds())
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
-            result = json.loads(line[len(RESULT_PREFIX):])
+            result = json.loads(line[len(RESULT_PREFIX) :])
             if others is not None:
                 result["others_cores"] = others
             return result
@@ -131,6 +131,10 @@ def cuda_available(timeout=120):
 
     if importlib.util.find_spec("torch") is None:
         return False
-    proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc.stdout.strip().endswith("True")

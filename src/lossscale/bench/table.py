@@ -29,8 +29,13 @@ def _cells(row, floors, best):
         reason = row.get("skipped") or row.get("error")
         status = "skipped" if row.get("skipped") else "failed"
         return [row["impl"], row["workload"], f"{status}: {reason}", "-", "-"]
-    return [row["impl"], row["workload"], f"{median:.3f}",
-            _ratio(median, floors.get(row["workload"])), _ratio(median, best.get(row["workload"]))]
+    return [
+        row["impl"],
+        row["workload"],
+        f"{median:.3f}",
+        _ratio(median, floors.get(row["workload"])),
+        _ratio(median, best.get(row["workload"])),
+    ]
 
 
 def markdown_table(rows, floors):
@@ -45,8 +50,7 @@ def markdown_table(rows, floors):
         The table as a string, one row per entry of `rows`, in order.
     """
     best = best_peers(rows)
-    lines = ["| " + " | ".join(COLUMNS) + " |",
-             "|" + "|".join(["---"] * 2 + ["---:"] * 3) + "|"]
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * 3) + "|"]
     lines += ["| " + " | ".join(_cells(row, floors, best)) + " |" for row in rows]
     return "\n".join(lines)
 
@@ -58,9 +62,11 @@ def header(machine, bandwidths, floors, workload_info):
         if "error" in bw:
             lines.append(f"Bandwidth ({device}): not measured ({bw['error']})")
         else:
-            lines.append(f"Bandwidth ({device}): {bw['gb_per_s']:.1f} GB/s "
-                         f"({bw['method']}, copy of {bw['bytes'] / 2**20:.0f} MiB, "
-                         "bytes read + written, best of several)")
+            lines.append(
+                f"Bandwidth ({device}): {bw['gb_per_s']:.1f} GB/s "
+                f"({bw['method']}, copy of {bw['bytes'] / 2**20:.0f} MiB, "
+                "bytes read + written, best of several)"
+            )
     for name, info in workload_info.items():
         floor = floors.get(name)
         floor_text = f"{floor:.3f} ms" if floor is not None else "unknown"

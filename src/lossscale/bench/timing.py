@@ -10,7 +10,8 @@ import dataclasses
 import gc
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -53,5 +54,4 @@ def time_steps(stepper, repeats, warmup):
 def summary(times):
     """Median and spread of step times, in milliseconds."""
     ms = sorted(t * 1e3 for t in times)
-    return {"median_ms": statistics.median(ms), "min_ms": ms[0], "max_ms": ms[-1],
-            "steps": len(ms)}
+    return {"median_ms": statistics.median(ms), "min_ms": ms[0], "max_ms": ms[-1], "steps": len(ms)}

@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-LOSS_SCALE = 2.0 ** 15
+LOSS_SCALE = 2.0**15
 # Keras's, GradScaler's and jmp's default growth period: the scale stays put
 # for any benchmark shorter than this many steps.
 GROWTH_STEPS = 2000

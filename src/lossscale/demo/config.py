@@ -4,12 +4,13 @@ import dataclasses
 
 from lossscale import validation
 from lossscale.demo.models import BACKENDS
+
 DEFAULT_STEPS = 1500
 QUICK_STEPS = 300
 # See the package docstring: the factor stands in for the averaging over
 # very many loss terms that puts large models' gradients below float16's
 # normal range.
-DEFAULT_LOSS_WEIGHT = 2.0 ** -16
+DEFAULT_LOSS_WEIGHT = 2.0**-16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,7 @@ class DemoConfig:
     steps: int = DEFAULT_STEPS
     seed: int = 0
     out: str = "lossscale-demo"
-    initial_scale: float = 2.0 ** 15
+    initial_scale: float = 2.0**15
     growth_steps: int = 50
     backend: str = "torch"
     loss_weight: float = DEFAULT_LOSS_WEIGHT

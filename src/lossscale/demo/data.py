@@ -51,12 +51,15 @@ def batch_indices(num_examples, batch_size, steps, seed):
     if not 1 <= batch_size <= num_examples:
         raise ValueError(
             f"`batch_size` must be an integer from 1 to {num_examples} (the number of training "
-            f"examples). Received: batch_size={batch_size}")
+            f"examples). Received: batch_size={batch_size}"
+        )
     rng = np.random.default_rng([seed, 1])
     per_epoch = num_examples // batch_size
     epochs = -(-steps // per_epoch)
-    batches = [rng.permutation(num_examples)[:per_epoch * batch_size].reshape(per_epoch, -1)
-               for _ in range(epochs)]
+    batches = [
+        rng.permutation(num_examples)[: per_epoch * batch_size].reshape(per_epoch, -1)
+        for _ in range(epochs)
+    ]
     return np.concatenate(batches)[:steps]
 
 
@@ -70,5 +73,9 @@ def initial_weights(seed, hidden_units, num_inputs=64):
     rng = np.random.default_rng([seed, 2])
     w1 = rng.normal(0.0, np.sqrt(2.0 / num_inputs), (num_inputs, hidden_units))
     w2 = rng.normal(0.0, np.sqrt(1.0 / hidden_units), (hidden_units, NUM_CLASSES))
-    return [w1.astype(np.float32), np.zeros(hidden_units, np.float32),
-            w2.astype(np.float32), np.zeros(NUM_CLASSES, np.float32)]
+    return [
+        w1.astype(np.float32),
+        np.zeros(hidden_units, np.float32),
+        w2.astype(np.float32),
+        np.zeros(NUM_CLASSES, np.float32),
+    ]

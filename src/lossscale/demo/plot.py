@@ -39,8 +39,14 @@ def save_plot(results, path, title):
     for result, color, style in zip(results, COLORS, STYLES):
         steps = np.arange(len(result.losses))
         loss_ax.plot(steps, result.losses, color=color, alpha=0.2, linewidth=0.7)
-        loss_ax.plot(steps, _centered_mean(result.losses, SMOOTHING), color=color,
-                     linewidth=1.8, label=result.spec.label, **style)
+        loss_ax.plot(
+            steps,
+            _centered_mean(result.losses, SMOOTHING),
+            color=color,
+            linewidth=1.8,
+            label=result.spec.label,
+            **style,
+        )
     loss_ax.set_yscale("log")
     loss_ax.set_ylabel(f"minibatch loss\n(faint: per step; bold: centred mean of {SMOOTHING})")
     loss_ax.legend(loc="upper right")
@@ -48,11 +54,18 @@ def save_plot(results, path, title):
 
     scaled = results[-1]
     steps = np.arange(len(scaled.scales))
-    scale_ax.step(steps, scaled.scales, where="post", color=COLORS[-1],
-                  label="loss scale used at the step")
+    scale_ax.step(
+        steps, scaled.scales, where="post", color=COLORS[-1], label="loss scale used at the step"
+    )
     skipped = scaled.skipped_steps
-    scale_ax.plot(skipped, [scaled.scales[s] for s in skipped], "x", color="black",
-                  markersize=7, label=f"skipped step (gradient overflow): {len(skipped)}")
+    scale_ax.plot(
+        skipped,
+        [scaled.scales[s] for s in skipped],
+        "x",
+        color="black",
+        markersize=7,
+        label=f"skipped step (gradient overflow): {len(skipped)}",
+    )
     for step in skipped:
         loss_ax.axvline(step, color="black", alpha=0.15, linewidth=0.8)
     scale_ax.set_yscale("log", base=2)

@@ -2,8 +2,15 @@
 
 import math
 
-COLUMNS = ("run", "test acc.", "train loss", "skipped steps", "final scale",
-           "grads flushed to 0", "grad error vs float32")
+COLUMNS = (
+    "run",
+    "test acc.",
+    "train loss",
+    "skipped steps",
+    "final scale",
+    "grads flushed to 0",
+    "grad error vs float32",
+)
 
 LEGEND = """\
 test acc.: accuracy on the 360 test images after the last step.
@@ -34,10 +41,18 @@ def _percent(share):
 
 def rows(results):
     """The table's cells, one list of strings per run."""
-    return [[r.spec.label, f"{100 * r.test_accuracy:.1f} %", f"{r.train_loss:.4f}",
-             str(len(r.skipped_steps)), _scale(r.final_scale), _percent(r.flush_share),
-             _percent(r.gradient_error)]
-            for r in results]
+    return [
+        [
+            r.spec.label,
+            f"{100 * r.test_accuracy:.1f} %",
+            f"{r.train_loss:.4f}",
+            str(len(r.skipped_steps)),
+            _scale(r.final_scale),
+            _percent(r.flush_share),
+            _percent(r.gradient_error),
+        ]
+        for r in results
+    ]
 
 
 def table(results):
@@ -66,4 +81,5 @@ def summary(results):
         f"{_percent(scaled.subnormal_share)} were subnormal, it was off by "
         f"{_percent(scaled.gradient_error)}, skipped {len(scaled.skipped_steps)} overflowing "
         f"step(s) and reached {100 * scaled.test_accuracy:.1f} % "
-        f"(float32: {100 * reference.test_accuracy:.1f} %).")
+        f"(float32: {100 * reference.test_accuracy:.1f} %)."
+    )

@@ -13,8 +13,12 @@ from lossscale.demo.models import make_model, single_threaded
 from lossscale.demo.training import RUNS, train_run
 
 # Import name -> what to install, for a clear message when one is missing.
-_NEEDS = {"sklearn": "scikit-learn", "threadpoolctl": "threadpoolctl",
-          "matplotlib": "matplotlib", "tqdm": "tqdm"}
+_NEEDS = {
+    "sklearn": "scikit-learn",
+    "threadpoolctl": "threadpoolctl",
+    "matplotlib": "matplotlib",
+    "tqdm": "tqdm",
+}
 _BACKEND_NEEDS = {"torch": {"torch": "torch"}, "jax": {"jax": "jax"}, "numpy": {}}
 
 
@@ -52,34 +56,44 @@ def check_dependencies(backend):
         raise MissingDependencyError(
             f"`lossscale demo --backend {backend}` needs {', '.join(missing)}, which "
             f"{'is' if len(missing) == 1 else 'are'} not installed. Install the demo extra: "
-            f"pip install 'lossscale[demo]'" + (" jax" if backend == "jax" else ""))
+            f"pip install 'lossscale[demo]'" + (" jax" if backend == "jax" else "")
+        )
 
 
 def _header(config):
-    return "\n".join([
-        "lossscale demo: a 64-{h}-10 ReLU network on scikit-learn's 8x8 digits (1,437 training "
-        "and 360 test images, shipped inside scikit-learn), trained three times with the same "
-        "seed, initial weights and batches.".format(h=config.hidden_units),
-        f"backend={config.backend} steps={config.steps} batch={config.batch_size} "
-        f"Adam(learning_rate={config.learning_rate:g}) seed={config.seed} "
-        f"initial_scale={report.format_number(config.initial_scale)} "
-        f"growth_steps={config.growth_steps}",
-        "float16 runs keep float32 master weights and run the forward and backward passes on a "
-        "float16 copy; the gradients they produce are float16.",
-        f"Every run multiplies its loss by loss_weight={report.format_number(config.loss_weight)} "
-        "(--loss-weight): a stand-in for the averaging over 10^5-10^6 loss terms that can put "
-        "large models' gradients below float16's normal range (6.1e-05). Adam's epsilon is "
-        "multiplied too, so the float32 run trains as on the plain loss (exactly, for a power "
-        "of two). With --loss-weight 1 this small network's gradients mostly fit in float16 "
-        "and loss scaling has little to fix.",
-    ])
+    return "\n".join(
+        [
+            f"lossscale demo: a 64-{config.hidden_units}-10 ReLU network on scikit-learn's 8x8 "
+            "digits (1,437 training and 360 test images, shipped inside scikit-learn), trained "
+            "three times with the same seed, initial weights and batches.",
+            f"backend={config.backend} steps={config.steps} batch={config.batch_size} "
+            f"Adam(learning_rate={config.learning_rate:g}) seed={config.seed} "
+            f"initial_scale={report.format_number(config.initial_scale)} "
+            f"growth_steps={config.growth_steps}",
+            "float16 runs keep float32 master weights and run the forward and backward passes on a "
+            "float16 copy; the gradients they produce are float16.",
+            "Every run multiplies its loss by "
+            f"loss_weight={report.format_number(config.loss_weight)} "
+            "(--loss-weight): a stand-in for the averaging over 10^5-10^6 loss terms that can put "
+            "large models' gradients below float16's normal range (6.1e-05). Adam's epsilon is "
+            "multiplied too, so the float32 run trains as on the plain loss (exactly, for a power "
+            "of two). With --loss-weight 1 this small network's gradients mostly fit in float16 "
+            "and loss scaling has little to fix.",
+        ]
+    )
 
 
 def _progress_bar(label, config):
     from tqdm.auto import tqdm
 
-    return tqdm(total=config.steps, desc=f"{label:<28}", unit="step",
-                disable=not config.progress, file=sys.stderr, dynamic_ncols=True)
+    return tqdm(
+        total=config.steps,
+        desc=f"{label:<28}",
+        unit="step",
+        disable=not config.progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
 
 
 def run_demo(config, stream=None):
@@ -101,28 +115,49 @@ def run_demo(config, stream=None):
     start = time.perf_counter()
     print(_header(config), file=stream, flush=True)
     data = digits.load_digits(config.seed)
-    batches = digits.batch_indices(len(data.y_train), config.batch_size, config.steps,
-                                   config.seed)
+    batches = digits.batch_indices(len(data.y_train), config.batch_size, config.steps, config.seed)
     weights = digits.initial_weights(config.seed, config.hidden_units)
     with single_threaded(config.backend):
         runs = tuple(
-            train_run(spec, make_model(config.backend, weights), data, batches, config,
-                      _progress_bar(spec.label, config))
-            for spec in RUNS)
+            train_run(
+                spec,
+                make_model(config.backend, weights),
+                data,
+                batches,
+                config,
+                _progress_bar(spec.label, config),
+            )
+            for spec in RUNS
+        )
     table, summary = report.table(runs), report.summary(runs)
     os.makedirs(config.out, exist_ok=True)
     plot_path = os.path.join(config.out, "demo.png")
     results_path = os.path.join(config.out, "results.json")
     from lossscale.demo.plot import save_plot
 
-    save_plot(runs, plot_path, f"lossscale demo ({config.backend} backend, "
-                               f"loss_weight={report.format_number(config.loss_weight)})")
+    save_plot(
+        runs,
+        plot_path,
+        f"lossscale demo ({config.backend} backend, "
+        f"loss_weight={report.format_number(config.loss_weight)})",
+    )
     seconds = time.perf_counter() - start
     with open(results_path, "w", encoding="utf-8") as f:
-        json.dump({"config": dataclasses.asdict(config), "seconds": seconds,
-                   "runs": [r.to_dict() for r in runs], "table": table, "summary": summary},
-                  f, indent=1)
+        json.dump(
+            {
+                "config": dataclasses.asdict(config),
+                "seconds": seconds,
+                "runs": [r.to_dict() for r in runs],
+                "table": table,
+                "summary": summary,
+            },
+            f,
+            indent=1,
+        )
     print("\n" + table + "\n\n" + report.LEGEND + "\n\n" + summary, file=stream)
-    print(f"\nPlot: {plot_path}\nNumbers: {results_path}\nTotal time: {seconds:.1f} s",
-          file=stream, flush=True)
+    print(
+        f"\nPlot: {plot_path}\nNumbers: {results_path}\nTotal time: {seconds:.1f} s",
+        file=stream,
+        flush=True,
+    )
     return DemoResult(runs, table, summary, plot_path, results_path, seconds)

@@ -24,10 +24,11 @@ from lossscale.optimizers import Adam, LossScaleOptimizer
 # Adam's default epsilon, before multiplying by the loss weight.
 ADAM_EPSILON = 1e-7
 # float16's smallest normal number: below it, fewer than 10 significant bits.
-FLOAT16_TINY = 2.0 ** -14
+FLOAT16_TINY = 2.0**-14
 
 Comparison = collections.namedtuple(
-    "Comparison", ["flushed", "nonzero", "subnormal", "received_nonzero", "error"])
+    "Comparison", ["flushed", "nonzero", "subnormal", "received_nonzero", "error"]
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,12 +127,12 @@ def make_optimizer(spec, config):
     `epsilon` too keeps the float32 run identical to training on the plain
     loss.
     """
-    inner = Adam(learning_rate=config.learning_rate,
-                 epsilon=ADAM_EPSILON * config.loss_weight)
+    inner = Adam(learning_rate=config.learning_rate, epsilon=ADAM_EPSILON * config.loss_weight)
     if not spec.loss_scaling:
         return inner
-    return LossScaleOptimizer(inner, initial_scale=config.initial_scale,
-                              dynamic_growth_steps=config.growth_steps)
+    return LossScaleOptimizer(
+        inner, initial_scale=config.initial_scale, dynamic_growth_steps=config.growth_steps
+    )
 
 
 def _compare(reference, grads, scale, ops):
@@ -149,7 +150,7 @@ def _compare(reference, grads, scale, ops):
     error = None
     if all(np.isfinite(g).all() for g in grads):
         diff = np.sqrt(sum(np.sum((g / scale - r) ** 2) for r, g in zip(reference, grads)))
-        error = float(diff / np.sqrt(sum(np.sum(r ** 2) for r in reference)))
+        error = float(diff / np.sqrt(sum(np.sum(r**2) for r in reference)))
     return Comparison(flushed, nonzero, subnormal, received, error)
 
 
@@ -196,7 +197,8 @@ def train_run(spec, model, data, batches, config, progress_bar):
         result.scales.append(scale)
         progress_bar.set_postfix_str(
             f"loss={result.losses[-1]:.4f} scale={'-' if scale is None else f'{scale:g}'}",
-            refresh=False)
+            refresh=False,
+        )
         progress_bar.update(1)
     progress_bar.close()
     result.seconds = time.perf_counter() - start

@@ -6,8 +6,7 @@ meant for loggers and for the checks between steps, never for the hot path.
 """
 
 from lossscale.mixed_precision.loss_scale import NO_ERROR, state_fields
-from lossscale.mixed_precision.telemetry import (LossScaleError, as_numpy, failure_message,
-                                                 summarize)
+from lossscale.mixed_precision.telemetry import LossScaleError, as_numpy, failure_message, summarize
 
 
 class HostStateMixin:
@@ -31,8 +30,9 @@ class HostStateMixin:
             `nonfinite_variables` (paths), `error` and `error_step`.
         """
         state = self._read_state(self._values_by_id(optimizer_variables))
-        values = as_numpy(self._ops, {
-            f.name: getattr(state, f.name) for f in state_fields(self.policy)})
+        values = as_numpy(
+            self._ops, {f.name: getattr(state, f.name) for f in state_fields(self.policy)}
+        )
         values.setdefault("nonfinite", [])
         return summarize(values, self.policy, [v.path for v in self._trainable_variables])
 
@@ -55,8 +55,7 @@ class HostStateMixin:
         error = self._state["error"]
         code = self._ops.to_numpy(error.value if values is None else values[id(error)])
         if int(code) != NO_ERROR:
-            raise LossScaleError(
-                failure_message(self.summary(optimizer_variables), self.policy))
+            raise LossScaleError(failure_message(self.summary(optimizer_variables), self.policy))
 
     def _values_by_id(self, optimizer_variables):
         if optimizer_variables is None:
@@ -66,5 +65,6 @@ class HostStateMixin:
         if len(optimizer_variables) != len(own):
             raise ValueError(
                 "`optimizer_variables` must hold one value per optimizer variable "
-                f"({len(own)}). Received: {len(optimizer_variables)} values")
+                f"({len(own)}). Received: {len(optimizer_variables)} values"
+            )
         return {id(v): x for v, x in zip(own, optimizer_variables)}

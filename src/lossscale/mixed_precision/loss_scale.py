@@ -76,7 +76,7 @@ class LossScalePolicy:
             `min_scale` or `max_consecutive_skips` is set.
     """
 
-    initial_scale: float = _setting(2.0 ** 15, keras=True)
+    initial_scale: float = _setting(2.0**15, keras=True)
     dynamic_growth_steps: int = _setting(2000, keras=True)
     growth_factor: float = _setting(2.0)
     backoff_factor: float = _setting(0.5)
@@ -92,14 +92,17 @@ class LossScalePolicy:
         check("initial_scale", self.initial_scale, low=0, low_open=True, high=MAX_SCALE)
         check("dynamic_growth_steps", self.dynamic_growth_steps, low=1, integer=True)
         check("growth_factor", self.growth_factor, low=1, low_open=True)
-        check("backoff_factor", self.backoff_factor, low=0, high=1, low_open=True,
-              high_open=True)
+        check("backoff_factor", self.backoff_factor, low=0, high=1, low_open=True, high_open=True)
         check("hysteresis", self.hysteresis, low=1, integer=True)
         check("min_scale", self.min_scale, low=MIN_SCALE, high=MAX_SCALE, allow_none=True)
-        check("max_scale", self.max_scale, low=0, low_open=True, high=MAX_SCALE,
-              allow_none=True)
-        check("max_consecutive_skips", self.max_consecutive_skips, low=0, integer=True,
-              allow_none=True)
+        check("max_scale", self.max_scale, low=0, low_open=True, high=MAX_SCALE, allow_none=True)
+        check(
+            "max_consecutive_skips",
+            self.max_consecutive_skips,
+            low=0,
+            integer=True,
+            allow_none=True,
+        )
         validation.check_choice("growth_policy", self.growth_policy, GROWTH_POLICIES)
         validation.check_bool("telemetry", self.telemetry)
         low = self.min_scale if self.min_scale is not None else 0.0
@@ -108,7 +111,8 @@ class LossScalePolicy:
             raise ValueError(
                 "The scales must satisfy `min_scale` <= `initial_scale` <= `max_scale` and "
                 f"`min_scale` < `max_scale`. Received: min_scale={self.min_scale}, "
-                f"initial_scale={self.initial_scale}, max_scale={self.max_scale}")
+                f"initial_scale={self.initial_scale}, max_scale={self.max_scale}"
+            )
 
     @property
     def fails_fast(self):
@@ -129,10 +133,13 @@ class LossScalePolicy:
         state is the scale and the counter, and a backend may update them
         in one kernel (`fused_scale_update`).
         """
-        return (self.hysteresis == 1 and not self.records_details and self.max_scale is None
-                and self.growth_policy == "fixed"
-                and all(float(np.float32(f)) == f
-                        for f in (self.growth_factor, self.backoff_factor)))
+        return (
+            self.hysteresis == 1
+            and not self.records_details
+            and self.max_scale is None
+            and self.growth_policy == "fixed"
+            and all(float(np.float32(f)) == f for f in (self.growth_factor, self.backoff_factor))
+        )
 
     def tracks(self, field_name):
         """Whether `LossScaleState.<field_name>` exists under this policy."""
@@ -146,8 +153,11 @@ class LossScalePolicy:
 
     def non_default_settings(self):
         """The settings to write in a config: Keras's, then any changed one."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.metadata["keras"] or getattr(self, f.name) != f.default}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.metadata["keras"] or getattr(self, f.name) != f.default
+        }
 
 
 def _state(group, dtype, initial, variable=None, per="step"):
@@ -161,8 +171,10 @@ def _state(group, dtype, initial, variable=None, per="step"):
         per: `"step"` for a scalar, `"history"` for `HISTORY_LENGTH`
             scalars, `"variable"` for one scalar per model variable.
     """
-    return dataclasses.field(default=None if per == "step" else (), metadata=dict(
-        group=group, dtype=dtype, initial=initial, variable=variable, per=per))
+    return dataclasses.field(
+        default=None if per == "step" else (),
+        metadata=dict(group=group, dtype=dtype, initial=initial, variable=variable, per=per),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,18 +270,24 @@ def next_loss_scale(ops, state, finite, policy, peak=None, variable_finite=()):
         The next `LossScaleState`.
     """
     if policy.growth_policy == "headroom" and peak is None:
-        raise ValueError(
-            '`peak` is required with growth_policy="headroom". Received: peak=None')
+        raise ValueError('`peak` is required with growth_policy="headroom". Received: peak=None')
     if len(variable_finite) != len(state.nonfinite):
         raise ValueError(
             "`variable_finite` must hold one entry per entry of `state.nonfinite` "
-            f"({len(state.nonfinite)}). Received: {len(variable_finite)} entries")
+            f"({len(state.nonfinite)}). Received: {len(variable_finite)} entries"
+        )
     state = _complete(ops, state, policy)
     kernel = ops.fused_scale_update() if policy.is_plain else None
     if kernel is not None:
-        scale, counter = kernel(state.scale, state.counter, finite,
-                                policy.dynamic_growth_steps, policy.growth_factor,
-                                policy.backoff_factor, MIN_SCALE)
+        scale, counter = kernel(
+            state.scale,
+            state.counter,
+            finite,
+            policy.dynamic_growth_steps,
+            policy.growth_factor,
+            policy.backoff_factor,
+            MIN_SCALE,
+        )
         return dataclasses.replace(state, scale=scale, counter=counter)
     scale, counter = state.scale, state.counter
     overflow = ops.logical_not(finite)
@@ -298,10 +316,12 @@ def next_loss_scale(ops, state, finite, policy, peak=None, variable_finite=()):
         back_off = ops.logical_and(overflow, streak >= policy.hysteresis)
     else:
         back_off = overflow
-    new["scale"] = ops.cast(ops.where(grow, grown, ops.where(back_off, backed_off, scale)),
-                            "float32")
-    new["counter"] = ops.where(ops.logical_and(finite, ops.logical_not(grow)), counter + 1,
-                               _zero(counter))
+    new["scale"] = ops.cast(
+        ops.where(grow, grown, ops.where(back_off, backed_off, scale)), "float32"
+    )
+    new["counter"] = ops.where(
+        ops.logical_and(finite, ops.logical_not(grow)), counter + 1, _zero(counter)
+    )
 
     if policy.records_details:
         step = state.steps
@@ -310,14 +330,19 @@ def next_loss_scale(ops, state, finite, policy, peak=None, variable_finite=()):
         new["last_overflow_step"] = ops.where(finite, state.last_overflow_step, step)
         new["scale_history"] = state.scale_history[1:] + (scale,)
         new["nonfinite"] = tuple(
-            ops.logical_and(old, finite) if ok is None else
-            ops.where(finite, old, ops.logical_not(ok))
-            for old, ok in zip(state.nonfinite, variable_finite))
+            ops.logical_and(old, finite)
+            if ok is None
+            else ops.where(finite, old, ops.logical_not(ok))
+            for old, ok in zip(state.nonfinite, variable_finite)
+        )
 
     if policy.fails_fast:
         failed = ops.logical_and(back_off, below) if policy.min_scale is not None else None
-        too_many = (streak > policy.max_consecutive_skips
-                    if policy.max_consecutive_skips is not None else None)
+        too_many = (
+            streak > policy.max_consecutive_skips
+            if policy.max_consecutive_skips is not None
+            else None
+        )
         code = _zero(state.error)
         if too_many is not None:
             code = ops.where(too_many, code + TOO_MANY_SKIPS, code)
@@ -328,8 +353,9 @@ def next_loss_scale(ops, state, finite, policy, peak=None, variable_finite=()):
         # Once an error is recorded, nothing moves: the state keeps
         # describing the failure until the host reads it.
         frozen = state.error != NO_ERROR
-        new = {name: _select(ops, frozen, getattr(state, name), value)
-               for name, value in new.items()}
+        new = {
+            name: _select(ops, frozen, getattr(state, name), value) for name, value in new.items()
+        }
     return dataclasses.replace(state, **new)
 
 

@@ -55,7 +55,7 @@ def summarize(values, policy, variable_paths):
         name, value = f.metadata["variable"] or f.name, values[f.name]
         if f.name == "scale_history":
             taken = min(int(values["steps"]), loss_scale.HISTORY_LENGTH)
-            out[name] = [float(x) for x in value[len(value) - taken:]] if taken else []
+            out[name] = [float(x) for x in value[len(value) - taken :]] if taken else []
         elif f.name == "nonfinite":
             out["nonfinite_variables"] = [p for p, bad in zip(variable_paths, value) if bool(bad)]
         elif f.name == "error":
@@ -72,21 +72,27 @@ def summarize(values, policy, variable_paths):
 def failure_message(summary, policy):
     """The `LossScaleError` message for a summary whose `error` is set."""
     step = summary["error_step"]
-    limits = (f"min_scale={policy.min_scale}, max_consecutive_skips="
-              f"{policy.max_consecutive_skips}, hysteresis={policy.hysteresis}, "
-              f"backoff_factor={policy.backoff_factor}")
+    limits = (
+        f"min_scale={policy.min_scale}, max_consecutive_skips="
+        f"{policy.max_consecutive_skips}, hysteresis={policy.hysteresis}, "
+        f"backoff_factor={policy.backoff_factor}"
+    )
     history = ", ".join(f"{s:g}" for s in summary["scale_history"])
     bad = summary["nonfinite_variables"]
     lines = [
-        f"Loss scaling failed at step {step}: {summary['error']} "
-        f"({limits}).",
+        f"Loss scaling failed at step {step}: {summary['error']} ({limits}).",
         f"Steps skipped in a row: {summary['consecutive_skips']}; in total: "
         f"{summary['skipped_steps']} of {summary['steps']}.",
         f"Loss scale of the last steps, oldest first: [{history}]; now "
         f"{summary['dynamic_scale']:g}.",
         "Variables whose gradients were non-finite at that step: "
-        + (repr(bad) if bad else "none (the overflow came from gradients of variables not "
-           "passed to `apply`, or from the unscaling itself)") + ".",
+        + (
+            repr(bad)
+            if bad
+            else "none (the overflow came from gradients of variables not "
+            "passed to `apply`, or from the unscaling itself)"
+        )
+        + ".",
         "Gradients that stay inf/NaN however small the loss scale gets usually come from "
         "the model or the data (a log or division by zero, a bad input batch, a diverging "
         "learning rate), not from float16 overflow.",
@@ -104,10 +110,15 @@ def unscaled_loss_message(name, initial_scale):
         "without having been multiplied by it, so every update is that many times too small. "
         "Compute gradients of `optimizer.scale_loss(loss)`. If the loss is scaled by other "
         "means, silence this with warnings.filterwarnings('ignore', "
-        "category=lossscale.mixed_precision.UnscaledLossWarning).")
+        "category=lossscale.mixed_precision.UnscaledLossWarning)."
+    )
 
 
 def as_numpy(ops, values):
     """`{name: value}` with every backend value (or tuple of them) read to NumPy."""
-    return {name: [np.asarray(ops.to_numpy(x)) for x in value] if isinstance(value, tuple)
-            else np.asarray(ops.to_numpy(value)) for name, value in values.items()}
+    return {
+        name: [np.asarray(ops.to_numpy(x)) for x in value]
+        if isinstance(value, tuple)
+        else np.asarray(ops.to_numpy(value))
+        for name, value in values.items()
+    }

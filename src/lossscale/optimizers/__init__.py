@@ -18,8 +18,20 @@ from lossscale.optimizers.rmsprop import RMSprop
 from lossscale.optimizers.sgd import SGD
 from lossscale.optimizers.torch_native import TorchOptimizer
 
-ALL_OPTIMIZERS = (Adadelta, Adagrad, Adam, Adamax, AdamW, Ftrl, Lamb, Lion, LossScaleOptimizer,
-                  Nadam, RMSprop, SGD)
+ALL_OPTIMIZERS = (
+    Adadelta,
+    Adagrad,
+    Adam,
+    Adamax,
+    AdamW,
+    Ftrl,
+    Lamb,
+    Lion,
+    LossScaleOptimizer,
+    Nadam,
+    RMSprop,
+    SGD,
+)
 for _cls in ALL_OPTIMIZERS:
     serialization.register_serializable(_cls)
 
@@ -52,13 +64,33 @@ def get(identifier):
         if cls is None:
             raise ValueError(
                 f"Unknown optimizer name. Known: {sorted(_ALIASES)}. "
-                f"Received: identifier={identifier!r}")
+                f"Received: identifier={identifier!r}"
+            )
         return cls()
     raise ValueError(
         "Could not interpret optimizer identifier: expected an Optimizer, a name or a config "
-        f"dict. Received: identifier={identifier!r}")
+        f"dict. Received: identifier={identifier!r}"
+    )
 
 
-__all__ = ["Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "Ftrl", "Lamb", "Lion",
-           "LossScaleOptimizer", "Nadam", "OptaxOptimizer", "Optimizer", "RMSprop",
-           "SGD", "TorchOptimizer", "deserialize", "get", "serialize", "wrap_native"]
+__all__ = [
+    "Adadelta",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "Ftrl",
+    "Lamb",
+    "Lion",
+    "LossScaleOptimizer",
+    "Nadam",
+    "OptaxOptimizer",
+    "Optimizer",
+    "RMSprop",
+    "SGD",
+    "TorchOptimizer",
+    "deserialize",
+    "get",
+    "serialize",
+    "wrap_native",
+]

@@ -31,5 +31,10 @@ def overwrite_with_max(ops, variable, grad, accumulator, update):
     """
     running = ops.maximum(grad, accumulator.value)
     variable.assign(ops.where(update, running, variable.value))
-    accumulator.assign(ops.where(update, ops.full(accumulator.shape, 0, accumulator.dtype,
-                                                  like=accumulator.value), running))
+    accumulator.assign(
+        ops.where(
+            update,
+            ops.full(accumulator.shape, 0, accumulator.dtype, like=accumulator.value),
+            running,
+        )
+    )

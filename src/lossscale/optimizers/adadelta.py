@@ -51,7 +51,8 @@ class Adadelta(Optimizer):
             return
         super().build(var_list)
         self._accumulated_grads, self._accumulated_delta_vars = self.add_optimizer_variables(
-            var_list, ["accumulated_grad", "accumulated_delta_var"])
+            var_list, ["accumulated_grad", "accumulated_delta_var"]
+        )
 
     def update_step(self, gradient, variable, learning_rate):
         ops = self._ops
@@ -62,7 +63,10 @@ class Adadelta(Optimizer):
         delta_acc = self._accumulated_delta_vars[index]
         rho = self.rho
         self.assign(grad_acc, grad_acc.value * rho + ops.square(gradient) * (1 - rho))
-        delta = -(ops.sqrt(delta_acc.value + self.epsilon) * gradient
-                  / ops.sqrt(grad_acc.value + self.epsilon))
+        delta = -(
+            ops.sqrt(delta_acc.value + self.epsilon)
+            * gradient
+            / ops.sqrt(grad_acc.value + self.epsilon)
+        )
         self.assign(delta_acc, delta_acc.value * rho + ops.square(delta) * (1 - rho))
         self.assign_add(variable, lr * delta)

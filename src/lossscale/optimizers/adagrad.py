@@ -35,8 +35,14 @@ class Adagrad(Optimizer):
     array([0.9], dtype=float32)
     """
 
-    def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-7,
-                 name="adagrad", **kwargs):
+    def __init__(
+        self,
+        learning_rate=0.001,
+        initial_accumulator_value=0.1,
+        epsilon=1e-7,
+        name="adagrad",
+        **kwargs,
+    ):
         validation.check_number("initial_accumulator_value", initial_accumulator_value, low=0)
         validation.check_number("epsilon", epsilon, low=0, low_open=True)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
@@ -48,7 +54,8 @@ class Adagrad(Optimizer):
             return
         super().build(var_list)
         self._accumulators = self.add_optimizer_variables(
-            var_list, "accumulator", initializer=float(self.initial_accumulator_value))
+            var_list, "accumulator", initializer=float(self.initial_accumulator_value)
+        )
 
     def update_step(self, gradient, variable, learning_rate):
         ops = self._ops

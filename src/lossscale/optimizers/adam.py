@@ -40,8 +40,16 @@ class Adam(Optimizer):
     array([0.9], dtype=float32)
     """
 
-    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 amsgrad=False, name="adam", **kwargs):
+    def __init__(
+        self,
+        learning_rate=0.001,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-7,
+        amsgrad=False,
+        name="adam",
+        **kwargs,
+    ):
         moments.check_rates(beta_1, beta_2, epsilon)
         validation.check_bool("amsgrad", amsgrad)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)

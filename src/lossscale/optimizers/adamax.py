@@ -40,8 +40,9 @@ class Adamax(Optimizer):
     array([0.9], dtype=float32)
     """
 
-    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 name="adamax", **kwargs):
+    def __init__(
+        self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name="adamax", **kwargs
+    ):
         moments.check_rates(beta_1, beta_2, epsilon)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.beta_1 = beta_1

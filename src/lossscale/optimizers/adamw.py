@@ -43,9 +43,25 @@ class AdamW(Adam):
     array([0.85], dtype=float32)
     """
 
-    def __init__(self, learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999,
-                 epsilon=1e-7, amsgrad=False, name="adam_w", **kwargs):
+    def __init__(
+        self,
+        learning_rate=0.001,
+        weight_decay=0.004,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-7,
+        amsgrad=False,
+        name="adam_w",
+        **kwargs,
+    ):
         validation.check_number("weight_decay", weight_decay, low=0)
-        super().__init__(learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2,
-                         epsilon=epsilon, amsgrad=amsgrad, name=name,
-                         weight_decay=weight_decay, **kwargs)
+        super().__init__(
+            learning_rate=learning_rate,
+            beta_1=beta_1,
+            beta_2=beta_2,
+            epsilon=epsilon,
+            amsgrad=amsgrad,
+            name=name,
+            weight_decay=weight_decay,
+            **kwargs,
+        )

@@ -22,7 +22,6 @@ from lossscale.optimizers.weight_decay import WeightDecayExclusions, apply_weigh
 from lossscale.schedules.base import LearningRateSchedule
 from lossscale.variables import Variable
 
-
 # Accepted ranges of the base keyword arguments (all but `ema_momentum` may be None).
 _BASE_BOUNDS = {
     "weight_decay": dict(low=0, allow_none=True),
@@ -101,10 +100,21 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
     # own: both read through to the inner optimizer.
     _owns_step_state = True
 
-    def __init__(self, learning_rate, weight_decay=None, clipnorm=None, clipvalue=None,
-                 global_clipnorm=None, use_ema=False, ema_momentum=0.99,
-                 ema_overwrite_frequency=None, loss_scale_factor=None,
-                 gradient_accumulation_steps=None, name=None, **kwargs):
+    def __init__(
+        self,
+        learning_rate,
+        weight_decay=None,
+        clipnorm=None,
+        clipvalue=None,
+        global_clipnorm=None,
+        use_ema=False,
+        ema_momentum=0.99,
+        ema_overwrite_frequency=None,
+        loss_scale_factor=None,
+        gradient_accumulation_steps=None,
+        name=None,
+        **kwargs,
+    ):
         kwargs.pop("decay", None)  # Keras 2 argument, accepted and ignored like Keras 3.
         if kwargs:
             raise ValueError(
@@ -113,11 +123,16 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
             )
         if name is not None and not isinstance(name, str):
             raise ValueError(f"`name` must be a string or None. Received: name={name!r}")
-        settings = dict(weight_decay=weight_decay, clipnorm=clipnorm, clipvalue=clipvalue,
-                        global_clipnorm=global_clipnorm, ema_momentum=ema_momentum,
-                        ema_overwrite_frequency=ema_overwrite_frequency,
-                        loss_scale_factor=loss_scale_factor,
-                        gradient_accumulation_steps=gradient_accumulation_steps)
+        settings = dict(
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
         for key, bounds in _BASE_BOUNDS.items():
             validation.check_number(key, settings[key], **bounds)
         validation.check_bool("use_ema", use_ema)
@@ -138,16 +153,17 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
         self._wrappers = {}
         self._exclusions = WeightDecayExclusions()
         if self._owns_step_state:
-            self._iterations = self.add_variable((), initializer=0, dtype="int32",
-                                                 aggregation="only_first_replica",
-                                                 name="iteration")
+            self._iterations = self.add_variable(
+                (), initializer=0, dtype="int32", aggregation="only_first_replica", name="iteration"
+            )
             self._learning_rate = None
             self._set_learning_rate(learning_rate)
 
     # --- learning rate and iterations ------------------------------------
     def _set_learning_rate(self, learning_rate):
         if isinstance(learning_rate, LearningRateSchedule) or (
-                callable(learning_rate) and not isinstance(learning_rate, Variable)):
+            callable(learning_rate) and not isinstance(learning_rate, Variable)
+        ):
             if isinstance(self._learning_rate, Variable):
                 self._variables.remove(self._learning_rate)
             self._learning_rate = learning_rate
@@ -163,10 +179,13 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
         if isinstance(self._learning_rate, Variable):
             self._learning_rate.assign(float(learning_rate))
             return
-        self._learning_rate = self.add_variable((), initializer=float(learning_rate),
-                                                dtype="float32",
-                                                aggregation="only_first_replica",
-                                                name="learning_rate")
+        self._learning_rate = self.add_variable(
+            (),
+            initializer=float(learning_rate),
+            dtype="float32",
+            aggregation="only_first_replica",
+            name="learning_rate",
+        )
         # Made after a callable was replaced: keep `iteration, learning_rate` first.
         self._variables.insert(1, self._variables.pop())
 
@@ -197,7 +216,9 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
     def _steps_taken(self):
         """`iterations` as a backend array."""
         steps = self._iterations.value
-        return steps // self.gradient_accumulation_steps if self.gradient_accumulation_steps else steps
+        return (
+            steps // self.gradient_accumulation_steps if self.gradient_accumulation_steps else steps
+        )
 
     @iterations.setter
     def iterations(self, value):
@@ -218,14 +239,16 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
             self._model_variables_moving_average = self.add_optimizer_variables(var_list, "average")
         if self.gradient_accumulation_steps:
             self._accumulated_gradients = [
-                self.add_variable_from_reference(v, "gradient_accumulator") for v in var_list]
+                self.add_variable_from_reference(v, "gradient_accumulator") for v in var_list
+            ]
         self.built = True
 
     def update_step(self, gradient, variable, learning_rate):
         """Applies the update rule to one variable; subclasses implement it."""
         raise NotImplementedError(
             f"{type(self).__name__} must implement `update_step(gradient, variable, "
-            "learning_rate)`.")
+            "learning_rate)`."
+        )
 
     # --- applying -----------------------------------------------------------
     def apply_gradients(self, grads_and_vars):
@@ -261,14 +284,16 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
                 raise ValueError(
                     "When passing `grads` without `trainable_variables`, the optimizer must "
                     "already be built. Call `optimizer.build(trainable_variables)` first or "
-                    "pass `trainable_variables`. Received: trainable_variables=None")
+                    "pass `trainable_variables`. Received: trainable_variables=None"
+                )
             variables = self._trainable_variables
         else:
             variables = self._as_variables(trainable_variables)
         if len(grads) != len(variables):
             raise ValueError(
                 "`grads` must match the trainable variables one to one. Received: "
-                f"{len(grads)} gradients for {len(variables)} variables")
+                f"{len(grads)} gradients for {len(variables)} variables"
+            )
         return variables
 
     def _check_known(self, variables):
@@ -276,7 +301,8 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
             if id(v) not in self._indices:
                 raise ValueError(
                     f"Unknown variable: {v.path!r}. This optimizer can only be called for the "
-                    "variables it was built with; create a new optimizer for new variables.")
+                    "variables it was built with; create a new optimizer for new variables."
+                )
 
     @property
     def _ops(self):
@@ -296,10 +322,15 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
         a static loss-scale factor, overwrite-with-gradient variables).
         """
         kernel = self._ops.fused_update(self)
-        return (getattr(kernel, "takes_grad_scale", False) and self.loss_scale_factor is None
-                and not self.gradient_accumulation_steps and self.clipnorm is None
-                and self.clipvalue is None and self.global_clipnorm is None
-                and not any(v.overwrite_with_gradient for v in variables))
+        return (
+            getattr(kernel, "takes_grad_scale", False)
+            and self.loss_scale_factor is None
+            and not self.gradient_accumulation_steps
+            and self.clipnorm is None
+            and self.clipvalue is None
+            and self.global_clipnorm is None
+            and not any(v.overwrite_with_gradient for v in variables)
+        )
 
     def _apply_validated(self, grads, variables, grad_scale=None):
         """Runs one step on validated input.
@@ -328,16 +359,18 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
         self._iterations.assign_add(1)
 
     def _update(self, ops, grads, variables, grad_scale=None):
-        grads = clipping.clip_gradients(ops, grads, self.clipnorm, self.clipvalue,
-                                        self.global_clipnorm)
+        grads = clipping.clip_gradients(
+            ops, grads, self.clipnorm, self.clipvalue, self.global_clipnorm
+        )
         learning_rate = self.learning_rate
         if self.weight_decay is not None:
             apply_weight_decay(ops, variables, self.weight_decay, learning_rate, self._exclusions)
         if grad_scale is None:
             self._update_variables(grads, variables, learning_rate)
         else:
-            self._ops.fused_update(self)(self, grads, variables, learning_rate,
-                                         grad_scale=grad_scale)
+            self._ops.fused_update(self)(
+                self, grads, variables, learning_rate, grad_scale=grad_scale
+            )
 
     def _update_variables(self, grads, variables, learning_rate):
         """Runs the update rule on every variable.
@@ -358,29 +391,43 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
         accumulators = [self._accumulated_gradients[self._get_variable_index(v)] for v in variables]
 
         def update():
-            self._update(ops, accumulation.mean_with_accumulated(grads, accumulators, steps),
-                         variables)
+            self._update(
+                ops, accumulation.mean_with_accumulated(grads, accumulators, steps), variables
+            )
             accumulation.reset(ops, accumulators)
 
-        ops.cond(accumulation.is_update_step(self._iterations.value, steps), update,
-                 lambda: accumulation.accumulate(grads, accumulators), self._state_variables())
+        ops.cond(
+            accumulation.is_update_step(self._iterations.value, steps),
+            update,
+            lambda: accumulation.accumulate(grads, accumulators),
+            self._state_variables(),
+        )
 
     def _update_ema(self, ops):
         iterations = self._steps_taken()
-        ema.update_moving_averages(ops, self._model_variables_moving_average,
-                                   self._trainable_variables, self.ema_momentum,
-                                   iterations == 0)
+        ema.update_moving_averages(
+            ops,
+            self._model_variables_moving_average,
+            self._trainable_variables,
+            self.ema_momentum,
+            iterations == 0,
+        )
         if self.ema_overwrite_frequency:
-            ops.cond((iterations + 1) % self.ema_overwrite_frequency == 0,
-                     lambda: ema.overwrite_with_averages(self._trainable_variables,
-                                                         self._model_variables_moving_average),
-                     lambda: None, self._state_variables())
+            ops.cond(
+                (iterations + 1) % self.ema_overwrite_frequency == 0,
+                lambda: ema.overwrite_with_averages(
+                    self._trainable_variables, self._model_variables_moving_average
+                ),
+                lambda: None,
+                self._state_variables(),
+            )
 
     def finalize_variable_values(self, var_list):
         """Writes the EMA into `var_list` when `use_ema=True`; otherwise does nothing."""
         if self.use_ema:
-            ema.overwrite_with_averages([self._as_variable(v) for v in var_list],
-                                        self._model_variables_moving_average)
+            ema.overwrite_with_averages(
+                [self._as_variable(v) for v in var_list], self._model_variables_moving_average
+            )
 
     def scale_loss(self, loss):
         """Multiplies `loss` by `loss_scale_factor` when it is set."""
@@ -390,4 +437,3 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
 
     def __repr__(self):
         return f"<{type(self).__name__} name={self.name!r} built={self.built}>"
-

@@ -5,7 +5,7 @@ At most one of `clipnorm` (per gradient), `global_clipnorm` (across all) and
 """
 
 # The smallest normal float32.
-_TINY = 2.0 ** -126
+_TINY = 2.0**-126
 
 
 def clip_by_norm(ops, grad, clipnorm):

@@ -31,8 +31,9 @@ class ConfigMixin:
 
         config = {key: getattr(self, key) for key in self._config_keys() if key != "learning_rate"}
         lr = self._learning_rate
-        config["learning_rate"] = float(lr.numpy()) if isinstance(lr, Variable) else (
-            serialization.serialize(lr))
+        config["learning_rate"] = (
+            float(lr.numpy()) if isinstance(lr, Variable) else (serialization.serialize(lr))
+        )
         return config
 
     @classmethod
@@ -52,5 +53,6 @@ class ConfigMixin:
         config = dict(config)
         if isinstance(config.get("learning_rate"), dict):
             config["learning_rate"] = serialization.deserialize(
-                config["learning_rate"], custom_objects=custom_objects)
+                config["learning_rate"], custom_objects=custom_objects
+            )
         return cls(**config)

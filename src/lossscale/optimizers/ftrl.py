@@ -57,17 +57,24 @@ class Ftrl(Optimizer):
     array([-0.75,  0.  ], dtype=float32)
     """
 
-    def __init__(self, learning_rate=0.001, learning_rate_power=-0.5,
-                 initial_accumulator_value=0.1, l1_regularization_strength=0.0,
-                 l2_regularization_strength=0.0, l2_shrinkage_regularization_strength=0.0,
-                 beta=0.0, name="ftrl", **kwargs):
+    def __init__(
+        self,
+        learning_rate=0.001,
+        learning_rate_power=-0.5,
+        initial_accumulator_value=0.1,
+        l1_regularization_strength=0.0,
+        l2_regularization_strength=0.0,
+        l2_shrinkage_regularization_strength=0.0,
+        beta=0.0,
+        name="ftrl",
+        **kwargs,
+    ):
         check = validation.check_number
         check("learning_rate_power", learning_rate_power, high=0)
         check("initial_accumulator_value", initial_accumulator_value, low=0)
         check("l1_regularization_strength", l1_regularization_strength, low=0)
         check("l2_regularization_strength", l2_regularization_strength, low=0)
-        check("l2_shrinkage_regularization_strength", l2_shrinkage_regularization_strength,
-              low=0)
+        check("l2_shrinkage_regularization_strength", l2_shrinkage_regularization_strength, low=0)
         check("beta", beta, low=0)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.learning_rate_power = learning_rate_power
@@ -82,8 +89,10 @@ class Ftrl(Optimizer):
             return
         super().build(var_list)
         self._accumulators, self._linears = self.add_optimizer_variables(
-            var_list, ["accumulator", "linear"],
-            initializer=[float(self.initial_accumulator_value), "zeros"])
+            var_list,
+            ["accumulator", "linear"],
+            initializer=[float(self.initial_accumulator_value), "zeros"],
+        )
 
     def update_step(self, gradient, variable, learning_rate):
         ops = self._ops

@@ -12,8 +12,11 @@ from lossscale.backends import common_backend
 def drop_missing(grads, variables):
     missing = [v.path for g, v in zip(grads, variables) if g is None]
     if missing:
-        warnings.warn(f"Gradients do not exist for variables {missing} when minimizing the "
-                      "loss; they are left unchanged.", stacklevel=4)
+        warnings.warn(
+            f"Gradients do not exist for variables {missing} when minimizing the "
+            "loss; they are left unchanged.",
+            stacklevel=4,
+        )
     kept = [(g, v) for g, v in zip(grads, variables) if g is not None]
     return [g for g, _ in kept], [v for _, v in kept]
 
@@ -25,8 +28,9 @@ def validate_gradients(grads, variables):
     shape) costs one type check and one shape comparison per gradient.
     """
     if all(g is None for g in grads):
-        raise ValueError("No gradients provided for any variable. Received: grads=" +
-                         repr([None] * len(grads)))
+        raise ValueError(
+            "No gradients provided for any variable. Received: grads=" + repr([None] * len(grads))
+        )
     is_native = variables[0]._ops.is_native
     for g, v in zip(grads, variables):
         if g is None:
@@ -36,21 +40,25 @@ def validate_gradients(grads, variables):
             raise ValueError(
                 f"The gradient for variable {v.path!r} is a {got} array but the variables are "
                 f"{v.backend} arrays; all must come from one backend. Received: "
-                f"{type(g).__name__}")
+                f"{type(g).__name__}"
+            )
         if g.shape != v.shape:
             raise ValueError(
                 f"The gradient for variable {v.path!r} must have the variable's shape "
-                f"{v.shape}. Received: gradient shape {tuple(g.shape)}")
+                f"{v.shape}. Received: gradient shape {tuple(g.shape)}"
+            )
 
 
 def check_values(argname, values, variables):
     if len(values) != len(variables):
         raise ValueError(
             f"`{argname}` must be a list of arrays matching the optimizer's variables one to "
-            f"one ({len(variables)} expected). Received: {len(values)} arrays")
+            f"one ({len(variables)} expected). Received: {len(values)} arrays"
+        )
     for x, v in zip(values, variables):
         shape = v._ops.shape(x)
         if shape != v.shape:
             raise ValueError(
                 f"`{argname}` entry for {v.path!r} must have shape {v.shape}. "
-                f"Received: shape {shape}")
+                f"Received: shape {shape}"
+            )

@@ -42,8 +42,9 @@ class Lamb(Optimizer):
     array([2.6464, 3.6464], dtype=float32)
     """
 
-    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 name="lamb", **kwargs):
+    def __init__(
+        self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name="lamb", **kwargs
+    ):
         moments.check_rates(beta_1, beta_2, epsilon)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.beta_1 = beta_1
@@ -66,7 +67,8 @@ class Lamb(Optimizer):
         m, v = self._momentums[index], self._velocities[index]
         moments.update_moments(self, m, v, gradient)
         update = (m.value / (1.0 - beta_1_power)) / (
-            ops.sqrt(v.value / (1.0 - beta_2_power)) + self.epsilon)
+            ops.sqrt(v.value / (1.0 - beta_2_power)) + self.epsilon
+        )
         w_norm = ops.sqrt(ops.sum(ops.square(variable.value)))
         u_norm = ops.sqrt(ops.sum(ops.square(update)))
         # Both norms positive: the trust ratio; otherwise 1. The divisor is

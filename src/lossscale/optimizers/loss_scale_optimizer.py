@@ -4,10 +4,15 @@ import dataclasses
 import functools
 import warnings
 
-from lossscale.mixed_precision.loss_scale import (HISTORY_LENGTH, LossScalePolicy,
-                                                  LossScaleState, may_apply, next_loss_scale,
-                                                  state_fields)
 from lossscale.mixed_precision.host_state import HostStateMixin
+from lossscale.mixed_precision.loss_scale import (
+    HISTORY_LENGTH,
+    LossScalePolicy,
+    LossScaleState,
+    may_apply,
+    next_loss_scale,
+    state_fields,
+)
 from lossscale.mixed_precision.telemetry import UnscaledLossWarning, unscaled_loss_message
 from lossscale.optimizers import stateless
 from lossscale.optimizers.base import Optimizer
@@ -16,9 +21,15 @@ from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
 # Base-optimizer arguments and their defaults: the wrapper accepts only the
 # defaults, since these settings belong to the inner optimizer.
 _INNER_ONLY = {
-    "weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None,
-    "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
-    "loss_scale_factor": None, "gradient_accumulation_steps": None,
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
 }
 
 
@@ -124,31 +135,49 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
 
     _owns_step_state = False
 
-    def __init__(self, inner_optimizer, initial_scale=2.0 ** 15, dynamic_growth_steps=2000,
-                 name=None, *, growth_factor=2.0, backoff_factor=0.5, hysteresis=1,
-                 min_scale=None, max_scale=None, max_consecutive_skips=None,
-                 growth_policy="fixed", telemetry=False, process_group=None, **kwargs):
+    def __init__(
+        self,
+        inner_optimizer,
+        initial_scale=2.0**15,
+        dynamic_growth_steps=2000,
+        name=None,
+        *,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        hysteresis=1,
+        min_scale=None,
+        max_scale=None,
+        max_consecutive_skips=None,
+        growth_policy="fixed",
+        telemetry=False,
+        process_group=None,
+        **kwargs,
+    ):
         arguments = dict(locals())  # first: holds exactly the named arguments
         settings = {f.name: arguments[f.name] for f in dataclasses.fields(LossScalePolicy)}
         if not kwargs.pop("dynamic", True):
             raise ValueError(
                 "LossScaleOptimizer no longer supports `dynamic=False`. Instead, set "
-                "`loss_scale_factor` directly on the `inner_optimizer`. Received: dynamic=False")
+                "`loss_scale_factor` directly on the `inner_optimizer`. Received: dynamic=False"
+            )
         for key, default in _INNER_ONLY.items():
             if key in kwargs and kwargs.pop(key) != default:
                 raise ValueError(
                     f"LossScaleOptimizer does not support `{key}`. Instead, set `{key}` on the "
-                    "`inner_optimizer`.")
+                    "`inner_optimizer`."
+                )
         if kwargs:
             raise ValueError(
                 f"LossScaleOptimizer does not support arguments: {sorted(kwargs)}. Accepted: "
-                f"inner_optimizer, name, {', '.join(settings)}")
+                f"inner_optimizer, name, {', '.join(settings)}"
+            )
         inner_optimizer = wrap_native(inner_optimizer)
         if not isinstance(inner_optimizer, Optimizer):
             raise ValueError(
                 "`inner_optimizer` must be a lossscale.optimizers.Optimizer, a "
                 "torch.optim.Optimizer or an optax.GradientTransformation instance. "
-                f"Received: inner_optimizer={inner_optimizer!r}")
+                f"Received: inner_optimizer={inner_optimizer!r}"
+            )
         self.policy = LossScalePolicy(**settings)
         # A live process group is no setting: it stays out of the config.
         self.process_group = process_group
@@ -164,15 +193,20 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
             if f.metadata["per"] == "step":
                 self._state[f.name] = self._add_state_variable(f, f.metadata["variable"] or f.name)
             elif f.metadata["per"] == "history":
-                self._state[f.name] = tuple(self._add_state_variable(f, f"{f.name}_{i}")
-                                            for i in range(HISTORY_LENGTH))
+                self._state[f.name] = tuple(
+                    self._add_state_variable(f, f"{f.name}_{i}") for i in range(HISTORY_LENGTH)
+                )
         self.step_counter = self._state["counter"]
         self.dynamic_scale = self._state["scale"]
 
     def _add_state_variable(self, field, name):
         initial = field.metadata["initial"]
-        return self.add_variable((), initializer=self.initial_scale if initial is None else initial,
-                                 dtype=field.metadata["dtype"], name=name)
+        return self.add_variable(
+            (),
+            initializer=self.initial_scale if initial is None else initial,
+            dtype=field.metadata["dtype"],
+            name=name,
+        )
 
     def build(self, var_list):
         """Moves the wrapper's state to the model's backend and builds the inner optimizer."""
@@ -183,9 +217,14 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
         for f in state_fields(self.policy):
             if f.metadata["per"] == "variable":
                 self._state[f.name] = tuple(
-                    self.add_variable((), initializer="zeros", dtype=f.metadata["dtype"],
-                                      name=f"{v.path.replace('/', '_')}_{f.name}")
-                    for v in var_list)
+                    self.add_variable(
+                        (),
+                        initializer="zeros",
+                        dtype=f.metadata["dtype"],
+                        name=f"{v.path.replace('/', '_')}_{f.name}",
+                    )
+                    for v in var_list
+                )
         self.inner_optimizer.build(var_list)
 
     @property
@@ -203,8 +242,11 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
         """
         if not self._loss_scaled:
             self._loss_scaled = True  # warn once per optimizer
-            warnings.warn(unscaled_loss_message(self.name, self.initial_scale),
-                          UnscaledLossWarning, stacklevel=2)
+            warnings.warn(
+                unscaled_loss_message(self.name, self.initial_scale),
+                UnscaledLossWarning,
+                stacklevel=2,
+            )
         super().apply(grads, trainable_variables)
         self.check()
 
@@ -221,8 +263,11 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
             finite, peak, variable_finite = ops.isfinite(ops.max_abs(present) / scale), None, ()
             update = functools.partial(inner._apply_validated, grads, variables, grad_scale=scale)
         else:
-            scaled = [i for i, (g, v) in enumerate(zip(grads, variables))
-                      if g is not None and not v.overwrite_with_gradient]
+            scaled = [
+                i
+                for i, (g, v) in enumerate(zip(grads, variables))
+                if g is not None and not v.overwrite_with_gradient
+            ]
             grads = list(grads)
             for i, g in zip(scaled, ops.unscale([grads[i] for i in scaled], scale)):
                 grads[i] = g
@@ -238,10 +283,15 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
         state = self._read_state()
         # The inner optimizer's validated entry: `apply` has checked the
         # gradients and variables already.
-        ops.cond(may_apply(ops, state, finite, self.policy), update, lambda: None,
-                 self._trainable_variables + inner.variables)
-        new = next_loss_scale(ops, state, finite, self.policy, peak=peak,
-                              variable_finite=variable_finite)
+        ops.cond(
+            may_apply(ops, state, finite, self.policy),
+            update,
+            lambda: None,
+            self._trainable_variables + inner.variables,
+        )
+        new = next_loss_scale(
+            ops, state, finite, self.policy, peak=peak, variable_finite=variable_finite
+        )
         targets = dict(_flatten(self._state))
         pairs = [(targets[key], x) for key, x in _flatten(new) if key in targets]
         if ops.MUTABLE:
@@ -256,9 +306,12 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
     def _folds_unscale(self, variables):
         # Not under stateless_apply: the kernel leaves the unscaled values in
         # the gradient buffers, which belong to the caller there.
-        return (not stateless.RUNNING.get() and not self.policy.records_details
-                and self.policy.growth_policy == "fixed"
-                and self.inner_optimizer._takes_grad_scale(variables))
+        return (
+            not stateless.RUNNING.get()
+            and not self.policy.records_details
+            and self.policy.growth_policy == "fixed"
+            and self.inner_optimizer._takes_grad_scale(variables)
+        )
 
     def _inspect(self, ops, grads, variables, scaled, scale):
         """Returns `(finite, peak, variable_finite)` for `next_loss_scale`, in one pass.
@@ -280,8 +333,11 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
             return finite, peak * scale, ()
         # One reduction per gradient: its largest magnitude, NaN or inf when
         # it holds one, gives both its own flag and (reduced) the global ones.
-        peaks = {i: ops.max_abs([g]) for i, g in enumerate(grads)
-                 if g is not None and ops.shape(g).count(0) == 0}
+        peaks = {
+            i: ops.max_abs([g])
+            for i, g in enumerate(grads)
+            if g is not None and ops.shape(g).count(0) == 0
+        }
         finite = ops.isfinite(_largest(ops, list(peaks.values()), scale))
         peak = _largest(ops, [peaks[i] for i in scaled if i in peaks], scale) * scale
         variable_finite = [None] * len(self._trainable_variables)
@@ -291,12 +347,16 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
 
     def _read_state(self, values=None):
         """The `LossScaleState` of the variables, or of `values` ({variable id: value})."""
+
         def read(v):
             return v.value if values is None else values[id(v)]
 
-        return LossScaleState(**{
-            name: tuple(map(read, target)) if isinstance(target, tuple) else read(target)
-            for name, target in self._state.items()})
+        return LossScaleState(
+            **{
+                name: tuple(map(read, target)) if isinstance(target, tuple) else read(target)
+                for name, target in self._state.items()
+            }
+        )
 
     def check_finite(self, grads):
         """Returns a backend boolean scalar: whether every non-`None` gradient is finite."""
@@ -348,23 +408,30 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
         """
         from lossscale import serialization
 
-        return {"name": self.name, "inner_optimizer": serialization.serialize(self.inner_optimizer),
-                **self.policy.non_default_settings()}
+        return {
+            "name": self.name,
+            "inner_optimizer": serialization.serialize(self.inner_optimizer),
+            **self.policy.non_default_settings(),
+        }
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         from lossscale import serialization
 
         config = dict(config)
-        inner = serialization.deserialize(config.pop("inner_optimizer"),
-                                          custom_objects=custom_objects)
+        inner = serialization.deserialize(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
         return cls(inner, **config)
 
 
 def _flatten(state):
     """`((field name, index), value)` pairs of a state or of `{field name: variable(s)}`."""
-    items = state.items() if isinstance(state, dict) else (
-        (f.name, getattr(state, f.name)) for f in dataclasses.fields(state))
+    items = (
+        state.items()
+        if isinstance(state, dict)
+        else ((f.name, getattr(state, f.name)) for f in dataclasses.fields(state))
+    )
     for name, value in items:
         if isinstance(value, tuple):
             yield from (((name, i), x) for i, x in enumerate(value))
@@ -380,8 +447,10 @@ def _largest(ops, peaks, like):
 
 
 def _policy_property(name):
-    return property(lambda self: getattr(self.policy, name),
-                    doc=f"The `{name}` setting (read-only; see the class docstring).")
+    return property(
+        lambda self: getattr(self.policy, name),
+        doc=f"The `{name}` setting (read-only; see the class docstring).",
+    )
 
 
 # Each setting reads through to the policy: the dataclass is the one list.

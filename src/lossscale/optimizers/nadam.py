@@ -49,8 +49,9 @@ class Nadam(Optimizer):
     (array([0.8937], dtype=float32), 'u_product')
     """
 
-    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 name="nadam", **kwargs):
+    def __init__(
+        self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name="nadam", **kwargs
+    ):
         moments.check_rates(beta_1, beta_2, epsilon)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.beta_1 = beta_1
@@ -62,9 +63,9 @@ class Nadam(Optimizer):
             return
         super().build(var_list)
         self._momentums, self._velocities = moments.add_moments(self, var_list)
-        self._u_product = self.add_variable((), initializer=1.0,
-                                            dtype=self._trainable_variables[0].dtype,
-                                            name="u_product")
+        self._u_product = self.add_variable(
+            (), initializer=1.0, dtype=self._trainable_variables[0].dtype, name="u_product"
+        )
 
     def _update_variables(self, grads, variables, learning_rate):
         # The product advances once per optimizer step, before any variable

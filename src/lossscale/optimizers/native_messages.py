@@ -10,21 +10,25 @@ def check_value(where, value, variable):
     import torch
 
     if not isinstance(value, (torch.Tensor, np.ndarray, np.generic, numbers.Number)) or (
-            isinstance(value, bool)):
+        isinstance(value, bool)
+    ):
         raise ValueError(
-            f"`{where}` must be a tensor, a NumPy array or a number. Received: {value!r}")
+            f"`{where}` must be a tensor, a NumPy array or a number. Received: {value!r}"
+        )
     shape = tuple(getattr(value, "shape", ()))
     if shape != variable.shape:
         raise ValueError(
             f"`{where}` must have the shape {variable.shape} of optimizer variable "
-            f"{variable.path!r}. Received: shape {shape}")
+            f"{variable.path!r}. Received: shape {shape}"
+        )
 
 
 STATELESS_MESSAGE = (
     "TorchOptimizer does not support stateless application: the native torch optimizer "
     "keeps its state outside lossscale variables and updates the parameters themselves in "
     "place, so it cannot run on given values. Use `apply` (also through a "
-    "LossScaleOptimizer), or a lossscale optimizer such as lossscale.optimizers.Adam.")
+    "LossScaleOptimizer), or a lossscale optimizer such as lossscale.optimizers.Adam."
+)
 
 
 def store_message(method, optimizer):
@@ -32,4 +36,5 @@ def store_message(method, optimizer):
         f"TorchOptimizer does not support `{method}`: the wrapped "
         f"{type(optimizer).__name__} keeps its state in `optimizer.state`, not in lossscale "
         "variables, so a variable store would hold the step counter only. Use `state_dict()` "
-        "and `load_state_dict()` (with torch.save / torch.load) instead.")
+        "and `load_state_dict()` (with torch.save / torch.load) instead."
+    )

@@ -78,13 +78,15 @@ class OptaxOptimizer(Optimizer):
             raise ValueError(
                 f"Argument(s) not recognized by OptaxOptimizer: {sorted(kwargs)}. Accepted: "
                 "transformation, name. Build clipping, weight decay and accumulation into the "
-                "transformation (optax.chain, optax.MultiSteps).")
+                "transformation (optax.chain, optax.MultiSteps)."
+            )
         import optax
 
         if not isinstance(transformation, optax.GradientTransformation):
             raise ValueError(
                 "`transformation` must be an optax.GradientTransformation, such as "
-                f"optax.adam(1e-3). Received: transformation={transformation!r}")
+                f"optax.adam(1e-3). Received: transformation={transformation!r}"
+            )
         super().__init__(learning_rate=self._learning_rate_value, name=name)
         self.transformation = transformation
         self._treedef = None
@@ -100,14 +102,16 @@ class OptaxOptimizer(Optimizer):
             raise AttributeError(
                 "OptaxOptimizer reads its learning rate from the transformation's state, which "
                 "is created when the optimizer is built. Call "
-                "`optimizer.build(trainable_variables)` (or take one step) first.")
+                "`optimizer.build(trainable_variables)` (or take one step) first."
+            )
         if self._learning_rate_variable is None:
             raise AttributeError(
                 "This optax transformation keeps its learning rate inside a closure, so "
                 "OptaxOptimizer can neither read nor set it. Build the transformation with "
                 "optax.inject_hyperparams, e.g. "
                 "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), to make the learning "
-                "rate part of its state.")
+                "rate part of its state."
+            )
         return self._learning_rate_variable
 
     @property
@@ -128,7 +132,8 @@ class OptaxOptimizer(Optimizer):
             raise TypeError(
                 "OptaxOptimizer's learning rate can only be set to a number; give a schedule to "
                 "optax.inject_hyperparams when making the transformation instead. Received: "
-                f"learning_rate={learning_rate!r}")
+                f"learning_rate={learning_rate!r}"
+            )
         validation.check_number("learning_rate", learning_rate, low=0)
         variable.assign(float(learning_rate))
 
@@ -144,12 +149,14 @@ class OptaxOptimizer(Optimizer):
         if variables and variables[0].backend != "jax":
             raise ValueError(
                 "OptaxOptimizer works on JAX arrays. Received: var_list of "
-                f"{variables[0].backend} arrays")
+                f"{variables[0].backend} arrays"
+            )
         overwrite = [v.path for v in variables if v.overwrite_with_gradient]
         if overwrite:
             raise ValueError(
                 "OptaxOptimizer cannot hold overwrite-with-gradient variables: the optax "
-                f"transformation would update them like any parameter. Received: {overwrite}")
+                f"transformation would update them like any parameter. Received: {overwrite}"
+            )
         state = self.transformation.init([v.value for v in variables])
         leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
         paths = [path for path, _ in leaves]
@@ -158,8 +165,9 @@ class OptaxOptimizer(Optimizer):
         self._treedef = treedef
         for name, (_, leaf) in zip(_leaf_names(paths), leaves):
             leaf = jnp.asarray(leaf)
-            self._state_leaves.append(self.add_variable(
-                leaf.shape, initializer=leaf, dtype=leaf.dtype.name, name=name))
+            self._state_leaves.append(
+                self.add_variable(leaf.shape, initializer=leaf, dtype=leaf.dtype.name, name=name)
+            )
         if learning_rate is not None:
             self._learning_rate_variable = self._state_leaves[learning_rate]
 
@@ -172,7 +180,8 @@ class OptaxOptimizer(Optimizer):
                 "OptaxOptimizer needs a gradient for every variable it was built with: an optax "
                 "transformation updates the whole parameter tree at once. Pass zeros for a "
                 "variable without a gradient, or freeze it inside the transformation "
-                f"(optax.masked, optax.set_to_zero). Received: no gradient for {absent}")
+                f"(optax.masked, optax.set_to_zero). Received: no gradient for {absent}"
+            )
         super()._apply_validated(grads, variables)
 
     def _update(self, ops, grads, variables):
@@ -191,7 +200,8 @@ class OptaxOptimizer(Optimizer):
             raise ValueError(
                 "The optax transformation returned a state of another structure than its "
                 "`init` made, which OptaxOptimizer cannot store. Received: "
-                f"{treedef}, expected {self._treedef}")
+                f"{treedef}, expected {self._treedef}"
+            )
         for variable, value in zip(self._trainable_variables, params):
             self.assign(variable, value)
         for variable, value in zip(self._state_leaves, leaves):
@@ -210,13 +220,15 @@ class OptaxOptimizer(Optimizer):
             "OptaxOptimizer cannot be serialized: an optax.GradientTransformation is a pair of "
             "functions closing over its hyperparameters, which no config can describe. "
             "Recreate it in code; its state (all in `variables`) saves and loads with "
-            "`save_own_variables` / `load_own_variables` or `state_dict()`.")
+            "`save_own_variables` / `load_own_variables` or `state_dict()`."
+        )
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """Not supported: raises `NotImplementedError`; mask the decay inside the transformation."""
         raise NotImplementedError(
             "OptaxOptimizer applies no weight decay of its own: the transformation does. Pass "
-            "a `mask` to optax.add_decayed_weights (or optax.adamw) instead.")
+            "a `mask` to optax.add_decayed_weights (or optax.adamw) instead."
+        )
 
 
 def _leaf_names(paths):
@@ -227,8 +239,7 @@ def _leaf_names(paths):
     """
     import jax
 
-    names = [jax.tree_util.keystr(path, simple=True, separator="/") or "state"
-             for path in paths]
+    names = [jax.tree_util.keystr(path, simple=True, separator="/") or "state" for path in paths]
     if len(set(names)) < len(names):
         names = [jax.tree_util.keystr(path) for path in paths]
     return names
@@ -240,16 +251,21 @@ def _injected_learning_rate_index(state, paths):
     import optax
 
     injected = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
-    nodes = jax.tree_util.tree_flatten_with_path(
-        state, is_leaf=lambda x: isinstance(x, injected))[0]
+    nodes = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, injected))[
+        0
+    ]
     keys = [jax.tree_util.keystr(path) for path in paths]
-    found = [jax.tree_util.keystr(path + (jax.tree_util.GetAttrKey("hyperparams"),
-                                          jax.tree_util.DictKey("learning_rate")))
-             for path, node in nodes
-             if isinstance(node, injected) and "learning_rate" in node.hyperparams]
+    found = [
+        jax.tree_util.keystr(
+            path + (jax.tree_util.GetAttrKey("hyperparams"), jax.tree_util.DictKey("learning_rate"))
+        )
+        for path, node in nodes
+        if isinstance(node, injected) and "learning_rate" in node.hyperparams
+    ]
     if len(found) > 1:
         raise ValueError(
             f"The optax transformation injects several learning rates ({found}), so "
             "OptaxOptimizer cannot tell which one `learning_rate` means. Inject the learning "
-            "rate once (e.g. around the whole chain).")
+            "rate once (e.g. around the whole chain)."
+        )
     return keys.index(found[0]) if found else None

@@ -48,8 +48,16 @@ class RMSprop(Optimizer):
     array([9.683772], dtype=float32)
     """
 
-    def __init__(self, learning_rate=0.001, rho=0.9, momentum=0.0, epsilon=1e-7,
-                 centered=False, name="rm_sprop", **kwargs):
+    def __init__(
+        self,
+        learning_rate=0.001,
+        rho=0.9,
+        momentum=0.0,
+        epsilon=1e-7,
+        centered=False,
+        name="rm_sprop",
+        **kwargs,
+    ):
         validation.check_number("rho", rho, low=0, high=1, high_open=True)
         validation.check_number("momentum", momentum, low=0, high=1)
         validation.check_number("epsilon", epsilon, low=0, low_open=True)
@@ -65,10 +73,12 @@ class RMSprop(Optimizer):
             return
         super().build(var_list)
         self._velocities = self.add_optimizer_variables(var_list, "velocity")
-        self._momentums = (self.add_optimizer_variables(var_list, "momentum")
-                           if self.momentum > 0 else [])
-        self._average_gradients = (self.add_optimizer_variables(var_list, "average_gradient")
-                                   if self.centered else [])
+        self._momentums = (
+            self.add_optimizer_variables(var_list, "momentum") if self.momentum > 0 else []
+        )
+        self._average_gradients = (
+            self.add_optimizer_variables(var_list, "average_gradient") if self.centered else []
+        )
 
     def update_step(self, gradient, variable, learning_rate):
         ops = self._ops

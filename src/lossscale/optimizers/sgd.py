@@ -44,8 +44,9 @@ class SGD(Optimizer):
         if self.built:
             return
         super().build(var_list)
-        self.momentums = (self.add_optimizer_variables(var_list, "momentum")
-                          if self.momentum != 0 else [])
+        self.momentums = (
+            self.add_optimizer_variables(var_list, "momentum") if self.momentum != 0 else []
+        )
 
     def update_step(self, gradient, variable, learning_rate):
         ops = self._ops

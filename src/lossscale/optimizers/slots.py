@@ -35,8 +35,9 @@ class SlotsMixin:
         common_backend(variables, what=f"`{argname}`")
         return variables
 
-    def add_variable(self, shape, initializer="zeros", dtype=None, aggregation="none",
-                     layout=None, name=None):
+    def add_variable(
+        self, shape, initializer="zeros", dtype=None, aggregation="none", layout=None, name=None
+    ):
         """Adds a (non-trainable) variable to the optimizer.
 
         Args:
@@ -54,8 +55,15 @@ class SlotsMixin:
             the optimizer is built with (NumPy before that).
         """
         like = self._trainable_variables[0].value if self._trainable_variables else None
-        variable = Variable(initializer, shape=shape, dtype=dtype, trainable=False,
-                            name=name, aggregation=aggregation, like=like)
+        variable = Variable(
+            initializer,
+            shape=shape,
+            dtype=dtype,
+            trainable=False,
+            name=name,
+            aggregation=aggregation,
+            like=like,
+        )
         variable.path = f"{self.name}/{variable.name}"
         variable.layout = layout
         self._variables.append(variable)
@@ -72,8 +80,14 @@ class SlotsMixin:
         """
         reference = self._as_variable(reference_variable)
         full_name = f"{reference.path.replace('/', '_')}_{name or 'var'}"
-        variable = Variable(initializer, shape=reference.shape, dtype=reference.dtype,
-                            trainable=False, name=full_name, like=reference.value)
+        variable = Variable(
+            initializer,
+            shape=reference.shape,
+            dtype=reference.dtype,
+            trainable=False,
+            name=full_name,
+            like=reference.value,
+        )
         variable.path = f"{self.name}/{full_name}"
         self._variables.append(variable)
         return variable
@@ -92,7 +106,11 @@ class SlotsMixin:
             A list of variables for a single name, else a tuple of lists.
         """
         names = [name] if isinstance(name, str) else list(name)
-        inits = list(initializer) if isinstance(initializer, (list, tuple)) else [initializer] * len(names)
+        inits = (
+            list(initializer)
+            if isinstance(initializer, (list, tuple))
+            else [initializer] * len(names)
+        )
         if len(names) != len(inits):
             raise ValueError(
                 "The number of provided names must match the number of provided "
@@ -101,8 +119,11 @@ class SlotsMixin:
         slots = tuple([] for _ in names)
         for variable in map(self._as_variable, trainable_variables):
             for slot, n, init in zip(slots, names, inits):
-                slot.append(None if variable.overwrite_with_gradient else
-                            self.add_variable_from_reference(variable, n, init))
+                slot.append(
+                    None
+                    if variable.overwrite_with_gradient
+                    else self.add_variable_from_reference(variable, n, init)
+                )
         return slots[0] if isinstance(name, str) else slots
 
     def _get_variable_index(self, variable):
@@ -119,9 +140,11 @@ class SlotsMixin:
         if self.built:
             raise ValueError(
                 "`exclude_from_weight_decay()` can only be configured before the optimizer "
-                "is built.")
+                "is built."
+            )
         self._exclusions = WeightDecayExclusions(
-            [self._as_variable(v) for v in var_list or ()], var_names)
+            [self._as_variable(v) for v in var_list or ()], var_names
+        )
 
     def assign(self, variable, value):
         """Assigns `value` to `variable` (a `Variable` or a mutable native array)."""
@@ -144,5 +167,6 @@ class SlotsMixin:
         if not ops.MUTABLE:
             raise TypeError(
                 f"`variable` must be a lossscale.Variable on the {ops.NAME} backend, whose arrays "
-                f"are immutable. Received: variable of type {type(variable).__name__}")
+                f"are immutable. Received: variable of type {type(variable).__name__}"
+            )
         getattr(ops, method)(variable, value)

@@ -39,9 +39,11 @@ class StateMixin:
         """
         variables = self.variables
         if len(store.keys()) != len(variables):
-            msg = (f"Skipping variable loading for optimizer '{self.name}', because it has "
-                   f"{len(variables)} variables whereas the saved optimizer has "
-                   f"{len(store.keys())} variables.")
+            msg = (
+                f"Skipping variable loading for optimizer '{self.name}', because it has "
+                f"{len(variables)} variables whereas the saved optimizer has "
+                f"{len(store.keys())} variables."
+            )
             if not self.built:
                 msg += " This is likely because the optimizer has not been called/built yet."
             warnings.warn(msg, stacklevel=2)
@@ -56,17 +58,18 @@ class StateMixin:
         if not self.built:
             raise ValueError(
                 "You are calling `set_weights()` on an optimizer that has not yet been built. "
-                "Call `optimizer.build(trainable_variables)` first.")
+                "Call `optimizer.build(trainable_variables)` first."
+            )
         weights = list(weights)
         variables = self.variables
         if len(weights) != len(variables):
             raise ValueError(
                 f"`weights` must hold one array per optimizer variable ({len(variables)}). "
-                f"Received: {len(weights)} arrays")
+                f"Received: {len(weights)} arrays"
+            )
         _check_shapes("weights", variables, weights)
         for variable, weight in zip(variables, weights):
             variable.assign(weight)
-
 
     def state_dict(self):
         """Returns the optimizer's state in the form torch optimizers use.
@@ -96,13 +99,17 @@ class StateMixin:
             raise ValueError(
                 f"`state_dict()` needs the optimizer's variables, which {type(self).__name__} "
                 "creates when it is built. Call `optimizer.build(trainable_variables)` (or "
-                "take one step) first.")
+                "take one step) first."
+            )
         per_parameter, shared = _state_layout(self)
         return {
-            "state": {i: {name: v._ops.copy(v.value) for name, v in slots.items()}
-                      for i, slots in per_parameter.items()},
-            "param_groups": [{"params": list(range(len(self._trainable_variables))),
-                              **_hyperparameters(self)}],
+            "state": {
+                i: {name: v._ops.copy(v.value) for name, v in slots.items()}
+                for i, slots in per_parameter.items()
+            },
+            "param_groups": [
+                {"params": list(range(len(self._trainable_variables))), **_hyperparameters(self)}
+            ],
             "optimizer_variables": {path: v._ops.copy(v.value) for path, v in shared.items()},
         }
 
@@ -124,7 +131,8 @@ class StateMixin:
             raise ValueError(
                 f"`load_state_dict()` writes into the optimizer's variables, which "
                 f"{type(self).__name__} creates when it is built. Call "
-                "`optimizer.build(trainable_variables)` with the model's variables first.")
+                "`optimizer.build(trainable_variables)` with the model's variables first."
+            )
         per_parameter, shared = _state_layout(self)
         writes = _match_state_dict(self, state_dict, per_parameter, shared)
         for variable, value in writes:
@@ -160,7 +168,8 @@ def _state_layout(optimizer):
             raise ValueError(
                 f"Two variables of optimizer '{optimizer.name}' share the path "
                 f"{variable.path!r}, so `state_dict()` cannot key them apart. Give each "
-                "optimizer (and the inner optimizer of a LossScaleOptimizer) its own `name`.")
+                "optimizer (and the inner optimizer of a LossScaleOptimizer) its own `name`."
+            )
         shared[variable.path] = variable
     return dict(sorted(per_parameter.items())), shared
 
@@ -206,20 +215,28 @@ def _hyperparameters(optimizer):
 def _match_state_dict(optimizer, state_dict, per_parameter, shared):
     """Checks `state_dict` against the layout; returns `[(variable, value), ...]`."""
     if not isinstance(state_dict, dict) or set(state_dict) != set(STATE_DICT_KEYS):
-        got = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(
-            state_dict).__name__
+        got = (
+            sorted(map(str, state_dict))
+            if isinstance(state_dict, dict)
+            else type(state_dict).__name__
+        )
         raise ValueError(
             f"`state_dict` must be a dict with keys {list(STATE_DICT_KEYS)}, as returned by "
-            f"`state_dict()`. Received: {got}")
+            f"`state_dict()`. Received: {got}"
+        )
     count = len(optimizer._trainable_variables)
     groups = state_dict["param_groups"]
-    if (not isinstance(groups, (list, tuple)) or len(groups) != 1
-            or not isinstance(groups[0], dict)
-            or list(groups[0].get("params", ())) != list(range(count))):
+    if (
+        not isinstance(groups, (list, tuple))
+        or len(groups) != 1
+        or not isinstance(groups[0], dict)
+        or list(groups[0].get("params", ())) != list(range(count))
+    ):
         raise ValueError(
             f"`state_dict['param_groups']` must be one group listing the {count} parameters "
             f"this optimizer was built with (params=[0, ..., {count - 1}]). Received: "
-            f"{groups!r}"[:400])
+            f"{groups!r}"[:400]
+        )
     writes = []
     state = state_dict["state"]
     _check_keys("state_dict['state']", state, per_parameter)
@@ -231,8 +248,12 @@ def _match_state_dict(optimizer, state_dict, per_parameter, shared):
     saved = state_dict["optimizer_variables"]
     _check_keys("state_dict['optimizer_variables']", saved, shared)
     for path, variable in shared.items():
-        writes.append((variable, _value(f"state_dict['optimizer_variables'][{path!r}]",
-                                        saved[path], variable)))
+        writes.append(
+            (
+                variable,
+                _value(f"state_dict['optimizer_variables'][{path!r}]", saved[path], variable),
+            )
+        )
     return writes
 
 
@@ -240,8 +261,8 @@ def _check_keys(where, got, expected):
     if not isinstance(got, dict) or set(got) != set(expected):
         received = sorted(got, key=str) if isinstance(got, dict) else type(got).__name__
         raise ValueError(
-            f"`{where}` must have the keys {list(expected)} of this optimizer. Received: "
-            f"{received}")
+            f"`{where}` must have the keys {list(expected)} of this optimizer. Received: {received}"
+        )
 
 
 def _value(where, value, variable):
@@ -249,13 +270,13 @@ def _value(where, value, variable):
     try:
         backend = backend_of(value)
     except TypeError:
-        raise ValueError(
-            f"`{where}` must be an array. Received: {type(value).__name__}") from None
+        raise ValueError(f"`{where}` must be an array. Received: {type(value).__name__}") from None
     shape = get_ops(backend).shape(value)
     if shape != variable.shape:
         raise ValueError(
             f"`{where}` must have the shape {variable.shape} of optimizer variable "
-            f"{variable.path!r}. Received: shape {shape}")
+            f"{variable.path!r}. Received: shape {shape}"
+        )
     if backend not in ("numpy", variable.backend):
         value = get_ops(backend).to_numpy(value)
     return value
@@ -268,4 +289,5 @@ def _check_shapes(argname, variables, values):
             raise ValueError(
                 f"Optimizer variable {variable.path!r} has shape {variable.shape}, not "
                 f"compatible with the provided value's shape. Received: {argname}[{i}].shape="
-                f"{shape}")
+                f"{shape}"
+            )

@@ -39,16 +39,22 @@ class StatelessMixin:
         if not self.built:
             raise ValueError(
                 f"To call `stateless_apply`, {type(self).__name__} must be built (i.e. its "
-                "variables must have been created). Call `optimizer.build(trainable_variables)`.")
+                "variables must have been created). Call `optimizer.build(trainable_variables)`."
+            )
         own, model = self.variables, self._trainable_variables
-        optimizer_variables, trainable_variables = list(optimizer_variables), list(trainable_variables)
+        optimizer_variables, trainable_variables = (
+            list(optimizer_variables),
+            list(trainable_variables),
+        )
         gradients.check_values("optimizer_variables", optimizer_variables, own)
         gradients.check_values("trainable_variables", trainable_variables, model)
         grads = list(grads)
         self._resolve_variables(grads, None)
         gradients.validate_gradients(grads, model)
         ops = self._ops
-        values = [ops.copy(x) if ops.MUTABLE else x for x in trainable_variables + optimizer_variables]
+        values = [
+            ops.copy(x) if ops.MUTABLE else x for x in trainable_variables + optimizer_variables
+        ]
         token = RUNNING.set(True)
         try:
             with _common.bound(model + own, values), ops.quiet():

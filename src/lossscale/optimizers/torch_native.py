@@ -27,8 +27,7 @@ import inspect
 from lossscale import validation
 from lossscale.optimizers import clipping
 from lossscale.optimizers.base import Optimizer
-from lossscale.optimizers.native_messages import (STATELESS_MESSAGE, check_value,
-                                                  store_message)
+from lossscale.optimizers.native_messages import STATELESS_MESSAGE, check_value, store_message
 from lossscale.schedules.base import LearningRateSchedule
 
 STATE_DICT_KEYS = ("state", "param_groups", "optimizer_variables")
@@ -109,20 +108,28 @@ class TorchOptimizer(Optimizer):
     # through `state_dict(extra_variables=...)` instead.
     keeps_native_state = True
 
-    def __init__(self, optimizer, name=None, *, clipnorm=None, clipvalue=None,
-                 global_clipnorm=None, **kwargs):
+    def __init__(
+        self, optimizer, name=None, *, clipnorm=None, clipvalue=None, global_clipnorm=None, **kwargs
+    ):
         if kwargs:
             raise ValueError(
                 f"Argument(s) not recognized by TorchOptimizer: {sorted(kwargs)}. Accepted: "
                 "optimizer, name, clipnorm, clipvalue, global_clipnorm. Set other settings on "
-                "the native optimizer (weight decay in its param groups, for one).")
+                "the native optimizer (weight decay in its param groups, for one)."
+            )
         torch = _torch()
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(
                 "`optimizer` must be a torch.optim.Optimizer instance, such as "
-                f"torch.optim.Adam(model.parameters()). Received: optimizer={optimizer!r}")
-        super().__init__(learning_rate=self._native_learning_rate, clipnorm=clipnorm,
-                         clipvalue=clipvalue, global_clipnorm=global_clipnorm, name=name)
+                f"torch.optim.Adam(model.parameters()). Received: optimizer={optimizer!r}"
+            )
+        super().__init__(
+            learning_rate=self._native_learning_rate,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            name=name,
+        )
         self.optimizer = optimizer
         # A torch tensor from the start, so `state_dict()` is all torch even
         # before `build` moves it next to the parameters.
@@ -130,7 +137,8 @@ class TorchOptimizer(Optimizer):
         self._params = {}  # id(Variable) -> the native parameter it wraps
         self._uses_found_inf = bool(
             getattr(optimizer, "_step_supports_amp_scaling", False)
-            and "grad_scaler" not in inspect.signature(optimizer.step).parameters)
+            and "grad_scaler" not in inspect.signature(optimizer.step).parameters
+        )
         self._momentum_ready = False
 
     # --- learning rate ------------------------------------------------------
@@ -140,7 +148,8 @@ class TorchOptimizer(Optimizer):
             raise AttributeError(
                 f"The param groups of the wrapped {type(self.optimizer).__name__} have "
                 f"different learning rates ({rates}), so there is no single "
-                "`learning_rate`: read or set `optimizer.param_groups[i]['lr']` instead.")
+                "`learning_rate`: read or set `optimizer.param_groups[i]['lr']` instead."
+            )
         return rates[0]
 
     @property
@@ -160,7 +169,8 @@ class TorchOptimizer(Optimizer):
             raise TypeError(
                 "The learning rate of a TorchOptimizer lives in the native optimizer's "
                 "`param_groups`; schedule it with a torch.optim.lr_scheduler on "
-                f"`optimizer` instead. Received: learning_rate={learning_rate!r}")
+                f"`optimizer` instead. Received: learning_rate={learning_rate!r}"
+            )
         validation.check_number("learning_rate", learning_rate, low=0)
         torch = _torch()
         for group in self.optimizer.param_groups:
@@ -185,7 +195,8 @@ class TorchOptimizer(Optimizer):
         if variables and variables[0].backend != "torch":
             raise ValueError(
                 f"TorchOptimizer works on torch tensors. Received: var_list of "
-                f"{variables[0].backend} arrays")
+                f"{variables[0].backend} arrays"
+            )
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         by_id = {id(p): p for p in params}
         matched, strangers, seen = {}, [], set()
@@ -196,7 +207,8 @@ class TorchOptimizer(Optimizer):
             elif id(storage) in seen:
                 raise ValueError(
                     f"`var_list` lists the parameter behind {v.path!r} twice. Received: "
-                    f"{len(variables)} variables")
+                    f"{len(variables)} variables"
+                )
             else:
                 seen.add(id(storage))
                 matched[id(v)] = storage
@@ -206,13 +218,15 @@ class TorchOptimizer(Optimizer):
                 f"`var_list` must hold exactly the parameters of the wrapped {native} (matched "
                 "by tensor identity: pass the parameters themselves, not copies). Received: "
                 f"{len(strangers)} variable(s) that are not its parameters {strangers}, and "
-                f"{len(missing)} of its parameters missing (shapes {missing})")
+                f"{len(missing)} of its parameters missing (shapes {missing})"
+            )
         return matched
 
     # --- one step -----------------------------------------------------------
     def _update(self, ops, grads, variables):
-        grads = clipping.clip_gradients(ops, grads, self.clipnorm, self.clipvalue,
-                                        self.global_clipnorm)
+        grads = clipping.clip_gradients(
+            ops, grads, self.clipnorm, self.clipvalue, self.global_clipnorm
+        )
         params = [self._parameter(v) for v in variables]
         everything = list(self._params.values())
         saved = [p.grad for p in everything]
@@ -271,8 +285,8 @@ class TorchOptimizer(Optimizer):
         if isinstance(optimizer, _torch().optim.SGD):
             for group in optimizer.param_groups:
                 if group["momentum"] != 0 and any(
-                        "momentum_buffer" not in optimizer.state.get(p, {})
-                        for p in group["params"]):
+                    "momentum_buffer" not in optimizer.state.get(p, {}) for p in group["params"]
+                ):
                     return False
         self._momentum_ready = True
         return True
@@ -293,7 +307,8 @@ class TorchOptimizer(Optimizer):
             f"TorchOptimizer cannot be serialized: it wraps a live "
             f"{type(self.optimizer).__name__} holding the model's parameters, which no config "
             "can describe. Recreate it in code and save its state with `state_dict()` "
-            "(torch.save) instead.")
+            "(torch.save) instead."
+        )
 
     def save_own_variables(self, store):
         """Not supported: raises `NotImplementedError`; use `state_dict()`."""
@@ -312,7 +327,8 @@ class TorchOptimizer(Optimizer):
         raise NotImplementedError(
             "TorchOptimizer applies no weight decay of its own: the native "
             f"{type(self.optimizer).__name__} does. Put the parameters to exclude in a param "
-            "group with weight_decay=0.")
+            "group with weight_decay=0."
+        )
 
     # --- state ------------------------------------------------------------------
     def state_dict(self, *, extra_variables=()):
@@ -340,7 +356,8 @@ class TorchOptimizer(Optimizer):
         """
         state = copy.deepcopy(self.optimizer.state_dict())
         state["optimizer_variables"] = {
-            v.path: v._ops.copy(v.value) for v in [*extra_variables, self._iterations]}
+            v.path: v._ops.copy(v.value) for v in [*extra_variables, self._iterations]
+        }
         return state
 
     def load_state_dict(self, state_dict, *, extra_variables=()):
@@ -358,12 +375,16 @@ class TorchOptimizer(Optimizer):
                 `extra_variables`, to restore as well.
         """
         if not isinstance(state_dict, dict) or set(state_dict) != set(STATE_DICT_KEYS):
-            got = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(
-                state_dict).__name__
+            got = (
+                sorted(map(str, state_dict))
+                if isinstance(state_dict, dict)
+                else type(state_dict).__name__
+            )
             raise ValueError(
                 f"`state_dict` must be a dict with keys {list(STATE_DICT_KEYS)}, as returned by "
                 "TorchOptimizer.state_dict(); a plain torch.optim state dict loads with "
-                f"`adapter.optimizer.load_state_dict(...)`. Received: {got}")
+                f"`adapter.optimizer.load_state_dict(...)`. Received: {got}"
+            )
         variables = [*extra_variables, self._iterations]
         saved = state_dict["optimizer_variables"]
         paths = [v.path for v in variables]
@@ -371,10 +392,14 @@ class TorchOptimizer(Optimizer):
             received = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
             raise ValueError(
                 f"`state_dict['optimizer_variables']` must have the keys {paths} of this "
-                f"optimizer. Received: {received}")
+                f"optimizer. Received: {received}"
+            )
         for variable in variables:
-            check_value(f"state_dict['optimizer_variables'][{variable.path!r}]",
-                         saved[variable.path], variable)
+            check_value(
+                f"state_dict['optimizer_variables'][{variable.path!r}]",
+                saved[variable.path],
+                variable,
+            )
         self.optimizer.load_state_dict({key: state_dict[key] for key in STATE_DICT_KEYS[:2]})
         for variable in variables:
             variable.assign(saved[variable.path])

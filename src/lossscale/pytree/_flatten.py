@@ -60,11 +60,15 @@ class _ContainerDef:
             return cls("none")
         if isinstance(tree, dict):
             keys = sorted(tree)
-            return cls("dict", keys, [cls.of(tree[k], path + (str(k),), leaves, paths)
-                                      for k in keys])
+            return cls(
+                "dict", keys, [cls.of(tree[k], path + (str(k),), leaves, paths) for k in keys]
+            )
         if isinstance(tree, (list, tuple)):
-            return cls(type(tree).__name__, range(len(tree)),
-                       [cls.of(x, path + (str(i),), leaves, paths) for i, x in enumerate(tree)])
+            return cls(
+                type(tree).__name__,
+                range(len(tree)),
+                [cls.of(x, path + (str(i),), leaves, paths) for i, x in enumerate(tree)],
+            )
         leaves.append(tree)
         paths.append("/".join(path))
         return cls("leaf")
@@ -93,6 +97,8 @@ class _ContainerDef:
             return "*"
         if self.kind == "none":
             return "None"
-        inner = ", ".join(repr(c) if self.kind != "dict" else f"{k!r}: {c!r}"
-                          for k, c in zip(self.keys, self.children))
+        inner = ", ".join(
+            repr(c) if self.kind != "dict" else f"{k!r}: {c!r}"
+            for k, c in zip(self.keys, self.children)
+        )
         return {"dict": "{%s}", "list": "[%s]", "tuple": "(%s)"}[self.kind] % inner

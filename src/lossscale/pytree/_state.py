@@ -35,7 +35,8 @@ class OptimizerState(collections.abc.Mapping):
         if not isinstance(values, collections.abc.Mapping):
             raise TypeError(
                 "`values` must be a mapping from names to arrays. "
-                f"Received: values of type {type(values).__name__}")
+                f"Received: values of type {type(values).__name__}"
+            )
         for name in values:
             if not isinstance(name, str):
                 raise TypeError(f"`values` keys must be strings. Received: key {name!r}")
@@ -47,7 +48,8 @@ class OptimizerState(collections.abc.Mapping):
             return self._values[name]
         except KeyError:
             raise KeyError(
-                f"No optimizer variable named {name!r}. Known: {list(self._values)}") from None
+                f"No optimizer variable named {name!r}. Known: {list(self._values)}"
+            ) from None
 
     def __iter__(self):
         return iter(self._values)
@@ -101,6 +103,9 @@ def _register_with_jax():
         return state
 
     tree_util.register_pytree_with_keys(
-        OptimizerState, flatten_with_keys, unflatten,
-        flatten_func=lambda state: (tuple(state._values.values()), tuple(state._values)))
+        OptimizerState,
+        flatten_with_keys,
+        unflatten,
+        flatten_func=lambda state: (tuple(state._values.values()), tuple(state._values)),
+    )
     _registered = True

@@ -46,7 +46,8 @@ class Transform:
         if not isinstance(optimizer, Optimizer):
             raise ValueError(
                 "`optimizer` must be a lossscale.optimizers.Optimizer instance. "
-                f"Received: optimizer={optimizer!r}")
+                f"Received: optimizer={optimizer!r}"
+            )
         self._optimizer = optimizer
         self._treedef = None
         self._names = None
@@ -81,8 +82,9 @@ class Transform:
         if self._treedef is None:
             if not self._optimizer.built:
                 _check_concrete(leaves)
-                variables = [Variable(leaf, name=path or "param")
-                             for leaf, path in zip(leaves, paths)]
+                variables = [
+                    Variable(leaf, name=path or "param") for leaf, path in zip(leaves, paths)
+                ]
                 self._optimizer.build(variables)
             self._treedef, self._use_jax = treedef, use_jax
             self._names = _unique_names(self._optimizer.variables)
@@ -94,7 +96,8 @@ class Transform:
             raise ValueError(
                 "The initial optimizer state was donated to a jitted step and no longer "
                 "exists; keep the state returned by `apply`, or create a new optimizer and "
-                f"transform. Deleted: {deleted}")
+                f"transform. Deleted: {deleted}"
+            )
         return OptimizerState(dict(zip(self._names, values)))
 
     def apply(self, grads, state, params):
@@ -119,26 +122,31 @@ class Transform:
         """
         if self._treedef is None:
             raise ValueError(
-                "`apply` needs an initialised transform; call `state = tx.init(params)` first.")
+                "`apply` needs an initialised transform; call `state = tx.init(params)` first."
+            )
         if not isinstance(state, OptimizerState):
             raise TypeError(
                 "`state` must be the OptimizerState returned by `init` or `apply`. "
-                f"Received: state of type {type(state).__name__}")
+                f"Received: state of type {type(state).__name__}"
+            )
         param_leaves, treedef, _ = flatten(params, "params", self._use_jax)
         self._check_structure(treedef, "params")
         grad_leaves, grad_treedef, _ = flatten(grads, "grads", self._use_jax)
         if grad_treedef != treedef:
             raise ValueError(
                 "`grads` must have the structure of `params`. "
-                f"Expected: {treedef}. Received: {grad_treedef}")
+                f"Expected: {treedef}. Received: {grad_treedef}"
+            )
         missing = [n for n in self._names if n not in state]
         extra = [n for n in state if n not in self._names]
         if missing or extra:
             raise ValueError(
                 "`state` does not match this optimizer's variables. "
-                f"Missing: {missing}. Unexpected: {extra}")
+                f"Missing: {missing}. Unexpected: {extra}"
+            )
         new_leaves, new_values = self._optimizer.stateless_apply(
-            [state[n] for n in self._names], grad_leaves, param_leaves)
+            [state[n] for n in self._names], grad_leaves, param_leaves
+        )
         return unflatten(treedef, new_leaves), OptimizerState(dict(zip(self._names, new_values)))
 
     def jit(self, donate=True):
@@ -160,8 +168,10 @@ class Transform:
         import jax
 
         validation.check_bool("donate", donate)
-        compiled = jax.jit(lambda params, state, grads: self.apply(grads, state, params),
-                           donate_argnums=(0, 1) if donate else ())
+        compiled = jax.jit(
+            lambda params, state, grads: self.apply(grads, state, params),
+            donate_argnums=(0, 1) if donate else (),
+        )
 
         def step(grads, state, params):
             return compiled(params, state, grads)
@@ -205,7 +215,8 @@ class Transform:
         if not isinstance(self._optimizer, LossScaleOptimizer):
             raise ValueError(
                 f"`{method}` needs a transform of a LossScaleOptimizer. "
-                f"Received: optimizer={self._optimizer!r}")
+                f"Received: optimizer={self._optimizer!r}"
+            )
         if self._names is None:
             raise ValueError(f"`{method}` needs an initialised transform; call `tx.init` first.")
         return self._optimizer
@@ -214,14 +225,16 @@ class Transform:
         if not isinstance(state, OptimizerState):
             raise TypeError(
                 "`state` must be the OptimizerState returned by `init` or `apply`. "
-                f"Received: state of type {type(state).__name__}")
+                f"Received: state of type {type(state).__name__}"
+            )
         return [state[n] for n in self._names]
 
     def _check_structure(self, treedef, argname):
         if treedef != self._treedef:
             raise ValueError(
                 f"`{argname}` must have the tree structure this transform was initialised "
-                f"with. Expected: {self._treedef}. Received: {treedef}")
+                f"with. Expected: {self._treedef}. Received: {treedef}"
+            )
 
     def __repr__(self):
         return f"<Transform optimizer={self._optimizer!r}>"
@@ -268,7 +281,8 @@ def _check_concrete(leaves):
         raise ValueError(
             "The first `tx.init(params)` builds the optimizer and must run eagerly, not "
             "under `jax.jit`/`jax.vmap`: call it once on concrete parameters (later calls "
-            "may be traced). Received: traced params")
+            "may be traced). Received: traced params"
+        )
 
 
 def _is_deleted(x):

@@ -8,8 +8,15 @@ from lossscale.schedules.inverse_time_decay import InverseTimeDecay
 from lossscale.schedules.piecewise_constant_decay import PiecewiseConstantDecay
 from lossscale.schedules.polynomial_decay import PolynomialDecay
 
-__all__ = ["CosineDecay", "CosineDecayRestarts", "ExponentialDecay", "InverseTimeDecay",
-           "LearningRateSchedule", "PiecewiseConstantDecay", "PolynomialDecay"]
+__all__ = [
+    "CosineDecay",
+    "CosineDecayRestarts",
+    "ExponentialDecay",
+    "InverseTimeDecay",
+    "LearningRateSchedule",
+    "PiecewiseConstantDecay",
+    "PolynomialDecay",
+]
 
 for _name in __all__:
     serialization.register_serializable(globals()[_name])

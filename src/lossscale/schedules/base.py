@@ -24,12 +24,14 @@ class LearningRateSchedule:
 
     def __call__(self, step):
         raise NotImplementedError(
-            f"Learning rate schedule '{type(self).__name__}' must override `__call__(self, step)`.")
+            f"Learning rate schedule '{type(self).__name__}' must override `__call__(self, step)`."
+        )
 
     def get_config(self):
         raise NotImplementedError(
             f"Learning rate schedule '{type(self).__name__}' must override `get_config()` in "
-            "order to be serializable.")
+            "order to be serializable."
+        )
 
     @classmethod
     def from_config(cls, config):

@@ -56,8 +56,15 @@ class CosineDecay(LearningRateSchedule):
     [0.0, 0.05, 0.1, 0.05, 0.0, 0.0]
     """
 
-    def __init__(self, initial_learning_rate, decay_steps, alpha=0.0, name="CosineDecay",
-                 warmup_target=None, warmup_steps=0):
+    def __init__(
+        self,
+        initial_learning_rate,
+        decay_steps,
+        alpha=0.0,
+        name="CosineDecay",
+        warmup_target=None,
+        warmup_steps=0,
+    ):
         validation.check_number("initial_learning_rate", initial_learning_rate, low=0)
         _common.check_decay_steps("decay_steps", decay_steps)
         validation.check_number("alpha", alpha, low=0, high=1)
@@ -78,13 +85,15 @@ class CosineDecay(LearningRateSchedule):
             return self.initial_learning_rate * _cosine(ops, step / self.decay_steps, self.alpha)
         step = ops.minimum(step, self.decay_steps + self.warmup_steps)
         decayed = self.warmup_target * _cosine(
-            ops, (step - self.warmup_steps) / self.decay_steps, self.alpha)
+            ops, (step - self.warmup_steps) / self.decay_steps, self.alpha
+        )
         # Both branches are computed and one is selected, so the schedule
         # traces under jit. Without warmup steps the warmup branch is never
         # selected; dividing by 1 there keeps it finite.
         warmup_steps = self.warmup_steps if self.warmup_steps > 0 else 1.0
-        warming = ((self.warmup_target - self.initial_learning_rate) * (step / warmup_steps)
-                   + self.initial_learning_rate)
+        warming = (self.warmup_target - self.initial_learning_rate) * (
+            step / warmup_steps
+        ) + self.initial_learning_rate
         return ops.where(step < self.warmup_steps, warming, decayed)
 
     def get_config(self):
@@ -130,8 +139,15 @@ class CosineDecayRestarts(LearningRateSchedule):
     [0.1, 0.05, 0.05, 0.025]
     """
 
-    def __init__(self, initial_learning_rate, first_decay_steps, t_mul=2.0, m_mul=1.0,
-                 alpha=0.0, name="SGDRDecay"):
+    def __init__(
+        self,
+        initial_learning_rate,
+        first_decay_steps,
+        t_mul=2.0,
+        m_mul=1.0,
+        alpha=0.0,
+        name="SGDRDecay",
+    ):
         validation.check_number("initial_learning_rate", initial_learning_rate, low=0)
         _common.check_decay_steps("first_decay_steps", first_decay_steps)
         validation.check_number("t_mul", t_mul, low=0, low_open=True)
@@ -160,7 +176,8 @@ class CosineDecayRestarts(LearningRateSchedule):
             growth = ops.power(t_mul, restarts)
             fraction = (fraction - (1.0 - growth) / (1.0 - t_mul)) / growth
         decayed = (1.0 - self.alpha) * (
-            ops.power(self.m_mul, restarts) * (0.5 * (1.0 + ops.cos(math.pi * fraction))))
+            ops.power(self.m_mul, restarts) * (0.5 * (1.0 + ops.cos(math.pi * fraction)))
+        )
         return self.initial_learning_rate * (decayed + self.alpha)
 
     def get_config(self):

@@ -30,8 +30,14 @@ class ExponentialDecay(LearningRateSchedule):
     >>> opt = ls.optimizers.SGD(learning_rate=schedule)
     """
 
-    def __init__(self, initial_learning_rate, decay_steps, decay_rate, staircase=False,
-                 name="ExponentialDecay"):
+    def __init__(
+        self,
+        initial_learning_rate,
+        decay_steps,
+        decay_rate,
+        staircase=False,
+        name="ExponentialDecay",
+    ):
         validation.check_number("initial_learning_rate", initial_learning_rate, low=0)
         _common.check_decay_steps("decay_steps", decay_steps)
         validation.check_number("decay_rate", decay_rate, low=0)

@@ -29,8 +29,14 @@ class InverseTimeDecay(LearningRateSchedule):
     0.05
     """
 
-    def __init__(self, initial_learning_rate, decay_steps, decay_rate, staircase=False,
-                 name="InverseTimeDecay"):
+    def __init__(
+        self,
+        initial_learning_rate,
+        decay_steps,
+        decay_rate,
+        staircase=False,
+        name="InverseTimeDecay",
+    ):
         validation.check_number("initial_learning_rate", initial_learning_rate, low=0)
         _common.check_decay_steps("decay_steps", decay_steps)
         validation.check_number("decay_rate", decay_rate, low=0)

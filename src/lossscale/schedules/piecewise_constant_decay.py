@@ -40,12 +40,14 @@ class PiecewiseConstantDecay(LearningRateSchedule):
         if not boundaries or any(b >= c for b, c in zip(boundaries, boundaries[1:])):
             raise ValueError(
                 "`boundaries` must be a non-empty list of strictly increasing numbers. "
-                f"Received: boundaries={boundaries}")
+                f"Received: boundaries={boundaries}"
+            )
         if len(boundaries) != len(values) - 1:
             raise ValueError(
                 "The length of `boundaries` should be 1 less than the length of `values`. "
                 f"Received: boundaries={boundaries} of length {len(boundaries)}, and "
-                f"values={values} of length {len(values)}.")
+                f"values={values} of length {len(values)}."
+            )
         _common.check_name(name)
         self.boundaries = boundaries
         self.values = values

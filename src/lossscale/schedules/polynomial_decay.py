@@ -41,8 +41,15 @@ class PolynomialDecay(LearningRateSchedule):
     (0.05, 0.0)
     """
 
-    def __init__(self, initial_learning_rate, decay_steps, end_learning_rate=0.0001, power=1.0,
-                 cycle=False, name="PolynomialDecay"):
+    def __init__(
+        self,
+        initial_learning_rate,
+        decay_steps,
+        end_learning_rate=0.0001,
+        power=1.0,
+        cycle=False,
+        name="PolynomialDecay",
+    ):
         validation.check_number("initial_learning_rate", initial_learning_rate, low=0)
         _common.check_decay_steps("decay_steps", decay_steps)
         validation.check_number("end_learning_rate", end_learning_rate, low=0)
@@ -66,8 +73,9 @@ class PolynomialDecay(LearningRateSchedule):
             step = ops.minimum(step, self.decay_steps)
             horizon = self.decay_steps
         p = step / horizon
-        return ((self.initial_learning_rate - self.end_learning_rate)
-                * ops.power(1.0 - p, self.power) + self.end_learning_rate)
+        return (self.initial_learning_rate - self.end_learning_rate) * ops.power(
+            1.0 - p, self.power
+        ) + self.end_learning_rate
 
     def get_config(self):
         return _common.signature_config(self)

@@ -58,10 +58,16 @@ class MLP:
         # scale_loss is linear, so its derivative is its value at 1; passing
         # it as an argument keeps one compiled function for every scale.
         factor = jnp.float32(loss_weight) * jnp.asarray(scale_loss(1.0), jnp.float32)
-        return _gradients([v.value for v in self.variables], jnp.asarray(x), jnp.asarray(y),
-                          factor, jnp.dtype(precision))
+        return _gradients(
+            [v.value for v in self.variables],
+            jnp.asarray(x),
+            jnp.asarray(y),
+            factor,
+            jnp.dtype(precision),
+        )
 
     def evaluate(self, x, y):
-        loss, accuracy = _evaluate([v.value for v in self.variables], jnp.asarray(x),
-                                   jnp.asarray(y))
+        loss, accuracy = _evaluate(
+            [v.value for v in self.variables], jnp.asarray(x), jnp.asarray(y)
+        )
         return float(loss), float(accuracy)

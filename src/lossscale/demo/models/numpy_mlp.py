@@ -62,8 +62,12 @@ class MLP:
         d_logits = (probs * (seed / len(y))).astype(dtype)  # float16 flushes here
         w2 = self.variables[2].value.astype(dtype)
         d_hidden = _matmul(d_logits, w2.T, dtype) * (pre > 0)
-        grads = [_matmul(x.T, d_hidden, dtype), _column_sum(d_hidden, dtype),
-                 _matmul(hidden.T, d_logits, dtype), _column_sum(d_logits, dtype)]
+        grads = [
+            _matmul(x.T, d_hidden, dtype),
+            _column_sum(d_hidden, dtype),
+            _matmul(hidden.T, d_logits, dtype),
+            _column_sum(d_logits, dtype),
+        ]
         return loss, grads
 
     def evaluate(self, x, y):

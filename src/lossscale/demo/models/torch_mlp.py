@@ -54,8 +54,7 @@ class MLP:
         net = self.net
         if precision == "float16":
             with torch.no_grad():
-                torch._foreach_copy_(list(self.half_net.parameters()),
-                                     list(self.net.parameters()))
+                torch._foreach_copy_(list(self.half_net.parameters()), list(self.net.parameters()))
             net, x = self.half_net, x.half()
         loss = F.cross_entropy(net(x).float(), y)
         grads = torch.autograd.grad(scale_loss(loss * loss_weight), list(net.parameters()))
