@@ -17,7 +17,7 @@ BACKENDS = ("numpy", "torch", "jax")
 
 def force_numpy_threads(monkeypatch, workers=3):
     """Makes `numpy_parallel` share even tiny block lists among `workers` threads."""
-    from lossscale.backends import numpy_parallel
+    from lossscale.backends.numpy import parallel as numpy_parallel
 
     monkeypatch.setattr(numpy_parallel, "MIN_ELEMENTS_PER_WORKER", 128)
     monkeypatch.setattr(numpy_parallel, "MIN_MEAN_BLOCK_FOR_THREADS", 1)

@@ -2,11 +2,13 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import lossscale as ls
+import lossscale.backends
 from lossscale.backends import backend_of, common_backend, get_ops, ops_for
 
 
@@ -171,3 +173,48 @@ def test_import_reads_no_environment_variable():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _imports(path):
+    """Every module `path` imports (absolute names; `from a import b` gives `a.b`)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+BACKEND_DIR = Path(lossscale.backends.__file__).parent
+# Each backend's modules in the order their package's docstring lists them:
+# a module may import only those before it, so the seam reads top-down.
+LAYERS = {
+    "numpy": ["parallel", "ops", "fused", "kernels"],
+    "torch": ["ops", "multi", "plans", "foreach", "fused", "kernels"],
+    "jax": ["ops", "kernels"],
+}
+
+
+def test_the_seam_knows_no_optimizer():
+    for path in BACKEND_DIR.rglob("*.py"):
+        assert not any(n.startswith("lossscale.optimizers") for n in _imports(path)), path
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_backend_modules_import_top_down(name):
+    package = f"lossscale.backends.{name}"
+    layers = LAYERS[name]
+    assert sorted(p.stem for p in (BACKEND_DIR / name).glob("*.py")) == sorted(
+        layers + ["__init__"]
+    )
+    for position, module in enumerate(layers):
+        imported = _imports(BACKEND_DIR / name / f"{module}.py")
+        local = {
+            n.removeprefix(package + ".").split(".")[0] for n in imported if n.startswith(package)
+        }
+        assert local <= set(layers[:position]), (module, local)
+        # a package-level import would run the registry (and everything) first
+        assert package not in imported, module

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import lossscale as ls
-from lossscale.backends import jax_ops
+from lossscale.backends.jax import ops as jax_ops
 
 
 def weak(x):

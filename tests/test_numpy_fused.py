@@ -1,7 +1,7 @@
 """The fused NumPy kernels equal the per-variable `update_step`, bit for bit.
 
 Every case runs the same seeded steps twice: once with the kernel registered
-in `numpy_ops.FUSED_KERNELS` (counting its calls, so no case passes
+in `numpy.kernels.KERNELS` (counting its calls, so no case passes
 vacuously) and once with the entry removed, which sends `_update_variables`
 down the generic per-variable path. Model and optimizer variables must then
 be identical after every step. `small_blocks` shrinks the block size and
@@ -19,8 +19,11 @@ import pytest
 from conftest import force_numpy_threads
 
 import lossscale as ls
-from lossscale.backends import numpy_fused, numpy_ops, numpy_parallel
-from lossscale.optimizers import SGD, Adam
+from lossscale.backends.numpy import fused as numpy_fused
+from lossscale.backends.numpy import kernels as numpy_kernels
+from lossscale.backends.numpy import ops as numpy_ops
+from lossscale.backends.numpy import parallel as numpy_parallel
+from lossscale.optimizers import SGD, Adam, AdamW
 
 SHAPES = [(3, 4), (7,), (), (0, 3), (37, 29), (1500,)]
 
@@ -39,7 +42,11 @@ SGD_CASES = [
     {"momentum": 0.5, "nesterov": True, "global_clipnorm": 1.0},
     {"momentum": 0.7, "clipnorm": 0.3, "learning_rate": 0.1},
 ]
-CASES = [(Adam, c) for c in ADAM_CASES] + [(SGD, c) for c in SGD_CASES]
+CASES = (
+    [(Adam, c) for c in ADAM_CASES]
+    + [(AdamW, {"weight_decay": 0.01})]
+    + [(SGD, c) for c in SGD_CASES]
+)
 
 
 @pytest.fixture(params=["default_blocks", "small_blocks"])
@@ -68,16 +75,16 @@ def _run(monkeypatch, cls, make, weights, grads, fused):
     calls = []
     with monkeypatch.context() as m:
         if fused:
-            kernel = numpy_ops.FUSED_KERNELS[cls]
+            kernel = numpy_kernels.KERNELS[cls.update_kernel]
 
             def counting(*args, **kwargs):
                 calls.append(kwargs.get("grad_scale"))
                 return kernel(*args, **kwargs)
 
             counting.takes_grad_scale = kernel.takes_grad_scale
-            m.setitem(numpy_ops.FUSED_KERNELS, cls, counting)
+            m.setitem(numpy_kernels.KERNELS, cls.update_kernel, counting)
         else:
-            m.delitem(numpy_ops.FUSED_KERNELS, cls)
+            m.delitem(numpy_kernels.KERNELS, cls.update_kernel)
         opt = make()
         weights = [w.copy() for w in weights]
         snapshots = []
@@ -100,11 +107,16 @@ def _assert_same(monkeypatch, cls, make, weights, grads):
 
 
 def test_registered_for_exact_classes_only():
-    assert numpy_ops.FUSED_KERNELS == {Adam: numpy_fused.adam, SGD: numpy_fused.sgd}
-    assert numpy_ops.fused_update(Adam()) is numpy_fused.adam
-    assert numpy_ops.fused_update(SGD()) is numpy_fused.sgd
-    # A subclass may change the rule: it gets the generic path.
-    assert numpy_ops.fused_update(ls.optimizers.AdamW()) is None
+    assert numpy_kernels.KERNELS == {"adam": numpy_fused.adam, "sgd": numpy_fused.sgd}
+    assert Adam()._fused_kernel() is numpy_fused.adam
+    assert AdamW()._fused_kernel() is numpy_fused.adam  # the same rule, declared again
+    assert SGD()._fused_kernel() is numpy_fused.sgd
+
+    class Changed(Adam):  # a subclass may change the rule: it gets the generic path
+        pass
+
+    assert Changed()._fused_kernel() is None
+    assert numpy_kernels.fused_update("no such kernel") is None
 
 
 @pytest.mark.parametrize("cls,config", CASES, ids=lambda x: getattr(x, "__name__", str(x)))
@@ -217,7 +229,7 @@ def test_grad_scale_equals_unscaling_first(blocks, cls, config):
         opt = cls(**config)
         variables = [ls.Variable(w.copy(order="K")) for w in weights]
         opt.build(variables)
-        kernel = numpy_ops.fused_update(opt)
+        kernel = opt._fused_kernel()
         for _ in range(2):
             if fused_scale:
                 kernel(opt, grads, variables, opt.learning_rate, grad_scale=scale)
@@ -235,7 +247,7 @@ def test_stateless_apply_matches_and_mutates_nothing(monkeypatch, blocks):
     for fused in (True, False):
         with monkeypatch.context() as m:
             if not fused:
-                m.delitem(numpy_ops.FUSED_KERNELS, Adam)
+                m.delitem(numpy_kernels.KERNELS, "adam")
             opt = ls.LossScaleOptimizer(Adam(amsgrad=True), initial_scale=4.0)
             opt.scale_loss(np.float32(1.0))
             opt.build(weights)
@@ -272,7 +284,7 @@ def test_kernel_allocates_no_full_size_temporaries():
         variables = opt._trainable_variables
         tracemalloc.start()
         try:
-            numpy_ops.fused_update(opt)(opt, grads, variables, opt.learning_rate)
+            opt._fused_kernel()(opt, grads, variables, opt.learning_rate)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()

@@ -12,7 +12,7 @@ import pytest
 from conftest import force_numpy_threads
 
 import lossscale as ls
-from lossscale.backends import numpy_ops as ops
+from lossscale.backends.numpy import ops as ops
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
@@ -93,7 +93,7 @@ def test_max_abs_propagates_nan_and_sees_negative_infinity():
 
 @pytest.fixture(params=["default", "small_blocks"])
 def reduce_blocks(request, monkeypatch):
-    from lossscale.backends import numpy_parallel
+    from lossscale.backends.numpy import parallel as numpy_parallel
 
     if request.param == "small_blocks":
         monkeypatch.setattr(numpy_parallel, "REDUCE_WHOLE_BELOW", 64)

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from lossscale.backends import numpy_parallel
+from lossscale.backends.numpy import parallel as numpy_parallel
 
 
 def test_partition_balances_blocks():

@@ -15,7 +15,8 @@ from torch_cases import (
 )
 
 import lossscale as ls
-from lossscale.backends import torch_fused, torch_ops
+from lossscale.backends.torch import fused as torch_fused
+from lossscale.backends.torch import kernels as torch_kernels
 from lossscale.optimizers import SGD, Adam, AdamW
 from lossscale.schedules import ExponentialDecay
 
@@ -23,9 +24,11 @@ FUSED = ["sgd", "sgd_momentum", "sgd_nesterov", "adam", "adam_amsgrad", "adamw"]
 
 
 def test_table_entries():
-    kernels = torch_ops.fused_kernels()
-    assert kernels[Adam] is torch_fused.adam and kernels[AdamW] is torch_fused.adam
-    assert kernels[SGD] is torch_fused.sgd
+    kernel = torch_kernels.fused_update
+    assert kernel(Adam.update_kernel) is torch_fused.adam
+    assert kernel(AdamW.update_kernel) is torch_fused.adam
+    assert kernel(SGD.update_kernel) is torch_fused.sgd
+    assert torch_kernels.fused_scale_update() is torch_fused.update_scale
 
 
 @pytest.mark.parametrize("name", FUSED)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from lossscale.backends import torch_multi
+from lossscale.backends.torch import multi as torch_multi
 
 
 def storage(values, dtype=torch.float32):

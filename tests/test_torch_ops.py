@@ -7,7 +7,10 @@ import torch
 from torch_cases import SHAPES, apply, inject, no_host_reads, random_grads
 
 import lossscale as ls
-from lossscale.backends import torch_ops
+import lossscale.backends.torch as torch_backend
+from lossscale.backends.torch import fused as torch_fused
+from lossscale.backends.torch import kernels as torch_kernels
+from lossscale.backends.torch import ops as torch_ops
 from lossscale.optimizers import SGD, Adam, RMSprop
 
 
@@ -290,13 +293,13 @@ def test_fused_scale_update_equals_the_generic_selects(
     calls = []
 
     def run(kernel, counter_dtype):
-        monkeypatch.setattr(torch_ops, "fused_scale_update", lambda: kernel)
+        monkeypatch.setattr(torch_backend, "fused_scale_update", lambda: kernel)
         state = LossScaleState(
             torch.tensor(initial, dtype=torch.float32), torch.tensor(0, dtype=counter_dtype)
         )
         trail = []
         for finite in pattern:
-            state = next_loss_scale(torch_ops, state, torch.tensor(bool(finite)), policy)
+            state = next_loss_scale(torch_backend, state, torch.tensor(bool(finite)), policy)
             trail.append(
                 (state.scale.item(), state.counter.item(), state.scale.dtype, state.counter.dtype)
             )
@@ -304,7 +307,7 @@ def test_fused_scale_update_equals_the_generic_selects(
 
     def counting(*args):
         calls.append(1)
-        return torch_ops._update_scale(*args)
+        return torch_fused.update_scale(*args)
 
     generic = run(None, torch.int32)
     assert run(counting, torch.int32) == generic and len(calls) == len(pattern)
@@ -315,7 +318,7 @@ def test_fused_scale_update_equals_the_generic_selects(
 def test_fused_scale_update_reads_nothing_on_the_host():
     scale, counter = torch.tensor(8.0), torch.tensor(1, dtype=torch.int32)
     with no_host_reads():
-        new_scale, new_counter = torch_ops.fused_scale_update()(
+        new_scale, new_counter = torch_kernels.fused_scale_update()(
             scale, counter, torch.tensor(True), 2, 2.0, 0.5, 1e-38
         )
     assert (float(new_scale), int(new_counter)) == (16.0, 0)

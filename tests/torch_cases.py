@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lossscale as ls
-from lossscale.backends import torch_ops
+from lossscale.backends.torch import kernels as torch_kernels
 from lossscale.mixed_precision import UnscaledLossWarning
 from lossscale.optimizers import (
     SGD,
@@ -56,9 +56,8 @@ PATTERN = ["f", "f", "inf", "f", "nan", "f", "f"]
 
 def generic_path(monkeypatch, optimizer):
     """Removes the kernel of `type(optimizer)`, forcing the per-variable `update_step`."""
-    kernels = torch_ops.fused_kernels()
-    assert type(optimizer) in kernels
-    monkeypatch.delitem(kernels, type(optimizer))
+    assert torch_kernels.fused_update(type(optimizer).update_kernel) is not None
+    monkeypatch.delitem(torch_kernels.KERNELS, type(optimizer).update_kernel)
 
 
 def random_grads(rng, scale=1.0, shapes=SHAPES):

@@ -44,7 +44,7 @@ def get_ops(name):
     """Returns the backend module for `name` (one of `BACKENDS`)."""
     if name not in BACKENDS:
         raise ValueError(f"`backend` must be one of {BACKENDS}. Received: backend={name!r}")
-    return importlib.import_module(f"lossscale.backends.{name}_ops")
+    return importlib.import_module(f"lossscale.backends.{name}")
 
 
 def common_backend(arrays, what="arrays"):

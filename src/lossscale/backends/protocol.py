@@ -1,7 +1,7 @@
 """The backend seam: the complete list of primitives optimizer code may use.
 
-Every backend module (`numpy_ops`, `torch_ops`, `jax_ops`) provides exactly
-these names. Optimizer, clipping, weight-decay, EMA, accumulation and
+Every backend package (`lossscale.backends.numpy`, `.torch`, `.jax`)
+provides exactly these names. Optimizer, clipping, weight-decay, EMA, accumulation and
 loss-scale code call them through the module returned by
 `lossscale.backends.ops_for(...)` and never branch on a backend name.
 
@@ -71,8 +71,12 @@ class BackendOps(Protocol):
     def all_max(self, x: Any, group: Any = None) -> Any: ...
     def all_true(self, flag: Any, group: Any = None) -> Any: ...
 
-    def fused_update(self, optimizer: Any) -> Callable | None:
-        """A kernel `(optimizer, grads, variables, lr)` for `type(optimizer)`, or None."""
+    def fused_update(self, name: str) -> Callable | None:
+        """The kernel `(optimizer, grads, variables, lr)` named `name`, or None.
+
+        `name` is an optimizer class's `update_kernel`: the kernel reproduces
+        that class's `update_step` exactly.
+        """
 
     def fused_scale_update(self) -> Callable | None:
         """A kernel for the plain dynamic loss-scale update, or None.

@@ -39,6 +39,8 @@ class Adadelta(Optimizer):
     array([0.9005], dtype=float32)
     """
 
+    update_kernel = "adadelta"
+
     def __init__(self, learning_rate=0.001, rho=0.95, epsilon=1e-7, name="adadelta", **kwargs):
         validation.check_number("rho", rho, low=0, high=1, high_open=True)
         validation.check_number("epsilon", epsilon, low=0, low_open=True)

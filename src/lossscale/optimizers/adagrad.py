@@ -35,6 +35,8 @@ class Adagrad(Optimizer):
     array([0.9], dtype=float32)
     """
 
+    update_kernel = "adagrad"
+
     def __init__(
         self,
         learning_rate=0.001,

@@ -40,6 +40,8 @@ class Adam(Optimizer):
     array([0.9], dtype=float32)
     """
 
+    update_kernel = "adam"
+
     def __init__(
         self,
         learning_rate=0.001,

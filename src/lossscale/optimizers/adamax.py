@@ -40,6 +40,8 @@ class Adamax(Optimizer):
     array([0.9], dtype=float32)
     """
 
+    update_kernel = "adamax"
+
     def __init__(
         self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name="adamax", **kwargs
     ):

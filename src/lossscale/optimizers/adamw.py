@@ -43,6 +43,8 @@ class AdamW(Adam):
     array([0.85], dtype=float32)
     """
 
+    update_kernel = "adam"
+
     def __init__(
         self,
         learning_rate=0.001,

@@ -100,6 +100,12 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
     # own: both read through to the inner optimizer.
     _owns_step_state = True
 
+    # The name of a backend kernel that reproduces this class's `update_step`
+    # for all of its variables at once (multi-tensor or fused), or None. Only
+    # the class that declares it gets the kernel: a subclass that changes the
+    # rule takes the per-variable `update_step` unless it declares a name too.
+    update_kernel = None
+
     def __init__(
         self,
         learning_rate,
@@ -321,7 +327,7 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
         step before the kernel reads the gradients (clipping, accumulation,
         a static loss-scale factor, overwrite-with-gradient variables).
         """
-        kernel = self._ops.fused_update(self)
+        kernel = self._fused_kernel()
         return (
             getattr(kernel, "takes_grad_scale", False)
             and self.loss_scale_factor is None
@@ -368,9 +374,7 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
         if grad_scale is None:
             self._update_variables(grads, variables, learning_rate)
         else:
-            self._ops.fused_update(self)(
-                self, grads, variables, learning_rate, grad_scale=grad_scale
-            )
+            self._fused_kernel()(self, grads, variables, learning_rate, grad_scale=grad_scale)
 
     def _update_variables(self, grads, variables, learning_rate):
         """Runs the update rule on every variable.
@@ -379,12 +383,17 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
         optimizer class; it must equal the per-variable `update_step`, which
         its tests check.
         """
-        kernel = self._ops.fused_update(self)
+        kernel = self._fused_kernel()
         if kernel is not None:
             kernel(self, grads, variables, learning_rate)
             return
         for grad, variable in zip(grads, variables):
             self.update_step(grad, variable, learning_rate)
+
+    def _fused_kernel(self):
+        """The backend's kernel for this exact class's `update_kernel`, or None."""
+        name = type(self).__dict__.get("update_kernel")
+        return None if name is None else self._ops.fused_update(name)
 
     def _accumulate_or_update(self, ops, grads, variables):
         steps = self.gradient_accumulation_steps

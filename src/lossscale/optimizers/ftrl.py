@@ -57,6 +57,8 @@ class Ftrl(Optimizer):
     array([-0.75,  0.  ], dtype=float32)
     """
 
+    update_kernel = "ftrl"
+
     def __init__(
         self,
         learning_rate=0.001,

@@ -42,6 +42,8 @@ class Lamb(Optimizer):
     array([2.6464, 3.6464], dtype=float32)
     """
 
+    update_kernel = "lamb"
+
     def __init__(
         self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name="lamb", **kwargs
     ):

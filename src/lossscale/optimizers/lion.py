@@ -38,6 +38,8 @@ class Lion(Optimizer):
     array([0.9, 1.1], dtype=float32)
     """
 
+    update_kernel = "lion"
+
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.99, name="lion", **kwargs):
         validation.check_number("beta_1", beta_1, low=0, low_open=True, high=1)
         validation.check_number("beta_2", beta_2, low=0, high=1, high_open=True)

@@ -3,9 +3,6 @@
 from lossscale.optimizers import moments
 from lossscale.optimizers.base import Optimizer
 
-# Dozat's momentum schedule: u_t = beta_1 * (1 - 0.5 * 0.96**t).
-_SCHEDULE_DECAY = 0.96
-
 
 class Nadam(Optimizer):
     """Optimizer that implements the Nadam algorithm.
@@ -49,6 +46,11 @@ class Nadam(Optimizer):
     (array([0.8937], dtype=float32), 'u_product')
     """
 
+    update_kernel = "nadam"
+    # Dozat's momentum schedule, u_t = beta_1 * (1 - 0.5 * schedule_decay**t),
+    # with Keras's fixed decay (a kernel reads it here).
+    schedule_decay = 0.96
+
     def __init__(
         self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name="nadam", **kwargs
     ):
@@ -74,7 +76,7 @@ class Nadam(Optimizer):
         ops = self._ops
         u_product = self._u_product
         step = ops.cast(self.iterations + 1, u_product.dtype)
-        u_t = self.beta_1 * (1.0 - 0.5 * ops.power(_SCHEDULE_DECAY, step))
+        u_t = self.beta_1 * (1.0 - 0.5 * ops.power(self.schedule_decay, step))
         self.assign(u_product, u_product.value * u_t)
         super()._update_variables(grads, variables, learning_rate)
 
@@ -84,7 +86,7 @@ class Nadam(Optimizer):
         lr = ops.cast(learning_rate, dtype)
         gradient = ops.cast(gradient, dtype)
         step = ops.cast(self.iterations + 1, dtype)
-        decay = ops.cast(_SCHEDULE_DECAY, dtype)
+        decay = ops.cast(self.schedule_decay, dtype)
         beta_1 = ops.cast(self.beta_1, dtype)
         u_t = beta_1 * (1.0 - 0.5 * ops.power(decay, step))
         u_next = beta_1 * (1.0 - 0.5 * ops.power(decay, step + 1))

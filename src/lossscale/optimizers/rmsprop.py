@@ -48,6 +48,8 @@ class RMSprop(Optimizer):
     array([9.683772], dtype=float32)
     """
 
+    update_kernel = "rmsprop"
+
     def __init__(
         self,
         learning_rate=0.001,

@@ -33,6 +33,8 @@ class SGD(Optimizer):
     array([0.9], dtype=float32)
     """
 
+    update_kernel = "sgd"
+
     def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, name="sgd", **kwargs):
         validation.check_number("momentum", momentum, low=0, high=1)
         validation.check_bool("nesterov", nesterov)

@@ -8,7 +8,7 @@ per-parameter step counts) in its `state`, outside lossscale variables.
 
 A `LossScaleOptimizer` skips an overflowing step on torch without reading
 anything on the host: the inner update runs under a device-side mask
-(`lossscale.backends.torch_ops.active_mask()`) that every lossscale write
+(`lossscale.backends.torch.ops.active_mask()`) that every lossscale write
 honours. A native `step()` writes on its own, so under a mask:
 - an optimizer that takes PyTorch's AMP `found_inf` protocol (fused Adam,
   AdamW, SGD and Adagrad: `_step_supports_amp_scaling`) gets
@@ -248,7 +248,9 @@ class TorchOptimizer(Optimizer):
         return p
 
     def _step(self, ops):
-        mask = ops.active_mask()
+        from lossscale.backends.torch import ops as torch_ops
+
+        mask = torch_ops.active_mask()
         if mask is None:
             self.optimizer.step()
         elif self._uses_found_inf and self._fused_momentum_ready():

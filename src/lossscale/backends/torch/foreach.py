@@ -2,21 +2,21 @@
 
 Each rule below is its optimizer's `update_step`, operation for operation in
 the same order and dtype, applied to a whole group of same-device,
-same-dtype tensors at once (see `torch_groups`): a handful of multi-tensor
+same-dtype tensors at once (see `plans`): a handful of multi-tensor
 kernel launches per step instead of a dozen small ones per variable. Writes
-go through `torch_groups.Writer`, which selects on the device under
-`torch_ops.cond`'s mask, so a skipped step changes nothing and reads nothing
+go through `plans.Writer`, which selects on the device under
+`ops.cond`'s mask, so a skipped step changes nothing and reads nothing
 on the host.
 
 A rule is `rule(optimizer, group, grads, lr, writer)`; `SLOTS` names the
 slot lists it reads. Adding an optimizer is one rule and one entry in
-`kernels()`. `tests/test_torch_foreach.py` checks every entry against the
+`kernels.KERNELS`. `tests/test_torch_foreach.py` checks every entry against the
 generic path.
 """
 
 import torch
 
-from lossscale.backends import torch_groups, torch_ops
+from lossscale.backends.torch import ops, plans
 
 _add, _sub, _mul, _div = (
     torch._foreach_add,
@@ -34,7 +34,7 @@ def scalar(value, group):
     moved.
     """
     if not isinstance(value, torch.Tensor):
-        return torch_ops.constant(value, group.dtype, group.device)
+        return ops.constant(value, group.dtype, group.device)
     value = value.to(group.dtype)
     return value if value.device == group.device else value.to(group.device)
 
@@ -45,7 +45,7 @@ def step_count(optimizer, group):
 
 
 def make_kernel(rule, slot_attrs):
-    """Wraps a per-group rule into a `FUSED_KERNELS` entry.
+    """Wraps a per-group rule into a `kernels.KERNELS` entry.
 
     Args:
         rule: `rule(optimizer, group, grads, lr, writer)`.
@@ -55,14 +55,14 @@ def make_kernel(rule, slot_attrs):
 
     def kernel(optimizer, grads, variables, learning_rate):
         with torch.no_grad():
-            groups = torch_groups.plan(optimizer, variables, slot_attrs(optimizer)).groups
+            groups = plans.plan(optimizer, variables, slot_attrs(optimizer)).groups
             for group in groups:
                 rule(
                     optimizer,
                     group,
                     group.grads(grads),
                     scalar(learning_rate, group),
-                    torch_groups.Writer(group.device),
+                    plans.Writer(group.device),
                 )
 
     kernel.rule = rule
@@ -87,8 +87,8 @@ def sgd(opt, group, grads, lr, write):
 
 def adam(opt, group, grads, lr, write):
     step = step_count(opt, group)
-    beta_1_power = torch_ops.power(scalar(opt.beta_1, group), step)
-    beta_2_power = torch_ops.power(scalar(opt.beta_2, group), step)
+    beta_1_power = ops.power(scalar(opt.beta_1, group), step)
+    beta_2_power = ops.power(scalar(opt.beta_2, group), step)
     alpha = lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
     m = _moment(write, group.slots["_momentums"], grads, 1 - opt.beta_1)
     v = _moment(write, group.slots["_velocities"], _mul(grads, grads), 1 - opt.beta_2)
@@ -155,7 +155,7 @@ def adadelta(opt, group, grads, lr, write):
 
 
 def adamax(opt, group, grads, lr, write):
-    beta_1_power = torch_ops.power(scalar(opt.beta_1, group), step_count(opt, group))
+    beta_1_power = ops.power(scalar(opt.beta_1, group), step_count(opt, group))
     m = _moment(write, group.slots["_m"], grads, 1 - opt.beta_1)
     u = write.set(
         group.slots["_u"],
@@ -167,16 +167,14 @@ def adamax(opt, group, grads, lr, write):
 
 
 def nadam(opt, group, grads, lr, write):
-    from lossscale.optimizers.nadam import _SCHEDULE_DECAY
-
     step = step_count(opt, group)
-    decay = scalar(_SCHEDULE_DECAY, group)
+    decay = scalar(opt.schedule_decay, group)
     beta_1 = scalar(opt.beta_1, group)
-    u_t = beta_1 * (1.0 - 0.5 * torch_ops.power(decay, step))
-    u_next = beta_1 * (1.0 - 0.5 * torch_ops.power(decay, step + 1))
+    u_t = beta_1 * (1.0 - 0.5 * ops.power(decay, step))
+    u_next = beta_1 * (1.0 - 0.5 * ops.power(decay, step + 1))
     u_product = scalar(opt._u_product.value, group)
     u_product_next = u_product * u_next
-    beta_2_power = torch_ops.power(scalar(opt.beta_2, group), step)
+    beta_2_power = ops.power(scalar(opt.beta_2, group), step)
     m = _moment(write, group.slots["_momentums"], grads, 1 - opt.beta_1)
     v = _moment(write, group.slots["_velocities"], _mul(grads, grads), 1 - opt.beta_2)
     m_hat = _div(_mul(m, u_next), 1 - u_product_next)
@@ -221,8 +219,8 @@ def ftrl(opt, group, grads, lr, write):
 
 def lamb(opt, group, grads, lr, write):
     step = step_count(opt, group)
-    beta_1_power = torch_ops.power(scalar(opt.beta_1, group), step)
-    beta_2_power = torch_ops.power(scalar(opt.beta_2, group), step)
+    beta_1_power = ops.power(scalar(opt.beta_1, group), step)
+    beta_2_power = ops.power(scalar(opt.beta_2, group), step)
     m = _moment(write, group.slots["_momentums"], grads, 1 - opt.beta_1)
     v = _moment(write, group.slots["_velocities"], _mul(grads, grads), 1 - opt.beta_2)
     denominator = torch._foreach_sqrt(_div(v, 1.0 - beta_2_power))
@@ -244,32 +242,6 @@ def _norms(tensors):
     rounds them, so half-precision norms match the generic path.
     """
     return torch.sqrt(torch.stack(torch._foreach_norm(_mul(tensors, tensors), 1)))
-
-
-def kernels():
-    """Returns `{optimizer class: kernel}` for `torch_ops.FUSED_KERNELS`."""
-    from lossscale.optimizers import Adadelta, Adagrad, Adamax, Ftrl, Lamb, Lion, Nadam, RMSprop
-
-    def fixed(*attrs):
-        return lambda optimizer: attrs
-
-    def rmsprop_slots(optimizer):
-        return (
-            ("_velocities",)
-            + (("_momentums",) if optimizer.momentum > 0 else ())
-            + (("_average_gradients",) if optimizer.centered else ())
-        )
-
-    return {
-        RMSprop: make_kernel(rmsprop, rmsprop_slots),
-        Adagrad: make_kernel(adagrad, fixed("_accumulators")),
-        Adadelta: make_kernel(adadelta, fixed("_accumulated_grads", "_accumulated_delta_vars")),
-        Adamax: make_kernel(adamax, fixed("_m", "_u")),
-        Nadam: make_kernel(nadam, fixed("_momentums", "_velocities")),
-        Lion: make_kernel(lion, fixed("_momentums")),
-        Ftrl: make_kernel(ftrl, fixed("_accumulators", "_linears")),
-        Lamb: make_kernel(lamb, fixed("_momentums", "_velocities")),
-    }
 
 
 def sgd_slots(optimizer):

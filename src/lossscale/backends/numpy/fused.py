@@ -7,7 +7,7 @@ These kernels walk each variable in blocks small enough to stay in a core's
 L2 cache instead: a block of gradient, parameter and slots comes from memory
 once, the whole update rule runs on it with `out=` into two block-sized
 scratch buffers, and the results go back once. Blocks are shared among a few
-threads (`numpy_parallel`), because on many machines one core cannot
+threads (`parallel`), because on many machines one core cannot
 saturate the memory bus.
 
 Each kernel performs the same float operations in the same order and dtype
@@ -24,8 +24,8 @@ import weakref
 
 import numpy as np
 
-from lossscale.backends import numpy_parallel
 from lossscale.backends._common import unwrap
+from lossscale.backends.numpy import ops, parallel
 
 # Elements per block. An Adam block touches seven arrays of BLOCK values (g,
 # p, m, v and three scratch buffers), 3.5 MiB in float32: it stays in L3
@@ -81,8 +81,6 @@ adam.takes_grad_scale = True
 def _adam_constants(optimizer, learning_rate, dtype):
     # The same scalar expressions as `Adam.update_step`, evaluated once per
     # dtype instead of once per variable.
-    from lossscale.backends import numpy_ops as ops
-
     lr = ops.cast(learning_rate, dtype)
     step = ops.cast(optimizer.iterations + 1, dtype)
     beta_1_power = ops.power(ops.cast(optimizer.beta_1, dtype), step)
@@ -116,8 +114,6 @@ def sgd(optimizer, grads, variables, learning_rate, grad_scale=None):
 
     `grad_scale`: see `_job`.
     """
-    from lossscale.backends import numpy_ops as ops
-
     constants, divisors = {}, {}
     jobs = []
     for grad, variable in zip(grads, variables):
@@ -159,14 +155,6 @@ def _sgd_block(g, arrays, constants, t, u):
         p += m
 
 
-def kernels():
-    """Returns `{optimizer class: kernel}` for `numpy_ops.FUSED_KERNELS`."""
-    from lossscale.optimizers.adam import Adam
-    from lossscale.optimizers.sgd import SGD
-
-    return {Adam: adam, SGD: sgd}
-
-
 # --- arrays --------------------------------------------------------------
 
 
@@ -189,7 +177,7 @@ def _job(grad, arrays, constants, grad_scale, divisors):
 
     With `grad_scale` (the loss-scale wrapper's scale, still multiplied into
     the gradients), each gradient block is divided by it in cache, exactly
-    as `numpy_ops.unscale` would divide the whole gradient, which saves that
+    as `ops.unscale` would divide the whole gradient, which saves that
     pass over memory and its full-size result. The gradients themselves are
     never written. Gradients whose dtype is not the variable's, or narrower
     than float32, are unscaled up front instead, since `unscale` then
@@ -216,8 +204,6 @@ def _job(grad, arrays, constants, grad_scale, divisors):
 def _unscaled(grad, grad_scale):
     if grad_scale is None:
         return grad
-    from lossscale.backends import numpy_ops as ops
-
     return ops.unscale([grad], grad_scale)[0]
 
 
@@ -287,7 +273,7 @@ def _run(optimizer, jobs, block_fn):
     if not jobs:
         return
     blocks = _blocks(jobs)
-    parts = numpy_parallel.partition(blocks, numpy_parallel.workers(blocks))
+    parts = parallel.partition(blocks, parallel.workers(blocks))
     scratch = _scratch(optimizer, len(parts), {job[0].dtype for job in jobs})
     # errstate is per thread: carry the caller's (quiet during a skipped
     # step's arithmetic) into the workers.
@@ -310,7 +296,7 @@ def _run(optimizer, jobs, block_fn):
                 if members:
                     _scatter(arrays, [jobs[i][1] for i in members])
 
-    numpy_parallel.run_parts(work, parts)
+    parallel.run_parts(work, parts)
 
 
 def _gather(jobs, buffers, n):

@@ -15,7 +15,7 @@ over every storage, tens of microseconds for hundreds of tensors) sees
 every such rebinding and the plan is rebuilt.
 
 `Writer` performs a kernel's writes: in place when no mask is active, and
-as `where(mask, new, old)` into the same storage under `torch_ops.cond`'s
+as `where(mask, new, old)` into the same storage under `ops.cond`'s
 mask, so a skipped step leaves every tensor bit for bit as it was.
 """
 
@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from lossscale.backends import torch_ops
+from lossscale.backends.torch import ops
 
 _storage_of = operator.attrgetter("_storage")
 
@@ -55,7 +55,7 @@ class Group:
         if not self._whole:
             grads = [grads[i] for i in self.indices]
         dtype = self.dtype
-        return [g if g.dtype == dtype else g.to(dtype) for g in map(torch_ops.unwrap, grads)]
+        return [g if g.dtype == dtype else g.to(dtype) for g in map(ops.unwrap, grads)]
 
 
 class Plan:
@@ -131,8 +131,8 @@ class Writer:
     """
 
     def __init__(self, device):
-        mask = torch_ops.active_mask()
-        self.mask = None if mask is None else torch_ops.mask_on(mask, device)
+        mask = ops.active_mask()
+        self.mask = None if mask is None else ops.mask_on(mask, device)
 
     def add(self, targets, values):
         if self.mask is None:

@@ -6,8 +6,8 @@ allocate and outside references to the array see every update.
 
 import numpy as np
 
-from lossscale.backends import numpy_fused, numpy_parallel
 from lossscale.backends._common import unwrap
+from lossscale.backends.numpy import parallel
 
 NAME = "numpy"
 MUTABLE = True
@@ -166,7 +166,7 @@ def global_norm(arrays):
 
 def max_abs(arrays):
     """Largest |x| over all arrays as a float32 scalar (NaN if any NaN)."""
-    return numpy_parallel.peak_magnitude(arrays)
+    return parallel.peak_magnitude(arrays)
 
 
 def all_max(x, group=None):
@@ -182,20 +182,6 @@ def all_max(x, group=None):
 def all_true(flag, group=None):
     """Whether `flag` holds for every participant: `flag` itself here."""
     return all_max(flag, group)  # the same checks of `group`
-
-
-# Fused multi-tensor kernels, keyed by the exact optimizer class they
-# reproduce (a subclass may change the rule, so it gets the generic path).
-# Each entry has a test proving it equals `update_step`.
-FUSED_KERNELS = numpy_fused.kernels()
-
-
-def fused_update(optimizer):
-    return FUSED_KERNELS.get(type(optimizer))
-
-
-def fused_scale_update():
-    return None  # the generic selects of `next_loss_scale` are this backend's path
 
 
 def cond(pred, true_fn, false_fn, variables):

@@ -28,13 +28,13 @@ a little differently from the step-by-step generic path (about 1e-7
 relative per step, tested at 1e-5 over many steps). For float16 and
 bfloat16 parameters that difference would be large, since the generic path
 rounds every intermediate to half precision: such groups take the
-`torch_foreach` rules, which reproduce `update_step` in the parameters'
+`foreach` rules, which reproduce `update_step` in the parameters'
 dtype.
 """
 
 import torch
 
-from lossscale.backends import torch_foreach, torch_groups, torch_multi
+from lossscale.backends.torch import foreach, multi, ops, plans
 
 _FUSED_DTYPES = (torch.float32, torch.float64)
 _INFINITE_STEPS = {}
@@ -58,27 +58,27 @@ def adam(optimizer, grads, variables, learning_rate, grad_scale=None):
     which saves the wrapper a full pass over the gradients.
     """
     with torch.no_grad():
-        plan = torch_groups.plan(optimizer, variables, torch_foreach.adam_slots(optimizer))
+        plan = plans.plan(optimizer, variables, foreach.adam_slots(optimizer))
         for group in plan.groups:
-            lr = torch_foreach.scalar(learning_rate, group)
-            write = torch_groups.Writer(group.device)
+            lr = foreach.scalar(learning_rate, group)
+            write = plans.Writer(group.device)
             group_grads = group.grads(grads)
             if group.dtype not in _FUSED_DTYPES:
                 if grad_scale is not None:  # unscaled in float32, as the wrapper would
                     group_grads = [
-                        g.to(group.dtype) for g in torch_multi.unscale(group_grads, grad_scale)
+                        g.to(group.dtype) for g in multi.unscale(group_grads, grad_scale)
                     ]
-                torch_foreach.adam(optimizer, group, group_grads, lr, write)
+                foreach.adam(optimizer, group, group_grads, lr, write)
                 continue
             if grad_scale is not None and any(g.requires_grad for g in group_grads):
                 # Writing into a tensor of an autograd graph would break its
                 # backward: divide into new tensors instead.
-                group_grads, grad_scale = torch_multi.unscale(group_grads, grad_scale), None
+                group_grads, grad_scale = multi.unscale(group_grads, grad_scale), None
             if grad_scale is not None:
                 grad_scale = grad_scale.to(device=group.device, dtype=torch.float32)
-            step = torch_foreach.step_count(optimizer, group)
-            beta_1_power = torch.pow(torch_foreach.scalar(optimizer.beta_1, group), step)
-            beta_2_power = torch.pow(torch_foreach.scalar(optimizer.beta_2, group), step)
+            step = foreach.step_count(optimizer, group)
+            beta_1_power = torch.pow(foreach.scalar(optimizer.beta_1, group), step)
+            beta_2_power = torch.pow(foreach.scalar(optimizer.beta_2, group), step)
             alpha = lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
             slots = group.slots
             torch._fused_adam_(
@@ -106,13 +106,13 @@ adam.takes_grad_scale = True
 def sgd(optimizer, grads, variables, learning_rate):
     """`SGD.update_step` (plain, momentum, Nesterov) on every variable."""
     with torch.no_grad():
-        plan = torch_groups.plan(optimizer, variables, torch_foreach.sgd_slots(optimizer))
+        plan = plans.plan(optimizer, variables, foreach.sgd_slots(optimizer))
         for group in plan.groups:
-            lr = torch_foreach.scalar(learning_rate, group)
-            write = torch_groups.Writer(group.device)
+            lr = foreach.scalar(learning_rate, group)
+            write = plans.Writer(group.device)
             group_grads = group.grads(grads)
             if group.dtype not in _FUSED_DTYPES:
-                torch_foreach.sgd(optimizer, group, group_grads, lr, write)
+                foreach.sgd(optimizer, group, group_grads, lr, write)
                 continue
             if optimizer.momentum == 0:
                 torch._fused_sgd_(
@@ -145,8 +145,22 @@ def sgd(optimizer, grads, variables, learning_rate):
             )
 
 
-def kernels():
-    """Returns `{optimizer class: kernel}` for `torch_ops.FUSED_KERNELS`."""
-    from lossscale.optimizers import SGD, Adam, AdamW
+def update_scale(scale, counter, finite, growth_steps, growth_factor, backoff_factor, floor):
+    """The plain loss-scale update in torch's `_amp_update_scale_` kernel.
 
-    return {Adam: adam, AdamW: adam, SGD: sgd}
+    That kernel (GradScaler's) does what `next_loss_scale` does for a plain
+    policy: on overflow it backs off and resets the counter; otherwise it
+    counts, and on the `growth_steps`-th step grows unless the result is not
+    finite, and resets. It does not stop a backoff at `floor`, so the floor
+    is applied after it, on overflowing steps only. It works in place
+    on an int32 counter and a float32 scale: it gets copies of those types.
+    """
+    scale, counter, finite = ops.unwrap(scale), ops.unwrap(counter), ops.unwrap(finite)
+    new_scale = scale.to(dtype=torch.float32, copy=True)
+    new_counter = counter.to(dtype=torch.int32, copy=True)
+    overflow = (~finite).to(torch.float32).reshape(1)
+    torch._amp_update_scale_(
+        new_scale, new_counter, overflow, growth_factor, backoff_factor, growth_steps
+    )
+    new_scale = torch.where(finite, new_scale, new_scale.clamp_min(floor))
+    return new_scale.to(scale.dtype), new_counter.to(counter.dtype)

@@ -1,4 +1,4 @@
-"""torch's multi-tensor unscale, finite check and norms (part of `torch_ops`).
+"""torch's multi-tensor unscale, finite check and norms (part of `ops`).
 
 Every function takes a list of tensors, splits it by (device, dtype), and
 runs one multi-tensor kernel per group; results stay on the device. On CPU,

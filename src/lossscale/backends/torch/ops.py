@@ -17,13 +17,6 @@ import torch
 
 from lossscale.backends._common import unwrap
 
-# The seam's multi-tensor primitives live in their own module.
-from lossscale.backends.torch_multi import all_finite as all_finite
-from lossscale.backends.torch_multi import global_norm as global_norm
-from lossscale.backends.torch_multi import groups as groups
-from lossscale.backends.torch_multi import max_abs as max_abs
-from lossscale.backends.torch_multi import unscale as unscale
-
 NAME = "torch"
 MUTABLE = True
 INT_DTYPE = "int32"
@@ -290,54 +283,6 @@ def _several_ranks(group):
             )
         return False
     return dist.get_world_size(group) > 1
-
-
-# Fused multi-tensor kernels, keyed by the exact optimizer class they
-# reproduce (a subclass may change the rule, so it takes the generic path).
-# Each entry has a test proving it equals `update_step`. Filled on first use:
-# the kernel modules build on this one.
-FUSED_KERNELS = {}
-_KERNELS_LOADED = []
-
-
-def fused_kernels():
-    """`FUSED_KERNELS`, filled from `torch_fused` and `torch_foreach` once."""
-    if not _KERNELS_LOADED:
-        from lossscale.backends import torch_foreach, torch_fused
-
-        FUSED_KERNELS.update(torch_foreach.kernels())
-        FUSED_KERNELS.update(torch_fused.kernels())
-        _KERNELS_LOADED.append(True)
-    return FUSED_KERNELS
-
-
-def fused_update(optimizer):
-    return fused_kernels().get(type(optimizer))
-
-
-def fused_scale_update():
-    return _update_scale
-
-
-def _update_scale(scale, counter, finite, growth_steps, growth_factor, backoff_factor, floor):
-    """The plain loss-scale update in torch's `_amp_update_scale_` kernel.
-
-    That kernel (GradScaler's) does what `next_loss_scale` does for a plain
-    policy: on overflow it backs off and resets the counter; otherwise it
-    counts, and on the `growth_steps`-th step grows unless the result is not
-    finite, and resets. It does not stop a backoff at `floor`, so the floor
-    is applied after it, on overflowing steps only. It works in place
-    on an int32 counter and a float32 scale: it gets copies of those types.
-    """
-    scale, counter, finite = unwrap(scale), unwrap(counter), unwrap(finite)
-    new_scale = scale.to(dtype=torch.float32, copy=True)
-    new_counter = counter.to(dtype=torch.int32, copy=True)
-    overflow = (~finite).to(torch.float32).reshape(1)
-    torch._amp_update_scale_(
-        new_scale, new_counter, overflow, growth_factor, backoff_factor, growth_steps
-    )
-    new_scale = torch.where(finite, new_scale, new_scale.clamp_min(floor))
-    return new_scale.to(scale.dtype), new_counter.to(counter.dtype)
 
 
 def cond(pred, true_fn, false_fn, variables):

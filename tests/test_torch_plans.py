@@ -8,7 +8,8 @@ import torch
 from torch_cases import SHAPES, random_grads
 
 import lossscale as ls
-from lossscale.backends import torch_groups, torch_ops
+from lossscale.backends.torch import ops as torch_ops
+from lossscale.backends.torch import plans as torch_plans
 from lossscale.optimizers import Adam, RMSprop
 
 
@@ -26,7 +27,7 @@ def built(opt, dtypes=None):
 def test_plan_groups_by_dtype_and_keeps_slots_aligned():
     opt = Adam()
     params = built(opt, [torch.float32, torch.float16, torch.float32, torch.float16])
-    plan = torch_groups.plan(opt, params, ("_momentums", "_velocities"))
+    plan = torch_plans.plan(opt, params, ("_momentums", "_velocities"))
     assert [(g.dtype, g.indices) for g in plan.groups] == [
         (torch.float32, [0, 2]),
         (torch.float16, [1, 3]),
@@ -44,16 +45,16 @@ def test_plan_groups_by_dtype_and_keeps_slots_aligned():
 def test_plan_is_reused_while_nothing_is_rebound():
     opt = Adam()
     params = built(opt)
-    plan = torch_groups.plan(opt, params, ("_momentums",))
-    assert torch_groups.plan(opt, params, ("_momentums",)) is plan
-    assert torch_groups.plan(opt, list(params), ("_momentums",)) is plan
+    plan = torch_plans.plan(opt, params, ("_momentums",))
+    assert torch_plans.plan(opt, params, ("_momentums",)) is plan
+    assert torch_plans.plan(opt, list(params), ("_momentums",)) is plan
     # Another subset, another slot list, a rebound storage: a new plan.
-    assert torch_groups.plan(opt, params[:2], ("_momentums",)) is not plan
-    other = torch_groups.plan(opt, params, ("_momentums", "_velocities"))
-    assert other is not plan and torch_groups.plan(opt, params, ("_momentums",)) is not plan
-    plan = torch_groups.plan(opt, params, ("_momentums",))
+    assert torch_plans.plan(opt, params[:2], ("_momentums",)) is not plan
+    other = torch_plans.plan(opt, params, ("_momentums", "_velocities"))
+    assert other is not plan and torch_plans.plan(opt, params, ("_momentums",)) is not plan
+    plan = torch_plans.plan(opt, params, ("_momentums",))
     opt._momentums[2]._storage = opt._momentums[2]._storage.clone()
-    assert torch_groups.plan(opt, params, ("_momentums",)) is not plan
+    assert torch_plans.plan(opt, params, ("_momentums",)) is not plan
 
 
 def test_stateless_apply_between_steps_uses_its_own_values():
@@ -107,7 +108,7 @@ def test_writer(mask, method, expected):
     keep = [t.clone() for t in targets]
     context = torch_ops.masked(torch.tensor(mask)) if mask is not None else contextlib.nullcontext()
     with context:
-        write = torch_groups.Writer(torch.device("cpu"))
+        write = torch_plans.Writer(torch.device("cpu"))
         written = getattr(write, method)(targets, values)
         found = write.found_inf()
     if mask is False:

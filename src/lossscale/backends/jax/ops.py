@@ -214,19 +214,6 @@ def all_true(flag, group=None):
     return all_max(flag, group)  # the same checks of `group`
 
 
-# Fused multi-tensor kernels, keyed by the exact optimizer class they
-# reproduce. Each entry has a test proving it equals `update_step`.
-FUSED_KERNELS = {}
-
-
-def fused_update(optimizer):
-    return FUSED_KERNELS.get(type(optimizer))
-
-
-def fused_scale_update():
-    return None  # the generic selects of `next_loss_scale` are this backend's path
-
-
 def cond(pred, true_fn, false_fn, variables):
     pred = unwrap(pred)
     if not isinstance(pred, jax.core.Tracer):

@@ -2,7 +2,7 @@
 
 NumPy releases the GIL inside its loops, so a few threads working on
 disjoint blocks of the same arrays reach more of the memory bandwidth than
-one core can. `numpy_fused` cuts its update kernels into blocks and runs
+one core can. `fused` cuts its update kernels into blocks and runs
 them here; `peak_magnitude` (the backend's `max_abs`) reduces in blocks the
 same way.
 """

@@ -1,0 +1,103 @@
+"""NumPy backend: the embedded default and the reference path.
+
+The seam's primitives (`lossscale.backends.protocol.BackendOps`), gathered
+from the modules that implement them:
+
+- `parallel`: a thread pool over blocks, and the blocked max-|x| reduction;
+- `ops`: arrays, in-place writes, elementwise math, reductions, `cond`;
+- `fused`: in-place blocked Adam and SGD kernels;
+- `kernels`: the registry of those kernels, by the name an optimizer declares.
+
+Each module imports only those above it in this list.
+"""
+
+from lossscale.backends.numpy.kernels import fused_scale_update, fused_update
+from lossscale.backends.numpy.ops import (
+    INT_DTYPE,
+    MUTABLE,
+    NAME,
+    abs,
+    all_finite,
+    all_max,
+    all_true,
+    asarray,
+    assign,
+    assign_add,
+    assign_sub,
+    cast,
+    clip,
+    cond,
+    copy,
+    cos,
+    dtype_name,
+    exp,
+    floor,
+    full,
+    global_norm,
+    is_native,
+    isfinite,
+    log,
+    logical_and,
+    logical_not,
+    max_abs,
+    maximum,
+    minimum,
+    place,
+    power,
+    quiet,
+    read,
+    shape,
+    sign,
+    sqrt,
+    square,
+    sum,
+    to_numpy,
+    unscale,
+    where,
+)
+
+__all__ = [
+    "INT_DTYPE",
+    "MUTABLE",
+    "NAME",
+    "abs",
+    "all_finite",
+    "all_max",
+    "all_true",
+    "asarray",
+    "assign",
+    "assign_add",
+    "assign_sub",
+    "cast",
+    "clip",
+    "cond",
+    "copy",
+    "cos",
+    "dtype_name",
+    "exp",
+    "floor",
+    "full",
+    "fused_scale_update",
+    "fused_update",
+    "global_norm",
+    "is_native",
+    "isfinite",
+    "log",
+    "logical_and",
+    "logical_not",
+    "max_abs",
+    "maximum",
+    "minimum",
+    "place",
+    "power",
+    "quiet",
+    "read",
+    "shape",
+    "sign",
+    "sqrt",
+    "square",
+    "sum",
+    "to_numpy",
+    "unscale",
+    "where",
+]

@@ -1,0 +1,22 @@
+"""The NumPy backend's kernel registry: fused update rules by name.
+
+An optimizer class names the kernel that reproduces its `update_step`
+(`Optimizer.update_kernel`); `fused_update(name)` returns that kernel, or
+None when this backend has none and the per-variable `update_step` runs.
+Each entry has a test proving it equals `update_step` (tests/test_numpy_fused.py).
+Nothing here knows an optimizer class: the names are the whole contract.
+"""
+
+from lossscale.backends.numpy import fused
+
+KERNELS = {"adam": fused.adam, "sgd": fused.sgd}
+
+
+def fused_update(name):
+    """The kernel `(optimizer, grads, variables, learning_rate)` named `name`, or None."""
+    return KERNELS.get(name)
+
+
+def fused_scale_update():
+    """None: the generic selects of `next_loss_scale` are this backend's path."""
+    return None

@@ -1,0 +1,103 @@
+"""PyTorch backend: in-place writes, device-resident scalars, masked branches.
+
+The seam's primitives (`lossscale.backends.protocol.BackendOps`), gathered
+from the modules that implement them:
+
+- `ops`: tensors, masked in-place writes, elementwise math, `cond`;
+- `multi`: multi-tensor unscale, finite check and norms, by (device, dtype);
+- `plans`: an optimizer's tensor lists per (device, dtype), cached between steps;
+- `foreach`: `torch._foreach_*` versions of the update rules;
+- `fused`: Adam, AdamW and SGD on torch's fused kernels, and the loss-scale
+  update on `torch._amp_update_scale_`;
+- `kernels`: the registry of those kernels, by the name an optimizer declares.
+
+Each module imports only those above it in this list.
+"""
+
+from lossscale.backends.torch.kernels import fused_scale_update, fused_update
+from lossscale.backends.torch.multi import all_finite, global_norm, max_abs, unscale
+from lossscale.backends.torch.ops import (
+    INT_DTYPE,
+    MUTABLE,
+    NAME,
+    abs,
+    all_max,
+    all_true,
+    asarray,
+    assign,
+    assign_add,
+    assign_sub,
+    cast,
+    clip,
+    cond,
+    copy,
+    cos,
+    dtype_name,
+    exp,
+    floor,
+    full,
+    is_native,
+    isfinite,
+    log,
+    logical_and,
+    logical_not,
+    maximum,
+    minimum,
+    place,
+    power,
+    quiet,
+    read,
+    shape,
+    sign,
+    sqrt,
+    square,
+    sum,
+    to_numpy,
+    where,
+)
+
+__all__ = [
+    "INT_DTYPE",
+    "MUTABLE",
+    "NAME",
+    "abs",
+    "all_finite",
+    "all_max",
+    "all_true",
+    "asarray",
+    "assign",
+    "assign_add",
+    "assign_sub",
+    "cast",
+    "clip",
+    "cond",
+    "copy",
+    "cos",
+    "dtype_name",
+    "exp",
+    "floor",
+    "full",
+    "fused_scale_update",
+    "fused_update",
+    "global_norm",
+    "is_native",
+    "isfinite",
+    "log",
+    "logical_and",
+    "logical_not",
+    "max_abs",
+    "maximum",
+    "minimum",
+    "place",
+    "power",
+    "quiet",
+    "read",
+    "shape",
+    "sign",
+    "sqrt",
+    "square",
+    "sum",
+    "to_numpy",
+    "unscale",
+    "where",
+]
