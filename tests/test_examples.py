@@ -73,6 +73,7 @@ def run(rank, example, port):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     runpy.run_path(example, run_name="__main__")
+    open(f"finished_rank{rank}", "w").close()  # what an abort after this cannot undo
 
 if __name__ == "__main__":
     mp.spawn(run, args=(sys.argv[1], int(sys.argv[2])), nprocs=2)
@@ -93,6 +94,7 @@ def test_ddp_example_on_two_ranks(tmp_path):
 
     proc = launch(
         [sys.executable, str(launcher), str(EXAMPLES / "torch_ddp.py"), str(port)],
+        finished=lambda: all((tmp_path / f"finished_rank{r}").exists() for r in (0, 1)),
         cwd=tmp_path,
         env=env,
     )

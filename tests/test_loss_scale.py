@@ -83,7 +83,7 @@ def test_policy_is_frozen():
 import dataclasses  # noqa: E402
 import math  # noqa: E402
 
-from conftest import Backend  # noqa: E402
+from conftest import BACKENDS, Backend  # noqa: E402
 from hypothesis import assume  # noqa: E402
 
 from lossscale.mixed_precision import loss_scale as ls_module  # noqa: E402
@@ -248,25 +248,14 @@ def check_against_model(backend, policy, steps):
         assert backend.numpy(state.scale).dtype == np.float32
 
 
-# Driving the pure function directly is cheap: most of the >= 500 examples
-# per run are here; tests/test_loss_scale_optimizer.py runs fewer through the
-# whole optimizer, stateful and stateless.
+# Driving the pure function directly is cheap: most of the examples per run
+# are here, as many on each backend; tests/test_loss_scale_optimizer.py runs
+# fewer through the whole optimizer, stateful and stateless.
 @settings(max_examples=260, deadline=None)
 @given(policy=policies(), steps=STEPS)
-def test_state_machine_matches_model_numpy(policy, steps):
-    check_against_model(Backend("numpy"), policy, steps)
-
-
-@settings(max_examples=150, deadline=None)
-@given(policy=policies(), steps=STEPS)
-def test_state_machine_matches_model_torch(policy, steps):
-    check_against_model(Backend("torch"), policy, steps)
-
-
-@settings(max_examples=50, deadline=None)
-@given(policy=policies(), steps=STEPS)
-def test_state_machine_matches_model_jax(policy, steps):
-    check_against_model(Backend("jax"), policy, steps)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_state_machine_matches_model(name, policy, steps):
+    check_against_model(Backend(name), policy, steps)
 
 
 def test_hysteresis_backs_off_at_the_nth_overflow_in_a_row(backend):

@@ -1,5 +1,6 @@
 """`lossscale.saving`: safetensors checkpoints, across backends, and every bad file."""
 
+import hashlib
 import json
 import os
 import struct
@@ -165,6 +166,24 @@ def not_ours(tmp_path, backend, rng):
     return tmp_path / "model.safetensors"
 
 
+def float_counters(path):
+    """Rewrites a valid file with its integer counters stored as floats (digests updated)."""
+    from safetensors.numpy import load_file, save_file
+
+    arrays = load_file(str(path))
+    data = path.read_bytes()
+    header = json.loads(data[8 : 8 + struct.unpack("<Q", data[:8])[0]])["__metadata__"]
+    entries = json.loads(header["variables"])
+    for entry in entries:
+        key = str(entries.index(entry))
+        if arrays[key].dtype.kind == "i":
+            arrays[key] = np.asarray(arrays[key].astype(np.float32) + np.float32(0.7))
+            entry["dtype"] = "float32"
+            entry["sha256"] = hashlib.sha256(arrays[key].tobytes()).hexdigest()
+    header["variables"] = json.dumps(entries)
+    save_file(arrays, str(path), metadata=header)
+
+
 def written(tmp_path, opt, damage):
     path = tmp_path / "opt.safetensors"
     saving.save(opt, path)
@@ -211,6 +230,11 @@ BAD_FILES = {
     "bad variable list": (
         lambda tmp, opt, b, r: written(tmp, opt, lambda p: edit_metadata(p, variables="[1, 2]")),
         r"its metadata is corrupt \(TypeError",
+    ),
+    "float counters": (
+        lambda tmp, opt, b, r: written(tmp, opt, float_counters),
+        r"variable 0 \('loss_scale_optimizer/step_counter'\) holds float32 values but this "
+        r"optimizer's \('loss_scale_optimizer/step_counter'\) is int32",
     ),
     "other optimizer class": (
         lambda tmp, opt, b, r: other_class(tmp, b, r),
@@ -337,3 +361,34 @@ def test_values_cast_within_their_kind(rng, tmp_path):
     for wide, cast in zip(opt.variables, narrow.variables):
         assert cast.dtype in ("float32", "int32", "bool")
         np.testing.assert_array_equal(cast.numpy(), wide.numpy().astype(cast.dtype))
+
+
+def test_save_syncs_the_file_before_the_rename_and_the_directory_after(rng, tmp_path, monkeypatch):
+    variables, opt = trained(Backend("numpy"), rng, count=2)
+    path = tmp_path / "opt.safetensors"
+    path.write_bytes(b"the previous checkpoint")
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        # The temporary file's bytes are complete when it is synced.
+        size = os.fstat(fd).st_size if os.path.isfile(target) else None
+        events.append(("fsync", target, size))
+        real_fsync(fd)
+
+    def replace(source, destination):
+        events.append(("replace", str(source), str(destination)))
+        real_replace(source, destination)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    saving.save(opt, path)
+    kinds = [e[0] for e in events]
+    assert kinds == ["fsync", "replace", "fsync"], events
+    temporary = events[1][1]
+    assert events[0][1] == temporary and events[0][2] == path.stat().st_size  # whole file
+    assert events[1][2] == str(path)
+    assert events[2][1] == str(tmp_path) and events[2][2] is None  # the directory
+    assert not os.path.exists(temporary)
+    assert int(saving.load(path, [v.numpy() for v in variables]).iterations) == 2

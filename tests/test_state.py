@@ -1,10 +1,15 @@
 """`state_dict()` / `load_state_dict()` on every optimizer and the wrapper (optimizers/state.py)."""
 
 import io
+import os
+import tempfile
 import warnings
 
 import numpy as np
 import pytest
+from conftest import BACKENDS, Backend
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import lossscale as ls
 from lossscale.mixed_precision import UnscaledLossWarning
@@ -67,8 +72,12 @@ def test_state_dict_is_a_snapshot(backend):
     step(opt, backend, rng, variables)
     saved = opt.state_dict()
     momentum = backend.numpy(saved["state"][0]["momentum"]).copy()
+    shared = {path: backend.numpy(x).copy() for path, x in saved["optimizer_variables"].items()}
+    assert int(shared["adam/iteration"]) == 1
     step(opt, backend, rng, variables)
     np.testing.assert_array_equal(backend.numpy(saved["state"][0]["momentum"]), momentum)
+    for path, value in saved["optimizer_variables"].items():  # the step counter too
+        np.testing.assert_array_equal(backend.numpy(value), shared[path])
 
 
 def test_layout_follows_torch():
@@ -266,3 +275,114 @@ def test_duplicate_paths_are_refused():
         r"'sgd/extra'.*Give each optimizer",
     ):
         opt.state_dict()
+
+
+# --- every checkpoint is a snapshot, and resumes bit for bit -----------------
+
+
+def _checkpoints(opt, directory):
+    """Takes the three forms of checkpoint: a variable store, a state dict, a file."""
+    store = {}
+    opt.save_own_variables(store)
+    path = os.path.join(directory, "opt.safetensors")
+    ls.saving.save(opt, path)
+    return {"store": store, "state_dict": opt.state_dict(), "file": path}
+
+
+def _frozen(checkpoint, backend):
+    """A deep NumPy copy of a checkpoint's contents (a file's bytes), to compare later."""
+    if isinstance(checkpoint, str) and checkpoint.endswith(".safetensors"):
+        with open(checkpoint, "rb") as f:
+            return f.read()
+    if isinstance(checkpoint, dict):
+        return {k: _frozen(v, backend) for k, v in checkpoint.items()}
+    if isinstance(checkpoint, list):
+        return [_frozen(v, backend) for v in checkpoint]
+    if isinstance(checkpoint, (int, float, str, bool)) or checkpoint is None:
+        return checkpoint
+    return backend.numpy(checkpoint).copy()
+
+
+def _assert_same(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    else:
+        assert a == b
+
+
+def _restore(kind, checkpoint, opt):
+    if kind == "store":
+        opt.load_own_variables(checkpoint)
+    elif kind == "state_dict":
+        opt.load_state_dict(checkpoint)
+    else:
+        ls.saving.restore(opt, checkpoint)
+
+
+def _make_snapshot_optimizer():
+    return LossScaleOptimizer(
+        Adam(0.01, use_ema=True, gradient_accumulation_steps=2),
+        initial_scale=8.0,
+        dynamic_growth_steps=2,
+    )
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["f", "f", "f", "inf", "nan"]), min_size=2, max_size=8),
+    cut=st.integers(min_value=1, max_value=7),
+)
+@pytest.mark.parametrize("name", BACKENDS)  # as many examples on each backend
+def test_checkpoints_are_snapshots_that_resume_exactly(name, kinds, cut):
+    backend = Backend(name)
+    cut = min(cut, len(kinds) - 1)
+    rng = np.random.default_rng(len(kinds) * 10 + cut)
+    grads = []
+    for kind in kinds:
+        g = [rng.normal(size=s).astype(np.float32) * 8 for s in SHAPES]
+        if kind != "f":
+            g[1][0] = np.inf if kind == "inf" else np.nan
+        grads.append(g)
+    init = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+    names = ("kernel", "bias")
+
+    def run(opt, variables, steps):
+        trail = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnscaledLossWarning)
+            for g in steps:
+                opt.apply([backend.array(x) for x in g], variables)
+                trail.append([backend.numpy(v).copy() for v in variables + opt.variables])
+        return trail
+
+    variables = [ls.Variable(backend.array(x), name=n) for x, n in zip(init, names)]
+    opt = _make_snapshot_optimizer()
+    run(opt, variables, grads[:cut])
+    params_at_cut = [backend.numpy(v).copy() for v in variables]
+    with tempfile.TemporaryDirectory() as directory:
+        checkpoints = _checkpoints(opt, directory)
+        frozen = {kind: _frozen(c, backend) for kind, c in checkpoints.items()}
+        expected = run(opt, variables, grads[cut:])
+        for kind, checkpoint in checkpoints.items():
+            _assert_same(_frozen(checkpoint, backend), frozen[kind])  # unchanged by later steps
+            twin_vars = [
+                ls.Variable(backend.array(x), name=n) for x, n in zip(params_at_cut, names)
+            ]
+            twin = _make_snapshot_optimizer()
+            twin.build(twin_vars)
+            _restore(kind, checkpoint, twin)
+            got = run(twin, twin_vars, grads[cut:])
+            for step_got, step_expected in zip(got, expected):
+                for a, b in zip(step_got, step_expected):
+                    np.testing.assert_array_equal(a, b, err_msg=kind)
+            # Training the restored optimizer never writes into what it loaded.
+            _assert_same(_frozen(checkpoint, backend), frozen[kind])

@@ -132,3 +132,31 @@ def test_float16_parameters_train_under_autocast_scale(monkeypatch):
     generic_path(monkeypatch, Adam())
     generic = train(Adam(0.01), dtype=torch.float16, pattern=["f", "inf", "f", "f"])
     assert_same_run(fast, generic, rtol=0, atol=0)
+
+
+def test_gradients_of_an_autograd_graph_are_not_unscaled_in_place():
+    # A gradient penalty keeps the gradients in the graph (create_graph=True):
+    # dividing them in place inside the kernel would break its backward and
+    # change the caller's tensors. The wrapper's step must equal the one on
+    # detached copies, and leave the graph usable.
+    torch.manual_seed(0)
+    init = [torch.randn(5, 3), torch.randn(3)]
+    results = []
+    for in_graph in (True, False):
+        params = [torch.nn.Parameter(x.clone()) for x in init]
+        opt = ls.LossScaleOptimizer(Adam(0.01), initial_scale=64.0)
+        x = torch.randn(7, 5, generator=torch.Generator().manual_seed(1))
+        loss = opt.scale_loss(((x @ params[0] + params[1]) ** 2).mean())
+        grads = torch.autograd.grad(loss, params, create_graph=in_graph)
+        if in_graph:
+            assert all(g.requires_grad for g in grads)
+            penalty = sum((g**2).sum() for g in grads)  # saves the gradients
+            before = [g.detach().clone() for g in grads]
+        opt.apply(list(grads), params)
+        if in_graph:
+            for g, b in zip(grads, before):
+                assert torch.equal(g.detach(), b)  # still the scaled gradients
+            penalty.backward()  # fails if a saved gradient was written in place
+        results.append([p.detach().clone() for p in params] + [v.value for v in opt.variables])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

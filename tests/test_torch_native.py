@@ -7,6 +7,7 @@ not skipped. Scales are powers of two, so unscaling is exact.
 """
 
 import contextlib
+import copy
 import doctest
 import io
 import subprocess
@@ -378,6 +379,11 @@ def test_load_state_dict_errors_change_nothing():
             r"must be a tensor, a NumPy array or a number\. Received: '3'",
         ),
         (
+            {**good, "optimizer_variables": {"torch_optimizer/iteration": torch.tensor(2.5)}},
+            r"\['torch_optimizer/iteration'\]` must hold int values like optimizer variable "
+            r"'torch_optimizer/iteration' \(int32\)\. Received: tensor\(2\.5000\)",
+        ),
+        (
             {**other, "optimizer_variables": good["optimizer_variables"]},
             "doesn't match the size of optimizer's group",
         ),
@@ -508,3 +514,53 @@ def test_no_warning_from_a_clean_step():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         run(opt, params, [1, 0, 2])
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built"])
+@pytest.mark.parametrize("name", ["adam_fused", "sgd_momentum"])
+def test_a_fresh_wrapper_loads_a_state_dict_and_resumes(name, built):
+    # What torch users do: make the model and optimizer, load, train on.
+    params = make_params()
+    opt, _ = wrapped(name, params)
+    run(opt, params, range(6))
+    saved = opt.state_dict()
+    frozen = copy.deepcopy(saved)
+    twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin, twin_native = wrapped(name, twin_params)
+    if built:
+        twin.build(twin_params)
+    twin.load_state_dict(saved)
+    assert twin.dynamic_scale.backend == "torch" and float(twin.dynamic_scale) == 8.0
+    run(opt, params, range(6, STEPS))
+    run(twin, twin_params, range(6, STEPS))
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+    assert int(twin.iterations) == int(opt.iterations)
+    assert float(twin.dynamic_scale) == float(opt.dynamic_scale)
+    # Training after the load never wrote into the loaded dict.
+    for i, entry in frozen["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(saved["state"][i][key], value), key
+    for path, value in frozen["optimizer_variables"].items():
+        assert torch.equal(saved["optimizer_variables"][path], value), path
+
+
+def test_a_fresh_wrapper_loads_nothing_when_any_part_is_wrong():
+    params = make_params()
+    opt, _ = wrapped("adam_fused", params)
+    run(opt, params, range(3))
+    good = opt.state_dict()
+    bad_scale = copy.deepcopy(good)
+    bad_scale["optimizer_variables"]["loss_scale_optimizer/dynamic_scale"] = torch.ones(2)
+    other = wrapped("adam_fused", make_params()[:2])[0].inner_optimizer.state_dict(
+        extra_variables=opt.variables[:2]
+    )
+    for state_dict, message in [
+        (bad_scale, r"must have the shape \(\) of optimizer variable "),
+        (other, "doesn't match the size of optimizer's group"),
+    ]:
+        twin, twin_native = wrapped("adam_fused", make_params())
+        with pytest.raises(ValueError, match=message):
+            twin.load_state_dict(state_dict)
+        assert not twin_native.state and twin.dynamic_scale.backend == "numpy"
+        assert float(twin.dynamic_scale) == INITIAL_SCALE and int(twin.iterations) == 0

@@ -10,8 +10,10 @@ backend, so a state saved from torch resumes on NumPy or JAX.
 Every problem with a file (missing, truncated, corrupt, written by another
 optimizer or for other variables) raises `CheckpointError` naming the path
 and the problem, before any variable is written: a failed `restore` leaves
-the optimizer exactly as it was. `save` writes a temporary file and renames
-it, so an interrupted save never destroys the previous checkpoint.
+the optimizer exactly as it was. `save` writes a temporary file, flushes it
+to disk (`fsync`), renames it over the checkpoint's name and flushes the
+directory, so neither an interrupted save nor a power loss leaves a
+truncated file under that name.
 
 `safetensors` is an optional dependency, imported on first use.
 
@@ -34,6 +36,8 @@ import json
 import os
 
 import numpy as np
+
+from lossscale import validation
 
 FORMAT = "lossscale.optimizer"
 FORMAT_VERSION = 1
@@ -88,10 +92,27 @@ def save(optimizer, path):
         _safetensors().numpy.save_file(
             {str(i): a for i, a in enumerate(arrays)}, temporary, metadata=metadata
         )
-        os.replace(temporary, path)
+        _durable_replace(temporary, path)
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
+
+
+def _durable_replace(temporary, path):
+    """Renames `temporary` to `path` so that a power loss leaves one or the other.
+
+    The file's bytes reach the disk before the rename (else the new name
+    could point at a truncated file), and the directory entry after it.
+    """
+    with open(temporary, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    if hasattr(os, "O_DIRECTORY"):  # POSIX: a directory can be opened and synced
+        directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
 
 
 def restore(optimizer, path):
@@ -231,15 +252,6 @@ def _read(path):
     return _Checkpoint(path, config, entries, arrays)
 
 
-def _kind(dtype_name):
-    """`"float"`, `"int"` or `"bool"`: values cast freely within a kind (an int64
-    counter loads into int32 state), never across."""
-    for kind in ("float", "int", "bool", "complex"):
-        if kind in dtype_name:
-            return kind
-    return dtype_name
-
-
 def _structure(config):
     """`LossScaleOptimizer(Adam)`-style description of a serialized optimizer."""
     inner = config.get("config", {}).get("inner_optimizer")
@@ -273,7 +285,7 @@ def _assign(optimizer, checkpoint):
                 f"variable {i} ({entry['path']!r}) has shape {tuple(array.shape)} but "
                 f"this optimizer's ({variable.path!r}) has shape {variable.shape}",
             )
-        if _kind(array.dtype.name) != _kind(variable.dtype):
+        if validation.dtype_kind(array.dtype.name) != validation.dtype_kind(variable.dtype):
             _fail(
                 path,
                 f"variable {i} ({entry['path']!r}) holds {array.dtype.name} values "

@@ -56,6 +56,11 @@ def deserialize(config, custom_objects=None):
             "`config` must be a dict with keys 'class_name' and 'config'. "
             f"Received: config={config!r}"
         )
+    if not isinstance(config["config"], dict):
+        raise ValueError(
+            "`config['config']` must be a dict of constructor arguments. "
+            f"Received: config['config']={config['config']!r}"
+        )
     cls = lookup(config["class_name"], custom_objects)
     if hasattr(cls, "from_config"):
         try:

@@ -72,3 +72,54 @@ def check_choice(name, value, choices):
     if value not in choices:
         _fail(name, f"one of {tuple(choices)}", value)
     return value
+
+
+def dtype_kind(dtype):
+    """`"float"`, `"int"`, `"bool"` or `"complex"` for a dtype or dtype name.
+
+    Restored values are cast within a kind (an int64 counter into int32
+    state), never across (a float into an integer counter would truncate).
+    """
+    name = str(dtype).removeprefix("torch.")
+    for kind in ("bool", "int", "float", "complex"):
+        if kind in name:
+            return kind
+    return name
+
+
+def check_config(cls, config, accepted=None):
+    """Checks a config dict against the constructor it is for.
+
+    Args:
+        cls: The class whose `from_config` reads `config`.
+        config: The received config.
+        accepted: The keys `cls` takes; defaults to the named arguments of
+            `cls.__init__`.
+
+    Raises:
+        ValueError: `config` is not a dict, lacks a required argument of
+            `cls.__init__`, or holds a key that is not accepted.
+    """
+    import inspect
+
+    if not isinstance(config, dict):
+        _fail("config", f"a dict of {cls.__name__}'s arguments", config)
+    parameters = [
+        p
+        for p in list(inspect.signature(cls.__init__).parameters.values())[1:]
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    required = sorted(p.name for p in parameters if p.default is p.empty and p.name not in config)
+    if required:
+        raise ValueError(
+            f"The config of {cls.__name__} is missing the key(s) {required}. "
+            f"Received: config with keys {sorted(config)}"
+        )
+    accepted = [p.name for p in parameters] if accepted is None else list(accepted)
+    unknown = sorted(set(config) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"The config of {cls.__name__} has unknown key(s) {unknown}. Accepted: "
+            f"{sorted(accepted)}. Received: config with keys {sorted(config)}"
+        )
+    return config

@@ -138,8 +138,12 @@ class Variable:
         return self._ops.read(self._storage)
 
     def numpy(self):
-        """Returns the value as a NumPy array."""
-        return self._ops.to_numpy(self._storage)
+        """Returns a copy of the value as a NumPy array.
+
+        A copy, as in Keras: later updates of the variable do not change it
+        (on NumPy and torch the variable's own buffer is written in place).
+        """
+        return np.array(self._ops.to_numpy(self._storage), copy=True)
 
     @property
     def shape(self):
@@ -210,12 +214,12 @@ class Variable:
         if ops is self._ops and not ops.MUTABLE:
             return
         dtype = ops.INT_DTYPE if self.dtype.startswith("int") else self.dtype
-        self._storage = ops.asarray(self.numpy(), dtype=dtype, like=like)
+        self._storage = ops.asarray(self._ops.to_numpy(self._storage), dtype=dtype, like=like)
         self._ops = ops
 
     # --- array protocol and arithmetic -----------------------------------
     def __array__(self, dtype=None, copy=None):
-        out = self.numpy()
+        out = self.numpy()  # a copy, whatever `copy` asks
         return out.astype(dtype) if dtype is not None else out
 
     def __float__(self):

@@ -1,4 +1,10 @@
-"""Gradient accumulation: update every `steps` calls with the mean gradient."""
+"""Gradient accumulation: update every `steps` calls with the mean gradient.
+
+As in Keras 3, an update step resets every accumulator, also that of a
+variable whose gradient is `None` at that step: its window ends with the
+others, and its partial sum is dropped. Skipped steps (a `LossScaleOptimizer`
+overflow) do not count: nothing moves, not even the window.
+"""
 
 
 def is_update_step(raw_iterations, steps):

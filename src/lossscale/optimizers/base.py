@@ -403,7 +403,10 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
             self._update(
                 ops, accumulation.mean_with_accumulated(grads, accumulators, steps), variables
             )
-            accumulation.reset(ops, accumulators)
+            # The window is over for every variable, as in Keras: the partial
+            # sum of one without a gradient at this step is dropped, not
+            # carried into the next window.
+            accumulation.reset(ops, self._accumulated_gradients)
 
         ops.cond(
             accumulation.is_update_step(self._iterations.value, steps),

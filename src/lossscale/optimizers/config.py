@@ -48,8 +48,10 @@ class ConfigMixin:
         Returns:
             An optimizer instance.
         """
-        from lossscale import serialization
+        from lossscale import serialization, validation
 
+        # "decay": a Keras 2 argument, accepted and ignored like Keras 3.
+        validation.check_config(cls, config, accepted=[*cls._config_keys(), "decay"])
         config = dict(config)
         if isinstance(config.get("learning_rate"), dict):
             config["learning_rate"] = serialization.deserialize(

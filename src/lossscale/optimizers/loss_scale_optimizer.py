@@ -171,6 +171,12 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
                 f"LossScaleOptimizer does not support arguments: {sorted(kwargs)}. Accepted: "
                 f"inner_optimizer, name, {', '.join(settings)}"
             )
+        if isinstance(inner_optimizer, LossScaleOptimizer):
+            raise ValueError(
+                "`inner_optimizer` is already a LossScaleOptimizer: wrapping it again would "
+                "scale the loss twice. Pass its inner optimizer, or use it as it is. Received: "
+                f"inner_optimizer={inner_optimizer!r}"
+            )
         inner_optimizer = wrap_native(inner_optimizer)
         if not isinstance(inner_optimizer, Optimizer):
             raise ValueError(
@@ -371,9 +377,14 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
         return ops_for(*arrays)
 
     def scale_loss(self, loss):
-        """Multiplies `loss` by the current loss scale (`initial_scale` before build)."""
+        """Multiplies `loss` by the current loss scale.
+
+        That is `initial_scale` until a step (or a loaded checkpoint) changes
+        it. Before `build` the scale is read as a Python float: the
+        optimizer's scalars live on NumPy until it knows the model's backend.
+        """
         self._loss_scaled = True
-        return loss * (self.dynamic_scale.value if self.built else self.initial_scale)
+        return loss * (self.dynamic_scale.value if self.built else float(self.dynamic_scale))
 
     # --- delegation to the inner optimizer -----------------------------------
     @property
@@ -416,8 +427,9 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        from lossscale import serialization
+        from lossscale import serialization, validation
 
+        validation.check_config(cls, config, accepted=cls._config_keys())
         config = dict(config)
         inner = serialization.deserialize(
             config.pop("inner_optimizer"), custom_objects=custom_objects

@@ -4,6 +4,8 @@ import numbers
 
 import numpy as np
 
+from lossscale import validation
+
 
 def check_value(where, value, variable):
     """Raises unless `value` (a tensor, NumPy array or number) fits `variable`."""
@@ -20,6 +22,12 @@ def check_value(where, value, variable):
         raise ValueError(
             f"`{where}` must have the shape {variable.shape} of optimizer variable "
             f"{variable.path!r}. Received: shape {shape}"
+        )
+    expected = validation.dtype_kind(variable.dtype)
+    if validation.dtype_kind(getattr(value, "dtype", np.asarray(value).dtype)) != expected:
+        raise ValueError(
+            f"`{where}` must hold {expected} values like optimizer variable "
+            f"{variable.path!r} ({variable.dtype}). Received: {value!r}"
         )
 
 

@@ -26,7 +26,11 @@ class StateMixin:
     `load_state_dict`."""
 
     def save_own_variables(self, store):
-        """Writes every variable, as a NumPy array, to `store["0"]`, `store["1"]`, ..."""
+        """Writes every variable, as a NumPy array, to `store["0"]`, `store["1"]`, ...
+
+        The arrays are copies: a store is a snapshot that later steps do not
+        change.
+        """
         for i, variable in enumerate(self.variables):
             store[str(i)] = variable.numpy()
 
@@ -35,7 +39,8 @@ class StateMixin:
 
         A store holding a different number of variables is not loaded: a
         warning says so and nothing changes. A shape mismatch raises before
-        anything is written.
+        anything is written. Values are copied into the variables' own
+        buffers, so training afterwards never writes into `store`.
         """
         variables = self.variables
         if len(store.keys()) != len(variables):

@@ -365,9 +365,12 @@ class TorchOptimizer(Optimizer):
     def load_state_dict(self, state_dict, *, extra_variables=()):
         """Restores the state written by `state_dict()`.
 
-        Everything is checked before anything is written: the keys and
-        shapes of `optimizer_variables` here, the native part (number and
-        sizes of param groups) by the native optimizer. A plain `torch.optim`
+        Everything is checked before anything is written: the keys, shapes
+        and kinds of `optimizer_variables` here, the native part (number and
+        sizes of param groups) by the native optimizer. A fresh optimizer
+        (built or not, never stepped) loads it as torch optimizers do; a
+        wrapper's variables then move next to the parameters. What is loaded
+        is copied: later steps never write into `state_dict`. A plain `torch.optim`
         state dict (no step counter) loads with
         `adapter.optimizer.load_state_dict(...)`.
 
@@ -402,8 +405,15 @@ class TorchOptimizer(Optimizer):
                 saved[variable.path],
                 variable,
             )
-        self.optimizer.load_state_dict({key: state_dict[key] for key in STATE_DICT_KEYS[:2]})
+        # torch keeps the tensors it loads when their dtype and device already
+        # fit, so later steps would write into the caller's dict: load a copy.
+        # The native optimizer checks its part before it writes any of it.
+        native = copy.deepcopy({key: state_dict[key] for key in STATE_DICT_KEYS[:2]})
+        self.optimizer.load_state_dict(native)
+        anchor = next(p for group in self.optimizer.param_groups for p in group["params"])
         for variable in variables:
+            if variable.backend != "torch":  # a fresh wrapper's scalars, made on NumPy
+                variable._move_to(anchor)
             variable.assign(saved[variable.path])
         self._momentum_ready = False
 

@@ -35,5 +35,7 @@ class LearningRateSchedule:
 
     @classmethod
     def from_config(cls, config):
-        """Instantiates a schedule from its config."""
-        return cls(**config)
+        """Instantiates a schedule from its config (checked against `__init__`)."""
+        from lossscale import validation
+
+        return cls(**validation.check_config(cls, config))
