@@ -17,18 +17,17 @@ truncated file under that name.
 
 `safetensors` is an optional dependency, imported on first use.
 
-Example:
-
->>> import numpy as np, lossscale as ls, lossscale.saving, tempfile, os
->>> w = ls.Variable(np.ones(2, np.float32), name="w")
->>> opt = ls.LossScaleOptimizer(ls.optimizers.Adam(0.1), initial_scale=8.0)
->>> _ = opt.scale_loss(1.0)
->>> opt.apply([np.full(2, 8.0, np.float32)], [w])
->>> path = os.path.join(tempfile.mkdtemp(), "opt.safetensors")
->>> ls.saving.save(opt, path)
->>> twin = ls.saving.load(path, [ls.Variable(w.numpy(), name="w")])
->>> int(twin.iterations), float(twin.dynamic_scale)
-(1, 8.0)
+Examples:
+    >>> import numpy as np, lossscale as ls, lossscale.saving, tempfile, os
+    >>> w = ls.Variable(np.ones(2, np.float32), name="w")
+    >>> opt = ls.LossScaleOptimizer(ls.optimizers.Adam(0.1), initial_scale=8.0)
+    >>> _ = opt.scale_loss(1.0)
+    >>> opt.apply([np.full(2, 8.0, np.float32)], [w])
+    >>> path = os.path.join(tempfile.mkdtemp(), "opt.safetensors")
+    >>> ls.saving.save(opt, path)
+    >>> twin = ls.saving.load(path, [ls.Variable(w.numpy(), name="w")])
+    >>> int(twin.iterations), float(twin.dynamic_scale)
+    (1, 8.0)
 """
 
 import hashlib

@@ -40,13 +40,12 @@ class Variable:
             an initializer. Defaults to `like`'s backend, else `"numpy"`.
         like: Optional array: new variables take its backend and device.
 
-    Example:
-
-    >>> import numpy as np, lossscale as ls
-    >>> v = ls.Variable(np.zeros(3, np.float32), name="bias")
-    >>> v.assign_add(np.ones(3, np.float32))
-    >>> v.numpy()
-    array([1., 1., 1.], dtype=float32)
+    Examples:
+        >>> import numpy as np, lossscale as ls
+        >>> v = ls.Variable(np.zeros(3, np.float32), name="bias")
+        >>> v.assign_add(np.ones(3, np.float32))
+        >>> v.numpy()
+        array([1., 1., 1.], dtype=float32)
     """
 
     _is_lossscale_variable = True

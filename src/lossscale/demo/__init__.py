@@ -35,16 +35,15 @@ Choices, and why they keep the comparison honest:
   and both Adam moments exactly. The header the demo prints says all this,
   and `--loss-weight 1` shows the regime where loss scaling is not needed.
 
-Example:
-
->>> import io, os, tempfile
->>> from lossscale.demo import DemoConfig, run_demo
->>> config = DemoConfig(steps=20, backend="numpy", out=tempfile.mkdtemp(), progress=False)
->>> result = run_demo(config, stream=io.StringIO())
->>> [r.spec.label for r in result.runs]
-['float32', 'float16, no loss scaling', 'float16 + LossScaleOptimizer']
->>> os.path.basename(result.plot_path), result.runs[1].flushed > 0
-('demo.png', True)
+Examples:
+    >>> import io, os, tempfile
+    >>> from lossscale.demo import DemoConfig, run_demo
+    >>> config = DemoConfig(steps=20, backend="numpy", out=tempfile.mkdtemp(), progress=False)
+    >>> result = run_demo(config, stream=io.StringIO())
+    >>> [r.spec.label for r in result.runs]
+    ['float32', 'float16, no loss scaling', 'float16 + LossScaleOptimizer']
+    >>> os.path.basename(result.plot_path), result.runs[1].flushed > 0
+    ('demo.png', True)
 """
 
 from lossscale.demo.config import DemoConfig

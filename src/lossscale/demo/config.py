@@ -35,11 +35,10 @@ class DemoConfig:
         hidden_units: Int >= 1. Width of the hidden layer.
         progress: Boolean. Whether to show a progress bar per run.
 
-    Example:
-
-    >>> from lossscale.demo import DemoConfig
-    >>> DemoConfig(steps=50, backend="numpy").growth_steps
-    50
+    Examples:
+        >>> from lossscale.demo import DemoConfig
+        >>> DemoConfig(steps=50, backend="numpy").growth_steps
+        50
     """
 
     steps: int = DEFAULT_STEPS

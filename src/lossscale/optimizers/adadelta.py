@@ -29,14 +29,13 @@ class Adadelta(Optimizer):
         name: String. Defaults to `"adadelta"`.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
-    Example:
-
-    >>> import numpy as np, lossscale as ls
-    >>> w = ls.Variable(np.array([1.0], np.float32))
-    >>> opt = ls.optimizers.Adadelta(learning_rate=1.0, rho=0.0, epsilon=1e-2)
-    >>> opt.apply([np.array([1.0], np.float32)], [w])
-    >>> w.numpy().round(4)  # 1 - sqrt(0.01) * 1 / sqrt(1.01)
-    array([0.9005], dtype=float32)
+    Examples:
+        >>> import numpy as np, lossscale as ls
+        >>> w = ls.Variable(np.array([1.0], np.float32))
+        >>> opt = ls.optimizers.Adadelta(learning_rate=1.0, rho=0.0, epsilon=1e-2)
+        >>> opt.apply([np.array([1.0], np.float32)], [w])
+        >>> w.numpy().round(4)  # 1 - sqrt(0.01) * 1 / sqrt(1.01)
+        array([0.9005], dtype=float32)
     """
 
     update_kernel = "adadelta"

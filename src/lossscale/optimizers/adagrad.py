@@ -25,14 +25,13 @@ class Adagrad(Optimizer):
         name: String. Defaults to `"adagrad"`.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
-    Example:
-
-    >>> import numpy as np, lossscale as ls
-    >>> w = ls.Variable(np.array([1.0], np.float32))
-    >>> opt = ls.optimizers.Adagrad(learning_rate=0.1, initial_accumulator_value=0.0)
-    >>> opt.apply([np.array([2.0], np.float32)], [w])
-    >>> w.numpy().round(4)  # 1 - 0.1 * 2 / sqrt(4)
-    array([0.9], dtype=float32)
+    Examples:
+        >>> import numpy as np, lossscale as ls
+        >>> w = ls.Variable(np.array([1.0], np.float32))
+        >>> opt = ls.optimizers.Adagrad(learning_rate=0.1, initial_accumulator_value=0.0)
+        >>> opt.apply([np.array([2.0], np.float32)], [w])
+        >>> w.numpy().round(4)  # 1 - 0.1 * 2 / sqrt(4)
+        array([0.9], dtype=float32)
     """
 
     update_kernel = "adagrad"

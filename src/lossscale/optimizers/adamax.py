@@ -30,14 +30,13 @@ class Adamax(Optimizer):
         name: String. Defaults to `"adamax"`.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
-    Example:
-
-    >>> import numpy as np, lossscale as ls
-    >>> w = ls.Variable(np.array([1.0], np.float32))
-    >>> opt = ls.optimizers.Adamax(learning_rate=0.1)
-    >>> opt.apply([np.array([0.5], np.float32)], [w])
-    >>> w.numpy().round(4)
-    array([0.9], dtype=float32)
+    Examples:
+        >>> import numpy as np, lossscale as ls
+        >>> w = ls.Variable(np.array([1.0], np.float32))
+        >>> opt = ls.optimizers.Adamax(learning_rate=0.1)
+        >>> opt.apply([np.array([0.5], np.float32)], [w])
+        >>> w.numpy().round(4)
+        array([0.9], dtype=float32)
     """
 
     update_kernel = "adamax"

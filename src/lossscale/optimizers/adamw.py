@@ -33,14 +33,13 @@ class AdamW(Adam):
             the class name.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
-    Example:
-
-    >>> import numpy as np, lossscale as ls
-    >>> w = ls.Variable(np.array([1.0], np.float32))
-    >>> opt = ls.optimizers.AdamW(learning_rate=0.1, weight_decay=0.5)
-    >>> opt.apply([np.array([0.5], np.float32)], [w])
-    >>> w.numpy().round(4)  # 1 - 1 * 0.5 * 0.1, then the Adam step of 0.1
-    array([0.85], dtype=float32)
+    Examples:
+        >>> import numpy as np, lossscale as ls
+        >>> w = ls.Variable(np.array([1.0], np.float32))
+        >>> opt = ls.optimizers.AdamW(learning_rate=0.1, weight_decay=0.5)
+        >>> opt.apply([np.array([0.5], np.float32)], [w])
+        >>> w.numpy().round(4)  # 1 - 1 * 0.5 * 0.1, then the Adam step of 0.1
+        array([0.85], dtype=float32)
     """
 
     update_kernel = "adam"

@@ -86,14 +86,13 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
             gradients since the last update.
         name: String. The name used for the optimizer's variables.
 
-    Example:
-
-    >>> import numpy as np, lossscale as ls
-    >>> w = ls.Variable(np.ones(2, np.float32), name="w")
-    >>> opt = ls.optimizers.SGD(learning_rate=0.5)
-    >>> opt.apply([np.array([1.0, -1.0], np.float32)], [w])
-    >>> w.numpy()
-    array([0.5, 1.5], dtype=float32)
+    Examples:
+        >>> import numpy as np, lossscale as ls
+        >>> w = ls.Variable(np.ones(2, np.float32), name="w")
+        >>> opt = ls.optimizers.SGD(learning_rate=0.5)
+        >>> opt.apply([np.array([1.0, -1.0], np.float32)], [w])
+        >>> w.numpy()
+        array([0.5, 1.5], dtype=float32)
     """
 
     # The loss-scale wrapper keeps no step counter or learning rate of its

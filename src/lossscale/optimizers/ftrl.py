@@ -46,15 +46,14 @@ class Ftrl(Optimizer):
         name: String. Defaults to `"ftrl"`.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
-    Example:
-
-    >>> import numpy as np, lossscale as ls
-    >>> w = ls.Variable(np.array([0.0, 0.0], np.float32))
-    >>> opt = ls.optimizers.Ftrl(learning_rate=1.0, initial_accumulator_value=0.0,
-    ...                          l1_regularization_strength=0.5)
-    >>> opt.apply([np.array([2.0, 0.25], np.float32)], [w])
-    >>> w.numpy()  # z = (2, 0.25): beyond l1 the weight moves, within it stays 0
-    array([-0.75,  0.  ], dtype=float32)
+    Examples:
+        >>> import numpy as np, lossscale as ls
+        >>> w = ls.Variable(np.array([0.0, 0.0], np.float32))
+        >>> opt = ls.optimizers.Ftrl(learning_rate=1.0, initial_accumulator_value=0.0,
+        ...                          l1_regularization_strength=0.5)
+        >>> opt.apply([np.array([2.0, 0.25], np.float32)], [w])
+        >>> w.numpy()  # z = (2, 0.25): beyond l1 the weight moves, within it stays 0
+        array([-0.75,  0.  ], dtype=float32)
     """
 
     update_kernel = "ftrl"

@@ -32,14 +32,13 @@ class Lamb(Optimizer):
         name: String. Defaults to `"lamb"`.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
-    Example:
-
-    >>> import numpy as np, lossscale as ls
-    >>> w = ls.Variable(np.array([3.0, 4.0], np.float32))
-    >>> opt = ls.optimizers.Lamb(learning_rate=0.1)
-    >>> opt.apply([np.array([1.0, 1.0], np.float32)], [w])
-    >>> w.numpy().round(4)  # update (1, 1), ratio 5 / sqrt(2)
-    array([2.6464, 3.6464], dtype=float32)
+    Examples:
+        >>> import numpy as np, lossscale as ls
+        >>> w = ls.Variable(np.array([3.0, 4.0], np.float32))
+        >>> opt = ls.optimizers.Lamb(learning_rate=0.1)
+        >>> opt.apply([np.array([1.0, 1.0], np.float32)], [w])
+        >>> w.numpy().round(4)  # update (1, 1), ratio 5 / sqrt(2)
+        array([2.6464, 3.6464], dtype=float32)
     """
 
     update_kernel = "lamb"

@@ -28,14 +28,13 @@ class Lion(Optimizer):
         name: String. Defaults to `"lion"`.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
-    Example:
-
-    >>> import numpy as np, lossscale as ls
-    >>> w = ls.Variable(np.array([1.0, 1.0], np.float32))
-    >>> opt = ls.optimizers.Lion(learning_rate=0.1)
-    >>> opt.apply([np.array([0.5, -3.0], np.float32)], [w])
-    >>> w.numpy()
-    array([0.9, 1.1], dtype=float32)
+    Examples:
+        >>> import numpy as np, lossscale as ls
+        >>> w = ls.Variable(np.array([1.0, 1.0], np.float32))
+        >>> opt = ls.optimizers.Lion(learning_rate=0.1)
+        >>> opt.apply([np.array([0.5, -3.0], np.float32)], [w])
+        >>> w.numpy()
+        array([0.9, 1.1], dtype=float32)
     """
 
     update_kernel = "lion"

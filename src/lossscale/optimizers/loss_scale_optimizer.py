@@ -119,18 +119,17 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
         **kwargs: Base optimizer arguments are accepted only at their
             defaults; set them on the `inner_optimizer` instead.
 
-    Example:
-
-    >>> import numpy as np, lossscale as ls
-    >>> w = ls.Variable(np.ones(2, np.float32), name="w")
-    >>> opt = ls.LossScaleOptimizer(ls.optimizers.SGD(0.1), initial_scale=1024.0)
-    >>> loss_scale = opt.scale_loss(1.0)  # multiply the loss before differentiating
-    >>> opt.apply([np.full(2, 1024.0, np.float32)], [w])
-    >>> w.numpy()
-    array([0.9, 0.9], dtype=float32)
-    >>> opt.apply([np.array([np.inf, 0], np.float32)], [w])  # overflow: skipped
-    >>> float(opt.dynamic_scale), w.numpy()
-    (512.0, array([0.9, 0.9], dtype=float32))
+    Examples:
+        >>> import numpy as np, lossscale as ls
+        >>> w = ls.Variable(np.ones(2, np.float32), name="w")
+        >>> opt = ls.LossScaleOptimizer(ls.optimizers.SGD(0.1), initial_scale=1024.0)
+        >>> loss_scale = opt.scale_loss(1.0)  # multiply the loss before differentiating
+        >>> opt.apply([np.full(2, 1024.0, np.float32)], [w])
+        >>> w.numpy()
+        array([0.9, 0.9], dtype=float32)
+        >>> opt.apply([np.array([np.inf, 0], np.float32)], [w])  # overflow: skipped
+        >>> float(opt.dynamic_scale), w.numpy()
+        (512.0, array([0.9, 0.9], dtype=float32))
     """
 
     _owns_step_state = False

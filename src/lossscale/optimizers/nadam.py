@@ -36,14 +36,13 @@ class Nadam(Optimizer):
         name: String. Defaults to `"nadam"`.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
-    Example:
-
-    >>> import numpy as np, lossscale as ls
-    >>> w = ls.Variable(np.array([1.0], np.float32))
-    >>> opt = ls.optimizers.Nadam(learning_rate=0.1)
-    >>> opt.apply([np.array([0.5], np.float32)], [w])
-    >>> w.numpy().round(4), opt.variables[-1].name
-    (array([0.8937], dtype=float32), 'u_product')
+    Examples:
+        >>> import numpy as np, lossscale as ls
+        >>> w = ls.Variable(np.array([1.0], np.float32))
+        >>> opt = ls.optimizers.Nadam(learning_rate=0.1)
+        >>> opt.apply([np.array([0.5], np.float32)], [w])
+        >>> w.numpy().round(4), opt.variables[-1].name
+        (array([0.8937], dtype=float32), 'u_product')
     """
 
     update_kernel = "nadam"

@@ -25,13 +25,12 @@ def wrap_native(optimizer):
     Returns:
         A lossscale optimizer for a native one, else `optimizer`.
 
-    Example:
-
-    >>> import torch
-    >>> from lossscale.optimizers.native import wrap_native
-    >>> w = torch.nn.Parameter(torch.ones(2))
-    >>> wrap_native(torch.optim.SGD([w], lr=0.1))
-    <TorchOptimizer name='torch_optimizer' built=False>
+    Examples:
+        >>> import torch
+        >>> from lossscale.optimizers.native import wrap_native
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> wrap_native(torch.optim.SGD([w], lr=0.1))
+        <TorchOptimizer name='torch_optimizer' built=False>
     """
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(optimizer, torch.optim.Optimizer):

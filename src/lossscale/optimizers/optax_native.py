@@ -58,19 +58,18 @@ class OptaxOptimizer(Optimizer):
         name: String. The name used for the adapter's variables.
             Defaults to `"optax_optimizer"`.
 
-    Example:
-
-    >>> import jax.numpy as jnp, optax, lossscale as ls
-    >>> from lossscale.optimizers.optax_native import OptaxOptimizer
-    >>> w = ls.Variable(jnp.ones(2), name="w")
-    >>> opt = ls.LossScaleOptimizer(OptaxOptimizer(optax.sgd(0.5)), initial_scale=4.0)
-    >>> loss_scale = opt.scale_loss(1.0)  # multiply the loss before differentiating
-    >>> opt.apply([jnp.array([4.0, -4.0])], [w])
-    >>> w.numpy()
-    array([0.5, 1.5], dtype=float32)
-    >>> opt.apply([jnp.array([jnp.inf, 0.0])], [w])  # overflow: skipped
-    >>> w.numpy(), float(opt.dynamic_scale)
-    (array([0.5, 1.5], dtype=float32), 2.0)
+    Examples:
+        >>> import jax.numpy as jnp, optax, lossscale as ls
+        >>> from lossscale.optimizers.optax_native import OptaxOptimizer
+        >>> w = ls.Variable(jnp.ones(2), name="w")
+        >>> opt = ls.LossScaleOptimizer(OptaxOptimizer(optax.sgd(0.5)), initial_scale=4.0)
+        >>> loss_scale = opt.scale_loss(1.0)  # multiply the loss before differentiating
+        >>> opt.apply([jnp.array([4.0, -4.0])], [w])
+        >>> w.numpy()
+        array([0.5, 1.5], dtype=float32)
+        >>> opt.apply([jnp.array([jnp.inf, 0.0])], [w])  # overflow: skipped
+        >>> w.numpy(), float(opt.dynamic_scale)
+        (array([0.5, 1.5], dtype=float32), 2.0)
     """
 
     def __init__(self, transformation, name=None, **kwargs):

@@ -38,14 +38,13 @@ class RMSprop(Optimizer):
             from the class name.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
-    Example:
-
-    >>> import numpy as np, lossscale as ls
-    >>> w = ls.Variable(np.array([10.0], np.float32))
-    >>> opt = ls.optimizers.RMSprop(learning_rate=0.1)
-    >>> opt.apply([w.numpy()], [w])  # the gradient of w**2 / 2
-    >>> w.numpy().round(6)
-    array([9.683772], dtype=float32)
+    Examples:
+        >>> import numpy as np, lossscale as ls
+        >>> w = ls.Variable(np.array([10.0], np.float32))
+        >>> opt = ls.optimizers.RMSprop(learning_rate=0.1)
+        >>> opt.apply([w.numpy()], [w])  # the gradient of w**2 / 2
+        >>> w.numpy().round(6)
+        array([9.683772], dtype=float32)
     """
 
     update_kernel = "rmsprop"

@@ -23,14 +23,13 @@ class SGD(Optimizer):
         name: String. Defaults to `"sgd"`.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
-    Example:
-
-    >>> import numpy as np, lossscale as ls
-    >>> w = ls.Variable(np.array([1.0], np.float32))
-    >>> opt = ls.optimizers.SGD(learning_rate=0.1, momentum=0.9)
-    >>> opt.apply([np.array([1.0], np.float32)], [w])
-    >>> w.numpy()
-    array([0.9], dtype=float32)
+    Examples:
+        >>> import numpy as np, lossscale as ls
+        >>> w = ls.Variable(np.array([1.0], np.float32))
+        >>> opt = ls.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+        >>> opt.apply([np.array([1.0], np.float32)], [w])
+        >>> w.numpy()
+        array([0.9], dtype=float32)
     """
 
     update_kernel = "sgd"

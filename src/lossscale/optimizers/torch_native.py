@@ -87,21 +87,20 @@ class TorchOptimizer(Optimizer):
         global_clipnorm: Float. If set, all gradients are clipped together
             so that their global norm is no higher than this value.
 
-    Example:
-
-    >>> import torch, lossscale as ls
-    >>> from lossscale.optimizers.torch_native import TorchOptimizer
-    >>> w = torch.nn.Parameter(torch.ones(2))
-    >>> opt = ls.LossScaleOptimizer(TorchOptimizer(torch.optim.SGD([w], lr=0.5)),
-    ...                             initial_scale=4.0)
-    >>> loss = opt.scale_loss((w * torch.tensor([1.0, -1.0])).sum())
-    >>> loss.backward()
-    >>> opt.apply([w.grad], [w])
-    >>> w.detach()
-    tensor([0.5000, 1.5000])
-    >>> opt.apply([torch.tensor([float("inf"), 0.0])], [w])  # overflow: skipped
-    >>> w.detach(), float(opt.dynamic_scale)
-    (tensor([0.5000, 1.5000]), 2.0)
+    Examples:
+        >>> import torch, lossscale as ls
+        >>> from lossscale.optimizers.torch_native import TorchOptimizer
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> opt = ls.LossScaleOptimizer(TorchOptimizer(torch.optim.SGD([w], lr=0.5)),
+        ...                             initial_scale=4.0)
+        >>> loss = opt.scale_loss((w * torch.tensor([1.0, -1.0])).sum())
+        >>> loss.backward()
+        >>> opt.apply([w.grad], [w])
+        >>> w.detach()
+        tensor([0.5000, 1.5000])
+        >>> opt.apply([torch.tensor([float("inf"), 0.0])], [w])  # overflow: skipped
+        >>> w.detach(), float(opt.dynamic_scale)
+        (tensor([0.5000, 1.5000]), 2.0)
     """
 
     # Tells a wrapper that `variables` do not hold the whole state: checkpoint

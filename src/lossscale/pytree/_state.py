@@ -20,13 +20,12 @@ class OptimizerState(collections.abc.Mapping):
     Args:
         values: A mapping from names to arrays.
 
-    Example:
-
-    >>> import numpy as np
-    >>> from lossscale.pytree import OptimizerState
-    >>> state = OptimizerState({"sgd/iteration": np.array(3)})
-    >>> int(state["sgd/iteration"]), list(state)
-    (3, ['sgd/iteration'])
+    Examples:
+        >>> import numpy as np
+        >>> from lossscale.pytree import OptimizerState
+        >>> state = OptimizerState({"sgd/iteration": np.array(3)})
+        >>> int(state["sgd/iteration"]), list(state)
+        (3, ['sgd/iteration'])
     """
 
     __slots__ = ("_values",)

@@ -31,15 +31,14 @@ class Transform:
             `LossScaleOptimizer`. Unbuilt, or built on variables with the
             shapes of the parameter tree (to continue stateful training).
 
-    Example:
-
-    >>> import numpy as np, lossscale as ls, lossscale.pytree
-    >>> tx = ls.pytree.transform(ls.optimizers.SGD(0.5))
-    >>> params = {"w": np.ones(2, np.float32)}
-    >>> state = tx.init(params)
-    >>> params, state = tx.apply({"w": np.ones(2, np.float32)}, state, params)
-    >>> params["w"], int(state["sgd/iteration"])
-    (array([0.5, 0.5], dtype=float32), 1)
+    Examples:
+        >>> import numpy as np, lossscale as ls, lossscale.pytree
+        >>> tx = ls.pytree.transform(ls.optimizers.SGD(0.5))
+        >>> params = {"w": np.ones(2, np.float32)}
+        >>> state = tx.init(params)
+        >>> params, state = tx.apply({"w": np.ones(2, np.float32)}, state, params)
+        >>> params["w"], int(state["sgd/iteration"])
+        (array([0.5, 0.5], dtype=float32), 1)
     """
 
     def __init__(self, optimizer):
@@ -249,15 +248,14 @@ def transform(optimizer):
     Returns:
         A `Transform` with `init`, `apply`, `scale_loss` and `loss_scale`.
 
-    Example:
-
-    >>> import jax, jax.numpy as jnp, lossscale as ls, lossscale.pytree
-    >>> tx = ls.pytree.transform(ls.LossScaleOptimizer(ls.optimizers.Adam(1e-3)))
-    >>> params = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.zeros(2)}}
-    >>> state = tx.init(params)
-    >>> step = tx.jit()  # jax.jit(tx.apply), updating params and state in place
-    >>> grads = jax.tree_util.tree_map(jnp.ones_like, params)
-    >>> params, state = step(grads, state, params)
+    Examples:
+        >>> import jax, jax.numpy as jnp, lossscale as ls, lossscale.pytree
+        >>> tx = ls.pytree.transform(ls.LossScaleOptimizer(ls.optimizers.Adam(1e-3)))
+        >>> params = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.zeros(2)}}
+        >>> state = tx.init(params)
+        >>> step = tx.jit()  # jax.jit(tx.apply), updating params and state in place
+        >>> grads = jax.tree_util.tree_map(jnp.ones_like, params)
+        >>> params, state = step(grads, state, params)
     """
     return Transform(optimizer)
 

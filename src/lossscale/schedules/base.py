@@ -8,18 +8,17 @@ class LearningRateSchedule:
     (`lossscale.backends.ops_for(step)`), so one schedule serves NumPy,
     torch and JAX (including under `jax.jit`), and `get_config`.
 
-    Example:
-
-    >>> import lossscale as ls
-    >>> class Halving(ls.schedules.LearningRateSchedule):
-    ...     def __init__(self, initial):
-    ...         self.initial = initial
-    ...     def __call__(self, step):
-    ...         return self.initial * 0.5 ** (step // 10)
-    ...     def get_config(self):
-    ...         return {"initial": self.initial}
-    >>> float(Halving(1.0)(20))
-    0.25
+    Examples:
+        >>> import lossscale as ls
+        >>> class Halving(ls.schedules.LearningRateSchedule):
+        ...     def __init__(self, initial):
+        ...         self.initial = initial
+        ...     def __call__(self, step):
+        ...         return self.initial * 0.5 ** (step // 10)
+        ...     def get_config(self):
+        ...         return {"initial": self.initial}
+        >>> float(Halving(1.0)(20))
+        0.25
     """
 
     def __call__(self, step):

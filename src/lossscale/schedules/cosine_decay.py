@@ -47,13 +47,12 @@ class CosineDecay(LearningRateSchedule):
         warmup_steps: Number >= 0. Number of steps to warm up over.
             Defaults to `0`.
 
-    Example:
-
-    >>> import lossscale as ls
-    >>> schedule = ls.schedules.CosineDecay(0.0, decay_steps=10, warmup_target=0.1,
-    ...                                     warmup_steps=10)
-    >>> [round(float(schedule(s)), 6) for s in (0, 5, 10, 15, 20, 99)]
-    [0.0, 0.05, 0.1, 0.05, 0.0, 0.0]
+    Examples:
+        >>> import lossscale as ls
+        >>> schedule = ls.schedules.CosineDecay(0.0, decay_steps=10, warmup_target=0.1,
+        ...                                     warmup_steps=10)
+        >>> [round(float(schedule(s)), 6) for s in (0, 5, 10, 15, 20, 99)]
+        [0.0, 0.05, 0.1, 0.05, 0.0, 0.0]
     """
 
     def __init__(
@@ -130,13 +129,12 @@ class CosineDecayRestarts(LearningRateSchedule):
             `initial_learning_rate`. Defaults to `0.0`.
         name: String. Defaults to `"SGDRDecay"`.
 
-    Example:
-
-    >>> import lossscale as ls
-    >>> schedule = ls.schedules.CosineDecayRestarts(0.1, first_decay_steps=10, t_mul=1.0,
-    ...                                             m_mul=0.5)
-    >>> [round(float(schedule(s)), 6) for s in (0, 5, 10, 15)]
-    [0.1, 0.05, 0.05, 0.025]
+    Examples:
+        >>> import lossscale as ls
+        >>> schedule = ls.schedules.CosineDecayRestarts(0.1, first_decay_steps=10, t_mul=1.0,
+        ...                                             m_mul=0.5)
+        >>> [round(float(schedule(s)), 6) for s in (0, 5, 10, 15)]
+        [0.1, 0.05, 0.05, 0.025]
     """
 
     def __init__(

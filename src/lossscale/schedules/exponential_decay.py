@@ -21,13 +21,12 @@ class ExponentialDecay(LearningRateSchedule):
             intervals (an integer number of periods). Defaults to `False`.
         name: String. Defaults to `"ExponentialDecay"`.
 
-    Example:
-
-    >>> import lossscale as ls
-    >>> schedule = ls.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
-    >>> round(float(schedule(20)), 6)
-    0.025
-    >>> opt = ls.optimizers.SGD(learning_rate=schedule)
+    Examples:
+        >>> import lossscale as ls
+        >>> schedule = ls.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
+        >>> round(float(schedule(20)), 6)
+        0.025
+        >>> opt = ls.optimizers.SGD(learning_rate=schedule)
     """
 
     def __init__(

@@ -21,12 +21,11 @@ class InverseTimeDecay(LearningRateSchedule):
             staircase rather than continuously. Defaults to `False`.
         name: String. Defaults to `"InverseTimeDecay"`.
 
-    Example:
-
-    >>> import lossscale as ls
-    >>> schedule = ls.schedules.InverseTimeDecay(0.1, decay_steps=1, decay_rate=0.5)
-    >>> round(float(schedule(2)), 6)
-    0.05
+    Examples:
+        >>> import lossscale as ls
+        >>> schedule = ls.schedules.InverseTimeDecay(0.1, decay_steps=1, decay_rate=0.5)
+        >>> round(float(schedule(2)), 6)
+        0.05
     """
 
     def __init__(

@@ -27,12 +27,11 @@ class PiecewiseConstantDecay(LearningRateSchedule):
             for each interval.
         name: String. Defaults to `"PiecewiseConstant"`.
 
-    Example:
-
-    >>> import lossscale as ls
-    >>> schedule = ls.schedules.PiecewiseConstantDecay([100, 110], [1.0, 0.5, 0.1])
-    >>> [round(float(schedule(s)), 6) for s in (100, 101, 111)]
-    [1.0, 0.5, 0.1]
+    Examples:
+        >>> import lossscale as ls
+        >>> schedule = ls.schedules.PiecewiseConstantDecay([100, 110], [1.0, 0.5, 0.1])
+        >>> [round(float(schedule(s)), 6) for s in (100, 101, 111)]
+        [1.0, 0.5, 0.1]
     """
 
     def __init__(self, boundaries, values, name="PiecewiseConstant"):

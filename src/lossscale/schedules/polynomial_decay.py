@@ -33,12 +33,11 @@ class PolynomialDecay(LearningRateSchedule):
             `False`.
         name: String. Defaults to `"PolynomialDecay"`.
 
-    Example:
-
-    >>> import lossscale as ls
-    >>> schedule = ls.schedules.PolynomialDecay(0.1, decay_steps=10, end_learning_rate=0.0)
-    >>> round(float(schedule(5)), 6), float(schedule(50))
-    (0.05, 0.0)
+    Examples:
+        >>> import lossscale as ls
+        >>> schedule = ls.schedules.PolynomialDecay(0.1, decay_steps=10, end_learning_rate=0.0)
+        >>> round(float(schedule(5)), 6), float(schedule(50))
+        (0.05, 0.0)
     """
 
     def __init__(
