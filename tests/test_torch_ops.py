@@ -1,10 +1,11 @@
-"""torch_ops: masked `cond` and writes, device constants, torch.compile, and the
-no-synchronisation guarantee of a whole step."""
+"""backends/torch/ops.py: device constants, torch.compile, and the
+no-synchronisation guarantee of a whole step (masked branches:
+tests/test_torch_masks.py)."""
 
 import numpy as np
 import pytest
 import torch
-from torch_cases import SHAPES, apply, inject, no_host_reads, random_grads
+from torch_cases import no_host_reads
 
 import lossscale as ls
 import lossscale.backends.torch as torch_backend
@@ -16,119 +17,6 @@ from lossscale.optimizers import SGD, Adam, RMSprop
 
 def storage(values, dtype=torch.float32):
     return torch.tensor(values, dtype=dtype)
-
-
-# --- masked execution ----------------------------------------------------------
-
-
-@pytest.mark.parametrize("taken", [True, False])
-def test_cond_on_tensor_runs_both_branches_under_masks(taken):
-    x = storage([1.0, 2.0])
-    seen = []
-
-    def true_fn():
-        seen.append(("true", torch_ops.active_mask().clone()))
-        torch_ops.assign(x, storage([10.0, 20.0]))
-
-    def false_fn():
-        seen.append(("false", torch_ops.active_mask().clone()))
-        torch_ops.assign_add(x, 100.0)
-
-    torch_ops.cond(torch.tensor(taken), true_fn, false_fn, [])
-    assert [(b, bool(m)) for b, m in seen] == [("true", taken), ("false", not taken)]
-    expected = [10.0, 20.0] if taken else [101.0, 102.0]
-    assert x.tolist() == expected
-    assert torch_ops.active_mask() is None
-
-
-@pytest.mark.parametrize("pred", [True, False, np.bool_(True), np.bool_(False)])
-def test_cond_on_host_boolean_is_a_plain_if(pred):
-    calls = []
-    torch_ops.cond(pred, lambda: calls.append("true"), lambda: calls.append("false"), [])
-    assert calls == (["true"] if pred else ["false"])
-
-
-@pytest.mark.parametrize("outer", [True, False])
-@pytest.mark.parametrize("inner", [True, False])
-def test_nested_conds_combine_masks(outer, inner):
-    x = storage([0.0])
-
-    def outer_true():
-        torch_ops.cond(
-            torch.tensor(inner),
-            lambda: torch_ops.assign_add(x, 1.0),
-            lambda: torch_ops.assign_add(x, 2.0),
-            [],
-        )
-
-    torch_ops.cond(torch.tensor(outer), outer_true, lambda: torch_ops.assign_add(x, 4.0), [])
-    expected = (1.0 if inner else 2.0) if outer else 4.0
-    assert x.tolist() == [expected]
-
-
-def test_masked_writes_never_store_values_of_the_branch_not_taken():
-    x = storage([1.0, -0.0, 3.0])
-    before = x.clone()
-    with torch_ops.masked(torch.tensor(False)):
-        torch_ops.assign(x, storage([np.nan, np.inf, -np.inf]))
-        torch_ops.assign_add(x, storage([np.nan, 1.0, 1.0]))
-        torch_ops.assign_sub(x, np.inf)
-        torch_ops.assign(x, 7.0)
-    # Bit for bit, including the sign of zero.
-    assert torch.equal(x.view(torch.int32), before.view(torch.int32))
-
-
-def test_masked_writes_equal_plain_writes_when_taken():
-    rng = np.random.default_rng(0)
-    a, b = storage(rng.normal(size=5)), storage(rng.normal(size=5))
-    plain, masked = a.clone(), a.clone()
-    for op in (torch_ops.assign_add, torch_ops.assign_sub, torch_ops.assign):
-        op(plain, b)
-        with torch_ops.masked(torch.tensor(True)):
-            op(masked, b)
-        assert torch.equal(plain, masked)
-
-
-def test_masked_write_broadcasts_and_casts_like_a_plain_one():
-    half = torch.zeros(2, 3, dtype=torch.float16)
-    with torch_ops.masked(torch.tensor(True)):
-        torch_ops.assign_add(half, storage([1.0, 2.0, 3.0]))
-    assert half.dtype == torch.float16 and half.tolist() == [[1.0, 2.0, 3.0]] * 2
-    counter = torch.zeros((), dtype=torch.int64)
-    with torch_ops.masked(torch.tensor(True)):
-        torch_ops.assign_add(counter, 1)
-    assert counter.dtype == torch.int64 and int(counter) == 1
-
-
-def test_masked_write_into_parameter_keeps_autograd_state():
-    p = torch.nn.Parameter(storage([1.0, 2.0]))
-    with torch_ops.masked(torch.tensor(True)):
-        torch_ops.assign_sub(p, storage([0.5, 0.5]))
-    assert p.requires_grad and p.grad_fn is None and p.tolist() == [0.5, 1.5]
-
-
-@pytest.mark.parametrize(
-    "make",
-    [lambda: SGD(0.1, momentum=0.9), lambda: Adam(0.01), lambda: RMSprop(0.01, centered=True)],
-)
-def test_masked_step_equals_python_if_step(monkeypatch, make):
-    """A LossScaleOptimizer step under masks gives the results of a host-side `if`."""
-
-    def host_cond(pred, true_fn, false_fn, variables):
-        true_fn() if bool(pred) else false_fn()
-
-    runs = []
-    for cond in (torch_ops.cond, host_cond):
-        monkeypatch.setattr(torch_ops, "cond", cond)
-        rng = np.random.default_rng(1)
-        params = [torch.tensor(rng.normal(size=s), dtype=torch.float32) for s in SHAPES]
-        opt = ls.LossScaleOptimizer(make(), initial_scale=4.0, dynamic_growth_steps=2)
-        for kind in ["f", "inf", "f", "nan", "nan", "f", "f", "f"]:
-            grads = inject(random_grads(rng, 4.0), kind)
-            apply(opt, [torch.tensor(g) for g in grads], params)
-        runs.append([p.clone() for p in params] + [v.value.clone() for v in opt.variables])
-    for masked, plain in zip(*runs):
-        assert torch.equal(masked, plain)
 
 
 def test_constants_are_made_once_per_value_dtype_and_device():
@@ -305,9 +193,9 @@ def test_fused_scale_update_equals_the_generic_selects(
             )
         return trail
 
-    def counting(*args):
+    def counting(*args, **kwargs):
         calls.append(1)
-        return torch_fused.update_scale(*args)
+        return torch_fused.update_scale(*args, **kwargs)
 
     generic = run(None, torch.int32)
     assert run(counting, torch.int32) == generic and len(calls) == len(pattern)

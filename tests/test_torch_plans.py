@@ -1,14 +1,12 @@
 """torch_groups: cached per-(device, dtype) plans and mask-aware multi-tensor writes."""
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
-from torch_cases import SHAPES, random_grads
+from torch_cases import SHAPES, count_ops, random_grads
 
 import lossscale as ls
-from lossscale.backends.torch import ops as torch_ops
+from lossscale.backends.torch import masks
 from lossscale.backends.torch import plans as torch_plans
 from lossscale.optimizers import Adam, RMSprop
 
@@ -106,14 +104,41 @@ def test_writer(mask, method, expected):
     targets = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
     values = [torch.tensor([10.0, 20.0]), torch.tensor([np.nan])]
     keep = [t.clone() for t in targets]
-    context = torch_ops.masked(torch.tensor(mask)) if mask is not None else contextlib.nullcontext()
-    with context:
-        write = torch_plans.Writer(torch.device("cpu"))
-        written = getattr(write, method)(targets, values)
-        found = write.found_inf()
+    write_mask = None if mask is None else masks.WriteMask(torch.tensor(mask))
+    write = torch_plans.Writer(write_mask, torch.device("cpu"))
+    written = getattr(write, method)(targets, values)
+    found = write.found_inf()
     if mask is False:
         assert all(torch.equal(t, k) for t, k in zip(targets, keep))
     else:
         assert targets[0].tolist() == expected and np.isnan(targets[1].item())
     assert written[0].tolist() == expected  # what the step writes if it is taken
     assert found is None if mask is None else float(found) == float(not mask)
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_masked_writes_of_many_small_tensors_are_packed(monkeypatch, taken):
+    # Small tensors are selected in one packed copy, a large one on its own:
+    # bit for bit what one `where` per tensor gives (signed zeros and NaNs
+    # included), and a constant number of kernels however many tensors.
+    monkeypatch.setattr(torch_plans, "PACK_BELOW", 8)
+    rng = np.random.default_rng(3)
+
+    def tensors(n):
+        out = [torch.tensor(rng.normal(size=s), dtype=torch.float32) for s in [(2, 3)] * n]
+        out.append(torch.tensor(rng.normal(size=20), dtype=torch.float32))  # not packed
+        out[0][0, 0], out[1][0, 1] = -0.0, np.nan
+        return out
+
+    write = torch_plans.Writer(masks.WriteMask(torch.tensor(taken)), torch.device("cpu"))
+    counts = []
+    for n in (4, 9):
+        write.set(tensors(n), tensors(n))  # makes the packing buffers for these shapes
+        targets, values = tensors(n), tensors(n)
+        expected = [torch.where(torch.tensor(taken), v, t) for t, v in zip(targets, values)]
+        with count_ops() as ops:
+            write.set(targets, values)
+        counts.append(len(ops) - 1)  # less the one `where` of the large tensor
+        for t, e in zip(targets, expected):
+            assert torch.equal(t.view(torch.int32), e.view(torch.int32))
+    assert counts[0] == counts[1] == 4

@@ -135,3 +135,23 @@ def no_host_reads():
     finally:
         mp.undo()
         assert all(getattr(torch.Tensor, n) is f for n, f in saved.items())
+
+
+@contextlib.contextmanager
+def count_ops():
+    """Records the name of every aten operation dispatched inside the block.
+
+    On a GPU each is a kernel launch (views and scalar ops included), so the
+    count is what a launch-bound step pays; it is deterministic.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        yield seen

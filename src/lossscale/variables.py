@@ -82,7 +82,12 @@ class Variable:
         self.constraint = constraint
         self._storage = None
         self._shape = None
+        # Set by a backend's masked branch (`backends.torch.masks`, JAX's
+        # `gated`) on every variable the branch may write: writes then take
+        # effect only where the mask holds. None everywhere else.
+        self._write_mask = None
         self._init_storage(initializer, shape, dtype, backend, like)
+        self._shape = self._ops.shape(self._storage)
 
     def _init_storage(self, initializer, shape, dtype, backend, like):
         native = _native_or_none(initializer)
@@ -146,9 +151,8 @@ class Variable:
 
     @property
     def shape(self):
-        # Fixed for the variable's life (every write keeps it), so read once.
-        if self._shape is None:
-            self._shape = self._ops.shape(self._storage)
+        # Fixed for the variable's life (every write keeps it): read once, at
+        # creation, so that a compiled step sees a constant.
         return self._shape
 
     @property
@@ -193,19 +197,19 @@ class Variable:
         """Assigns `value` (same shape) to the variable, in place where possible."""
         value = self._coerce(value, "assign")
         self._check_shape(value, "assign", exact=not isinstance(value, (int, float, bool)))
-        self._storage = self._ops.assign(self._storage, value)
+        self._storage = self._ops.assign(self._storage, value, self._write_mask)
 
     def assign_add(self, value):
         """Adds `value` (broadcastable to the variable's shape) in place."""
         value = self._coerce(value, "assign_add")
         self._check_shape(value, "assign_add", exact=False)
-        self._storage = self._ops.assign_add(self._storage, value)
+        self._storage = self._ops.assign_add(self._storage, value, self._write_mask)
 
     def assign_sub(self, value):
         """Subtracts `value` (broadcastable to the variable's shape) in place."""
         value = self._coerce(value, "assign_sub")
         self._check_shape(value, "assign_sub", exact=False)
-        self._storage = self._ops.assign_sub(self._storage, value)
+        self._storage = self._ops.assign_sub(self._storage, value, self._write_mask)
 
     def _move_to(self, like):
         """Re-creates this variable on `like`'s backend and device (before use)."""

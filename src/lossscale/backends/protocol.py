@@ -38,10 +38,12 @@ class BackendOps(Protocol):
     def place(self, x: Any, like: Any) -> Any: ...
 
     # --- variable storage ------------------------------------------------
+    # `mask`: None, or the write mask a masked branch (`gated`, torch's
+    # `cond`) set on the variable: the write takes effect only where it holds.
     def read(self, storage: Any) -> Any: ...
-    def assign(self, storage: Any, value: Any) -> Any: ...
-    def assign_add(self, storage: Any, value: Any) -> Any: ...
-    def assign_sub(self, storage: Any, value: Any) -> Any: ...
+    def assign(self, storage: Any, value: Any, mask: Any = None) -> Any: ...
+    def assign_add(self, storage: Any, value: Any, mask: Any = None) -> Any: ...
+    def assign_sub(self, storage: Any, value: Any, mask: Any = None) -> Any: ...
 
     # --- elementwise and reductions -------------------------------------
     def cast(self, x: Any, dtype: str) -> Any: ...
@@ -64,8 +66,21 @@ class BackendOps(Protocol):
     def logical_not(self, x: Any) -> Any: ...
 
     # --- multi-tensor helpers (fast paths live here) ---------------------
-    def unscale(self, grads: Sequence[Any], scale: Any) -> list: ...
+    def unscale(self, grads: Sequence[Any], scale: Any, in_place: bool = False) -> list:
+        """`grads` divided by `scale` (float32 for half gradients).
+
+        `in_place` permits (does not demand) dividing the caller's own
+        buffers: torch does, saving a full-size copy.
+        """
+
     def all_finite(self, arrays: Sequence[Any]) -> Any: ...
+    def finite_flags(self, arrays: Sequence[Any]) -> tuple:
+        """`(finite, skip)`: `all_finite(arrays)`, and as a float32 flag (1.0: not finite).
+
+        The arrays must be the caller's own: torch checks them with its AMP
+        kernel, which stores the values it reads.
+        """
+
     def global_norm(self, arrays: Sequence[Any]) -> Any: ...
     def max_abs(self, arrays: Sequence[Any]) -> Any: ...
     def all_max(self, x: Any, group: Any = None) -> Any: ...
@@ -78,14 +93,25 @@ class BackendOps(Protocol):
         that class's `update_step` exactly.
         """
 
+    def fused_weight_decay(self) -> Callable | None:
+        """A kernel `(optimizer, variables, weight_decay, learning_rate)` decaying them all.
+
+        Or None.
+
+        Equal, bit for bit, to `v.assign_sub(v * weight_decay * lr)` per
+        variable, masks honoured.
+        """
+
     def fused_scale_update(self) -> Callable | None:
         """A kernel for the plain dynamic loss-scale update, or None.
 
         `kernel(scale, counter, finite, growth_steps, growth_factor,
-        backoff_factor, floor)` returns the new `(scale, counter)` of a
-        policy without hysteresis, limits, headroom or telemetry (a backoff
-        stops at `floor`): what `loss_scale.next_loss_scale` computes for
-        it, exactly.
+        backoff_factor, floor, skip=None, in_place=False)` returns the new
+        `(scale, counter)` of a policy without hysteresis, limits, headroom
+        or telemetry (a backoff stops at `floor`): what
+        `loss_scale.next_loss_scale` computes for it, exactly. `skip` is
+        `finite` as a float flag (1.0: not finite) if the caller has it;
+        with `in_place`, `scale` and `counter` may be updated where they are.
         """
 
     # --- control flow ---------------------------------------------------
@@ -93,7 +119,24 @@ class BackendOps(Protocol):
         self,
         pred: Any,
         true_fn: Callable[[], None],
-        false_fn: Callable[[], None],
+        false_fn: Callable[[], None] | None,
         variables: Sequence[Any],
-    ) -> None: ...
+    ) -> None:
+        """Runs `true_fn` where `pred` holds, else `false_fn` (None: nothing).
+
+        `variables`: every variable either branch may write.
+        """
+
+    def gated(
+        self, pred: Any, fn: Callable[[], None], variables: Sequence[Any], skip: Any = None
+    ) -> None:
+        """Runs `fn` so that its writes to `variables` take effect only where `pred` holds.
+
+        On a device value: torch and JAX run `fn` once with `pred` as every
+        variable's write mask (writes select; a kernel with `folds_gate`
+        folds the mask into its own arithmetic), with no host read and, on
+        JAX, no `lax.cond`. `skip`: the same flag as `finite_flags` gives
+        it, when the caller has it.
+        """
+
     def quiet(self) -> ContextManager: ...

@@ -113,6 +113,15 @@ class LossScalePolicy:
                 f"`min_scale` < `max_scale`. Received: min_scale={self.min_scale}, "
                 f"initial_scale={self.initial_scale}, max_scale={self.max_scale}"
             )
+        # Derived once: a step asks for them every time, and `torch.compile`
+        # traces attribute reads where it cannot trace `dataclasses.fields`.
+        object.__setattr__(self, "_plain", self._compute_is_plain())
+        fields = tuple(f for f in _STATE_FIELDS if self.tracks(f.name))
+        object.__setattr__(self, "_fields", fields)
+        # (name, per, initial) of each: plain values, which a compiled step
+        # reads where it cannot read a field's metadata mapping.
+        starts = tuple((f.name, f.metadata["per"], f.metadata["initial"]) for f in fields)
+        object.__setattr__(self, "_starts", starts)
 
     @property
     def fails_fast(self):
@@ -126,6 +135,13 @@ class LossScalePolicy:
 
     @property
     def is_plain(self):
+        """Whether the update is Keras's own, with other factors at most.
+
+        See `_compute_is_plain`.
+        """
+        return self._plain
+
+    def _compute_is_plain(self):
         """Whether the update is Keras's own, with other factors at most.
 
         No hysteresis, limits, headroom or telemetry, and factors that are
@@ -212,12 +228,20 @@ class LossScaleState:
     error_step: object = _state("fail_fast", "int32", -1)
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(LossScaleState)}
+_STATE_FIELDS = dataclasses.fields(LossScaleState)
+_FIELDS = {f.name: f for f in _STATE_FIELDS}
+# Every field's name, in declaration order.
+STATE_FIELD_NAMES = tuple(_FIELDS)
 
 
 def state_fields(policy):
     """The `LossScaleState` fields `policy` tracks, in declaration order."""
-    return [f for f in dataclasses.fields(LossScaleState) if policy.tracks(f.name)]
+    return policy._fields
+
+
+def replaced(state, **changes):
+    """`state` with some fields changed (`dataclasses.replace`, traceable by torch.compile)."""
+    return LossScaleState(**{n: changes.get(n, getattr(state, n)) for n in STATE_FIELD_NAMES})
 
 
 def may_apply(ops, state, finite, policy):
@@ -237,7 +261,9 @@ def _constant(ops, value, dtype, like):
     return ops.full((), value, dtype, like=like)
 
 
-def next_loss_scale(ops, state, finite, policy, peak=None, variable_finite=()):
+def next_loss_scale(
+    ops, state, finite, policy, peak=None, variable_finite=(), skip=None, in_place=False
+):
     """Advances the loss-scale state by one step.
 
     With finite gradients the counter increments; on the
@@ -265,6 +291,13 @@ def next_loss_scale(ops, state, finite, policy, peak=None, variable_finite=()):
         variable_finite: For each entry of `state.nonfinite`, a boolean
             scalar (whether that variable's gradient was finite) or `None`
             (it had no gradient this step).
+        skip: Optional float32 scalar, 1.0 where `finite` is False: the same
+            flag in torch's AMP form, when the caller has it (a backend
+            kernel reads it instead of converting `finite`).
+        in_place: Whether the arrays of `state` may be overwritten with the
+            new state (a mutable backend's kernel then updates them where
+            they are; the returned state holds them). Defaults to False:
+            `state` is left as it was.
 
     Returns:
         The next `LossScaleState`.
@@ -287,8 +320,10 @@ def next_loss_scale(ops, state, finite, policy, peak=None, variable_finite=()):
             policy.growth_factor,
             policy.backoff_factor,
             MIN_SCALE,
+            skip=skip,
+            in_place=in_place,
         )
-        return dataclasses.replace(state, scale=scale, counter=counter)
+        return replaced(state, scale=scale, counter=counter)
     scale, counter = state.scale, state.counter
     overflow = ops.logical_not(finite)
     new = {}
@@ -356,7 +391,7 @@ def next_loss_scale(ops, state, finite, policy, peak=None, variable_finite=()):
         new = {
             name: _select(ops, frozen, getattr(state, name), value) for name, value in new.items()
         }
-    return dataclasses.replace(state, **new)
+    return replaced(state, **new)
 
 
 def _select(ops, pred, old, new):
@@ -368,12 +403,12 @@ def _select(ops, pred, old, new):
 def _complete(ops, state, policy):
     """`state` with every tracked scalar field present (missing ones at their start)."""
     missing = {}
-    for f in state_fields(policy):
-        if f.metadata["per"] == "variable":
+    for name, per, initial in policy._starts:
+        if per == "variable":
             continue  # sized by the caller, who knows the model
-        if f.metadata["per"] == "history":
+        if per == "history":
             if not state.scale_history:
-                missing[f.name] = (_zero(state.scale),) * HISTORY_LENGTH
-        elif getattr(state, f.name) is None:
-            missing[f.name] = _zero(state.counter) + f.metadata["initial"]
-    return dataclasses.replace(state, **missing) if missing else state
+                missing[name] = (_zero(state.scale),) * HISTORY_LENGTH
+        elif getattr(state, name) is None:
+            missing[name] = _zero(state.counter) + initial
+    return replaced(state, **missing) if missing else state

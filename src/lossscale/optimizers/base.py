@@ -152,6 +152,9 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
         for key, value in settings.items():
             setattr(self, key, value)
         self.built = False
+        # The class's own `update_kernel` (not an inherited one), read once:
+        # a compiled step reads a plain attribute, not the class namespace.
+        self._kernel_name = type(self).__dict__.get("update_kernel")
         self._variables = []
         self._trainable_variables = []
         self._indices = {}
@@ -237,6 +240,7 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
             raise ValueError("`var_list` must contain at least one variable. Received: var_list=[]")
         self._trainable_variables = var_list
         self._indices = {id(v): i for i, v in enumerate(var_list)}
+        self._exclusions.decide(var_list)
         # Scalars made before the backend was known follow the model there.
         for v in self._variables:
             v._move_to(var_list[0].value)
@@ -337,6 +341,24 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
             and not any(v.overwrite_with_gradient for v in variables)
         )
 
+    def _folds_gate(self, variables):
+        """Whether a step gated by a device flag (`ops.gated`) needs no select.
+
+        True when this exact class's kernel folds the flag into its own
+        arithmetic (`folds_gate`), weight decay (if any) has such a kernel
+        too, and nothing else in the pipeline writes (no accumulation, EMA,
+        constraints or overwrite-with-gradient variables). Else a gated step
+        is better taken as `ops.cond` (on JAX a `lax.cond`).
+        """
+        ops = self._ops
+        return (
+            getattr(self._fused_kernel(), "folds_gate", False)
+            and (self.weight_decay is None or ops.fused_weight_decay() is not None)
+            and not self.gradient_accumulation_steps
+            and not self.use_ema
+            and not any(v.overwrite_with_gradient or v.constraint for v in variables)
+        )
+
     def _apply_validated(self, grads, variables, grad_scale=None):
         """Runs one step on validated input.
 
@@ -369,7 +391,9 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
         )
         learning_rate = self.learning_rate
         if self.weight_decay is not None:
-            apply_weight_decay(ops, variables, self.weight_decay, learning_rate, self._exclusions)
+            apply_weight_decay(
+                self, ops, variables, self.weight_decay, learning_rate, self._exclusions
+            )
         if grad_scale is None:
             self._update_variables(grads, variables, learning_rate)
         else:
@@ -391,7 +415,7 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
 
     def _fused_kernel(self):
         """The backend's kernel for this exact class's `update_kernel`, or None."""
-        name = type(self).__dict__.get("update_kernel")
+        name = self._kernel_name
         return None if name is None else self._ops.fused_update(name)
 
     def _accumulate_or_update(self, ops, grads, variables):

@@ -1,21 +1,13 @@
 """`LossScaleOptimizer`: dynamic loss scaling around any optimizer."""
 
 import dataclasses
-import functools
 import warnings
 
 from lossscale.mixed_precision.host_state import HostStateMixin
-from lossscale.mixed_precision.loss_scale import (
-    HISTORY_LENGTH,
-    LossScalePolicy,
-    LossScaleState,
-    may_apply,
-    next_loss_scale,
-    state_fields,
-)
+from lossscale.mixed_precision.loss_scale import HISTORY_LENGTH, LossScalePolicy, state_fields
 from lossscale.mixed_precision.telemetry import UnscaledLossWarning, unscaled_loss_message
-from lossscale.optimizers import stateless
 from lossscale.optimizers.base import Optimizer
+from lossscale.optimizers.loss_scale_step import LossScaleStepMixin
 from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
 
 # Base-optimizer arguments and their defaults: the wrapper accepts only the
@@ -33,7 +25,7 @@ _INNER_ONLY = {
 }
 
 
-class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
+class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMixin, Optimizer):
     """An optimizer that dynamically scales the loss to prevent underflow.
 
     Loss scaling multiplies the loss by a large factor, the "loss scale", so
@@ -255,126 +247,6 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
         super().apply(grads, trainable_variables)
         self.check()
 
-    def _apply_validated(self, grads, variables):
-        ops = self._ops
-        scale = self.dynamic_scale.value
-        inner = self.inner_optimizer
-        if self._folds_unscale(variables):
-            # The inner kernel divides by the scale as it reads each gradient:
-            # one pass fewer. Division is monotone, so the largest scaled
-            # magnitude over the scale is the largest unscaled one, and the
-            # check still catches a gradient that overflows when unscaled.
-            present = [g for g in grads if g is not None]
-            finite, peak, variable_finite = ops.isfinite(ops.max_abs(present) / scale), None, ()
-            update = functools.partial(inner._apply_validated, grads, variables, grad_scale=scale)
-        else:
-            scaled = [
-                i
-                for i, (g, v) in enumerate(zip(grads, variables))
-                if g is not None and not v.overwrite_with_gradient
-            ]
-            grads = list(grads)
-            for i, g in zip(scaled, ops.unscale([grads[i] for i in scaled], scale)):
-                grads[i] = g
-            # Checking the unscaled gradients also catches a finite gradient
-            # that overflows when divided by a tiny scale.
-            finite, peak, variable_finite = self._inspect(ops, grads, variables, scaled, scale)
-            update = functools.partial(inner._apply_validated, grads, variables)
-        # Every process must take the same decision (sharded gradients differ
-        # per rank): one small all-reduce where torch.distributed runs.
-        finite = ops.all_true(finite, self.process_group)
-        if peak is not None:
-            peak = ops.all_max(peak, self.process_group)
-        state = self._read_state()
-        # The inner optimizer's validated entry: `apply` has checked the
-        # gradients and variables already.
-        ops.cond(
-            may_apply(ops, state, finite, self.policy),
-            update,
-            lambda: None,
-            self._trainable_variables + inner.variables,
-        )
-        new = next_loss_scale(
-            ops, state, finite, self.policy, peak=peak, variable_finite=variable_finite
-        )
-        targets = dict(_flatten(self._state))
-        pairs = [(targets[key], x) for key, x in _flatten(new) if key in targets]
-        if ops.MUTABLE:
-            # A value passed through unchanged (the shifted scale history) is
-            # another variable's buffer, which an earlier in-place write may
-            # already have overwritten: copy those first.
-            old = {id(x) for _, x in _flatten(state)}
-            pairs = [(v, ops.copy(x) if id(x) in old else x) for v, x in pairs]
-        for variable, value in pairs:
-            variable.assign(value)
-
-    def _folds_unscale(self, variables):
-        # Not under stateless_apply: the kernel leaves the unscaled values in
-        # the gradient buffers, which belong to the caller there.
-        return (
-            not stateless.RUNNING.get()
-            and not self.policy.records_details
-            and self.policy.growth_policy == "fixed"
-            and self.inner_optimizer._takes_grad_scale(variables)
-        )
-
-    def _inspect(self, ops, grads, variables, scaled, scale):
-        """Returns `(finite, peak, variable_finite)` for `next_loss_scale`, in one pass.
-
-        `peak` (the largest scaled magnitude) only with the headroom policy,
-        `variable_finite` only when telemetry is recorded.
-        """
-        policy = self.policy
-        headroom = policy.growth_policy == "headroom"
-        if not policy.records_details:
-            if not headroom:
-                return self.check_finite(grads), None, ()
-            unscaled = [grads[i] for i in scaled if ops.shape(grads[i]).count(0) == 0]
-            peak = ops.max_abs(unscaled) if unscaled else scale * 0
-            finite = ops.isfinite(peak)
-            others = [g for i, g in enumerate(grads) if g is not None and i not in scaled]
-            if others:
-                finite = ops.logical_and(finite, ops.all_finite(others))
-            return finite, peak * scale, ()
-        # One reduction per gradient: its largest magnitude, NaN or inf when
-        # it holds one, gives both its own flag and (reduced) the global ones.
-        peaks = {
-            i: ops.max_abs([g])
-            for i, g in enumerate(grads)
-            if g is not None and ops.shape(g).count(0) == 0
-        }
-        finite = ops.isfinite(_largest(ops, list(peaks.values()), scale))
-        peak = _largest(ops, [peaks[i] for i in scaled if i in peaks], scale) * scale
-        variable_finite = [None] * len(self._trainable_variables)
-        for i, p in peaks.items():
-            variable_finite[self._get_variable_index(variables[i])] = ops.isfinite(p)
-        return finite, peak if headroom else None, tuple(variable_finite)
-
-    def _read_state(self, values=None):
-        """The `LossScaleState` of the variables, or of `values` ({variable id: value})."""
-
-        def read(v):
-            return v.value if values is None else values[id(v)]
-
-        return LossScaleState(
-            **{
-                name: tuple(map(read, target)) if isinstance(target, tuple) else read(target)
-                for name, target in self._state.items()
-            }
-        )
-
-    def check_finite(self, grads):
-        """Returns a backend boolean scalar: whether every non-`None` gradient is finite."""
-        present = [g for g in grads if g is not None]
-        return self._ops_of(present).all_finite(present)
-
-    def _ops_of(self, arrays):
-        if self.built:
-            return self._ops
-        from lossscale.backends import ops_for
-
-        return ops_for(*arrays)
-
     def scale_loss(self, loss):
         """Multiplies `loss` by the current loss scale.
 
@@ -434,27 +306,6 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, Optimizer):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
-
-
-def _flatten(state):
-    """`((field name, index), value)` pairs of a state or of `{field name: variable(s)}`."""
-    items = (
-        state.items()
-        if isinstance(state, dict)
-        else ((f.name, getattr(state, f.name)) for f in dataclasses.fields(state))
-    )
-    for name, value in items:
-        if isinstance(value, tuple):
-            yield from (((name, i), x) for i, x in enumerate(value))
-        elif value is not None:
-            yield (name, None), value
-
-
-def _largest(ops, peaks, like):
-    """The largest of scalar `peaks` (NaN if any is NaN); 0 when there are none."""
-    if not peaks:
-        return like * 0
-    return functools.reduce(ops.maximum, peaks)
 
 
 def _policy_property(name):

@@ -7,18 +7,17 @@ read back and the bindings restored. Under `jax.jit` the values are tracers,
 so the same code compiles.
 """
 
-import contextvars
-
 from lossscale.backends import _common
 from lossscale.optimizers import gradients
-
-# True while `stateless_apply` runs: nothing the caller passed may be written,
-# so fast paths that reuse gradient buffers stand aside.
-RUNNING = contextvars.ContextVar("lossscale_stateless", default=False)
 
 
 class StatelessMixin:
     """`stateless_apply` for `Optimizer`."""
+
+    # True while this optimizer's `stateless_apply` runs: nothing the caller
+    # passed may be written, so fast paths that reuse gradient buffers stand
+    # aside. An attribute, not a context variable: `torch.compile` traces it.
+    _stateless = False
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         """Stateless version of `apply` that returns modified values.
@@ -55,12 +54,12 @@ class StatelessMixin:
         values = [
             ops.copy(x) if ops.MUTABLE else x for x in trainable_variables + optimizer_variables
         ]
-        token = RUNNING.set(True)
+        outer, self._stateless = self._stateless, True
         try:
             with _common.bound(model + own, values), ops.quiet():
                 self._apply_validated(grads, model)
                 new_model = [v.value for v in model]
                 new_own = [v.value for v in own]
         finally:
-            RUNNING.reset(token)
+            self._stateless = outer
         return new_model, new_own

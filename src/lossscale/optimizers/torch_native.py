@@ -7,9 +7,9 @@ parameters' own `.grad` back. The native optimizer keeps its state (moments,
 per-parameter step counts) in its `state`, outside lossscale variables.
 
 A `LossScaleOptimizer` skips an overflowing step on torch without reading
-anything on the host: the inner update runs under a device-side mask
-(`lossscale.backends.torch.ops.active_mask()`) that every lossscale write
-honours. A native `step()` writes on its own, so under a mask:
+anything on the host: the inner update runs with a device-side mask on
+every variable it may write (`lossscale.backends.torch.masks.WriteMask`),
+which every lossscale write honours. A native `step()` writes on its own, so under a mask:
 - an optimizer that takes PyTorch's AMP `found_inf` protocol (fused Adam,
   AdamW, SGD and Adagrad: `_step_supports_amp_scaling`) gets
   `found_inf = ~mask` as a device tensor, exactly as `torch.amp.GradScaler`
@@ -234,7 +234,7 @@ class TorchOptimizer(Optimizer):
                 p.grad = None
             for p, g in zip(params, grads):
                 p.grad = g.detach().to(dtype=p.dtype)
-            self._step(ops)
+            self._step(variables[0]._write_mask)
         finally:
             for p, g in zip(everything, saved):
                 p.grad = g
@@ -246,15 +246,13 @@ class TorchOptimizer(Optimizer):
             raise NotImplementedError(STATELESS_MESSAGE)
         return p
 
-    def _step(self, ops):
-        from lossscale.backends.torch import ops as torch_ops
-
-        mask = torch_ops.active_mask()
+    def _step(self, mask):
+        """Steps the native optimizer; under a `WriteMask`, only where it holds."""
         if mask is None:
             self.optimizer.step()
         elif self._uses_found_inf and self._fused_momentum_ready():
-            self._step_with_found_inf((~mask).to(_torch().float32))
-        elif bool(mask):  # the one host read of the mask (see the module doc)
+            self._step_with_found_inf(mask.skip(mask.keep.device))
+        elif bool(mask.keep):  # the one host read of the mask (see the module doc)
             self.optimizer.step()
 
     def _step_with_found_inf(self, found_inf):

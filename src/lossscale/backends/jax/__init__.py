@@ -11,7 +11,11 @@ from the modules that implement them:
 Each module imports only those above it in this list.
 """
 
-from lossscale.backends.jax.kernels import fused_scale_update, fused_update
+from lossscale.backends.jax.kernels import (
+    fused_scale_update,
+    fused_update,
+    fused_weight_decay,
+)
 from lossscale.backends.jax.ops import (
     INT_DTYPE,
     MUTABLE,
@@ -31,8 +35,10 @@ from lossscale.backends.jax.ops import (
     cos,
     dtype_name,
     exp,
+    finite_flags,
     floor,
     full,
+    gated,
     global_norm,
     is_native,
     isfinite,
@@ -75,10 +81,13 @@ __all__ = [
     "cos",
     "dtype_name",
     "exp",
+    "finite_flags",
     "floor",
     "full",
     "fused_scale_update",
     "fused_update",
+    "fused_weight_decay",
+    "gated",
     "global_norm",
     "is_native",
     "isfinite",

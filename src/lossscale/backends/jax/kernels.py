@@ -13,6 +13,11 @@ def fused_update(name):
     return KERNELS.get(name)
 
 
+def fused_weight_decay():
+    """None: `weight_decay.apply_weight_decay` decays one variable at a time (XLA fuses it)."""
+    return None
+
+
 def fused_scale_update():
     """None: the generic selects of `next_loss_scale` are this backend's path."""
     return None

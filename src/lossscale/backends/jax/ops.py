@@ -109,16 +109,24 @@ def _same_dtype(storage, value):
     return value
 
 
-def assign(storage, value):
-    return _same_dtype(storage, jnp.broadcast_to(unwrap(value), storage.shape))
+# `mask`: a boolean scalar set by `gated` (or None); where it is False the
+# write is dropped. XLA fuses the select into the computation of the value.
+def assign(storage, value, mask=None):
+    return _masked(storage, jnp.broadcast_to(unwrap(value), storage.shape), mask)
 
 
-def assign_add(storage, value):
-    return _same_dtype(storage, storage + unwrap(value))
+def assign_add(storage, value, mask=None):
+    return _masked(storage, storage + unwrap(value), mask)
 
 
-def assign_sub(storage, value):
-    return _same_dtype(storage, storage - unwrap(value))
+def assign_sub(storage, value, mask=None):
+    return _masked(storage, storage - unwrap(value), mask)
+
+
+def _masked(storage, value, mask):
+    if mask is not None:
+        value = jnp.where(mask, value, storage)
+    return _same_dtype(storage, value)
 
 
 def cast(x, dtype):
@@ -161,7 +169,8 @@ def sum(x):  # noqa: A001 - the seam's name for a full reduction
     return jnp.sum(unwrap(x))
 
 
-def unscale(grads, scale):
+def unscale(grads, scale, in_place=False):
+    # Arrays are immutable: `in_place` has nothing to permit.
     scale = unwrap(scale)
     out = []
     for g in grads:
@@ -179,6 +188,11 @@ def all_finite(arrays):
     # copy of it: 19% off a 16M-parameter jitted Adam step on CPU.
     peaks = [jnp.max(jnp.abs(a)).astype(jnp.float32) for a in map(unwrap, arrays) if a.size]
     return jnp.isfinite(jnp.max(jnp.stack(peaks))) if peaks else jnp.asarray(True)
+
+
+def finite_flags(arrays):
+    finite = all_finite(arrays)
+    return finite, jnp.logical_not(finite).astype(jnp.float32)
 
 
 def global_norm(arrays):
@@ -217,9 +231,12 @@ def all_true(flag, group=None):
 def cond(pred, true_fn, false_fn, variables):
     pred = unwrap(pred)
     if not isinstance(pred, jax.core.Tracer):
-        true_fn() if bool(pred) else false_fn()
+        branch = true_fn if bool(pred) else false_fn
+        if branch is not None:
+            branch()
         return
     variables = list(variables)
+    false_fn = false_fn or (lambda: None)
 
     def branch(fn):
         def run(storages):
@@ -232,6 +249,36 @@ def cond(pred, true_fn, false_fn, variables):
     new = lax.cond(pred, branch(true_fn), branch(false_fn), [v._storage for v in variables])
     for v, s in zip(variables, new):
         v._storage = s
+
+
+def gated(pred, fn, variables, skip=None):
+    """Runs `fn` so that its writes to `variables` take effect only where `pred` holds.
+
+    A concrete `pred` takes a plain `if`. A traced one runs `fn` once with
+    `pred` set as every variable's write mask (combined with an enclosing
+    one): each plain write becomes a select, which XLA fuses into the
+    computation of the value, and a fused kernel that folds the mask into
+    its arithmetic (`kernels`) reads it there. No `lax.cond`, so no
+    full-size copies of the branch's buffers; for a branch whose writes
+    cannot be folded, `cond` is the cheaper choice. `skip` is torch's and
+    ignored here.
+    """
+    pred = unwrap(pred)
+    if not isinstance(pred, jax.core.Tracer):
+        if bool(pred):
+            fn()
+        return
+    variables = list(variables)
+    saved = [v._write_mask for v in variables]
+    outer = saved[0] if saved else None
+    mask = pred if outer is None else jnp.logical_and(outer, pred)
+    for v in variables:
+        v._write_mask = mask
+    try:
+        fn()
+    finally:
+        for v, previous in zip(variables, saved):
+            v._write_mask = previous
 
 
 def quiet():

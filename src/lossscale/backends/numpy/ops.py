@@ -61,19 +61,25 @@ def read(storage):
     return storage
 
 
-def assign(storage, value):
-    np.copyto(storage, unwrap(value), casting="same_kind")
+# `mask`: a NumPy bool (or None); where it is False the write is dropped.
+# NumPy's own `cond` and `gated` branch in Python and never set one.
+def assign(storage, value, mask=None):
+    np.copyto(storage, unwrap(value), casting="same_kind", where=_where(mask))
     return storage
 
 
-def assign_add(storage, value):
-    np.add(storage, unwrap(value), out=storage, casting="same_kind")
+def assign_add(storage, value, mask=None):
+    np.add(storage, unwrap(value), out=storage, casting="same_kind", where=_where(mask))
     return storage
 
 
-def assign_sub(storage, value):
-    np.subtract(storage, unwrap(value), out=storage, casting="same_kind")
+def assign_sub(storage, value, mask=None):
+    np.subtract(storage, unwrap(value), out=storage, casting="same_kind", where=_where(mask))
     return storage
+
+
+def _where(mask):
+    return True if mask is None else np.asarray(unwrap(mask), dtype=bool)
 
 
 def cast(x, dtype):
@@ -119,7 +125,9 @@ def sum(x):  # noqa: A001 - the seam's name for a full reduction
     return np.sum(unwrap(x))
 
 
-def unscale(grads, scale):
+def unscale(grads, scale, in_place=False):
+    # `in_place` permits writing into `grads`; NumPy leaves the caller's
+    # arrays alone (its fused kernels divide as they read instead).
     scale = unwrap(scale)
     divisors = {}  # the scale cast once per gradient dtype
     out = []
@@ -150,6 +158,11 @@ def all_finite(arrays):
             if not (np.isfinite(a.max()) and np.isfinite(a.min())):
                 return np.asarray(False)
     return np.asarray(True)
+
+
+def finite_flags(arrays):
+    finite = all_finite(arrays)
+    return finite, np.asarray(np.float32(not finite))
 
 
 def global_norm(arrays):
@@ -185,10 +198,14 @@ def all_true(flag, group=None):
 
 
 def cond(pred, true_fn, false_fn, variables):
+    branch = true_fn if bool(unwrap(pred)) else false_fn
+    if branch is not None:
+        branch()
+
+
+def gated(pred, fn, variables, skip=None):
     if bool(unwrap(pred)):
-        true_fn()
-    else:
-        false_fn()
+        fn()
 
 
 def quiet():

@@ -3,7 +3,8 @@
 The seam's primitives (`lossscale.backends.protocol.BackendOps`), gathered
 from the modules that implement them:
 
-- `ops`: tensors, masked in-place writes, elementwise math, `cond`;
+- `masks`: branches on device values (`cond`, `gated`) as masked writes;
+- `ops`: tensors, in-place writes (selecting under a mask), elementwise math;
 - `multi`: multi-tensor unscale, finite check and norms, by (device, dtype);
 - `plans`: an optimizer's tensor lists per (device, dtype), cached between steps;
 - `foreach`: `torch._foreach_*` versions of the update rules;
@@ -14,8 +15,19 @@ from the modules that implement them:
 Each module imports only those above it in this list.
 """
 
-from lossscale.backends.torch.kernels import fused_scale_update, fused_update
-from lossscale.backends.torch.multi import all_finite, global_norm, max_abs, unscale
+from lossscale.backends.torch.kernels import (
+    fused_scale_update,
+    fused_update,
+    fused_weight_decay,
+)
+from lossscale.backends.torch.masks import cond, gated
+from lossscale.backends.torch.multi import (
+    all_finite,
+    finite_flags,
+    global_norm,
+    max_abs,
+    unscale,
+)
 from lossscale.backends.torch.ops import (
     INT_DTYPE,
     MUTABLE,
@@ -29,7 +41,6 @@ from lossscale.backends.torch.ops import (
     assign_sub,
     cast,
     clip,
-    cond,
     copy,
     cos,
     dtype_name,
@@ -75,10 +86,13 @@ __all__ = [
     "cos",
     "dtype_name",
     "exp",
+    "finite_flags",
     "floor",
     "full",
     "fused_scale_update",
     "fused_update",
+    "fused_weight_decay",
+    "gated",
     "global_norm",
     "is_native",
     "isfinite",

@@ -4,8 +4,8 @@ Each rule below is its optimizer's `update_step`, operation for operation in
 the same order and dtype, applied to a whole group of same-device,
 same-dtype tensors at once (see `plans`): a handful of multi-tensor
 kernel launches per step instead of a dozen small ones per variable. Writes
-go through `plans.Writer`, which selects on the device under
-`ops.cond`'s mask, so a skipped step changes nothing and reads nothing
+go through `plans.Writer`, which selects on the device under the
+variables' `masks.WriteMask`, so a skipped step changes nothing and reads nothing
 on the host.
 
 A rule is `rule(optimizer, group, grads, lr, writer)`; `SLOTS` names the
@@ -16,7 +16,7 @@ generic path.
 
 import torch
 
-from lossscale.backends.torch import ops, plans
+from lossscale.backends.torch import masks, ops, plans
 
 _add, _sub, _mul, _div = (
     torch._foreach_add,
@@ -40,8 +40,16 @@ def scalar(value, group):
 
 
 def step_count(optimizer, group):
-    """`ops.cast(optimizer.iterations + 1, dtype)`: the step being taken."""
-    return scalar(optimizer.iterations + 1, group)
+    """`ops.cast(optimizer.iterations + 1, dtype)`: the step being taken.
+
+    The integer sum is cast as it is stored into the group's step buffer:
+    one kernel, and exact (adding 1.0 to a float32 copy of the count would
+    round twice past 2**24 steps).
+    """
+    steps = ops.unwrap(optimizer.iterations)
+    if not isinstance(steps, torch.Tensor) or torch.compiler.is_compiling():
+        return scalar(steps + 1, group)
+    return torch.add(steps.to(group.device), 1, out=group.step_buffer())
 
 
 def make_kernel(rule, slot_attrs):
@@ -54,6 +62,7 @@ def make_kernel(rule, slot_attrs):
     """
 
     def kernel(optimizer, grads, variables, learning_rate):
+        mask = masks.mask_of(variables)
         with torch.no_grad():
             groups = plans.plan(optimizer, variables, slot_attrs(optimizer)).groups
             for group in groups:
@@ -62,7 +71,7 @@ def make_kernel(rule, slot_attrs):
                     group,
                     group.grads(grads),
                     scalar(learning_rate, group),
-                    plans.Writer(group.device),
+                    plans.Writer(mask, group.device),
                 )
 
     kernel.rule = rule

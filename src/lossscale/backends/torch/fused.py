@@ -34,10 +34,21 @@ dtype.
 
 import torch
 
-from lossscale.backends.torch import foreach, multi, ops, plans
+from lossscale.backends.torch import foreach, masks, ops, plans
 
 _FUSED_DTYPES = (torch.float32, torch.float64)
 _INFINITE_STEPS = {}
+
+
+def _fusable(group):
+    """Whether `group` takes torch's fused kernel (else the `foreach` rule).
+
+    Not in half precision (see the module doc), and not under
+    `torch.compile`: torch has no fake implementation of the fused
+    optimizer kernels to trace them with; the compiler fuses the `foreach`
+    rule itself.
+    """
+    return group.dtype in _FUSED_DTYPES and not torch.compiler.is_compiling()
 
 
 def _infinite_steps(group):
@@ -49,37 +60,22 @@ def _infinite_steps(group):
     return steps
 
 
-def adam(optimizer, grads, variables, learning_rate, grad_scale=None):
+def adam(optimizer, grads, variables, learning_rate):
     """`Adam.update_step` (and `AdamW`'s, which is the same) on every variable.
 
-    With `grad_scale`, `grads` are still multiplied by the loss scale: the
-    fused kernel divides it out as it reads each gradient (and, as
-    `GradScaler` does, leaves the unscaled values in the gradient tensors),
-    which saves the wrapper a full pass over the gradients.
+    Under a `WriteMask` the kernel itself skips the update where the mask
+    is False (`found_inf`): no select afterwards, no host read.
     """
+    mask = masks.mask_of(variables)
     with torch.no_grad():
         plan = plans.plan(optimizer, variables, foreach.adam_slots(optimizer))
         for group in plan.groups:
             lr = foreach.scalar(learning_rate, group)
-            write = plans.Writer(group.device)
+            write = plans.Writer(mask, group.device)
             group_grads = group.grads(grads)
-            if group.dtype not in _FUSED_DTYPES:
-                if grad_scale is not None:  # unscaled in float32, as the wrapper would
-                    group_grads = [
-                        g.to(group.dtype) for g in multi.unscale(group_grads, grad_scale)
-                    ]
+            if not _fusable(group):
                 foreach.adam(optimizer, group, group_grads, lr, write)
                 continue
-            if grad_scale is not None and any(g.requires_grad for g in group_grads):
-                # Writing into a tensor of an autograd graph would break its
-                # backward: divide into new tensors instead.
-                group_grads, grad_scale = multi.unscale(group_grads, grad_scale), None
-            if grad_scale is not None:
-                grad_scale = grad_scale.to(device=group.device, dtype=torch.float32)
-            step = foreach.step_count(optimizer, group)
-            beta_1_power = torch.pow(foreach.scalar(optimizer.beta_1, group), step)
-            beta_2_power = torch.pow(foreach.scalar(optimizer.beta_2, group), step)
-            alpha = lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
             slots = group.slots
             torch._fused_adam_(
                 group.params,
@@ -88,30 +84,45 @@ def adam(optimizer, grads, variables, learning_rate, grad_scale=None):
                 slots["_velocities"],
                 slots.get("_velocity_hats", []),
                 _infinite_steps(group),
-                lr=alpha,
+                lr=_adam_step_size(optimizer, group, lr),
                 beta1=optimizer.beta_1,
                 beta2=optimizer.beta_2,
                 weight_decay=0.0,
                 eps=optimizer.epsilon,
                 amsgrad=optimizer.amsgrad,
                 maximize=False,
-                grad_scale=grad_scale,
+                grad_scale=None,
                 found_inf=write.found_inf(),
             )
 
 
-adam.takes_grad_scale = True
+def _adam_step_size(optimizer, group, lr):
+    """Keras's `alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)`, in few kernels.
+
+    Both powers in one `pow` of the pair `(beta_1, beta_2)`: on a two-element
+    tensor torch computes each element as it computes a 0-d one (bit for
+    bit, which tests/test_torch_fused.py checks against `update_step`).
+    """
+    betas = ops.constant((optimizer.beta_1, optimizer.beta_2), group.dtype, group.device)
+    bias_1, bias_2 = torch.unbind(1 - torch.pow(betas, foreach.step_count(optimizer, group)))
+    return lr * torch.sqrt(bias_2) / bias_1
+
+
+# The fused kernels skip a masked-out step themselves (`found_inf`): under a
+# loss-scale wrapper's `gated` they need no select.
+adam.folds_gate = True
 
 
 def sgd(optimizer, grads, variables, learning_rate):
     """`SGD.update_step` (plain, momentum, Nesterov) on every variable."""
+    mask = masks.mask_of(variables)
     with torch.no_grad():
         plan = plans.plan(optimizer, variables, foreach.sgd_slots(optimizer))
         for group in plan.groups:
             lr = foreach.scalar(learning_rate, group)
-            write = plans.Writer(group.device)
+            write = plans.Writer(mask, group.device)
             group_grads = group.grads(grads)
-            if group.dtype not in _FUSED_DTYPES:
+            if not _fusable(group):
                 foreach.sgd(optimizer, group, group_grads, lr, write)
                 continue
             if optimizer.momentum == 0:
@@ -145,22 +156,64 @@ def sgd(optimizer, grads, variables, learning_rate):
             )
 
 
-def update_scale(scale, counter, finite, growth_steps, growth_factor, backoff_factor, floor):
+sgd.folds_gate = True
+
+
+def weight_decay(optimizer, variables, weight_decay, learning_rate):
+    """`v -= v * weight_decay * learning_rate` for every variable, a few kernels per group.
+
+    Rounded as the generic path rounds it: `v + (v * -wd) * lr` is
+    `v - (v * wd) * lr` bit for bit (negation is exact). Under a
+    `WriteMask` the last factor is `-0.0` where the step is skipped: `(v *
+    -wd) * -0.0` is a zero of `v`'s own sign, and `v` plus it is `v`, bit for
+    bit (-0.0 included), so no select is needed. (A parameter that is
+    already infinite would become NaN there.)
+    """
+    mask = masks.mask_of(variables)
+    with torch.no_grad():
+        for group in plans.plan(optimizer, variables, purpose="weight_decay").groups:
+            lr = foreach.scalar(learning_rate, group)
+            if mask is not None:
+                lr = torch.where(
+                    mask.on(group.device), lr, ops.constant(-0.0, group.dtype, group.device)
+                )
+            decay = torch._foreach_mul(group.params, -weight_decay)
+            torch._foreach_mul_(decay, lr)
+            torch._foreach_add_(group.params, decay)
+
+
+def update_scale(
+    scale,
+    counter,
+    finite,
+    growth_steps,
+    growth_factor,
+    backoff_factor,
+    floor,
+    skip=None,
+    in_place=False,
+):
     """The plain loss-scale update in torch's `_amp_update_scale_` kernel.
 
     That kernel (GradScaler's) does what `next_loss_scale` does for a plain
     policy: on overflow it backs off and resets the counter; otherwise it
     counts, and on the `growth_steps`-th step grows unless the result is not
     finite, and resets. It does not stop a backoff at `floor`, so the floor
-    is applied after it, on overflowing steps only. It works in place
-    on an int32 counter and a float32 scale: it gets copies of those types.
+    is applied after it, on overflowing steps only (`max(scale, skip *
+    floor)`: the scale is positive). It works in place on an int32 counter
+    and a float32 scale: with `in_place` it updates those given, else copies.
     """
     scale, counter, finite = ops.unwrap(scale), ops.unwrap(counter), ops.unwrap(finite)
-    new_scale = scale.to(dtype=torch.float32, copy=True)
-    new_counter = counter.to(dtype=torch.int32, copy=True)
-    overflow = (~finite).to(torch.float32).reshape(1)
+    if skip is None:
+        skip = (~finite).to(torch.float32)
+    if in_place and scale.dtype == torch.float32 and counter.dtype == torch.int32:
+        new_scale, new_counter = scale, counter
+    else:
+        new_scale = scale.to(dtype=torch.float32, copy=True)
+        new_counter = counter.to(dtype=torch.int32, copy=True)
+    skip = skip.to(new_scale.device)
     torch._amp_update_scale_(
-        new_scale, new_counter, overflow, growth_factor, backoff_factor, growth_steps
+        new_scale, new_counter, skip, growth_factor, backoff_factor, growth_steps
     )
-    new_scale = torch.where(finite, new_scale, new_scale.clamp_min(floor))
+    new_scale.clamp_min_(skip * floor)
     return new_scale.to(scale.dtype), new_counter.to(counter.dtype)

@@ -45,6 +45,11 @@ def fused_update(name):
     return KERNELS.get(name)
 
 
+def fused_weight_decay():
+    """Decoupled weight decay on many tensors at once (see `fused.weight_decay`)."""
+    return fused.weight_decay
+
+
 def fused_scale_update():
     """The plain loss-scale update in torch's `_amp_update_scale_` (see `fused.update_scale`)."""
     return fused.update_scale

@@ -11,6 +11,7 @@ import threading
 import torch
 
 from lossscale.backends._common import unwrap
+from lossscale.backends.torch import ops
 
 
 def groups(tensors):
@@ -28,25 +29,33 @@ def groups(tensors):
     return [(device, dtype, indices) for (device, dtype), indices in found.items()]
 
 
-# The last CPU `unscale` result, by id, kept alive until the next call.
-# - Freed at once, hundreds of MiB of gradients go back to the OS and the
-#   next step faults every page in again (about 9x the cost of the division
-#   itself with glibc); held one step longer, the allocator reuses them.
-#   CUDA's caching allocator needs no such help.
-# - `all_finite` checks these tensors, which nobody else has seen, with
-#   torch's check-and-unscale kernel at scale 1, in place: multiplying by
-#   exactly 1 leaves every value as it is, and on CPU that kernel is several
-#   times faster than any reduction that leaves its input alone.
-_RECENT_CPU_RESULT = {}
+# The last CPU `unscale` copies, kept alive until the next call: freed at
+# once, hundreds of MiB of gradients go back to the OS and the next step
+# faults every page in again (about 9x the cost of the division itself with
+# glibc); held one step longer, the allocator reuses them. CUDA's caching
+# allocator needs no such help.
+_RECENT_CPU_COPIES = []
 
 
-def unscale(grads, scale):
+def unscale(grads, scale, in_place=False):
+    """`grads` divided by `scale` (float32 results for half gradients).
+
+    Args:
+        grads: Tensors.
+        scale: The loss scale, a 0-d tensor.
+        in_place: Whether float32/float64 gradients may be divided in their
+            own memory (the caller owns them): no new full-size tensors.
+            Half gradients are always unscaled into float32 copies, and so is
+            a group holding a gradient of an autograd graph (writing into it
+            would break its backward) or one tensor twice.
+    """
     grads = [unwrap(g) for g in grads]
     if not grads:
         return []
     scale = unwrap(scale)
     parts = groups(grads)
     out = [None] * len(grads)
+    copies = []
     for device, dtype, indices in parts:
         group = [grads[i] for i in indices]
         if dtype.itemsize < 4:
@@ -54,20 +63,58 @@ def unscale(grads, scale):
             # the division can run in place on it.
             group = [g.float() for g in group]
             torch._foreach_div_(group, scale.to(device=device, dtype=torch.float32))
+            copies.extend(group)
+        elif in_place and _writable(group):
+            torch._foreach_div_(group, scale.to(device=device, dtype=dtype))
         else:
             group = torch._foreach_div(group, scale.to(device=device, dtype=dtype))
+            copies.extend(group)
         if len(parts) == 1:
             out = list(group)
             break
         for i, g in zip(indices, group):
             out[i] = g
-    # Not while torch.compile traces: an `id` would guard every step's fresh
-    # gradients by identity and recompile each time. A result inside an
-    # autograd graph is not checked in place: that would break its backward.
-    if out[0].device.type == "cpu" and not torch.compiler.is_compiling():
-        _RECENT_CPU_RESULT.clear()
-        _RECENT_CPU_RESULT.update((id(g), g) for g in out if not g.requires_grad)
+    if copies and copies[0].device.type == "cpu" and not torch.compiler.is_compiling():
+        _RECENT_CPU_COPIES[:] = copies
     return out
+
+
+def _writable(tensors):
+    """Whether each of `tensors` may be divided in place: no autograd graph, no repeats.
+
+    Not while `torch.compile` traces: the compiler fuses the division into
+    the step without a copy anyway, and the identity check would make it
+    guard on every step's fresh gradient objects.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    return not any(t.requires_grad for t in tensors) and len({id(t) for t in tensors}) == len(
+        tensors
+    )
+
+
+def finite_flags(arrays):
+    """Whether every element of `arrays` is finite, as `(finite, skip)`.
+
+    `finite` is a boolean 0-d tensor, `skip` the same flag in torch's AMP
+    form (float32, 1.0 where some element is inf or NaN): what the fused
+    optimizer kernels take as `found_inf` and `_amp_update_scale_` reads.
+    One `_amp_foreach_non_finite_check_and_unscale_` per (device, dtype)
+    group, at scale 1: that kernel stores every value it reads, unchanged,
+    so `arrays` must be the caller's own (unscaled copies, or gradients it
+    may write).
+    """
+    arrays = _floats(arrays)
+    if not arrays:
+        return torch.tensor(True), torch.zeros(())
+    skip = None
+    for device, _, indices in groups(arrays):
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [arrays[i] for i in indices], found, ops.constant(1.0, torch.float32, device)
+        )
+        skip = found if skip is None else torch.maximum(skip, found.to(skip.device))
+    return skip == 0, skip
 
 
 def _floats(arrays):
@@ -90,20 +137,11 @@ def _group_flags(arrays):
 
 
 def _cpu_flags(group):
-    # torch's multi-tensor inf-norm is a slow generic reduction on CPU.
-    recent = {} if torch.compiler.is_compiling() else _RECENT_CPU_RESULT
-    ours = [a for a in group if recent.get(id(a)) is a]
-    others = [a for a in group if recent.get(id(a)) is not a] if len(ours) < len(group) else []
-    flags = []
-    if ours:
-        found = torch.zeros(1, dtype=torch.float32)
-        torch._amp_foreach_non_finite_check_and_unscale_(ours, found, torch.ones(()))
-        flags.append(found[0] == 0)
-    if others:
-        # Min and max of each tensor, in one pass each.
-        extremes = torch.stack([x for a in others for x in torch.aminmax(a)])
-        flags.append(torch.isfinite(extremes).all())
-    return flags
+    # torch's multi-tensor inf-norm is a slow generic reduction on CPU; min
+    # and max of each tensor take one pass each, and leave it untouched.
+    # Tested in the group's own dtype: a large float64 is not an overflow.
+    extremes = torch.stack([x for a in group for x in torch.aminmax(a)])
+    return [torch.isfinite(extremes).all()]
 
 
 def _combine(scalars):

@@ -1,8 +1,9 @@
 """PyTorch backend.
 
 A `Variable` wraps a user's tensor or `nn.Parameter` without copying; reads
-go through `.detach()` so optimizer arithmetic never records autograd history,
-and writes are in place so the user's module sees every update.
+of a parameter go through `.detach()` so optimizer arithmetic never records
+autograd history, and writes are in place so the user's module sees every
+update (under a `WriteMask` they select, see `masks`).
 
 Scalars an optimizer creates (learning rate, iterations, loss scale) live on
 the device of the first variable it was built with, so a step needs no
@@ -10,12 +11,12 @@ host round trip.
 """
 
 import contextlib
-import contextvars
 import numbers
 
 import torch
 
 from lossscale.backends._common import unwrap
+from lossscale.backends.torch import masks
 
 NAME = "torch"
 MUTABLE = True
@@ -78,53 +79,16 @@ def place(x, like):
 
 
 def read(storage):
-    return storage.detach()
+    # A parameter's reads must not record autograd history; optimizer state
+    # needs no detached alias (and each `detach` is one more dispatched op).
+    return storage.detach() if storage.requires_grad else storage
 
 
-# Masked execution. `cond` on a tensor predicate runs both branches, each
-# under a boolean 0-d mask (nested conds combine theirs), and every write
-# below selects between the new and the old value on the device. Nothing
-# reads the predicate on the host, so a step never waits for the device,
-# and a value computed in the branch not taken (a NaN from an overflowing
-# gradient, say) is never stored.
-_MASK = contextvars.ContextVar("lossscale_torch_mask", default=None)
-
-
-def active_mask():
-    """The boolean 0-d tensor gating writes, or None outside any `cond`."""
-    return _MASK.get()
-
-
-@contextlib.contextmanager
-def masked(mask):
-    """Runs the block with `mask` (a boolean 0-d tensor) gating every write."""
-    token = _MASK.set(mask)
-    try:
-        yield
-    finally:
-        _MASK.reset(token)
-
-
-def mask_on(mask, device):
-    """`mask` on `device` (no copy when it is already there)."""
-    return mask if mask.device == device else mask.to(device)
-
-
-def select_into(storage, mask, new):
-    """`storage[...] = where(mask, new, storage)`, in place."""
-    mask = mask_on(mask, storage.device)
-    if isinstance(new, torch.Tensor) and new.dtype == storage.dtype and new.shape == storage.shape:
-        torch.where(mask, new, storage, out=storage)
-    else:
-        storage.copy_(torch.where(mask, new, storage))
-
-
-def assign(storage, value):
+def assign(storage, value, mask=None):
     value = unwrap(value)
-    mask = _MASK.get()
     with torch.no_grad():
         if mask is not None:
-            select_into(storage, mask, value)
+            masks.select_into(storage, mask, value)
         elif isinstance(value, torch.Tensor):
             storage.copy_(value)
         else:
@@ -132,23 +96,24 @@ def assign(storage, value):
     return storage
 
 
-def assign_add(storage, value):
+def assign_add(storage, value, mask=None):
     value = unwrap(value)
-    mask = _MASK.get()
     with torch.no_grad():
-        if mask is not None:
-            select_into(storage, mask, storage + value)
-        else:
+        if mask is None:
             storage.add_(value)
+        elif type(value) is int and value == 1 and not storage.is_floating_point():
+            # A counter's `+= 1` under a mask adds the mask itself: one kernel.
+            storage.add_(mask.on(storage.device))
+        else:
+            masks.select_into(storage, mask, storage + value)
     return storage
 
 
-def assign_sub(storage, value):
+def assign_sub(storage, value, mask=None):
     value = unwrap(value)
-    mask = _MASK.get()
     with torch.no_grad():
         if mask is not None:
-            select_into(storage, mask, storage - value)
+            masks.select_into(storage, mask, storage - value)
         else:
             storage.sub_(value)
     return storage
@@ -190,15 +155,21 @@ _CONSTANTS = {}
 
 
 def constant(value, dtype, device):
-    """A cached 0-d tensor holding the Python number `value`."""
+    """A cached 0-d tensor holding the Python number `value` (a 1-d one for a tuple)."""
     if torch.compiler.is_compiling():
         # The compiler folds constants itself (and cannot trace `repr`).
-        return torch.full((), value, dtype=dtype, device=device)
+        return _make_constant(value, dtype, device)
     key = (type(value), repr(value), dtype, device)
     tensor = _CONSTANTS.get(key)
     if tensor is None:
-        tensor = _CONSTANTS[key] = torch.full((), value, dtype=dtype, device=device)
+        tensor = _CONSTANTS[key] = _make_constant(value, dtype, device)
     return tensor
+
+
+def _make_constant(value, dtype, device):
+    if isinstance(value, tuple):  # copied from the host once, then cached
+        return torch.tensor(value, dtype=dtype, device=device)
+    return torch.full((), value, dtype=dtype, device=device)
 
 
 def _pair(x, y):
@@ -283,29 +254,6 @@ def _several_ranks(group):
             )
         return False
     return dist.get_world_size(group) > 1
-
-
-def cond(pred, true_fn, false_fn, variables):
-    """Runs `true_fn` where `pred` holds and `false_fn` where it does not.
-
-    A Python (or NumPy) boolean takes a plain `if`. A tensor is never read on
-    the host: both branches run, under masks `outer & pred` and
-    `outer & ~pred`, and the masked writes keep what the branch not taken
-    would have stored out of every variable. `variables` is part of the seam
-    (JAX needs it); writes find their masks without it here.
-    """
-    pred = unwrap(pred)
-    if not isinstance(pred, torch.Tensor):
-        true_fn() if bool(pred) else false_fn()
-        return
-    pred = pred.to(torch.bool)
-    outer = _MASK.get()
-    if outer is not None:
-        pred = mask_on(pred, outer.device)
-    with masked(pred if outer is None else outer & pred):
-        true_fn()
-    with masked(~pred if outer is None else outer & ~pred):
-        false_fn()
 
 
 def quiet():

@@ -14,12 +14,14 @@ a device move may replace a storage; the identity check (a C-level `is`
 over every storage, tens of microseconds for hundreds of tensors) sees
 every such rebinding and the plan is rebuilt.
 
-`Writer` performs a kernel's writes: in place when no mask is active, and
-as `where(mask, new, old)` into the same storage under `ops.cond`'s
-mask, so a skipped step leaves every tensor bit for bit as it was.
+`Writer` performs a kernel's writes: in place when the variables carry no
+mask, and as `where(mask, new, old)` into the same storage under a
+`masks.WriteMask`, so a skipped step leaves every tensor bit for bit as it
+was.
 """
 
 import operator
+import threading
 import weakref
 
 import torch
@@ -43,12 +45,23 @@ class Group:
         slots: `{slot_attr: [storage, ...]}`, aligned with `params`.
     """
 
-    __slots__ = ("device", "dtype", "indices", "params", "slots", "_whole")
+    __slots__ = ("device", "dtype", "indices", "params", "slots", "_whole", "_step")
 
     def __init__(self, device, dtype, indices, params, slots, whole):
         self.device, self.dtype, self.indices = device, dtype, indices
         self.params, self.slots = params, slots
         self._whole = whole
+        self._step = None
+
+    def step_buffer(self):
+        """A 0-d tensor of the group's dtype and device, kept with the plan.
+
+        Written by `foreach.step_count` each step: `torch.add(..., out=)`
+        casts an integer sum into it in the same kernel.
+        """
+        if self._step is None:
+            self._step = torch.empty((), dtype=self.dtype, device=self.device)
+        return self._step
 
     def grads(self, grads):
         """This group's gradients, cast to its dtype as `update_step` does."""
@@ -75,7 +88,7 @@ class Plan:
         )
 
 
-def plan(optimizer, variables, slot_attrs=()):
+def plan(optimizer, variables, slot_attrs=(), purpose="update"):
     """Returns the (cached) `Plan` of `variables` for `optimizer`.
 
     Args:
@@ -84,15 +97,22 @@ def plan(optimizer, variables, slot_attrs=()):
         variables: The `Variable`s of this `apply`, in order.
         slot_attrs: Names of the optimizer's slot lists to gather, e.g.
             `("_momentums", "_velocities")`.
+        purpose: Which kernel the plan is for: plans for other lists of
+            variables (weight decay's, say) are kept apart.
     """
     slot_attrs = tuple(slot_attrs)
+    if torch.compiler.is_compiling():
+        # A compiled step builds its lists once, at trace time; the cache
+        # (weak references, identity checks) is for eager steps.
+        return _make(optimizer, variables, slot_attrs)
     cache = _PLANS.get(optimizer)
     if cache is None:
         cache = _PLANS[optimizer] = {}
-    cached = cache.get(slot_attrs)
+    key = (purpose, slot_attrs)
+    cached = cache.get(key)
     if cached is not None and cached.matches(variables):
         return cached
-    cache[slot_attrs] = made = _make(optimizer, variables, slot_attrs)
+    cache[key] = made = _make(optimizer, variables, slot_attrs)
     return made
 
 
@@ -101,8 +121,11 @@ def _make(optimizer, variables, slot_attrs):
     watched = list(variables)
     members = {}
     for position, variable in enumerate(variables):
-        index = optimizer._get_variable_index(variable)
-        slots = [slot_list[index] for slot_list in slot_lists]
+        if slot_lists:
+            index = optimizer._get_variable_index(variable)
+            slots = [slot_list[index] for slot_list in slot_lists]
+        else:
+            slots = []
         watched.extend(slots)
         storage = variable._storage
         members.setdefault((storage.device, storage.dtype), []).append((position, storage, slots))
@@ -122,17 +145,33 @@ def _make(optimizer, variables, slot_attrs):
     return Plan(variables, watched, groups)
 
 
+# Under a mask, the small tensors of a write are gathered into one flat
+# buffer pair and selected there at once: four kernels whatever their number
+# (a launch per tensor would make a step of many small tensors launch-bound).
+# A tensor this large takes its own `where`, which is then memory-bound;
+# at most PACK_CAPACITY elements are packed (two float32 buffers of 16 MiB,
+# kept between steps, per thread, for the last few tensor lists).
+PACK_BELOW = 1 << 16
+PACK_CAPACITY = 1 << 22
+_SELECT_BUFFERS = threading.local()
+_BUFFERS_KEPT = 4
+
+
 class Writer:
-    """In-place multi-tensor writes that honour the active `cond` mask.
+    """In-place multi-tensor writes that honour a `WriteMask`.
 
     Each method writes into `targets` and returns the values written (what a
     later read of the targets would see if the step is taken), so the rest
     of a kernel can go on computing from them.
+
+    Args:
+        mask: The `masks.WriteMask` of the variables written (None: write).
+        device: The device of the tensors written.
     """
 
-    def __init__(self, device):
-        mask = ops.active_mask()
-        self.mask = None if mask is None else ops.mask_on(mask, device)
+    def __init__(self, mask, device):
+        self.mask = mask
+        self.device = device
 
     def add(self, targets, values):
         if self.mask is None:
@@ -153,13 +192,60 @@ class Writer:
         return self._select(targets, values)
 
     def _select(self, targets, values):
-        # torch has no multi-tensor select: one `where` per tensor, written
-        # into the target's own memory.
-        mask = self.mask
-        for target, value in zip(targets, values):
-            torch.where(mask, value, target, out=target)
+        # torch has no multi-tensor select: small tensors are selected in a
+        # packed copy, large ones each in its own memory.
+        keep = self.mask.on(self.device)
+        small, large = _split(targets)
+        if len(small) > 1 and not torch.compiler.is_compiling():
+            new, new_views, old, old_views = _buffers([targets[i] for i in small])
+            torch._foreach_copy_(new_views, [values[i] for i in small])
+            torch._foreach_copy_(old_views, [targets[i] for i in small])
+            torch.where(keep, new, old, out=old)
+            torch._foreach_copy_([targets[i] for i in small], old_views)
+        else:
+            large = range(len(targets))
+        for i in large:
+            torch.where(keep, values[i], targets[i], out=targets[i])
         return values
 
     def found_inf(self):
         """`1.0` where the step is skipped, for kernels taking a `found_inf` flag."""
-        return None if self.mask is None else (~self.mask).float()
+        return None if self.mask is None else self.mask.skip(self.device)
+
+
+def _split(targets):
+    """Positions of the tensors to pack, and of the others."""
+    small, large, packed = [], [], 0
+    for i, t in enumerate(targets):
+        n = t.numel()
+        if n < PACK_BELOW and packed + n <= PACK_CAPACITY:
+            small.append(i)
+            packed += n
+        else:
+            large.append(i)
+    return small, large
+
+
+def _buffers(tensors):
+    """Two flat buffers for `tensors` (by dtype, device and shapes), with views shaped like them."""
+    cache = getattr(_SELECT_BUFFERS, "by_key", None)
+    if cache is None:
+        cache = _SELECT_BUFFERS.by_key = {}
+    first = tensors[0]
+    key = (
+        first.dtype,
+        first.device,
+        torch.is_inference_mode_enabled(),
+        tuple(t.shape for t in tensors),
+    )
+    entry = cache.pop(key, None)
+    if entry is None:
+        sizes = [t.numel() for t in tensors]
+        entry = []
+        for _ in range(2):
+            flat = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
+            entry += [flat, [v.view(t.shape) for v, t in zip(flat.split(sizes), tensors)]]
+        while len(cache) >= _BUFFERS_KEPT:
+            cache.pop(next(iter(cache)))
+    cache[key] = entry  # most recently used last
+    return entry

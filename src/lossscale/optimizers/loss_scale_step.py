@@ -1,0 +1,201 @@
+"""One step of `LossScaleOptimizer`: unscale, check, gate the inner step, update the scale.
+
+```
+grads = grads / scale                     # overwrite-with-gradient ones untouched
+finite = all(isfinite(grads))             # after unscaling: catches an overflow it causes
+finite = all ranks agree                  # torch.distributed: one small all-reduce
+gated(finite, inner optimizer's step)     # a skipped step writes nothing
+state = next_loss_scale(state, finite)    # the one state machine
+```
+
+`gated` keeps the decision on the device: torch and JAX run the inner step
+once with the flag as every variable's write mask, and the fused kernels of
+Adam, AdamW and SGD fold it into their own arithmetic (no select, no
+`lax.cond`); an inner optimizer whose step cannot fold it runs under
+`ops.cond`. Nothing reads the flag on the host.
+"""
+
+import functools
+
+from lossscale.mixed_precision.loss_scale import (
+    STATE_FIELD_NAMES,
+    LossScaleState,
+    may_apply,
+    next_loss_scale,
+)
+
+
+class LossScaleStepMixin:
+    """`_apply_validated` and the finite checks of `LossScaleOptimizer`."""
+
+    def _apply_validated(self, grads, variables):
+        ops = self._ops
+        scale = self.dynamic_scale.value
+        inner = self.inner_optimizer
+        skip = None
+        if self._folds_unscale(variables):
+            # The inner kernel divides by the scale as it reads each gradient
+            # (NumPy's): one pass fewer. Division is monotone, so the largest
+            # scaled magnitude over the scale is the largest unscaled one, and
+            # the check still catches a gradient that overflows when unscaled.
+            present = [g for g in grads if g is not None]
+            finite, peak, variable_finite = ops.isfinite(ops.max_abs(present) / scale), None, ()
+            update = functools.partial(inner._apply_validated, grads, variables, grad_scale=scale)
+        else:
+            scaled = [
+                i
+                for i, (g, v) in enumerate(zip(grads, variables))
+                if g is not None and not v.overwrite_with_gradient
+            ]
+            grads = list(grads)
+            # Outside `stateless_apply` the gradients are the caller's to
+            # hand over: torch divides them in place, as GradScaler does,
+            # instead of allocating unscaled copies.
+            unscaled = ops.unscale([grads[i] for i in scaled], scale, in_place=not self._stateless)
+            for i, g in zip(scaled, unscaled):
+                grads[i] = g
+            finite, skip, peak, variable_finite = self._inspect(
+                ops, grads, variables, scaled, unscaled, scale
+            )
+            update = functools.partial(inner._apply_validated, grads, variables)
+        # Every process must take the same decision (sharded gradients differ
+        # per rank): one small all-reduce where torch.distributed runs.
+        agreed = ops.all_true(finite, self.process_group)
+        if peak is not None:
+            peak = ops.all_max(peak, self.process_group)
+        state = self._read_state()
+        take = may_apply(ops, state, agreed, self.policy)
+        if agreed is not finite or take is not finite:
+            skip = None  # `skip` described the local check only
+        # The inner optimizer's validated entry: `apply` has checked the
+        # gradients and variables already.
+        targets = self._trainable_variables + inner.variables
+        if inner._folds_gate(variables):
+            ops.gated(take, update, targets, skip=skip)
+        else:
+            ops.cond(take, update, None, targets)
+        new = next_loss_scale(
+            ops,
+            state,
+            agreed,
+            self.policy,
+            peak=peak,
+            variable_finite=variable_finite,
+            skip=skip,
+            in_place=ops.MUTABLE,
+        )
+        self._write_state(ops, state, new)
+
+    def _write_state(self, ops, state, new):
+        """Stores the new loss-scale state in the wrapper's variables."""
+        targets = dict(_flatten(self._state))
+        old = {id(x) for _, x in _flatten(state)}
+        writes = []
+        for key, value in _flatten(new):
+            variable = targets.get(key)
+            if variable is None or value is variable._storage:
+                continue  # untracked, or updated in place by a fused kernel
+            if ops.MUTABLE and id(value) in old:
+                # Another variable's buffer passed through unchanged (the
+                # shifted scale history): copied before any write changes it.
+                value = ops.copy(value)
+            writes.append((variable, value))
+        for variable, value in writes:
+            variable.assign(value)
+
+    def _folds_unscale(self, variables):
+        # Not under stateless_apply: such a kernel may leave the unscaled
+        # values in the gradient buffers, which belong to the caller there.
+        return (
+            not self._stateless
+            and not self.policy.records_details
+            and self.policy.growth_policy == "fixed"
+            and self.inner_optimizer._takes_grad_scale(variables)
+        )
+
+    def _inspect(self, ops, grads, variables, scaled, unscaled, scale):
+        """Returns `(finite, skip, peak, variable_finite)` for `next_loss_scale`.
+
+        `skip` (the flag as torch's AMP `found_inf`) when the check gives it
+        for free, `peak` (the largest scaled magnitude) only with the
+        headroom policy, `variable_finite` only when telemetry is recorded.
+        Checking the unscaled gradients also catches a finite gradient that
+        overflows when divided by a tiny scale.
+        """
+        policy = self.policy
+        headroom = policy.growth_policy == "headroom"
+        unscaled_at = set(scaled)
+        others = [g for i, g in enumerate(grads) if g is not None and i not in unscaled_at]
+        if not policy.records_details:
+            if not headroom:
+                # The unscaled gradients are ours (copies, or the caller's,
+                # already divided in place): the check may store into them.
+                finite, skip = ops.finite_flags(unscaled)
+                if others:
+                    finite, skip = ops.logical_and(finite, ops.all_finite(others)), None
+                return finite, skip, None, ()
+            nonempty = [g for g in unscaled if ops.shape(g).count(0) == 0]
+            peak = ops.max_abs(nonempty) if nonempty else scale * 0
+            finite = ops.isfinite(peak)
+            if others:
+                finite = ops.logical_and(finite, ops.all_finite(others))
+            return finite, None, peak * scale, ()
+        # One reduction per gradient: its largest magnitude, NaN or inf when
+        # it holds one, gives both its own flag and (reduced) the global ones.
+        peaks = {
+            i: ops.max_abs([g])
+            for i, g in enumerate(grads)
+            if g is not None and ops.shape(g).count(0) == 0
+        }
+        finite = ops.isfinite(_largest(ops, list(peaks.values()), scale))
+        peak = _largest(ops, [peaks[i] for i in scaled if i in peaks], scale) * scale
+        variable_finite = [None] * len(self._trainable_variables)
+        for i, p in peaks.items():
+            variable_finite[self._get_variable_index(variables[i])] = ops.isfinite(p)
+        return finite, None, peak if headroom else None, tuple(variable_finite)
+
+    def _read_state(self, values=None):
+        """The `LossScaleState` of the variables, or of `values` ({variable id: value})."""
+
+        def read(v):
+            return v.value if values is None else values[id(v)]
+
+        return LossScaleState(
+            **{
+                name: tuple(map(read, target)) if isinstance(target, tuple) else read(target)
+                for name, target in self._state.items()
+            }
+        )
+
+    def check_finite(self, grads):
+        """Returns a backend boolean scalar: whether every non-`None` gradient is finite."""
+        present = [g for g in grads if g is not None]
+        return self._ops_of(present).all_finite(present)
+
+    def _ops_of(self, arrays):
+        if self.built:
+            return self._ops
+        from lossscale.backends import ops_for
+
+        return ops_for(*arrays)
+
+
+def _flatten(state):
+    """`((field name, index), value)` pairs of a state or of `{field name: variable(s)}`."""
+    items = (
+        state.items()
+        if isinstance(state, dict)
+        else ((name, getattr(state, name)) for name in STATE_FIELD_NAMES)
+    )
+    for name, value in items:
+        if isinstance(value, tuple):
+            yield from (((name, i), x) for i, x in enumerate(value))
+        elif value is not None:
+            yield (name, None), value
+
+
+def _largest(ops, peaks, like):
+    """The largest of scalar `peaks` (NaN if any is NaN); 0 when there are none."""
+    if not peaks:
+        return like * 0
+    return functools.reduce(ops.maximum, peaks)
