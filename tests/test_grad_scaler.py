@@ -6,6 +6,7 @@ torch's scaler and with ours. State dicts are in test_scaler_state.py,
 Lightning, Accelerate and torch.distributed in test_grad_scaler_integrations.py.
 """
 
+import doctest
 import sys
 
 import grad_scaler_cases as cases
@@ -23,6 +24,13 @@ def pair(**extras):
     """torch's scaler and ours, with the loop's settings (and our extras)."""
     settings = dict(init_scale=cases.INIT_SCALE, growth_interval=cases.GROWTH_INTERVAL)
     return torch.amp.GradScaler("cpu", **settings), lt.GradScaler("cpu", **settings, **extras)
+
+
+def test_docstring_example():
+    import lossscale.torch.grad_scaler as module
+
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
 
 
 # -- the same training run as torch's -----------------------------------------
