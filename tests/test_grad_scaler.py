@@ -7,7 +7,9 @@ Lightning, Accelerate and torch.distributed in test_grad_scaler_integrations.py.
 """
 
 import doctest
+import subprocess
 import sys
+import warnings
 
 import grad_scaler_cases as cases
 import numpy as np
@@ -24,6 +26,17 @@ def pair(**extras):
     """torch's scaler and ours, with the loop's settings (and our extras)."""
     settings = dict(init_scale=cases.INIT_SCALE, growth_interval=cases.GROWTH_INTERVAL)
     return torch.amp.GradScaler("cpu", **settings), lt.GradScaler("cpu", **settings, **extras)
+
+
+def test_lossscale_does_not_import_torch_and_lossscale_torch_does():
+    code = (
+        "import sys, lossscale; before = 'torch' in sys.modules; "
+        "import lossscale.torch; print(before, 'torch' in sys.modules, "
+        "lossscale.torch.GradScaler.__mro__[2] is sys.modules['torch'].amp.GradScaler)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True", "True"]
 
 
 def test_docstring_example():
@@ -144,12 +157,14 @@ def test_disabled_scaler_behaves_as_torch():
     assert ours.summary() == {} and ours.check() is None
 
 
-def test_cuda_scaler_without_cuda_disables_itself_as_torch_does():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: the scaler stays enabled")
-    with pytest.warns(UserWarning, match="CUDA is not available"):
+def test_the_default_cuda_scaler_is_enabled_only_with_cuda_as_torchs():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         scaler = lt.GradScaler()
-    assert not scaler.is_enabled()
+        theirs = torch.amp.GradScaler()
+    assert scaler.is_enabled() is theirs.is_enabled() is torch.cuda.is_available()
+    disabling = [w for w in caught if "CUDA is not available" in str(w.message)]
+    assert len(disabling) == (0 if torch.cuda.is_available() else 2)
 
 
 # -- where our guards differ from torch's ---------------------------------------

@@ -32,8 +32,8 @@ from lossscale.torch import gradients, scaler_state
 
 _OPS = get_ops("torch")
 # After an update the scale is at least `backoff_factor` times what it was,
-# up to float32 rounding (of the factor and of the product): a lower bound
-# kept on the host shrinks by this much more, to stay one.
+# up to float32 rounding (of the factor and of the product): the lower bound
+# kept on the host shrinks by this much more, so that it stays a lower bound.
 _ROUNDING = 1 - 2.0**-20
 
 
@@ -41,11 +41,14 @@ class GradScaler(scaler_state.ScalerStateMixin, torch.amp.GradScaler):
     """`torch.amp.GradScaler` with lossscale's dynamic loss scale.
 
     A drop-in replacement: the same arguments, defaults, methods, state dict
-    and errors, so it fits wherever a `torch.amp.GradScaler` is taken
-    (Lightning's `MixedPrecision(scaler=...)`, Accelerate's
-    `accelerator.scaler`). With the keyword-only extras at their defaults a
-    training loop is bit for bit the one torch's scaler runs: the same
-    unscaled gradients, skipped steps, scales and weights. Each step:
+    and errors for misused stages (misuse torch answers with an
+    `AssertionError` gets a message naming the argument instead), so it fits
+    wherever a `torch.amp.GradScaler` is taken (Lightning's
+    `MixedPrecision(scaler=...)`, Accelerate's `accelerator.scaler`). With
+    the keyword-only extras at their defaults a training loop is bit for bit
+    the one torch's scaler runs: the same unscaled gradients, skipped steps,
+    scales and weights. docs/torch.md lists where the guards differ. Each
+    step:
 
     ```
     grads = grads * float32(1 / scale)        # torch's kernel, in place
