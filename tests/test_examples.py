@@ -61,6 +61,16 @@ def test_quickstart_is_printed_verbatim_in_the_readme(name):
     assert f"```python\n{code}```" in README.read_text()
 
 
+def test_lightning_example_learns_and_skips_its_first_overflows(tmp_path):
+    text = (EXAMPLES / "lightning_fp16.py").read_text()
+    assert len(text.splitlines()) < 80 and "lossscale.torch.GradScaler(" in text
+    last = _run("lightning_fp16.py", tmp_path)
+    assert float(re.search(r"accuracy (\S+)", last).group(1)) > 0.95
+    # 2**24 overflows five times (down to 2**19); 91 finite steps grow it once.
+    assert "skipped 5 of 96 steps" in last
+    assert float(re.search(r"loss scale (\S+)", last).group(1)) == pytest.approx(2.0**20, 1e-5)
+
+
 # Two ranks the way torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR and
 # MASTER_PORT in the environment), spawned directly: torchrun's elastic agent
 # adds nothing the example uses, and under a loaded CI machine its workers

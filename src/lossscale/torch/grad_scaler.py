@@ -1,0 +1,433 @@
+"""`GradScaler`: `torch.amp.GradScaler`'s API and defaults on lossscale's state machine.
+
+A subclass of torch's class. It keeps torch's machinery where that machinery
+is the behaviour users rely on: `scale` (tensors and nested outputs), the
+per-optimizer stages of `unscale_` and `step` with their errors, the fused
+optimizers' `grad_scale` / `found_inf` protocol, and torch's check-and-unscale
+kernel, which multiplies each gradient by the float32 reciprocal of the scale
+and so gives the same unscaled gradients and the same skip decisions. It
+replaces the scale update with `next_loss_scale` (on a plain policy that is
+torch's own `_amp_update_scale_` kernel) and adds what torch's lacks: the
+extras of `LossScalePolicy`, agreement over a process group, and a guard
+against gradients that overflow only once unscaled.
+"""
+
+import numbers
+
+import numpy as np
+import torch
+from torch.amp.grad_scaler import OptState
+
+from lossscale import validation
+from lossscale.backends import get_ops
+from lossscale.mixed_precision.loss_scale import (
+    MAX_SCALE,
+    NO_ERROR,
+    LossScalePolicy,
+    LossScaleState,
+    next_loss_scale,
+)
+from lossscale.mixed_precision.telemetry import LossScaleError
+from lossscale.torch import gradients, scaler_state
+
+_OPS = get_ops("torch")
+# After an update the scale is at least `backoff_factor` times what it was,
+# up to float32 rounding (of the factor and of the product): the lower bound
+# kept on the host shrinks by this much more, so that it stays a lower bound.
+_ROUNDING = 1 - 2.0**-20
+
+
+class GradScaler(scaler_state.ScalerStateMixin, torch.amp.GradScaler):
+    """`torch.amp.GradScaler` with lossscale's dynamic loss scale.
+
+    A drop-in replacement: the same arguments, defaults, methods, state dict
+    and errors for misused stages (misuse torch answers with an
+    `AssertionError` gets a message naming the argument instead), so it fits
+    wherever a `torch.amp.GradScaler` is taken (Lightning's
+    `MixedPrecision(scaler=...)`, Accelerate's `accelerator.scaler`). With
+    the keyword-only extras at their defaults a training loop is bit for bit
+    the one torch's scaler runs: the same unscaled gradients, skipped steps,
+    scales and weights. docs/torch.md lists where the guards differ. Each
+    step:
+
+    ```
+    grads = grads * float32(1 / scale)        # torch's kernel, in place
+    found_inf = any(not isfinite(grads))      # before unscaling; after it too
+                                              # while the scale is below 1
+    found_inf = max over process_group        # with `process_group`
+    if not found_inf:
+        optimizer.step()                      # fused optimizers: found_inf
+                                              # makes their kernel a no-op
+    update(): state = next_loss_scale(state, not found_inf, policy)
+    ```
+
+    `next_loss_scale` is lossscale's one loss-scale state machine: with
+    finite gradients the growth tracker counts up and, on the
+    `growth_interval`-th step in a row, the scale grows by `growth_factor`
+    (not past float32's range); on an overflow the tracker resets and the
+    scale backs off by `backoff_factor`, never below the smallest normal
+    float32 (torch's would go on down to 0).
+
+    Args:
+        device: String. The device type of the scaled outputs, as in torch
+            (`"cuda"`, `"cpu"`, ...). A `"cuda"` scaler on a machine without
+            CUDA disables itself with a warning, as torch's does.
+        init_scale: Float. The initial scale.
+        growth_factor: Float > 1. Multiplier applied on growth.
+        backoff_factor: Float in (0, 1). Multiplier applied on backoff.
+        growth_interval: Int >= 1. Consecutive finite steps before a growth.
+        enabled: Boolean. `False` makes `scale` return its input,
+            `step` call `optimizer.step()` and the other methods do nothing.
+        hysteresis: Int >= 1. Overflowing steps in a row before the scale
+            backs off (the steps are skipped either way).
+        min_scale: Float or `None`. A backoff below it raises
+            `LossScaleError` from `update()` instead.
+        max_scale: Float or `None`. Growth stops at this scale.
+        max_consecutive_skips: Int >= 0 or `None`. More skipped steps in a
+            row than this raise `LossScaleError` from `update()`.
+        growth_policy: `"fixed"` grows every `growth_interval` finite
+            steps; `"headroom"` only when the largest scaled gradient, times
+            `growth_factor`, stays well below float16's maximum.
+        telemetry: Boolean. Whether to count steps and skipped steps and
+            keep the last overflow and the last scales, read by `summary()`.
+        process_group: A `torch.distributed` process group, or `None`.
+            Every rank of the group takes the same skip decision (one small
+            all-reduce of the overflow flag per optimizer), as FSDP's
+            `ShardedGradScaler` does; pass `torch.distributed.group.WORLD`
+            for all ranks. Gradients that are DTensors (FSDP2) already agree
+            over their mesh without it, as with torch's scaler.
+
+    Example:
+
+    >>> import torch, lossscale.torch
+    >>> p = torch.nn.Parameter(torch.ones(2))
+    >>> opt = torch.optim.SGD([p], lr=0.25)
+    >>> scaler = lossscale.torch.GradScaler("cpu", init_scale=1024.0, telemetry=True)
+    >>> scaler.scale((2 * p).sum()).backward()   # gradients 2 * 1024
+    >>> scaler.step(opt)                         # unscaled to 2: finite, applied
+    >>> scaler.update()
+    >>> p.tolist(), scaler.get_scale()
+    ([0.5, 0.5], 1024.0)
+    >>> p.grad.fill_(float("inf"))               # an overflow: skipped, backed off
+    tensor([inf, inf])
+    >>> scaler.step(opt); scaler.update()
+    >>> p.tolist(), scaler.get_scale(), scaler.summary()["skipped_steps"]
+    ([0.5, 0.5], 512.0, 1)
+
+    In a training loop:
+
+    ```python
+    scaler = lossscale.torch.GradScaler("cuda", max_consecutive_skips=50)
+    for x, y in data:
+        optimizer.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)               # optional: clip unscaled grads
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)                   # skipped if any grad overflowed
+        scaler.update()
+    ```
+    """
+
+    def __init__(
+        self,
+        device="cuda",
+        init_scale=2.0**16,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=2000,
+        enabled=True,
+        *,
+        hysteresis=1,
+        min_scale=None,
+        max_scale=None,
+        max_consecutive_skips=None,
+        growth_policy="fixed",
+        telemetry=False,
+        process_group=None,
+    ):
+        validation.check_bool("enabled", enabled)
+        check = validation.check_number
+        check("init_scale", init_scale, low=0, low_open=True, high=MAX_SCALE)
+        check("growth_factor", growth_factor, low=1, low_open=True)
+        check("backoff_factor", backoff_factor, low=0, high=1, low_open=True, high_open=True)
+        check("growth_interval", growth_interval, low=1, integer=True)
+        if (_is_real(min_scale) and min_scale > init_scale) or (
+            _is_real(max_scale) and max_scale < init_scale
+        ):
+            raise ValueError(
+                "`init_scale` must lie between `min_scale` and `max_scale`. Received: "
+                f"init_scale={init_scale}, min_scale={min_scale}, max_scale={max_scale}"
+            )
+        policy = LossScalePolicy(
+            initial_scale=float(init_scale),
+            dynamic_growth_steps=int(growth_interval),
+            growth_factor=float(growth_factor),
+            backoff_factor=float(backoff_factor),
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            max_consecutive_skips=max_consecutive_skips,
+            growth_policy=growth_policy,
+            telemetry=telemetry,
+        )
+        super().__init__(
+            device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
+        )
+        self._policy = policy
+        self._process_group = process_group
+        # The extra state fields: Python values until the scale exists, then
+        # 0-d tensors beside it (see `scaler_state`).
+        self._extra_start = scaler_state.initial_values(policy)
+        self._extras = None
+        # A lower bound of the scale known on the host, without reading the
+        # device (see `_unscaling_may_overflow`).
+        self._scale_bound = 0.0
+
+    @property
+    def policy(self):
+        """The `LossScalePolicy`: torch's settings and the extras."""
+        return self._policy
+
+    @property
+    def process_group(self):
+        """The process group whose ranks take one skip decision, or `None`."""
+        return self._process_group
+
+    # -- the scale and its state ---------------------------------------------
+
+    def _lazy_init_scale_growth_tracker(self, dev):
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._extras = scaler_state.make_tensors(
+            self._extra_start, self._policy, self._scale.device
+        )
+        self._scale_bound = float(np.float32(self._init_scale))
+
+    def _check_scale_growth_tracker(self, funcname):
+        if self._scale is None or self._growth_tracker is None:
+            raise RuntimeError(
+                f"`GradScaler.{funcname}()` needs the loss scale, which the first "
+                "`scaler.scale(outputs)` creates on the outputs' device: compute the loss, "
+                f"call `scaler.scale(loss).backward()`, then `scaler.{funcname}(...)`. "
+                "Received: a GradScaler that has scaled nothing yet"
+            )
+        return self._scale, self._growth_tracker
+
+    def _state(self):
+        scale = self._scale
+        if self._policy.records_details:
+            # The history keeps this step's scale, which `update` then
+            # overwrites in place: it gets a copy.
+            scale = scale.clone()
+        return LossScaleState(scale=scale, counter=self._growth_tracker, **self._extras)
+
+    # -- checking and unscaling ----------------------------------------------
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        # `unscale_` (inherited: its stage checks and errors are torch's)
+        # calls this with the float32 reciprocal of the scale.
+        return self._unscale_and_check(
+            optimizer, inv_scale, found_inf, allow_fp16, self._unscaling_may_overflow()
+        )
+
+    def _unscale_and_check(self, optimizer, inv_scale, found_inf, allow_fp16, recheck):
+        self._check_process_group()
+        peak = self._peak(optimizer)
+        found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if recheck:
+            # The same kernel at scale 1 writes every value back unchanged
+            # and flags the unscaled gradients that are not finite.
+            found = gradients.merge_flags(found, self._check_only(optimizer))
+        return self._agreed(optimizer, found, peak)
+
+    def _check_inf_per_device(self, optimizer):
+        # `step` calls this for an optimizer that unscales inside its own
+        # kernel (`_step_supports_amp_scaling`): it divides by the scale as
+        # it reads each gradient, so only the scaled values are checked here.
+        self._check_scale_growth_tracker("step")
+        self._check_process_group()
+        state = self._per_optimizer_states[id(optimizer)]
+        if self._unscaling_may_overflow():
+            # The kernel's quotients cannot be checked: unscale here instead.
+            # torch's protocol then hands the optimizer no `grad_scale`.
+            inv_scale = self._scale.double().reciprocal().float()
+            found_inf = torch.zeros((), device=self._scale.device)
+            state["found_inf_per_device"] = self._unscale_and_check(
+                optimizer, inv_scale, found_inf, True, recheck=True
+            )
+            state["stage"] = OptState.UNSCALED
+        else:
+            peak = self._peak(optimizer)
+            state["found_inf_per_device"] = self._agreed(
+                optimizer, self._check_only(optimizer), peak
+            )
+        return state["found_inf_per_device"]
+
+    def _check_only(self, optimizer):
+        device = self._scale.device
+        one, zero = torch.ones((), device=device), torch.zeros((), device=device)
+        return super()._unscale_grads_(optimizer, one, zero, True)
+
+    def _check_process_group(self):
+        # Before any gradient is touched: the agreement comes after the unscaling.
+        dist = torch.distributed
+        if self._process_group is not None and not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                "`process_group` was given but torch.distributed is not initialised: call "
+                "`torch.distributed.init_process_group` before stepping. Received: "
+                f"process_group={self._process_group!r}"
+            )
+
+    def _unscaling_may_overflow(self):
+        """Whether a finite scaled gradient may overflow once unscaled.
+
+        Only if the scale is below 1: a reciprocal <= 1 (or a division by a
+        scale >= 1) cannot take a finite value out of range. The host keeps
+        a lower bound of the scale (exact when the scale was set or read,
+        times `backoff_factor` per update since) and reads the scale, once,
+        only when that bound falls below 1: with optimizers that torch's
+        scaler reads anyway (every step) never while the scale is >= 2, and
+        with fused optimizers once per about log2(scale) steps. Every rank
+        holds the same bound, so all take the same path.
+        """
+        if self._scale_bound >= 1.0:
+            return False
+        self._scale_bound = float(self._scale)
+        return not self._scale_bound >= 1.0
+
+    def _peak(self, optimizer):
+        """The largest magnitude of the scaled gradients, for `growth_policy="headroom"`."""
+        if self._policy.growth_policy != "headroom":
+            return None
+        grads, mesh_groups = gradients.local_gradients(optimizer)
+        device = self._scale.device
+        peak = _OPS.max_abs(grads).to(device) if grads else torch.zeros((), device=device)
+        for group in mesh_groups:
+            peak = _OPS.all_max(peak, group)
+        return peak
+
+    def _agreed(self, optimizer, found, peak):
+        """The optimizer's overflow flags, agreed over the process group and gated by errors.
+
+        Untouched (torch's own result) without a process group, fail-fast
+        limits or several devices; otherwise one flag on the scale's device,
+        0 or 1 (fused kernels skip only on exactly 1, so flags are combined
+        by their maximum, not their sum as torch's does).
+        """
+        state = self._per_optimizer_states[id(optimizer)]
+        group = self._process_group
+        if peak is not None:
+            state["peak"] = peak if group is None else _OPS.all_max(peak, group)
+        if group is None and not self._policy.fails_fast and len(found) <= 1:
+            return found
+        device = self._scale.device
+        flags = [f.to(device).reshape(()) for f in found.values()]
+        flag = torch.stack(flags).amax() if flags else torch.zeros((), device=device)
+        if group is not None:
+            flag = _OPS.all_max(flag, group)
+        if self._policy.fails_fast:
+            # Once a limit was crossed every step is skipped, as the state
+            # machine leaves the state as it is, until the state is restored.
+            flag = torch.maximum(flag, (self._extras["error"] != NO_ERROR).to(flag.dtype))
+        return {device: flag}
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        # torch reads the overflow flag on the host here; the scale comes
+        # back in the same copy, which keeps `_scale_bound` exact.
+        device = self._scale.device
+        flags = [f.to(device).reshape(()) for f in optimizer_state["found_inf_per_device"].values()]
+        found, self._scale_bound = torch.stack([torch.stack(flags).sum(), self._scale]).tolist()
+        if not found:
+            return optimizer.step(*args, **kwargs)
+        return None
+
+    # -- the update ----------------------------------------------------------
+
+    def update(self, new_scale=None):
+        """Updates the scale from this iteration's overflow checks (see the class docstring).
+
+        Args:
+            new_scale: Optional. A positive float, or a one-element
+                floating-point tensor on the scale's device that does not
+                require grad: the new scale, set as is (the growth tracker
+                and the other state do not change).
+
+        Raises:
+            LossScaleError: A fail-fast limit (`min_scale`,
+                `max_consecutive_skips`) was crossed. The failing steps were
+                skipped, and every later one is skipped until the state is
+                restored (`load_state_dict`).
+        """
+        if not self._enabled:
+            return
+        self._check_scale_growth_tracker("update")
+        if new_scale is not None:
+            self._set_scale(new_scale)
+            return
+        states = self._per_optimizer_states
+        device = self._scale.device
+        flags = [
+            f.to(device, non_blocking=True).reshape(())
+            for state in states.values()
+            for f in state["found_inf_per_device"].values()
+        ]
+        if not flags:
+            raise RuntimeError(
+                "`GradScaler.update()` found no overflow check to update the scale from: "
+                "no optimizer was stepped (or unscaled) by this scaler since the last update. "
+                "Call `scaler.step(optimizer)` first. Received: no `step()` or `unscale_()` "
+                "since the last `update()`"
+            )
+        finite = (flags[0] if len(flags) == 1 else torch.stack(flags).amax()) == 0
+        peak = None
+        if self._policy.growth_policy == "headroom":
+            peak = torch.stack([s["peak"] for s in states.values() if "peak" in s]).amax()
+        new = next_loss_scale(_OPS, self._state(), finite, self._policy, peak=peak)
+        self._scale.copy_(new.scale)
+        self._growth_tracker.copy_(new.counter)
+        self._extras = {name: getattr(new, name) for name in self._extras}
+        states.clear()
+        self._scale_bound *= self._policy.backoff_factor * _ROUNDING
+        if self._policy.max_scale is not None:
+            self._scale_bound = min(self._scale_bound, self._policy.max_scale)
+        if self._policy.fails_fast:
+            # The one host read the limits cost per step (as in LossScaleOptimizer).
+            code = self._extras["error"].to(torch.float32)
+            error, self._scale_bound = torch.stack([code, self._scale]).tolist()
+            if error != NO_ERROR:
+                raise LossScaleError(self._failure_message())
+
+    def _set_scale(self, new_scale):
+        if isinstance(new_scale, torch.Tensor):
+            if (
+                not new_scale.is_floating_point()
+                or new_scale.numel() != 1
+                or new_scale.requires_grad
+                or new_scale.device != self._scale.device
+            ):
+                raise ValueError(
+                    "`new_scale` must be a Python float or a one-element floating-point "
+                    f"tensor on the scale's device ({self._scale.device}) that does not "
+                    f"require grad. Received: new_scale=tensor of shape "
+                    f"{tuple(new_scale.shape)}, dtype {new_scale.dtype}, on "
+                    f"{new_scale.device}, requires_grad={new_scale.requires_grad}"
+                )
+            self._scale.copy_(new_scale.detach().reshape(()))
+            self._scale_bound = 0.0  # unknown until read
+        else:
+            validation.check_number("new_scale", new_scale, low=0, low_open=True, high=MAX_SCALE)
+            self._scale.fill_(float(new_scale))
+            self._scale_bound = float(np.float32(new_scale))
+        self._per_optimizer_states.clear()
+
+    def get_scale(self):
+        """The current scale as a Python float (1.0 when disabled); reads the device."""
+        value = super().get_scale()
+        if self._enabled and self._scale is not None:
+            self._scale_bound = value
+        return value
+
+
+def _is_real(x):
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)

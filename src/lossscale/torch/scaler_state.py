@@ -1,0 +1,315 @@
+"""`GradScaler`'s state on the host: the extra fields, state dicts, summaries.
+
+torch's `GradScaler` keeps two tensors, the scale and the growth tracker
+(`LossScaleState.scale` and `.counter`). The fields a `LossScalePolicy` adds
+(the overflow streak for `hysteresis`, the telemetry counters and scale
+history, the fail-fast error) live next to them as 0-d tensors, created
+with the scale on its device. Here they are made, read back to Python
+values, and checked when a state dict brings them in.
+
+`ScalerStateMixin` holds what `GradScaler` does with that state outside the
+training step: its settings, `state_dict` / `load_state_dict`, pickling,
+`summary` and `check`.
+
+In a state dict the extra fields sit under one key, `STATE_KEY`, beside torch's five
+entries, so torch's `GradScaler` loads our dicts (it reads only its own
+keys) and we load torch's (the extra fields then start from their initial
+values).
+"""
+
+import dataclasses
+import math
+import numbers
+
+import numpy as np
+import torch
+
+from lossscale import validation
+from lossscale.mixed_precision import loss_scale
+from lossscale.mixed_precision.loss_scale import NO_ERROR
+from lossscale.mixed_precision.telemetry import LossScaleError, failure_message, summarize
+
+# torch's keys, which its `GradScaler.load_state_dict` reads.
+TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+STATE_KEY = "lossscale"
+# `LossScaleState` fields kept elsewhere: torch's two tensors, and the
+# per-variable flags, which a scaler does not keep (it has no variable names).
+_NOT_EXTRA = ("scale", "counter", "nonfinite")
+_DTYPES = {"int32": torch.int32, "float32": torch.float32}
+
+
+def extra_fields(policy):
+    """The `LossScaleState` fields `policy` tracks beyond torch's scale and tracker."""
+    return [f for f in loss_scale.state_fields(policy) if f.name not in _NOT_EXTRA]
+
+
+def _key(field):
+    # The name a field has everywhere the user sees it (`summary()`, the
+    # wrapper's variables): `skipped_steps`, not `skipped`.
+    return field.metadata["variable"] or field.name
+
+
+def initial_values(policy):
+    """`{field name: Python value}` for a scaler that has taken no step."""
+    values = {}
+    for f in extra_fields(policy):
+        start = f.metadata["initial"]
+        if f.metadata["per"] == "history":
+            values[f.name] = [float(start)] * loss_scale.HISTORY_LENGTH
+        else:
+            values[f.name] = start
+    return values
+
+
+def make_tensors(values, policy, device):
+    """The extra fields as 0-d tensors on `device` (tuples for the history)."""
+    tensors = {}
+    for f in extra_fields(policy):
+        dtype = _DTYPES[f.metadata["dtype"]]
+        value = values[f.name]
+        if f.metadata["per"] == "history":
+            tensors[f.name] = tuple(torch.full((), v, dtype=dtype, device=device) for v in value)
+        else:
+            tensors[f.name] = torch.full((), value, dtype=dtype, device=device)
+    return tensors
+
+
+def read_tensors(tensors, policy):
+    """The extra fields' Python values, read in one transfer."""
+    fields = extra_fields(policy)
+    if not fields:
+        return {}
+    flat = []
+    for f in fields:
+        value = tensors[f.name]
+        flat.extend(value if isinstance(value, tuple) else (value,))
+    # One copy to the host. float64 holds every int32 and float32 exactly.
+    numbers_ = torch.stack([t.to(torch.float64) for t in flat]).tolist()
+    values, at = {}, 0
+    for f in fields:
+        cast = float if f.metadata["dtype"] == "float32" else int
+        if f.metadata["per"] == "history":
+            values[f.name] = [cast(x) for x in numbers_[at : at + loss_scale.HISTORY_LENGTH]]
+            at += loss_scale.HISTORY_LENGTH
+        else:
+            values[f.name] = cast(numbers_[at])
+            at += 1
+    return values
+
+
+def to_state_dict(values, policy):
+    """The extra fields for a state dict, keyed as in `summary()`."""
+    return {_key(f): values[f.name] for f in extra_fields(policy)}
+
+
+def _fail(name, accepted, value):
+    raise ValueError(f"`{name}` must be {accepted}. Received: {name}={value!r}")
+
+
+def check_state_dict(state_dict, policy):
+    """Validates a state dict; returns the extra fields it sets, as Python values.
+
+    Fields `policy` tracks but the dict lacks (a dict from torch's
+    `GradScaler`, or from a scaler with other settings) start from their
+    initial values; fields it holds that `policy` does not track are
+    ignored. Anything else that does not fit raises `ValueError`.
+    """
+    if not hasattr(state_dict, "keys"):
+        _fail("state_dict", "a dict returned by GradScaler.state_dict()", state_dict)
+    missing = [k for k in TORCH_KEYS if k not in state_dict]
+    if missing:
+        raise ValueError(
+            "`state_dict` must be a GradScaler state dict, with the keys "
+            f"{list(TORCH_KEYS)}; {missing} are missing. Received: state_dict with keys "
+            f"{sorted(map(str, state_dict.keys()))}"
+        )
+    scale = state_dict["scale"]
+    if not _is_number(scale) or not 0 < scale <= loss_scale.MAX_SCALE:
+        _fail(
+            "state_dict['scale']",
+            f"a finite number > 0 and <= {loss_scale.MAX_SCALE}",
+            scale,
+        )
+    tracker = state_dict["_growth_tracker"]
+    if not _is_integer(tracker) or tracker < 0:
+        _fail("state_dict['_growth_tracker']", "an integer >= 0", tracker)
+    extras = state_dict.get(STATE_KEY, {})
+    if not hasattr(extras, "keys"):
+        _fail(f"state_dict[{STATE_KEY!r}]", "a dict", extras)
+    known = {
+        _key(f) for f in dataclasses.fields(loss_scale.LossScaleState) if f.name not in _NOT_EXTRA
+    }
+    unknown = sorted(set(map(str, extras)) - known)
+    if unknown:
+        raise ValueError(
+            f"`state_dict[{STATE_KEY!r}]` holds unknown fields {unknown}; known fields are "
+            f"{sorted(known)}. Received: state_dict[{STATE_KEY!r}]={dict(extras)!r}"
+        )
+    values = initial_values(policy)
+    for f in extra_fields(policy):
+        key = _key(f)
+        if key not in extras:
+            continue
+        value = extras[key]
+        name = f"state_dict[{STATE_KEY!r}][{key!r}]"
+        if f.metadata["per"] == "history":
+            ok = (
+                isinstance(value, (list, tuple))
+                and len(value) == loss_scale.HISTORY_LENGTH
+                and all(_is_number(v) for v in value)
+            )
+            if not ok:
+                _fail(name, f"a list of {loss_scale.HISTORY_LENGTH} finite numbers", value)
+            values[f.name] = [float(v) for v in value]
+        else:
+            if not _is_integer(value):
+                _fail(name, "an integer", value)
+            values[f.name] = int(value)
+    return values
+
+
+def _is_number(x):
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_integer(x):
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+class ScalerStateMixin:
+    """`GradScaler`'s settings, state dicts, pickling and summaries, on the host.
+
+    Nothing here runs inside a training step; whatever reads the device
+    (`state_dict`, `summary`, `check`) says so.
+    """
+
+    def _extra_values(self):
+        if self._extras is None:
+            return dict(self._extra_start)
+        return read_tensors(self._extras, self._policy)
+
+    # -- settings ------------------------------------------------------------
+
+    def set_growth_factor(self, new_factor):
+        """Sets the growth factor (a float > 1)."""
+        validation.check_number("new_factor", new_factor, low=1, low_open=True)
+        self._policy = dataclasses.replace(self._policy, growth_factor=float(new_factor))
+        super().set_growth_factor(new_factor)
+
+    def set_backoff_factor(self, new_factor):
+        """Sets the backoff factor (a float in (0, 1))."""
+        validation.check_number(
+            "new_factor", new_factor, low=0, high=1, low_open=True, high_open=True
+        )
+        self._policy = dataclasses.replace(self._policy, backoff_factor=float(new_factor))
+        super().set_backoff_factor(new_factor)
+
+    def set_growth_interval(self, new_interval):
+        """Sets the growth interval (an integer >= 1)."""
+        validation.check_number("new_interval", new_interval, low=1, integer=True)
+        self._policy = dataclasses.replace(self._policy, dynamic_growth_steps=int(new_interval))
+        super().set_growth_interval(new_interval)
+
+    # -- state dicts and pickling ---------------------------------------------
+
+    def state_dict(self):
+        """torch's five entries, and the extra state fields under `"lossscale"` if any.
+
+        Empty when disabled. Reads the state on the host; call it after `update()`.
+        """
+        out = super().state_dict()
+        if out and extra_fields(self._policy):
+            extras = to_state_dict(self._extra_values(), self._policy)
+            out[STATE_KEY] = extras
+        return out
+
+    def load_state_dict(self, state_dict):
+        """Loads a state dict of this class or of `torch.amp.GradScaler`.
+
+        Works before the first step (the values are used when the scale is
+        created). As in torch, the growth factor, backoff factor and growth
+        interval come from the dict; the extras' settings stay as
+        constructed, and extra fields the dict lacks start afresh. Checks
+        everything before writing anything. Does nothing when disabled.
+        """
+        if not self._enabled:
+            return
+        if hasattr(state_dict, "keys") and len(state_dict) == 0:
+            raise RuntimeError(
+                "`state_dict` is empty: it comes from a GradScaler with enabled=False, which "
+                "has no state to load. Received: state_dict={}"
+            )
+        extras = check_state_dict(state_dict, self._policy)
+        check = validation.check_number
+        check("state_dict['growth_factor']", state_dict["growth_factor"], low=1, low_open=True)
+        check(
+            "state_dict['backoff_factor']",
+            state_dict["backoff_factor"],
+            low=0,
+            high=1,
+            low_open=True,
+            high_open=True,
+        )
+        check("state_dict['growth_interval']", state_dict["growth_interval"], low=1, integer=True)
+        policy = dataclasses.replace(
+            self._policy,
+            growth_factor=float(state_dict["growth_factor"]),
+            backoff_factor=float(state_dict["backoff_factor"]),
+            dynamic_growth_steps=int(state_dict["growth_interval"]),
+        )
+        super().load_state_dict(state_dict)
+        self._policy = policy
+        self._extra_start = extras
+        if self._extras is not None:
+            self._extras = make_tensors(extras, policy, self._scale.device)
+        self._scale_bound = float(np.float32(state_dict["scale"]))
+
+    def __getstate__(self):
+        state = super().__getstate__()  # torch's: the scale becomes lazy again
+        if self._enabled:
+            state["_extra_start"] = self._extra_values()
+            state["_extras"] = None
+        return state
+
+    # -- reading the state ---------------------------------------------------
+
+    def summary(self):
+        """The loss-scale state as a dict of Python values, for loggers.
+
+        Reads the device: call it when logging, not inside the step.
+
+        Returns:
+            `{}` when disabled; otherwise `dynamic_scale` and `step_counter`
+            (torch's scale and growth tracker) and, as the settings track
+            them, `consecutive_skips`, `steps`, `skipped_steps`,
+            `last_overflow_step`, `scale_history`, `error` and `error_step`
+            (the keys of `LossScaleOptimizer.summary()`; a scaler does not
+            know variable names, so there is no `nonfinite_variables`).
+        """
+        if not self._enabled:
+            return {}
+        values = {
+            "scale": self.get_scale(),
+            "counter": self._get_growth_tracker(),
+            "nonfinite": [],
+            **self._extra_values(),
+        }
+        out = summarize(values, self._policy, [])
+        out.pop("nonfinite_variables", None)
+        return out
+
+    def check(self):
+        """Raises `LossScaleError` if the state records a crossed fail-fast limit.
+
+        `update()` already does so after every step when `min_scale` or
+        `max_consecutive_skips` is set; without them there is nothing to check.
+        """
+        if not self._enabled or not self._policy.fails_fast:
+            return
+        if self._extra_values()["error"] != NO_ERROR:
+            raise LossScaleError(self._failure_message())
+
+    def _failure_message(self):
+        text = failure_message({**self.summary(), "nonfinite_variables": []}, self._policy)
+        # A scaler cannot name the variables: drop the line that would.
+        return "\n".join(line for line in text.splitlines() if not line.startswith("Variables "))

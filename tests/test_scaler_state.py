@@ -1,0 +1,206 @@
+"""`GradScaler` state dicts, pickling and summaries (lossscale/torch/scaler_state.py)."""
+
+import copy
+import io
+import pickle
+
+import grad_scaler_cases as cases
+import pytest
+import torch
+
+import lossscale.torch as lt
+
+SETTINGS = dict(init_scale=cases.INIT_SCALE, growth_interval=cases.GROWTH_INTERVAL)
+HALF = cases.STEPS // 2
+
+
+def uninterrupted(cls, **extras):
+    return cases.train(cls("cpu", **SETTINGS, **extras))
+
+
+def resumed(first, second_cls, load_before_first_step=True, **extras):
+    """Half the loop with scaler `first`, the rest with a new one loaded from its state dict."""
+    run = cases.train(first, steps=HALF)
+    state = first.state_dict()
+    second = second_cls("cpu", **extras)  # defaults: the state dict brings torch's settings
+    if not load_before_first_step:
+        second.scale(torch.ones(()))
+    second.load_state_dict(state)
+    rest = cases.train(
+        second, steps=cases.STEPS - HALF, model=run["model"], optimizer=run["optimizer"]
+    )
+    return run["scales"] + rest["scales"], rest["params"], second
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        (lt.GradScaler, lt.GradScaler),
+        (lt.GradScaler, torch.amp.GradScaler),
+        (torch.amp.GradScaler, lt.GradScaler),
+    ],
+)
+@pytest.mark.parametrize("before", [True, False])
+def test_state_dict_round_trips_continue_the_run_exactly(first, second, before):
+    reference = uninterrupted(torch.amp.GradScaler)
+    scales, params, _ = resumed(first("cpu", **SETTINGS), second, before)
+    assert scales == reference["scales"]
+    assert cases.same_weights(params, reference["params"])
+
+
+def test_our_state_dict_is_torchs_plus_the_extra_fields():
+    theirs, ours = torch.amp.GradScaler("cpu", **SETTINGS), lt.GradScaler("cpu", **SETTINGS)
+    cases.train(theirs, steps=7)
+    cases.train(ours, steps=7)
+    assert ours.state_dict() == theirs.state_dict()
+    detailed = lt.GradScaler("cpu", **SETTINGS, hysteresis=2, telemetry=True)
+    cases.train(detailed, steps=7)
+    state = detailed.state_dict()
+    assert set(state) == set(theirs.state_dict()) | {"lossscale"}
+    assert set(state["lossscale"]) == {
+        "consecutive_skips",
+        "steps",
+        "skipped_steps",
+        "last_overflow_step",
+        "scale_history",
+    }
+    assert state["lossscale"]["steps"] == 7
+
+
+def test_extra_fields_survive_torch_save_and_load_before_the_first_step():
+    extras = dict(hysteresis=2, telemetry=True, max_consecutive_skips=20)
+    reference = uninterrupted(lt.GradScaler, **extras)
+    first = lt.GradScaler("cpu", **SETTINGS, **extras)
+    run = cases.train(first, steps=HALF)
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    second = lt.GradScaler("cpu", **extras)
+    second.load_state_dict(torch.load(buffer, weights_only=True))
+    assert second.summary() == first.summary()  # before any scale(): from the loaded values
+    rest = cases.train(
+        second, steps=cases.STEPS - HALF, model=run["model"], optimizer=run["optimizer"]
+    )
+    assert run["scales"] + rest["scales"] == reference["scales"]
+    assert cases.same_weights(rest["params"], reference["params"])
+    assert second.summary()["steps"] == cases.STEPS
+
+
+def test_fields_a_dict_lacks_start_afresh_and_untracked_ones_are_ignored():
+    plain = lt.GradScaler("cpu", **SETTINGS)
+    cases.train(plain, steps=5)
+    detailed = lt.GradScaler("cpu", telemetry=True)
+    detailed.load_state_dict(plain.state_dict())
+    summary = detailed.summary()
+    assert summary["dynamic_scale"] == plain.get_scale() and summary["steps"] == 0
+    tracking = lt.GradScaler("cpu", **SETTINGS, telemetry=True)
+    cases.train(tracking, steps=5)
+    plain.load_state_dict(tracking.state_dict())
+    assert plain.summary() == {"dynamic_scale": tracking.get_scale(), "step_counter": 0}
+
+
+def test_deepcopy_and_pickle_between_iterations():
+    scaler = lt.GradScaler("cpu", **SETTINGS, telemetry=True)
+    run = cases.train(scaler, steps=HALF)
+    clone = pickle.loads(pickle.dumps(scaler))
+    twin = copy.deepcopy(scaler)
+    for copied in (clone, twin):
+        assert copied.summary() == scaler.summary() and copied.policy == scaler.policy
+    model, optimizer = copy.deepcopy((run["model"], run["optimizer"]))  # one memo: shared params
+    a = cases.train(scaler, steps=4, model=run["model"], optimizer=run["optimizer"])
+    b = cases.train(clone, steps=4, model=model, optimizer=optimizer)
+    assert a["scales"] == b["scales"] and cases.same_weights(a["params"], b["params"])
+    p = torch.nn.Parameter(torch.ones(1))
+    p.grad = torch.ones(1)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(torch.optim.SGD([p], lr=0.1))
+    with pytest.raises(AssertionError, match="only be pickled at the beginning"):
+        pickle.dumps(scaler)  # torch's rule: not in the middle of an iteration
+
+
+def test_load_state_dict_on_a_disabled_scaler_does_nothing():
+    scaler = lt.GradScaler("cpu", enabled=False)
+    scaler.load_state_dict({"anything": 1})
+    assert scaler.state_dict() == {}
+
+
+def _good_state():
+    scaler = lt.GradScaler("cpu", **SETTINGS, telemetry=True)
+    cases.train(scaler, steps=3)
+    return scaler.state_dict()
+
+
+def _replaced(path, value):
+    state = copy.deepcopy(_good_state())
+    target = state
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return state
+
+
+@pytest.mark.parametrize(
+    "state, error, message",
+    [
+        (
+            torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1).state_dict(),
+            ValueError,
+            r"`state_dict` must be a GradScaler state dict, with the keys \['scale', .*"
+            r"Received: state_dict with keys \['param_groups', 'state'\]",
+        ),
+        ([1.0], ValueError, "`state_dict` must be a dict returned by GradScaler.state_dict()"),
+        ({}, RuntimeError, "`state_dict` is empty: it comes from a GradScaler with enabled=False"),
+        (
+            _replaced(["scale"], 0.0),
+            ValueError,
+            r"`state_dict\['scale'\]` must be a finite number > 0",
+        ),
+        (
+            _replaced(["scale"], "2"),
+            ValueError,
+            r"`state_dict\['scale'\]` must be a finite number > 0",
+        ),
+        (
+            _replaced(["_growth_tracker"], -1),
+            ValueError,
+            r"`state_dict\['_growth_tracker'\]` must be an integer >= 0. Received: .*=-1",
+        ),
+        (
+            _replaced(["growth_factor"], 0.5),
+            ValueError,
+            r"`state_dict\['growth_factor'\]` must be a finite number > 1",
+        ),
+        (
+            _replaced(["growth_interval"], 0),
+            ValueError,
+            r"`state_dict\['growth_interval'\]` must be an integer >= 1",
+        ),
+        (
+            _replaced(["lossscale"], [1, 2]),
+            ValueError,
+            r"`state_dict\['lossscale'\]` must be a dict",
+        ),
+        (
+            _replaced(["lossscale", "skips"], 3),
+            ValueError,
+            r"`state_dict\['lossscale'\]` holds unknown fields \['skips'\]",
+        ),
+        (
+            _replaced(["lossscale", "steps"], 2.5),
+            ValueError,
+            r"`state_dict\['lossscale'\]\['steps'\]` must be an integer. Received: .*=2.5",
+        ),
+        (
+            _replaced(["lossscale", "scale_history"], [1.0, 2.0]),
+            ValueError,
+            r"`state_dict\['lossscale'\]\['scale_history'\]` must be a list of 8 finite numbers",
+        ),
+    ],
+)
+def test_a_bad_state_dict_is_an_error_and_loads_nothing(state, error, message):
+    scaler = lt.GradScaler("cpu", init_scale=4.0, growth_interval=7, telemetry=True)
+    cases.train(scaler, steps=2)
+    before = (scaler.state_dict(), scaler.policy, scaler.summary())
+    with pytest.raises(error, match=message):
+        scaler.load_state_dict(state)
+    assert (scaler.state_dict(), scaler.policy, scaler.summary()) == before
