@@ -32,7 +32,10 @@ def ranks(tmp_path_factory):
     from test_distributed import free_port, launch  # retries once after a gloo teardown abort
 
     out = tmp_path_factory.mktemp("grad_scaler_ranks")
-    proc = launch([sys.executable, str(WORKER), str(out), str(free_port())])
+    proc = launch(
+        [sys.executable, str(WORKER), str(out), str(free_port())],
+        finished=lambda: all((out / f"rank{r}.npz").exists() for r in (0, 1)),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [dict(np.load(out / f"rank{r}.npz")) for r in (0, 1)]
     return worker, results

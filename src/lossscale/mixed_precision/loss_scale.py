@@ -117,7 +117,7 @@ class LossScalePolicy:
         # traces attribute reads where it cannot trace `dataclasses.fields`.
         object.__setattr__(self, "_plain", self._compute_is_plain())
         fields = tuple(f for f in _STATE_FIELDS if self.tracks(f.name))
-        object.__setattr__(self, "_fields", fields)
+        object.__setattr__(self, "_field_names", tuple(f.name for f in fields))
         # (name, per, initial) of each: plain values, which a compiled step
         # reads where it cannot read a field's metadata mapping.
         starts = tuple((f.name, f.metadata["per"], f.metadata["initial"]) for f in fields)
@@ -236,7 +236,7 @@ STATE_FIELD_NAMES = tuple(_FIELDS)
 
 def state_fields(policy):
     """The `LossScaleState` fields `policy` tracks, in declaration order."""
-    return policy._fields
+    return tuple(_FIELDS[name] for name in policy._field_names)
 
 
 def replaced(state, **changes):
