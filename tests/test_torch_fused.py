@@ -46,6 +46,9 @@ def test_skipped_step_leaves_everything_bit_for_bit(name):
     params = [torch.tensor(rng.normal(size=s), dtype=torch.float32) for s in SHAPES]
     opt = ls.LossScaleOptimizer(OPTIMIZERS[name](), initial_scale=8.0)
     apply(opt, [torch.tensor(g) for g in random_grads(rng, 8.0)], params)
+    # Zeros of both signs, where a skipped weight decay must add a zero of
+    # the parameter's own sign.
+    params[0].view(-1)[:2] = torch.tensor([-0.0, 0.0])
     state = [p.clone() for p in params] + [v.value.clone() for v in opt.inner_optimizer.variables]
     for kind in ("inf", "nan"):
         apply(opt, [torch.tensor(g) for g in inject(random_grads(rng, 8.0), kind)], params)
@@ -160,3 +163,25 @@ def test_gradients_of_an_autograd_graph_are_not_unscaled_in_place():
         results.append([p.detach().clone() for p in params] + [v.value for v in opt.variables])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_adam_step_size_equals_update_steps_bit_for_bit(dtype):
+    # Both powers in one `pow` of a pair, the count cast as it is stored:
+    # the same float operations as `Adam.update_step`'s scalars.
+    from lossscale.backends import get_ops
+    from lossscale.backends.torch import plans
+    from lossscale.optimizers import moments
+
+    params = [ls.Variable(torch.ones(3, dtype=dtype))]
+    opt = Adam(0.003, beta_1=0.87, beta_2=0.9999999)  # beta_2**t still moves at 2**24
+    opt.build(params)
+    group = plans.plan(opt, params, ()).groups[0]
+    ops = get_ops("torch")
+    for iterations in [0, 1, 2, 9, 100, 12345, 2**24 + 1]:
+        opt.iterations.assign(iterations)
+        lr = ops.cast(opt.learning_rate, str(dtype).removeprefix("torch."))
+        b1, b2 = moments.powers_at_step(opt, str(dtype).removeprefix("torch."), 0.87, 0.9999999)
+        expected = lr * ops.sqrt(1 - b2) / (1 - b1)
+        got = torch_fused._adam_step_size(opt, group, lr)
+        assert got.dtype == dtype and torch.equal(got, expected), iterations

@@ -1,0 +1,181 @@
+"""optimizers/loss_scale_step.py on torch: operations per step, torch.compile, CUDA graphs.
+
+The semantics of the step (unscale, check, skip, scale update) are tested on
+every backend in tests/test_loss_scale_optimizer.py; here the shape of the
+torch step: how many operations it dispatches (each is a kernel launch on a
+GPU) and that it compiles into one graph that never recompiles.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch_cases import OPTIMIZERS, count_ops
+
+import lossscale as ls
+
+# The fused paths: a step's every operation, 16 parameters in one group.
+# torch.amp.GradScaler + torch.optim.Adam(fused=True) dispatches 13.
+FUSED_OPS = {
+    "sgd": 9,
+    "sgd_momentum": 11,
+    "sgd_nesterov": 11,
+    "adam": 16,
+    "adam_amsgrad": 16,
+    "adamw": 20,
+}
+
+
+def ops_per_step(make, count, shape=(64, 32)):
+    """The aten operations of one warm `apply` on `count` parameters."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for _ in range(count)]
+    grads = [torch.randn(shape, generator=generator) * 1024 for _ in range(count)]
+    opt = ls.LossScaleOptimizer(make(), initial_scale=1024.0)
+    opt.scale_loss(1.0)
+    for _ in range(3):  # builds, caches the plans and packing buffers
+        opt.apply([g.clone() for g in grads], params)
+    given = [g.clone() for g in grads]
+    with count_ops() as ops:
+        opt.apply(given, params)
+    return ops
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_operations_per_step_do_not_grow_with_the_parameters(name):
+    ops = ops_per_step(OPTIMIZERS[name], 16)
+    assert len(ops_per_step(OPTIMIZERS[name], 32)) == len(ops), name
+    if name in FUSED_OPS:
+        assert len(ops) == FUSED_OPS[name] <= 20, ops
+        # No per-tensor work at all (selects, reductions, aliases): each
+        # kernel covers the whole group.
+        per_tensor = {"aten.where.self_out", "aten.aminmax.default", "aten.detach.default"}
+        assert not per_tensor & set(ops), ops
+
+
+def test_the_adam_step_names_its_operations():
+    ops = ops_per_step(OPTIMIZERS["adam"], 16)
+    assert ops == [
+        "aten._foreach_div_.Tensor",  # unscale, in the caller's gradients
+        "aten.zeros.default",  # the found_inf flag
+        "aten._amp_foreach_non_finite_check_and_unscale_.default",  # the check, after unscaling
+        "aten.eq.Scalar",  # the flag as a boolean, for the step counter
+        "aten.add.out",  # t = iterations + 1, cast as it is stored
+        "aten.pow.Tensor_Tensor",  # (beta_1, beta_2) ** t
+        "aten.rsub.Scalar",
+        "aten.unbind.int",
+        "aten.sqrt.default",
+        "aten.mul.Tensor",  # alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)
+        "aten.div.Tensor",
+        "aten._fused_adam_.tensor_lr",  # skips itself where found_inf is 1
+        "aten.add_.Tensor",  # iterations += finite
+        "aten._amp_update_scale_.default",  # the scale and the counter, in place
+        "aten.mul.Tensor",
+        "aten.clamp_min_.Tensor",  # the backoff floor
+    ]
+
+
+# --- torch.compile ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_step_compiles_into_one_graph_that_never_recompiles(name):
+    torch.compiler.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        runs = _compiled_and_eager(name)
+    torch.compiler.reset()
+    (compiled_trail, compiled_params), (eager_trail, eager_params) = runs
+    assert compiled_trail == eager_trail
+    # Compiled, Adam and SGD take their foreach rules (torch cannot trace its
+    # fused kernels), which round a little differently from the fused ones.
+    for a, b in zip(compiled_params, eager_params):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _compiled_and_eager(name):
+    runs = []
+    for compiled in (True, False):
+        generator = torch.Generator().manual_seed(1)
+        params = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in [(6, 4), (4,)]]
+        opt = ls.LossScaleOptimizer(OPTIMIZERS[name](), initial_scale=64.0, dynamic_growth_steps=2)
+        opt.scale_loss(1.0)
+        opt.build(params)
+
+        def step(grads, opt=opt, params=params):
+            opt.apply(grads, params)
+
+        if compiled:
+            # fullgraph: any graph break is an error; aot_eager traces like
+            # the default backend without generating code.
+            step = torch.compile(step, fullgraph=True, backend="aot_eager")
+        trail = []
+        for kind in ["f", "f", "inf", "f", "nan", "f", "f"]:
+            grads = [torch.randn(p.shape, generator=generator) * 64 for p in params]
+            if kind != "f":
+                grads[1][0] = float(kind)
+            before = [p.detach().clone() for p in params]
+            step(grads)
+            if kind != "f":  # skipped: every parameter bit for bit as it was
+                assert all(torch.equal(b, p) for b, p in zip(before, params))
+            trail.append((float(opt.dynamic_scale), int(opt.iterations)))
+        runs.append((trail, [p.detach().clone() for p in params]))
+    return runs
+
+
+# --- CUDA graphs (collected where CUDA exists) --------------------------------------
+
+
+def cuda_graph_replays_a_step(make):
+    """A whole step captured once in a CUDA graph and replayed on new gradients.
+
+    A GPU check, not collected on machines without CUDA (CI has none, and a
+    skipped test would read as a missing feature).
+    """
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    shapes = [(64, 32), (32,), (32, 8)]
+    init = [torch.randn(s, device=device, generator=generator) for s in shapes]
+    steps = [
+        [torch.randn(s, device=device, generator=generator) * 8 for s in shapes] for _ in range(6)
+    ]
+    steps[3][1][0] = float("inf")
+
+    def make_run():
+        params = [torch.nn.Parameter(x.clone()) for x in init]
+        opt = ls.LossScaleOptimizer(make(), initial_scale=8.0, dynamic_growth_steps=2)
+        opt.scale_loss(1.0)
+        return params, opt
+
+    params, opt = make_run()
+    static = [torch.zeros(s, device=device) for s in shapes]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for g, x in zip(static, steps[0]):
+            g.copy_(x)
+        opt.apply(static, params)  # warm: builds, caches plans and buffers
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.apply(static, params)
+    eager_params, eager = make_run()
+    eager.apply([x.clone() for x in steps[0]], eager_params)
+    for grads in steps[1:]:
+        for g, x in zip(static, grads):
+            g.copy_(x)
+        graph.replay()
+        eager.apply([x.clone() for x in grads], eager_params)
+    torch.cuda.synchronize()
+    for a, b in zip(params, eager_params):
+        assert torch.equal(a, b)
+    assert float(opt.dynamic_scale) == float(eager.dynamic_scale)
+
+
+if torch.cuda.is_available():
+    test_cuda_graph_replays_a_step = pytest.mark.parametrize(
+        "make",
+        [OPTIMIZERS["adam"], OPTIMIZERS["adamw"], OPTIMIZERS["lion"]],
+        ids=["adam", "adamw", "lion"],
+    )(cuda_graph_replays_a_step)
