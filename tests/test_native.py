@@ -12,7 +12,7 @@ import lossscale as ls
 from lossscale.optimizers import native
 from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
 from lossscale.optimizers.optax_native import OptaxOptimizer
-from lossscale.optimizers.torch_native import TorchOptimizer
+from lossscale.torch import TorchOptimizer
 
 
 def test_native_optimizers_get_their_adapter():

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import lossscale as ls
-from lossscale.optimizers import torch_native
-from lossscale.optimizers.torch_native import TorchOptimizer
+from lossscale.torch import TorchOptimizer
+from lossscale.torch import native as torch_native
 
 pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
 
@@ -500,7 +500,7 @@ def test_docstring_example():
 
 def test_importing_the_adapters_imports_no_framework():
     code = (
-        "import sys, lossscale.optimizers.torch_native, lossscale.optimizers.optax_native; "
+        "import sys, lossscale.optimizers.optax_native; "
         "print(sorted(m for m in ('torch', 'jax', 'optax') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

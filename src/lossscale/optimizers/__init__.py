@@ -16,7 +16,6 @@ from lossscale.optimizers.native import wrap_native
 from lossscale.optimizers.optax_native import OptaxOptimizer
 from lossscale.optimizers.rmsprop import RMSprop
 from lossscale.optimizers.sgd import SGD
-from lossscale.optimizers.torch_native import TorchOptimizer
 
 ALL_OPTIMIZERS = (
     Adadelta,
@@ -88,7 +87,6 @@ __all__ = [
     "Optimizer",
     "RMSprop",
     "SGD",
-    "TorchOptimizer",
     "deserialize",
     "get",
     "serialize",

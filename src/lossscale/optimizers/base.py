@@ -287,6 +287,36 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
         with self._ops.quiet():
             self._apply_validated(grads, variables)
 
+    def _apply_where(self, keep, grads, trainable_variables, skip=None):
+        """`apply`, taking effect only where the device flag `keep` holds.
+
+        A step where it does not writes nothing (not even `iterations`) and
+        nothing is read on the host: see `_run_gated`. `skip`: the same flag
+        in torch's AMP form (float32, 1.0 where `keep` is False), if known.
+        """
+        grads = list(grads)
+        variables = self._resolve_variables(grads, trainable_variables)
+        gradients.validate_gradients(grads, variables)
+        if not self.built:
+            self.build(variables)
+        self._check_known(variables)
+        with self._ops.quiet():
+            self._run_gated(keep, lambda: self._apply_validated(grads, variables), variables, skip)
+
+    def _run_gated(self, keep, update, variables, skip=None):
+        """Runs `update`, one step of this optimizer, only where `keep` holds.
+
+        With a kernel that folds the flag into its arithmetic
+        (`_folds_gate`), `ops.gated`: no select, no `lax.cond`; otherwise
+        `ops.cond`, whose writes select (torch) or branch (JAX).
+        """
+        ops = self._ops
+        targets = self._trainable_variables + self.variables
+        if self._folds_gate(variables):
+            ops.gated(keep, update, targets, skip=skip)
+        else:
+            ops.cond(keep, update, None, targets)
+
     def _resolve_variables(self, grads, trainable_variables):
         if trainable_variables is None:
             if not self.built:

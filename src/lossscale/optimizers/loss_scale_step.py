@@ -28,6 +28,8 @@ from lossscale.mixed_precision.loss_scale import (
 class LossScaleStepMixin:
     """`_apply_validated` and the finite checks of `LossScaleOptimizer`."""
 
+    _last_applied = None
+
     def _apply_validated(self, grads, variables):
         ops = self._ops
         scale = self.dynamic_scale.value
@@ -69,11 +71,9 @@ class LossScaleStepMixin:
             skip = None  # `skip` described the local check only
         # The inner optimizer's validated entry: `apply` has checked the
         # gradients and variables already.
-        targets = self._trainable_variables + inner.variables
-        if inner._folds_gate(variables):
-            ops.gated(take, update, targets, skip=skip)
-        else:
-            ops.cond(take, update, None, targets)
+        inner._run_gated(take, update, variables, skip=skip)
+        if not self._stateless:  # never keep a traced value
+            self._last_applied = take
         new = next_loss_scale(
             ops,
             state,
@@ -85,6 +85,16 @@ class LossScaleStepMixin:
             in_place=ops.MUTABLE,
         )
         self._write_state(ops, state, new)
+
+    @property
+    def last_step_applied(self):
+        """Whether the last `apply` was applied (a backend boolean scalar), or None before one.
+
+        False for a skipped (overflowing) step. A device value on torch:
+        reading it on the host (`bool(...)`) waits for the step.
+        `stateless_apply` does not set it.
+        """
+        return self._last_applied
 
     def _write_state(self, ops, state, new):
         """Stores the new loss-scale state in the wrapper's variables."""

@@ -34,7 +34,7 @@ def wrap_native(optimizer):
     """
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(optimizer, torch.optim.Optimizer):
-        from lossscale.optimizers.torch_native import TorchOptimizer
+        from lossscale.torch.native import TorchOptimizer
 
         return TorchOptimizer(optimizer)
     optax = sys.modules.get("optax")

@@ -132,6 +132,11 @@ class StateMixin:
         Args:
             state_dict: A dict returned by `state_dict()`.
         """
+        for variable, value in self._state_dict_writes(state_dict):
+            variable.assign(value)
+
+    def _state_dict_writes(self, state_dict):
+        """Checks `state_dict` whole; returns the `(variable, value)` writes that load it."""
         if not self.built:
             raise ValueError(
                 f"`load_state_dict()` writes into the optimizer's variables, which "
@@ -139,9 +144,7 @@ class StateMixin:
                 "`optimizer.build(trainable_variables)` with the model's variables first."
             )
         per_parameter, shared = _state_layout(self)
-        writes = _match_state_dict(self, state_dict, per_parameter, shared)
-        for variable, value in writes:
-            variable.assign(value)
+        return _match_state_dict(self, state_dict, per_parameter, shared)
 
 
 def _state_layout(optimizer):

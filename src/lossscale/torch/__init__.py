@@ -2,10 +2,18 @@
 
 - `GradScaler`: a `torch.amp.GradScaler` (torch's API and defaults) whose
   scale update is lossscale's state machine, with its extras.
+- `Optimizer`: a `torch.optim.Optimizer` running any lossscale optimizer, for
+  torch's schedulers, scalers, Lightning and Accelerate.
+- `TorchOptimizer`: a `torch.optim.Optimizer` as a lossscale optimizer (the
+  inner optimizer of a `LossScaleOptimizer`, say).
+- `AppliedStepScheduler`: a torch LR scheduler that skipped steps do not move.
 
 Importing this package imports torch; `import lossscale` does not import it.
 """
 
 from lossscale.torch.grad_scaler import GradScaler
+from lossscale.torch.native import TorchOptimizer
+from lossscale.torch.optimizer import Optimizer
+from lossscale.torch.schedulers import AppliedStepScheduler
 
-__all__ = ["GradScaler"]
+__all__ = ["AppliedStepScheduler", "GradScaler", "Optimizer", "TorchOptimizer"]

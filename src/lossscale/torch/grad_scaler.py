@@ -97,22 +97,22 @@ class GradScaler(scaler_state.ScalerStateMixin, torch.amp.GradScaler):
             for all ranks. Gradients that are DTensors (FSDP2) already agree
             over their mesh without it, as with torch's scaler.
 
-    Example:
+    Examples:
 
-    >>> import torch, lossscale.torch
-    >>> p = torch.nn.Parameter(torch.ones(2))
-    >>> opt = torch.optim.SGD([p], lr=0.25)
-    >>> scaler = lossscale.torch.GradScaler("cpu", init_scale=1024.0, telemetry=True)
-    >>> scaler.scale((2 * p).sum()).backward()   # gradients 2 * 1024
-    >>> scaler.step(opt)                         # unscaled to 2: finite, applied
-    >>> scaler.update()
-    >>> p.tolist(), scaler.get_scale()
-    ([0.5, 0.5], 1024.0)
-    >>> p.grad.fill_(float("inf"))               # an overflow: skipped, backed off
-    tensor([inf, inf])
-    >>> scaler.step(opt); scaler.update()
-    >>> p.tolist(), scaler.get_scale(), scaler.summary()["skipped_steps"]
-    ([0.5, 0.5], 512.0, 1)
+        >>> import torch, lossscale.torch
+        >>> p = torch.nn.Parameter(torch.ones(2))
+        >>> opt = torch.optim.SGD([p], lr=0.25)
+        >>> scaler = lossscale.torch.GradScaler("cpu", init_scale=1024.0, telemetry=True)
+        >>> scaler.scale((2 * p).sum()).backward()   # gradients 2 * 1024
+        >>> scaler.step(opt)                         # unscaled to 2: finite, applied
+        >>> scaler.update()
+        >>> p.tolist(), scaler.get_scale()
+        ([0.5, 0.5], 1024.0)
+        >>> p.grad.fill_(float("inf"))               # an overflow: skipped, backed off
+        tensor([inf, inf])
+        >>> scaler.step(opt); scaler.update()
+        >>> p.tolist(), scaler.get_scale(), scaler.summary()["skipped_steps"]
+        ([0.5, 0.5], 512.0, 1)
 
     In a training loop:
 

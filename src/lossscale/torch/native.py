@@ -27,8 +27,8 @@ import inspect
 from lossscale import validation
 from lossscale.optimizers import clipping
 from lossscale.optimizers.base import Optimizer
-from lossscale.optimizers.native_messages import STATELESS_MESSAGE, check_value, store_message
 from lossscale.schedules.base import LearningRateSchedule
+from lossscale.torch.native_messages import STATELESS_MESSAGE, check_value, store_message
 
 STATE_DICT_KEYS = ("state", "param_groups", "optimizer_variables")
 
@@ -89,7 +89,7 @@ class TorchOptimizer(Optimizer):
 
     Examples:
         >>> import torch, lossscale as ls
-        >>> from lossscale.optimizers.torch_native import TorchOptimizer
+        >>> from lossscale.torch import TorchOptimizer
         >>> w = torch.nn.Parameter(torch.ones(2))
         >>> opt = ls.LossScaleOptimizer(TorchOptimizer(torch.optim.SGD([w], lr=0.5)),
         ...                             initial_scale=4.0)

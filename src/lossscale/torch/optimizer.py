@@ -1,0 +1,242 @@
+"""`Optimizer`: a `torch.optim.Optimizer` that runs a lossscale optimizer.
+
+Everything torch's training tools take (LR schedulers, `torch.amp.GradScaler`
+or ours, Lightning's `configure_optimizers`, Accelerate's `prepare`) takes a
+`torch.optim.Optimizer`. This class is one: each param group runs its own
+copy of a lossscale optimizer (the Keras-exact rule, with its fused torch
+kernels), whose learning rate, weight decay and, where the rule has them,
+momentum or betas follow the group's `"lr"`, `"weight_decay"`, `"momentum"`
+and `"betas"`, so schedulers work as they do on torch's optimizers.
+"""
+
+import torch
+
+from lossscale import validation
+from lossscale.backends import get_ops
+from lossscale.optimizers.base import Optimizer as LossscaleOptimizer
+from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from lossscale.torch import optimizer_state
+from lossscale.variables import Variable
+
+_OPS = get_ops("torch")
+
+
+class Optimizer(optimizer_state.OptimizerStateMixin, torch.optim.Optimizer):
+    """Runs a lossscale optimizer (SGD ... Lamb) as a `torch.optim.Optimizer`.
+
+    ```
+    for group in param_groups:                # torch's groups, torch's keys
+        rule = copy of `optimizer`, with the group's lr, weight_decay
+               (and momentum / betas where the rule has them)
+        rule.apply([p.grad for p in group["params"]], group["params"])
+    ```
+
+    Parameters without a gradient are left alone, as torch's optimizers do.
+    Weight decay is the rule's own (Keras's decoupled `v -= v * wd * lr`),
+    so a group with `"weight_decay": 0.0` (biases, norms) is not decayed.
+
+    Under `torch.amp.GradScaler` (or `lossscale.torch.GradScaler`): the
+    class says `_step_supports_amp_scaling`, so the scaler does not read the
+    overflow flag on the host; it hands over `grad_scale` (gradients still
+    scaled: they are unscaled in place, as torch's fused optimizers do) and
+    `found_inf`, and every rule skips a step where `found_inf` is 1 on the
+    device: every parameter and every piece of state stays bit for bit as it
+    was, and the step counter does not move.
+
+    A learning-rate schedule belongs to a torch scheduler on this optimizer
+    (the rule's `learning_rate` must be a float). The state lives in the
+    rules' variables: `state_dict()` holds copies of it in torch's layout
+    (see `OptimizerStateMixin`); `self.state` stays empty.
+
+    Args:
+        params: The parameters (leaf tensors, each once) or param-group
+            dicts, as torch's optimizers take them. A group may set `"lr"`,
+            `"weight_decay"` and, for a rule that has them, `"momentum"` or
+            `"betas"`.
+        optimizer: A lossscale optimizer, not built, e.g.
+            `lossscale.optimizers.AdamW(1e-3, weight_decay=0.01)`: the rule
+            and its defaults. It is used as a template and not changed.
+
+    Examples:
+
+        >>> import torch, lossscale as ls, lossscale.torch
+        >>> model = torch.nn.Linear(3, 1)
+        >>> opt = lossscale.torch.Optimizer(
+        ...     [{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0}],
+        ...     ls.optimizers.AdamW(1e-2, weight_decay=0.1))
+        >>> schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5**epoch)
+        >>> model(torch.ones(2, 3)).sum().backward()
+        >>> opt.step(); schedule.step()
+        >>> opt.param_groups[0]["lr"]
+        0.005
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, optimizer):
+        if not isinstance(optimizer, LossscaleOptimizer) or isinstance(
+            optimizer, LossScaleOptimizer
+        ):
+            raise ValueError(
+                "`optimizer` must be a lossscale optimizer (lossscale.optimizers.SGD, Adam, "
+                "...), whose rule each param group runs; loss scaling is the GradScaler's job "
+                "here, so not a LossScaleOptimizer. Received: "
+                f"optimizer={optimizer!r}"
+            )
+        if optimizer.built:
+            raise ValueError(
+                "`optimizer` must not be built yet: it is the template each param group's "
+                f"copy is made from. Received: optimizer={optimizer!r} (built)"
+            )
+        if not isinstance(optimizer._learning_rate, Variable):
+            raise ValueError(
+                "The learning rate of `optimizer` must be a float: schedule it with a torch "
+                "LR scheduler on this optimizer, which sets each param group's 'lr'. "
+                f"Received: learning_rate={optimizer._learning_rate!r}"
+            )
+        self._template = optimizer.get_config()
+        self._rule_class = type(optimizer)
+        self._tunable = [key for key in ("momentum", "betas") if _read(optimizer, key) is not None]
+        defaults = {
+            # The shortest decimal that is this float32 (0.01, not 0.0099999998).
+            "lr": float(str(optimizer._learning_rate.numpy())),
+            "weight_decay": optimizer.weight_decay or 0.0,
+        }
+        defaults.update({key: _read(optimizer, key) for key in self._tunable})
+        self._rules = []
+        self.last_step_applied = None
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        """Adds a param group (torch's method) and the rule that runs it."""
+        params = param_group["params"] if isinstance(param_group, dict) else param_group
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        seen = set()
+        for p in params:
+            if id(p) in seen:
+                raise ValueError(
+                    "A param group lists the same tensor twice; give each parameter once. "
+                    f"Received: a tensor of shape {tuple(p.shape)} twice"
+                )
+            seen.add(id(p))
+        super().add_param_group(param_group)  # torch's checks: leaf tensors, no overlap
+        group = self.param_groups[-1]
+        index = len(self._rules)
+        config = {**self._template, "name": f"{self._template['name']}_group{index}"}
+        config.update(_rule_settings(group, self._tunable))
+        if torch.is_tensor(config["learning_rate"]):  # read once, here; assigned each step
+            config["learning_rate"] = float(config["learning_rate"])
+        rule = self._rule_class.from_config(config)
+        rule.build(
+            [Variable(p, name=f"group{index}_param{j}") for j, p in enumerate(group["params"])]
+        )
+        rule.weight_decay = config["weight_decay"] or None  # 0: not decayed at all
+        rule._group_lr = group["lr"]
+        self._rules.append(rule)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Takes one step of every param group's rule (torch's signature).
+
+        Args:
+            closure: Optional callable that recomputes the loss (run with
+                gradients enabled, as torch's optimizers run it).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)  # set by a GradScaler's `step`
+        found_inf = getattr(self, "found_inf", None)
+        keep = skip = None
+        for group, rule in zip(self.param_groups, self._rules):
+            pairs = [
+                (p.grad, v)
+                for p, v in zip(group["params"], rule._trainable_variables)
+                if p.grad is not None
+            ]
+            if not pairs:
+                continue
+            if found_inf is not None and keep is None:
+                keep, skip = _flags(found_inf, pairs[0][1].value.device)
+            self._sync(group, rule)
+            grads = [g for g, _ in pairs]
+            if grad_scale is not None:  # still scaled: unscale in place, as fused kernels do
+                grads = _OPS.unscale(grads, grad_scale, in_place=True)
+            variables = [v for _, v in pairs]
+            if keep is None:
+                rule.apply(grads, variables)
+            else:
+                rule._apply_where(keep, grads, variables, skip=skip)
+        self.last_step_applied = True if found_inf is None else keep
+        return loss
+
+    def _sync(self, group, rule):
+        """Gives the rule the group's current hyperparameters (a scheduler may have moved them)."""
+        lr = group["lr"]
+        if torch.is_tensor(lr):  # a scheduler may fill it in place: copied every step
+            rule._learning_rate.assign(lr)
+        elif lr != rule._group_lr:
+            rule.learning_rate = lr
+            rule._group_lr = lr
+        for key, value in _rule_settings(group, self._tunable).items():
+            if key == "weight_decay":
+                value = value or None
+            if key == "learning_rate" or getattr(rule, key) == value:
+                continue
+            if key == "momentum" and (value == 0) != (rule.momentum == 0):
+                raise ValueError(
+                    "A param group's 'momentum' cannot move between 0 and a positive value: "
+                    "the rule keeps momentum slots only when it starts with one. Received: "
+                    f"momentum={value} for a rule built with momentum={rule.momentum}"
+                )
+            setattr(rule, key, value)
+
+    @property
+    def rules(self):
+        """The lossscale optimizer running each param group, in group order."""
+        return list(self._rules)
+
+
+def _read(optimizer, key):
+    """The optimizer's `momentum`, or `betas` as `(beta_1, beta_2)`; None if it has none."""
+    if key == "betas":
+        b1, b2 = getattr(optimizer, "beta_1", None), getattr(optimizer, "beta_2", None)
+        return None if b1 is None or b2 is None else (b1, b2)
+    value = getattr(optimizer, key, None)
+    return value if isinstance(value, float | int) and not isinstance(value, bool) else None
+
+
+def _rule_settings(group, tunable):
+    """The rule's constructor arguments that the group's keys set."""
+    weight_decay = group["weight_decay"]
+    validation.check_number("weight_decay", weight_decay, low=0)
+    settings = {"learning_rate": group["lr"], "weight_decay": weight_decay}
+    if "momentum" in tunable:
+        settings["momentum"] = group["momentum"]
+    if "betas" in tunable:
+        settings["beta_1"], settings["beta_2"] = group["betas"]
+    return settings
+
+
+def _flags(found_inf, device):
+    """`(keep, skip)` from a scaler's `found_inf` (1.0: skip), checked and on `device`."""
+    if (
+        not torch.is_tensor(found_inf)
+        or found_inf.numel() != 1
+        or not found_inf.is_floating_point()
+    ):
+        raise ValueError(
+            "`found_inf` must be a one-element float tensor (1.0: skip the step), as "
+            f"torch.amp.GradScaler sets it. Received: found_inf={found_inf!r}"
+        )
+    if found_inf.device != device:
+        raise ValueError(
+            f"`found_inf` must be on the parameters' device {device}, where the step runs "
+            f"without a host read. Received: found_inf on {found_inf.device}"
+        )
+    skip = found_inf.reshape(()).to(torch.float32)
+    return skip == 0, skip

@@ -1,0 +1,313 @@
+"""lossscale.torch.Optimizer: a torch.optim.Optimizer running a lossscale optimizer."""
+
+import io
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch_cases import OPTIMIZERS, no_host_reads
+
+import lossscale as ls
+import lossscale.torch as lt
+
+SHAPES = [(6, 4), (4,), (4, 3)]
+
+
+def make_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+
+
+def grads_for(step, scale=1.0):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=g) * scale for s in SHAPES]
+
+
+def set_grads(params, grads):
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_each_rule_runs_as_the_lossscale_optimizer_does(name):
+    params, twins = make_params(), [ls.Variable(p.detach().clone()) for p in make_params()]
+    opt, rule = lt.Optimizer(params, OPTIMIZERS[name]()), OPTIMIZERS[name]()
+    for step in range(4):
+        grads = grads_for(step)
+        set_grads(params, grads)
+        opt.step()
+        rule.apply(grads, twins)
+    for p, t in zip(params, twins):
+        assert torch.equal(p.detach(), t.value)
+    for ours, theirs in zip(opt.rules[0].variables, rule.variables):
+        assert torch.equal(ours.value, theirs.value)
+
+
+def test_parameters_without_gradients_are_left_alone():
+    params = make_params()
+    opt = lt.Optimizer(params, ls.optimizers.Adam(0.1))
+    before = params[1].detach().clone()
+    set_grads(params, [grads_for(0)[0], None, grads_for(0)[2]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "Gradients do not exist" warning, as in torch
+        opt.step()
+    assert torch.equal(params[1].detach(), before)
+    assert not torch.equal(params[0].detach(), make_params()[0])
+
+
+def test_param_groups_set_their_own_learning_rate_and_weight_decay():
+    params = make_params()
+    opt = lt.Optimizer(
+        [{"params": params[:2], "lr": 0.05}, {"params": params[2:], "weight_decay": 0.0}],
+        ls.optimizers.AdamW(0.01, weight_decay=0.1),
+    )
+    assert [g["lr"] for g in opt.param_groups] == [0.05, 0.01]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert opt.param_groups[0]["betas"] == (0.9, 0.999)
+    first = ls.optimizers.AdamW(0.05, weight_decay=0.1)
+    second = ls.optimizers.Adam(0.01)  # no decay at all: AdamW with weight_decay 0
+    twins = [ls.Variable(p.detach().clone()) for p in params]
+    for step in range(3):
+        grads = grads_for(step)
+        set_grads(params, grads)
+        opt.step()
+        first.apply(grads[:2], twins[:2])
+        second.apply(grads[2:], twins[2:])
+    for p, t in zip(params, twins):
+        assert torch.equal(p.detach(), t.value)
+
+
+def schedulers():
+    return {
+        "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.9**e),
+        "one_cycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=0.05, total_steps=8
+        ),  # cycles the betas too
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(schedulers()))
+def test_torch_schedulers_drive_the_rule(kind):
+    params = make_params()
+    opt = lt.Optimizer(params, ls.optimizers.Adam(0.01))
+    scheduler = schedulers()[kind](opt)
+    twins = [ls.Variable(p.detach().clone()) for p in params]
+    twin = ls.optimizers.Adam(0.01)
+    seen = []
+    for step in range(6):
+        group = opt.param_groups[0]
+        twin.build(twins)
+        twin.learning_rate = group["lr"]
+        twin.beta_1, twin.beta_2 = group["betas"]
+        seen.append((group["lr"], group["betas"][0]))
+        grads = grads_for(step)
+        set_grads(params, grads)
+        opt.step()
+        twin.apply(grads, twins)
+        scheduler.step()
+    assert len({lr for lr, _ in seen}) > 3
+    if kind == "one_cycle":
+        assert len({beta for _, beta in seen}) > 3
+    for p, t in zip(params, twins):
+        assert torch.equal(p.detach(), t.value)
+
+
+@pytest.mark.parametrize("scaler_class", [torch.amp.GradScaler, lt.GradScaler])
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale_clip_step"])
+def test_under_a_grad_scaler_a_skipped_step_changes_nothing(scaler_class, unscale_first):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = lt.Optimizer(model.parameters(), ls.optimizers.AdamW(1e-2, weight_decay=0.1))
+    scaler = scaler_class("cpu", init_scale=2.0**20, growth_interval=2)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    skipped = 0
+    for step in range(8):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        scaler.scale(loss * (float("inf") if step == 3 else 1.0)).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        state = [v.value.clone() for v in opt.rules[0].variables]
+        if unscale_first:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with no_host_reads():  # the scaler hands over found_inf: nothing is read
+            scaler.step(opt)
+        scale = scaler.get_scale()
+        scaler.update()
+        if scaler.get_scale() < scale:  # overflowed: skipped, bit for bit
+            skipped += 1
+            assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+            assert all(torch.equal(s, v.value) for s, v in zip(state, opt.rules[0].variables))
+    assert skipped >= 2  # the forced inf, and the float16 overflows of 2**20
+    assert int(opt.rules[0].iterations) == 8 - skipped
+
+
+def test_the_same_loop_as_torch_adamw_under_torch_grad_scaler():
+    # Not the same rule (Keras's AdamW decays by lr, torch's by lr as well but
+    # multiplies; epsilon sits elsewhere), so the same skips and scales.
+    runs = []
+    for make in (
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+        lambda ps: lt.Optimizer(ps, ls.optimizers.AdamW(1e-2)),
+    ):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 1)
+        opt = make(model.parameters())
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=2)
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+        scales = []
+        for _ in range(8):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        runs.append(scales)
+    assert runs[0] == runs[1] and min(runs[0]) < 2.0**24
+
+
+def test_state_dict_round_trip_resumes_exactly():
+    params = make_params()
+    groups = [{"params": params[:1]}, {"params": params[1:], "lr": 0.02}]
+    opt = lt.Optimizer(groups, ls.optimizers.Adam(0.01, amsgrad=True))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5**e)
+    for step in range(3):
+        set_grads(params, grads_for(step))
+        opt.step()
+        scheduler.step()
+    buffer = io.BytesIO()
+    torch.save({"opt": opt.state_dict(), "sched": scheduler.state_dict(), "params": params}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert sorted(saved["opt"]["state"]) == [0, 1, 2]
+    assert saved["opt"]["param_groups"][1]["params"] == [1, 2]
+    twin_params = [torch.nn.Parameter(p.detach().clone()) for p in saved["params"]]
+    twin = lt.Optimizer(
+        [{"params": twin_params[:1]}, {"params": twin_params[1:], "lr": 0.02}],
+        ls.optimizers.Adam(0.01, amsgrad=True),
+    )
+    twin_scheduler = torch.optim.lr_scheduler.LambdaLR(twin, lambda e: 0.5**e)
+    twin.load_state_dict(saved["opt"])
+    twin_scheduler.load_state_dict(saved["sched"])
+    for step in range(3, 6):
+        for ps, o, s in ((params, opt, scheduler), (twin_params, twin, twin_scheduler)):
+            set_grads(ps, grads_for(step))
+            o.step()
+            s.step()
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+    assert [g["lr"] for g in twin.param_groups] == [g["lr"] for g in opt.param_groups]
+
+
+def test_state_dict_is_a_snapshot():
+    params = make_params()
+    opt = lt.Optimizer(params, ls.optimizers.Adam(0.01))
+    set_grads(params, grads_for(0))
+    opt.step()
+    saved = opt.state_dict()
+    frozen = saved["state"][0]["momentum"].clone()
+    set_grads(params, grads_for(1))
+    opt.step()
+    assert torch.equal(saved["state"][0]["momentum"], frozen)
+
+
+def test_bad_input_raises_and_changes_nothing():
+    params = make_params()
+    with pytest.raises(ValueError, match=r"lists the same tensor twice.*shape \(6, 4\)"):
+        lt.Optimizer([params[0], params[0]], ls.optimizers.Adam())
+    with pytest.raises(ValueError, match="can't optimize a non-leaf Tensor"):
+        lt.Optimizer([params[0] * 2], ls.optimizers.Adam())
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        lt.Optimizer([{"params": params[:2]}, {"params": params[1:]}], ls.optimizers.Adam())
+    with pytest.raises(ValueError, match="not a LossScaleOptimizer. Received"):
+        lt.Optimizer(params, ls.LossScaleOptimizer(ls.optimizers.Adam()))
+    with pytest.raises(ValueError, match="must be a lossscale optimizer"):
+        lt.Optimizer(params, torch.optim.Adam(params))
+    with pytest.raises(ValueError, match="must be a float: schedule it with a torch LR scheduler"):
+        lt.Optimizer(params, ls.optimizers.Adam(ls.schedules.ExponentialDecay(0.1, 10, 0.5)))
+    built = ls.optimizers.Adam()
+    built.build([ls.Variable(torch.zeros(2))])
+    with pytest.raises(ValueError, match="must not be built yet"):
+        lt.Optimizer(params, built)
+
+    opt = lt.Optimizer(params, ls.optimizers.Adam(0.01))
+    set_grads(params, grads_for(0))
+    opt.step()
+    before = opt.state_dict()
+    native = torch.optim.Adam(make_params())
+    native.step()
+    with pytest.raises(ValueError, match="not the state dict of a Optimizer \\(a torch"):
+        opt.load_state_dict(native.state_dict())
+    wrong = opt.state_dict()
+    wrong["state"][2]["velocity"] = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"must have the shape \(4, 3\)"):
+        opt.load_state_dict(wrong)
+    after = opt.state_dict()
+    for i in before["state"]:
+        for k in before["state"][i]:
+            assert torch.equal(before["state"][i][k], after["state"][i][k])
+
+    set_grads(params, grads_for(1))
+    opt.found_inf = torch.zeros((), device="meta")
+    try:
+        with pytest.raises(ValueError, match=r"`found_inf` must be on the parameters' device cpu"):
+            opt.step()
+    finally:
+        del opt.found_inf
+    assert torch.equal(opt.state_dict()["state"][0]["momentum"], after["state"][0]["momentum"])
+
+
+def test_inside_lightning_with_its_16_mixed_precision():
+    import pytorch_lightning as pl
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    class Regression(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+            )
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x).float(), y)
+
+        def configure_optimizers(self):
+            # Lightning refuses `gradient_clip_val` for an optimizer that
+            # unscales itself (as for torch's fused ones): the rule clips,
+            # after unscaling.
+            opt = lt.Optimizer(self.parameters(), ls.optimizers.AdamW(1e-2, global_clipnorm=0.5))
+            scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    scaler = lt.GradScaler("cpu", init_scale=2.0**20, growth_interval=3, telemetry=True)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = Regression()
+    start = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on workers and logging
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    opt = trainer.optimizers[0]
+    skipped = scaler.summary()["skipped_steps"]
+    assert isinstance(opt, lt.Optimizer) and skipped >= 1
+    assert int(opt.rules[0].iterations) == 16 - skipped
+    # 16 batches (2 epochs of 8): Lightning steps the scheduler after each,
+    # skipped or not (see test_skip_aware_scheduler for the other way).
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**4)
+    assert not all(torch.equal(a, b) for a, b in zip(start, model.parameters()))
+    assert np.isfinite(sum(float(p.sum()) for p in model.parameters()))
