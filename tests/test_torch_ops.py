@@ -211,3 +211,15 @@ def test_fused_scale_update_reads_nothing_on_the_host():
         )
     assert (float(new_scale), int(new_counter)) == (16.0, 0)
     assert (float(scale), int(counter)) == (8.0, 1)  # inputs untouched
+
+
+def test_the_constant_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(torch_ops, "_CONSTANTS", {})
+    monkeypatch.setattr(torch_ops, "_CONSTANTS_KEPT", 3)
+    cpu = torch.device("cpu")
+    first = torch_ops.constant(0.25, torch.float32, cpu)
+    for value in (0.5, 0.75, 1.25):
+        torch_ops.constant(value, torch.float32, cpu)
+    assert len(torch_ops._CONSTANTS) == 3
+    assert torch_ops.constant(0.25, torch.float32, cpu) is not first  # dropped, made anew
+    assert float(torch_ops.constant((0.9, 0.99), torch.float32, cpu)[1]) == pytest.approx(0.99)

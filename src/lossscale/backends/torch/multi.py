@@ -11,7 +11,7 @@ import threading
 import torch
 
 from lossscale.backends._common import unwrap
-from lossscale.backends.torch import ops
+from lossscale.backends.torch import dtensors, ops
 
 
 def groups(tensors):
@@ -215,7 +215,7 @@ def _cpu_peak(group):
             packed += n
         else:
             reduced.append(a)
-    if len(small) > 1 and not torch.compiler.is_compiling():
+    if len(small) > 1 and not torch.compiler.is_compiling() and not dtensors.is_dtensor(small[0]):
         reduced.append(_packed(small))
     else:
         reduced += small

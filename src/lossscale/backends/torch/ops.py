@@ -10,13 +10,12 @@ the device of the first variable it was built with, so a step needs no
 host round trip.
 """
 
-import contextlib
 import numbers
 
 import torch
 
 from lossscale.backends._common import unwrap
-from lossscale.backends.torch import masks
+from lossscale.backends.torch import dtensors, masks
 
 NAME = "torch"
 MUTABLE = True
@@ -40,17 +39,29 @@ def asarray(x, dtype=None, like=None):
     x = unwrap(x)
     device = _device(like)
     if isinstance(x, torch.Tensor):
-        return x.to(device=device or x.device, dtype=_dtype(dtype) if dtype else x.dtype)
-    if hasattr(x, "__array__") and not isinstance(x, (int, float, bool)):
+        out = x.to(device=device or x.device, dtype=_dtype(dtype) if dtype else x.dtype)
+    elif hasattr(x, "__array__") and not isinstance(x, (int, float, bool)):
         import numpy as np
 
         x = torch.as_tensor(np.asarray(x))
-        return x.to(device=device or "cpu", dtype=_dtype(dtype) if dtype else x.dtype)
-    return torch.as_tensor(x, dtype=_dtype(dtype) if dtype else None, device=device)
+        out = x.to(device=device or "cpu", dtype=_dtype(dtype) if dtype else x.dtype)
+    else:
+        out = torch.as_tensor(x, dtype=_dtype(dtype) if dtype else None, device=device)
+    return _sharded_like(out, like)
 
 
 def full(shape, value, dtype, like=None):
-    return torch.full(tuple(shape), value, dtype=_dtype(dtype), device=_device(like))
+    out = torch.full(tuple(shape), value, dtype=_dtype(dtype), device=_device(like))
+    return _sharded_like(out, like)
+
+
+def _sharded_like(tensor, like):
+    # State made next to a sharded parameter (its slots) is sharded as it is.
+    like = dtensors.seen(unwrap(like))
+    if dtensors.is_dtensor(like) and not dtensors.is_dtensor(tensor):
+        if tuple(tensor.shape) == tuple(like.shape):
+            return dtensors.shard_like(tensor, like)
+    return tensor
 
 
 def copy(x):
@@ -150,8 +161,11 @@ logical_not = _unary(torch.logical_not)
 # Python numbers met in arithmetic become 0-d tensors made on the device by
 # a fill (`torch.full`), never copied from the host: a host-to-device copy of
 # pageable memory waits for the device. Each is made once per (value,
-# dtype, device) and only ever read.
+# dtype, device) and only ever read. At most _CONSTANTS_KEPT are kept, the
+# oldest dropped first: a scheduler that moves a hyperparameter every step
+# (OneCycleLR's betas, say) makes a new one each step.
 _CONSTANTS = {}
+_CONSTANTS_KEPT = 1024
 
 
 def constant(value, dtype, device):
@@ -162,6 +176,8 @@ def constant(value, dtype, device):
     key = (type(value), repr(value), dtype, device)
     tensor = _CONSTANTS.get(key)
     if tensor is None:
+        if len(_CONSTANTS) >= _CONSTANTS_KEPT:
+            del _CONSTANTS[next(iter(_CONSTANTS))]
         tensor = _CONSTANTS[key] = _make_constant(value, dtype, device)
     return tensor
 
@@ -257,4 +273,5 @@ def _several_ranks(group):
 
 
 def quiet():
-    return contextlib.nullcontext()
+    # Also where a step's plain scalars meet DTensors (see `dtensors`).
+    return dtensors.replicating()

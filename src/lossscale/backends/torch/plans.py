@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from lossscale.backends.torch import ops
+from lossscale.backends.torch import dtensors, ops
 
 _storage_of = operator.attrgetter("_storage")
 
@@ -196,7 +196,10 @@ class Writer:
         # packed copy, large ones each in its own memory.
         keep = self.mask.on(self.device)
         small, large = _split(targets)
-        if len(small) > 1 and not torch.compiler.is_compiling():
+        # Packing copies into plain buffers: not for DTensors (sharded state),
+        # nor while torch.compile traces (the compiler fuses the selects).
+        packable = not torch.compiler.is_compiling() and not dtensors.is_dtensor(targets[0])
+        if len(small) > 1 and packable:
             new, new_views, old, old_views = _buffers([targets[i] for i in small])
             torch._foreach_copy_(new_views, [values[i] for i in small])
             torch._foreach_copy_(old_views, [targets[i] for i in small])
