@@ -17,7 +17,15 @@ API_PAGES = sorted((ROOT / "docs" / "api").glob("*.md"))
 DOCUMENTED = [
     m.group(1) for page in API_PAGES for m in re.finditer(r"^::: (\S+)$", page.read_text(), re.M)
 ]
-PUBLIC_MODULES = ["lossscale", "optimizers", "schedules", "mixed_precision", "pytree", "saving"]
+PUBLIC_MODULES = [
+    "lossscale",
+    "optimizers",
+    "schedules",
+    "mixed_precision",
+    "pytree",
+    "saving",
+    "torch",
+]
 
 
 def _resolve(path):

@@ -90,8 +90,8 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.xdist_group("torch_distributed")  # one gloo job at a time (see test_distributed)
-def test_ddp_example_on_two_ranks(tmp_path):
+def _two_ranks(example, tmp_path):
+    """Runs `example` on two ranks as torchrun starts them; returns its last line."""
     import socket
 
     with socket.socket() as s:
@@ -103,13 +103,26 @@ def test_ddp_example_on_two_ranks(tmp_path):
     from test_distributed import launch  # retries once after a gloo teardown abort
 
     proc = launch(
-        [sys.executable, str(launcher), str(EXAMPLES / "torch_ddp.py"), str(port)],
+        [sys.executable, str(launcher), str(EXAMPLES / example), str(port)],
         finished=lambda: all((tmp_path / f"finished_rank{r}").exists() for r in (0, 1)),
         cwd=tmp_path,
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    last = proc.stdout.strip().splitlines()[-1]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.xdist_group("torch_distributed")  # one gloo job at a time (see test_distributed)
+def test_ddp_example_on_two_ranks(tmp_path):
+    last = _two_ranks("torch_ddp.py", tmp_path)
     assert last.startswith("ranks 2") and float(re.search(r"loss (\S+)", last).group(1)) < 0.05
     # 299 applied steps: the poisoned one was skipped on both ranks.
     assert "steps 299" in last
+
+
+@pytest.mark.xdist_group("torch_distributed")
+def test_fsdp2_example_on_two_ranks(tmp_path):
+    last = _two_ranks("fsdp2.py", tmp_path)
+    assert last.startswith("ranks 2") and float(re.search(r"loss (\S+)", last).group(1)) < 0.05
+    # One shard overflowed at step 100: both ranks skipped it.
+    assert "steps 199" in last and "parameters 321" in last

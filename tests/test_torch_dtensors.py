@@ -1,8 +1,8 @@
 """backends/torch/dtensors.py: FSDP2 (`fully_shard`, DTensor parameters and gradients).
 
 Two gloo ranks on CPU (tests/fsdp2_worker.py) train the same model with each
-interface: `LossScaleOptimizer` around Adam, Lion and AdamW with global-norm
-clipping, and `lossscale.torch.Optimizer` under `lossscale.torch.GradScaler`;
+interface: `LossScaleOptimizer` around Adam, Lion, AdamW with global-norm
+clipping and a subclass of Adam that takes the per-variable `update_step`, and `lossscale.torch.Optimizer` under `lossscale.torch.GradScaler`;
 in float32, and with `MixedPrecisionPolicy(param_dtype=torch.float16)`. An
 inf in rank 1's shard alone makes both ranks skip, and the float32 runs end
 where the same model trained unsharded in one process ends.
