@@ -311,3 +311,36 @@ def test_inside_lightning_with_its_16_mixed_precision():
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**4)
     assert not all(torch.equal(a, b) for a, b in zip(start, model.parameters()))
     assert np.isfinite(sum(float(p.sum()) for p in model.parameters()))
+
+
+def test_accelerate_prepares_it_and_steps_it_with_our_scaler():
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        accelerator = Accelerator(cpu=True)
+        accelerator.scaler = lt.GradScaler("cpu", init_scale=2.0**10)  # before prepare()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = lt.Optimizer(model.parameters(), ls.optimizers.AdamW(0.1))
+        model, prepared = accelerator.prepare(model, opt)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+        changed = []
+        for step in range(4):
+            loss = model(x).square().mean() * (float("inf") if step == 1 else 1.0)
+            accelerator.backward(loss)  # scaler.scale(loss).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            prepared.step()  # scaler.step(opt), scaler.update()
+            prepared.zero_grad()
+            changed.append(not all(torch.equal(b, p) for b, p in zip(before, model.parameters())))
+        # The overflowing step changed nothing. (Accelerate's `step_was_skipped`
+        # watches whether `step()` was called at all, which a scaler does for
+        # an optimizer that skips by itself, as for torch's fused ones.)
+        assert changed == [True, False, True, True]
+        assert int(opt.rules[0].iterations) == 3
+        assert accelerator.scaler.get_scale() == 2.0**9
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
