@@ -16,7 +16,6 @@ import numbers
 
 import numpy as np
 import torch
-from torch.amp.grad_scaler import OptState
 
 from lossscale import validation
 from lossscale.backends import get_ops
@@ -28,7 +27,7 @@ from lossscale.mixed_precision.loss_scale import (
     next_loss_scale,
 )
 from lossscale.mixed_precision.telemetry import LossScaleError
-from lossscale.torch import gradients, scaler_state
+from lossscale.torch import scaler_checks, scaler_state
 
 _OPS = get_ops("torch")
 # After an update the scale is at least `backoff_factor` times what it was,
@@ -37,7 +36,9 @@ _OPS = get_ops("torch")
 _ROUNDING = 1 - 2.0**-20
 
 
-class GradScaler(scaler_state.ScalerStateMixin, torch.amp.GradScaler):
+class GradScaler(
+    scaler_state.ScalerStateMixin, scaler_checks.ScalerChecksMixin, torch.amp.GradScaler
+):
     """`torch.amp.GradScaler` with lossscale's dynamic loss scale.
 
     A drop-in replacement: the same arguments, defaults, methods, state dict
@@ -223,114 +224,6 @@ class GradScaler(scaler_state.ScalerStateMixin, torch.amp.GradScaler):
         return LossScaleState(scale=scale, counter=self._growth_tracker, **self._extras)
 
     # -- checking and unscaling ----------------------------------------------
-
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        # `unscale_` (inherited: its stage checks and errors are torch's)
-        # calls this with the float32 reciprocal of the scale.
-        return self._unscale_and_check(
-            optimizer, inv_scale, found_inf, allow_fp16, self._unscaling_may_overflow()
-        )
-
-    def _unscale_and_check(self, optimizer, inv_scale, found_inf, allow_fp16, recheck):
-        self._check_process_group()
-        peak = self._peak(optimizer)
-        found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        if recheck:
-            # The same kernel at scale 1 writes every value back unchanged
-            # and flags the unscaled gradients that are not finite.
-            found = gradients.merge_flags(found, self._check_only(optimizer))
-        return self._agreed(optimizer, found, peak)
-
-    def _check_inf_per_device(self, optimizer):
-        # `step` calls this for an optimizer that unscales inside its own
-        # kernel (`_step_supports_amp_scaling`): it divides by the scale as
-        # it reads each gradient, so only the scaled values are checked here.
-        self._check_scale_growth_tracker("step")
-        self._check_process_group()
-        state = self._per_optimizer_states[id(optimizer)]
-        if self._unscaling_may_overflow():
-            # The kernel's quotients cannot be checked: unscale here instead.
-            # torch's protocol then hands the optimizer no `grad_scale`.
-            inv_scale = self._scale.double().reciprocal().float()
-            found_inf = torch.zeros((), device=self._scale.device)
-            state["found_inf_per_device"] = self._unscale_and_check(
-                optimizer, inv_scale, found_inf, True, recheck=True
-            )
-            state["stage"] = OptState.UNSCALED
-        else:
-            peak = self._peak(optimizer)
-            state["found_inf_per_device"] = self._agreed(
-                optimizer, self._check_only(optimizer), peak
-            )
-        return state["found_inf_per_device"]
-
-    def _check_only(self, optimizer):
-        device = self._scale.device
-        one, zero = torch.ones((), device=device), torch.zeros((), device=device)
-        return super()._unscale_grads_(optimizer, one, zero, True)
-
-    def _check_process_group(self):
-        # Before any gradient is touched: the agreement comes after the unscaling.
-        dist = torch.distributed
-        if self._process_group is not None and not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(
-                "`process_group` was given but torch.distributed is not initialised: call "
-                "`torch.distributed.init_process_group` before stepping. Received: "
-                f"process_group={self._process_group!r}"
-            )
-
-    def _unscaling_may_overflow(self):
-        """Whether a finite scaled gradient may overflow once unscaled.
-
-        Only if the scale is below 1: a reciprocal <= 1 (or a division by a
-        scale >= 1) cannot take a finite value out of range. The host keeps
-        a lower bound of the scale (exact when the scale was set or read,
-        times `backoff_factor` per update since) and reads the scale, once,
-        only when that bound falls below 1: with optimizers that torch's
-        scaler reads anyway (every step) never while the scale is >= 2, and
-        with fused optimizers once per about log2(scale) steps. Every rank
-        holds the same bound, so all take the same path.
-        """
-        if self._scale_bound >= 1.0:
-            return False
-        self._scale_bound = float(self._scale)
-        return not self._scale_bound >= 1.0
-
-    def _peak(self, optimizer):
-        """The largest magnitude of the scaled gradients, for `growth_policy="headroom"`."""
-        if self._policy.growth_policy != "headroom":
-            return None
-        grads, mesh_groups = gradients.local_gradients(optimizer)
-        device = self._scale.device
-        peak = _OPS.max_abs(grads).to(device) if grads else torch.zeros((), device=device)
-        for group in mesh_groups:
-            peak = _OPS.all_max(peak, group)
-        return peak
-
-    def _agreed(self, optimizer, found, peak):
-        """The optimizer's overflow flags, agreed over the process group and gated by errors.
-
-        Untouched (torch's own result) without a process group, fail-fast
-        limits or several devices; otherwise one flag on the scale's device,
-        0 or 1 (fused kernels skip only on exactly 1, so flags are combined
-        by their maximum, not their sum as torch's does).
-        """
-        state = self._per_optimizer_states[id(optimizer)]
-        group = self._process_group
-        if peak is not None:
-            state["peak"] = peak if group is None else _OPS.all_max(peak, group)
-        if group is None and not self._policy.fails_fast and len(found) <= 1:
-            return found
-        device = self._scale.device
-        flags = [f.to(device).reshape(()) for f in found.values()]
-        flag = torch.stack(flags).amax() if flags else torch.zeros((), device=device)
-        if group is not None:
-            flag = _OPS.all_max(flag, group)
-        if self._policy.fails_fast:
-            # Once a limit was crossed every step is skipped, as the state
-            # machine leaves the state as it is, until the state is restored.
-            flag = torch.maximum(flag, (self._extras["error"] != NO_ERROR).to(flag.dtype))
-        return {device: flag}
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
         # torch reads the overflow flag on the host here; the scale comes
