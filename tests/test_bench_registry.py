@@ -11,7 +11,7 @@ def test_every_requested_implementation_is_registered():
     for impl in impls.values():
         by_kind.setdefault(impl.kind, []).append(impl.name)
     assert by_kind == {
-        "ours": ["lossscale-numpy", "lossscale-torch", "lossscale-jax"],
+        "ours": ["lossscale-numpy", "lossscale-torch", "lossscale-jax", "lossscale-torch-compiled"],
         "peer": [
             "torch-gradscaler-fused",
             "torch-gradscaler-foreach",

@@ -72,3 +72,23 @@ def jax_adam(workload):
         return state["params"]
 
     return Stepper(step=step, sync=jax.block_until_ready)
+
+
+@implementation(
+    "lossscale-torch-compiled",
+    "ours",
+    "lossscale LossScaleOptimizer(Adam), opt.apply in torch.compile(fullgraph=True)",
+    requires=("torch",),
+    devices=("cpu", "cuda"),
+)
+def torch_adam_compiled(workload):
+    torch, device, params, grads = frameworks.torch_tensors(workload)
+    opt = _optimizer()
+    opt.build(params)  # outside the compiled function: creating state is not traced
+    live = [g.clone() for g in grads]
+    compiled = torch.compile(lambda: opt.apply(live, params), fullgraph=True)
+    return Stepper(
+        step=compiled,
+        sync=frameworks.torch_sync(torch, device),
+        prepare=lambda: torch._foreach_copy_(live, grads),
+    )
