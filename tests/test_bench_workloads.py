@@ -72,6 +72,7 @@ def test_gpu_versions_are_the_cpu_ones_on_cuda(name, quick):
 
 def test_tiny_is_a_small_transformers_parameters():
     import torch
+
     layer = torch.nn.TransformerEncoderLayer(64, 4, 256)
     shapes = [tuple(p.shape) for p in layer.parameters()]
     embedding = torch.nn.Embedding(128, 64).weight.shape
