@@ -381,3 +381,45 @@ def test_small_variables_are_packed_with_and_without_grad_scale(monkeypatch):
         opt, grads, variables, opt.learning_rate, grad_scale=np.asarray(np.float32(8.0))
     )
     assert gathered == [5, 5]  # one pack of all five, both times
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(
+    "scale,multiplies",
+    [
+        (2.0**15, True),
+        (1.0, True),
+        (2.0**-126, True),  # the dynamic scale's lower limit (float32 tiny)
+        (2.0**-127, True),  # a subnormal float32 scale: 2**127 is still finite
+        (2.0**127, True),  # reciprocal subnormal in float32, exact
+        (2.0**-149, None),  # float32: its reciprocal overflows, so it is divided by
+        (3.0, False),
+        (1000.0, False),
+        (2.0**15 * 1.5, False),
+    ],
+)
+def test_unscaler_multiplies_by_exact_reciprocals_only(dtype, scale, multiplies):
+    # Multiplying by the reciprocal must give `g / scale` bit for bit,
+    # subnormal, overflowing and non-finite values included.
+    rng = np.random.default_rng(11)
+    info = np.finfo(dtype)
+    g = np.concatenate(
+        [
+            rng.standard_normal(500),
+            rng.standard_normal(500) * float(info.tiny) * 2.0**20,  # subnormal when unscaled
+            rng.uniform(-1, 1, 200) * float(info.max),  # may overflow when unscaled
+            [0.0, -0.0, np.inf, -np.inf, np.nan, float(info.max), float(info.smallest_subnormal)],
+        ]
+    ).astype(dtype)
+    scale = np.asarray(np.float64(scale)).astype("float32")  # the wrapper's float32 scale
+    if multiplies is None:
+        multiplies = dtype == "float64"
+    ufunc, operand = numpy_fused._unscaler(scale, np.dtype(dtype))
+    assert ufunc is (np.multiply if multiplies else np.divide)
+    assert operand.dtype == np.dtype(dtype) and operand.shape == ()
+    with np.errstate(all="ignore"):
+        got, expected = ufunc(g, operand), g / scale.astype(dtype)
+    bits = "uint32" if dtype == "float32" else "uint64"
+    nan = np.isnan(expected)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(bits), expected[~nan].view(bits))
