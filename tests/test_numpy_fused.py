@@ -423,3 +423,27 @@ def test_unscaler_multiplies_by_exact_reciprocals_only(dtype, scale, multiplies)
     nan = np.isnan(expected)
     np.testing.assert_array_equal(np.isnan(got), nan)
     np.testing.assert_array_equal(got[~nan].view(bits), expected[~nan].view(bits))
+
+
+def test_blocks_are_updated_last_to_first_after_a_first_to_last_check(monkeypatch):
+    # The order is for the cache (the check leaves the last gradients in it),
+    # never for the result: every block is taken once.
+    monkeypatch.setattr(numpy_fused, "BLOCK", 64)
+    monkeypatch.setattr(numpy_parallel, "REDUCE_WHOLE_BELOW", 64)
+    monkeypatch.setattr(numpy_parallel, "REDUCE_BLOCK", 64)
+    orders = []
+    share = numpy_parallel.share
+    monkeypatch.setattr(
+        numpy_parallel,
+        "share",
+        lambda work, items, count: orders.append(list(items)) or share(work, items, count),
+    )
+    weights, grads = _data([(300,), (200,)], steps=1, seed=12)
+    opt = ls.LossScaleOptimizer(Adam(), initial_scale=2.0)
+    opt.scale_loss(np.float32(1.0))
+    opt.apply([g * np.float32(2) for g in grads[0]], weights)
+    check, update = orders
+    assert check == [
+        (j, s, min(s + 64, n)) for j, n in enumerate((300, 200)) for s in range(0, n, 64)
+    ]
+    assert update == numpy_fused._blocks([(g.ravel(), [g], None, None) for g in grads[0]])[::-1]

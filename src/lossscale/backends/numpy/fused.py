@@ -306,15 +306,16 @@ def _run(optimizer, jobs, block_fn):
     if not jobs:
         return
     blocks = _blocks(jobs)
-    parts = parallel.partition(blocks, parallel.workers(blocks))
-    scratch = _scratch(optimizer, len(parts), {job[0].dtype for job in jobs})
+    count = parallel.workers(blocks)
+    scratch = _scratch(optimizer, count, {job[0].dtype for job in jobs})
     # errstate is per thread: carry the caller's (quiet during a skipped
     # step's arithmetic) into the workers.
     errors = np.geterr()
 
-    def work(worker):
+    def work(worker, take):
         with np.errstate(**errors):
-            for j, start, stop in parts[worker]:
+            while (block := take()) is not None:
+                j, start, stop = block
                 members = j if isinstance(j, tuple) else None
                 g, arrays, constants, unscaler = jobs[members[0] if members else j]
                 t, u, w, *pack = scratch[worker, g.dtype]
@@ -331,7 +332,10 @@ def _run(optimizer, jobs, block_fn):
                 if members:
                     _scatter(arrays, [jobs[i][1] for i in members])
 
-    parallel.run_parts(work, parts)
+    # Last block first: the loss-scale wrapper's finite check
+    # (`parallel.peak_magnitude`) has just read the gradients first to last,
+    # so the last ones are still in cache.
+    parallel.share(work, blocks[::-1], count)
 
 
 def _gather(jobs, buffers, n):
