@@ -28,14 +28,16 @@ from lossscale.backends._common import unwrap
 from lossscale.backends.numpy import ops, parallel
 
 # Elements per block. An Adam block touches seven arrays of BLOCK values (g,
-# p, m, v and three scratch buffers), 3.5 MiB in float32: it stays in L3
-# cache through the dozen NumPy calls of the update rule. Smaller blocks
-# cost more than they save: every NumPy call releases and retakes the GIL,
-# and with several threads each handoff between cores can take tens of
-# microseconds (more in a VM). Measured on 2 vCPUs (16M parameters):
-# 2**16 ran 14-23 ms from run to run, 2**17 and 2**18 a steady 14-15 ms,
-# 2**20 19 ms.
-BLOCK = 1 << 17
+# p, m, v and three scratch buffers), 7 MiB in float32: beyond L2, but it
+# stays in L3 cache through the dozen NumPy calls of the update rule. Each
+# call that first reads an array from memory streams it at one core's rate
+# (the hardware prefetcher ramps up on each call), and each call costs
+# ~0.2 us of Python, so larger blocks win until L3 runs out. Measured on
+# 2 vCPUs of an EPYC (16M parameters, 1 MiB L2 and 32 MiB L3; CPU time per
+# step against 2**17, block sizes alternating step by step): 2**15 +16%,
+# 2**16 +5%, 2**18 -4% to -9%, 2**19 and 2**20 no better than 2**17
+# (-2% to +14% from run to run).
+BLOCK = 1 << 18
 # Variables smaller than this are packed together: their arrays are gathered
 # into one block of at most PACK_CAPACITY elements, updated there, and copied
 # back, which costs three or four copies per variable instead of a dozen
