@@ -1,6 +1,10 @@
-"""The CUDA entry point: `gpu_many_small` (400 tensors, ~1M) and `gpu_large` (64 tensors, ~256M).
+"""The CUDA entry point: `gpu_tiny`, `gpu_many_small` and `gpu_large`.
 
-One prepared script for a CUDA machine, sized to finish within 5 minutes:
+`gpu_tiny` is a small transformer's 28 tensors (117K parameters),
+`gpu_many_small` 400 tensors (~1M), both bound by kernel launches;
+`gpu_large` 64 tensors (~256M), bound by memory.
+
+One prepared script for a CUDA machine, sized to finish in about 5 minutes:
 the bandwidth floor of the GPU, then every installed implementation that
 runs on CUDA (20 timed steps each after 4 warm-up steps), each in its own
 subprocess. It fails loudly, with exit status 2, when torch is missing or

@@ -87,7 +87,7 @@ def test_runner_reports_a_failing_worker():
         (["--warmup", "-1"], "--warmup must be an integer >= 0. Received: -1"),
         (["--retries", "-2"], "--retries must be an integer >= 0. Received: -2"),
         (["--rounds", "0"], "--rounds must be an integer >= 1. Received: 0"),
-        (["--workload", "tiny"], "invalid choice: 'tiny'"),
+        (["--workload", "huge"], "invalid choice: 'huge'"),
     ],
 )
 def test_bad_arguments(capsys, argv, message):
@@ -97,7 +97,7 @@ def test_bad_arguments(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("choice", ["gpu_large", "gpu_many_small", "gpu"])
+@pytest.mark.parametrize("choice", ["gpu_large", "gpu_many_small", "gpu_tiny", "gpu"])
 def test_gpu_workload_without_cuda_fails_loudly(monkeypatch, capsys, choice):
     monkeypatch.setattr(runner, "cuda_available", lambda: False)
     with pytest.raises(SystemExit) as exc:
@@ -106,7 +106,7 @@ def test_gpu_workload_without_cuda_fails_loudly(monkeypatch, capsys, choice):
     assert f"--workload {choice} needs a CUDA device" in capsys.readouterr().err
 
 
-def test_gpu_choice_runs_both_gpu_workloads_on_cuda(monkeypatch, capsys):
+def test_gpu_choice_runs_every_gpu_workload_on_cuda(monkeypatch, capsys):
     monkeypatch.setattr(runner, "cuda_available", lambda: True)
     calls = []
     monkeypatch.setattr(
@@ -123,6 +123,7 @@ def test_gpu_choice_runs_both_gpu_workloads_on_cuda(monkeypatch, capsys):
     )
     assert bench.main(["--quick", "--workload", "gpu", "--impl", "lossscale-torch"]) == 0
     assert [(j["impl"], j["workload"]) for j in calls if j["kind"] == "step"] == [
+        ("lossscale-torch", "gpu_tiny"),
         ("lossscale-torch", "gpu_many_small"),
         ("lossscale-torch", "gpu_large"),
     ]
@@ -147,13 +148,17 @@ def test_all_runs_only_cpu_workloads_without_cuda(monkeypatch, capsys):
     assert bench.main(["--quick", "--impl", "keras-jax", "--impl", "lossscale-numpy"]) == 0
     steps = [(job["impl"], job["workload"], env) for job, env in calls if job["kind"] == "step"]
     assert steps == [
+        ("keras-jax", "tiny", {"KERAS_BACKEND": "jax"}),
+        ("lossscale-numpy", "tiny", {}),
         ("keras-jax", "many_small", {"KERAS_BACKEND": "jax"}),
         ("lossscale-numpy", "many_small", {}),
         ("keras-jax", "large", {"KERAS_BACKEND": "jax"}),
         ("lossscale-numpy", "large", {}),
     ]
     assert [job["device"] for job, _ in calls if job["kind"] == "floor"] == ["cpu"]
-    assert len(_table_rows(capsys.readouterr().out)) == 4
+    out = capsys.readouterr().out
+    assert len(_table_rows(out)) == 6
+    assert "Workload tiny: 28 tensors, 2,018 float32 parameters, cpu; floor" in out
 
 
 def test_failures_give_exit_status_one_and_a_row(monkeypatch, capsys):

@@ -9,8 +9,10 @@ from lossscale.bench import workloads
 @pytest.mark.parametrize(
     "name,tensors,low,high,device",
     [
+        ("tiny", 28, 117_002, 117_002, "cpu"),
         ("many_small", 400, 0.9e6, 1.1e6, "cpu"),
         ("large", 16, 16e6, 17e6, "cpu"),
+        ("gpu_tiny", 28, 117_002, 117_002, "cuda"),
         ("gpu_many_small", 400, 0.9e6, 1.1e6, "cuda"),
         ("gpu_large", 64, 250e6, 270e6, "cuda"),
     ],
@@ -54,13 +56,34 @@ def test_arrays_are_float32_random_never_zero_and_reproducible():
 def test_unknown_workload():
     with pytest.raises(
         ValueError,
-        match=r"`workload` must be one of \('many_small', 'large', "
-        r"'gpu_many_small', 'gpu_large'\). Received: "
+        match=r"`workload` must be one of \('tiny', 'many_small', 'large', "
+        r"'gpu_tiny', 'gpu_many_small', 'gpu_large'\). Received: "
         r"workload='huge'",
     ):
         workloads.get("huge")
 
 
-def test_gpu_many_small_is_many_small_on_cuda():
-    cpu, gpu = workloads.get("many_small"), workloads.get("gpu_many_small")
+@pytest.mark.parametrize("name", ["tiny", "many_small"])
+@pytest.mark.parametrize("quick", [False, True])
+def test_gpu_versions_are_the_cpu_ones_on_cuda(name, quick):
+    cpu, gpu = workloads.get(name, quick), workloads.get(f"gpu_{name}", quick)
     assert gpu.shapes == cpu.shapes and gpu.device == "cuda"
+
+
+def test_tiny_is_a_small_transformers_parameters():
+    import torch
+
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 256)
+    shapes = [tuple(p.shape) for p in layer.parameters()]
+    embedding = torch.nn.Embedding(128, 64).weight.shape
+    head = torch.nn.Linear(64, 10)
+    expected = (
+        [tuple(embedding)] * 2  # tokens, positions
+        + shapes * 2
+        + [tuple(head.weight.shape), tuple(head.bias.shape)]
+    )
+    assert list(workloads.get("tiny").shapes) == expected
+    # The quick version keeps the layout, every dimension an eighth (rounded up).
+    quick = workloads.get("tiny", quick=True).shapes
+    assert [len(s) for s in quick] == [len(s) for s in expected]
+    assert quick[:3] == ((16, 8), (16, 8), (24, 8)) and quick[-2:] == ((2, 8), (2,))

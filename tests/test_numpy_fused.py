@@ -4,9 +4,9 @@ Every case runs the same seeded steps twice: once with the kernel registered
 in `numpy.kernels.KERNELS` (counting its calls, so no case passes
 vacuously) and once with the entry removed, which sends `_update_variables`
 down the generic per-variable path. Model and optimizer variables must then
-be identical after every step. `small_blocks` shrinks the block size and
-forces several workers so that block splitting and threading are exercised
-on small arrays.
+be identical after every step. `small_blocks` shrinks the block sizes (of the
+kernels and of the finite check) and forces several workers so that block
+splitting and threading are exercised on small arrays.
 """
 
 import gc
@@ -55,6 +55,9 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(numpy_fused, "BLOCK", 64)
         monkeypatch.setattr(numpy_fused, "PACK_BELOW", 16)
         monkeypatch.setattr(numpy_fused, "PACK_CAPACITY", 48)
+        # The wrapper's finite check in blocks too (`parallel.peak_magnitude`).
+        monkeypatch.setattr(numpy_parallel, "REDUCE_WHOLE_BELOW", 64)
+        monkeypatch.setattr(numpy_parallel, "REDUCE_BLOCK", 100)
         force_numpy_threads(monkeypatch)
     return request.param
 
@@ -381,3 +384,107 @@ def test_small_variables_are_packed_with_and_without_grad_scale(monkeypatch):
         opt, grads, variables, opt.learning_rate, grad_scale=np.asarray(np.float32(8.0))
     )
     assert gathered == [5, 5]  # one pack of all five, both times
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(
+    "scale,multiplies",
+    [
+        (2.0**15, True),
+        (1.0, True),
+        (2.0**-126, True),  # the dynamic scale's lower limit (float32 tiny)
+        (2.0**-127, True),  # a subnormal float32 scale: 2**127 is still finite
+        (2.0**127, True),  # reciprocal subnormal in float32, exact
+        (2.0**-149, None),  # float32: its reciprocal overflows, so it is divided by
+        (3.0, False),
+        (1000.0, False),
+        (2.0**15 * 1.5, False),
+    ],
+)
+def test_unscaler_multiplies_by_exact_reciprocals_only(dtype, scale, multiplies):
+    # Multiplying by the reciprocal must give `g / scale` bit for bit,
+    # subnormal, overflowing and non-finite values included.
+    rng = np.random.default_rng(11)
+    info = np.finfo(dtype)
+    g = np.concatenate(
+        [
+            rng.standard_normal(500),
+            rng.standard_normal(500) * float(info.tiny) * 2.0**20,  # subnormal when unscaled
+            rng.uniform(-1, 1, 200) * float(info.max),  # may overflow when unscaled
+            [0.0, -0.0, np.inf, -np.inf, np.nan, float(info.max), float(info.smallest_subnormal)],
+        ]
+    ).astype(dtype)
+    scale = np.asarray(np.float64(scale)).astype("float32")  # the wrapper's float32 scale
+    if multiplies is None:
+        multiplies = dtype == "float64"
+    ufunc, operand = numpy_fused._unscaler(scale, np.dtype(dtype))
+    assert ufunc is (np.multiply if multiplies else np.divide)
+    assert operand.dtype == np.dtype(dtype) and operand.shape == ()
+    with np.errstate(all="ignore"):
+        got, expected = ufunc(g, operand), g / scale.astype(dtype)
+    bits = "uint32" if dtype == "float32" else "uint64"
+    nan = np.isnan(expected)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(bits), expected[~nan].view(bits))
+
+
+def test_blocks_are_updated_last_to_first_after_a_first_to_last_check(monkeypatch):
+    # The order is for the cache (the check leaves the last gradients in it),
+    # never for the result: every block is taken once.
+    monkeypatch.setattr(numpy_fused, "BLOCK", 64)
+    monkeypatch.setattr(numpy_parallel, "REDUCE_WHOLE_BELOW", 64)
+    monkeypatch.setattr(numpy_parallel, "REDUCE_BLOCK", 64)
+    orders = []
+    share = numpy_parallel.share
+    monkeypatch.setattr(
+        numpy_parallel,
+        "share",
+        lambda work, items, count: orders.append(list(items)) or share(work, items, count),
+    )
+    weights, grads = _data([(300,), (200,)], steps=1, seed=12)
+    opt = ls.LossScaleOptimizer(Adam(), initial_scale=2.0)
+    opt.scale_loss(np.float32(1.0))
+    opt.apply([g * np.float32(2) for g in grads[0]], weights)
+    check, update = orders
+    assert check == [
+        (j, s, min(s + 64, n)) for j, n in enumerate((300, 200)) for s in range(0, n, 64)
+    ]
+    assert update == numpy_fused._blocks([(g.ravel(), [g], None, None) for g in grads[0]])[::-1]
+
+
+@pytest.mark.parametrize("cls,config", [(Adam, {"amsgrad": True}), (SGD, {"momentum": 0.9})])
+@pytest.mark.parametrize(
+    "scale,bad",
+    [
+        (2.0**10, [(0, (0, 0), np.inf), (6, (2999,), np.nan)]),  # first and last block
+        (2.0**10, [(6, (2999,), np.nan)]),  # the block the kernel would take first
+        (2.0**10, [(6, (1500,), -np.inf)]),
+        (2.0**-10, [(4, (3, 5), 3e38)]),  # finite, but overflows once unscaled
+    ],
+)
+def test_skipped_step_leaves_every_variable_unchanged(monkeypatch, blocks, cls, config, scale, bad):
+    weights, grads = _data(SHAPES + [(3000,)], steps=2, seed=13)
+    grads = [[g * np.float32(scale) for g in step] for step in grads]
+    for i, index, value in bad:
+        grads[1][i][index] = value
+    calls = []
+    kernel = numpy_kernels.KERNELS[cls.update_kernel]
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    counting.takes_grad_scale = True
+    monkeypatch.setitem(numpy_kernels.KERNELS, cls.update_kernel, counting)
+    opt = ls.LossScaleOptimizer(cls(**config), initial_scale=scale)
+    opt.scale_loss(np.float32(1.0))
+    opt.apply(grads[0], weights)  # an applied step: moments are not zero
+    assert calls == [1]
+    inner = opt.inner_optimizer
+    before = [w.copy() for w in weights] + [v.numpy().copy() for v in inner.variables]
+    opt.apply(grads[1], weights)
+    assert calls == [1]  # the kernel never ran
+    after = list(weights) + [v.numpy() for v in inner.variables]
+    for x, y in zip(before, after):
+        np.testing.assert_array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
+    assert float(opt.dynamic_scale) == scale / 2

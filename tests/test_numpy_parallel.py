@@ -1,4 +1,4 @@
-"""Blocks shared among threads: partitioning, the worker count, the pool.
+"""Blocks shared among threads: the shared queue, the worker count, the pool.
 
 `peak_magnitude` is tested through the backend's `max_abs` in
 `test_numpy_ops.py`; the kernels that run on these helpers in
@@ -6,23 +6,11 @@
 """
 
 import threading
+import time
 
 import pytest
 
 from lossscale.backends.numpy import parallel as numpy_parallel
-
-
-def test_partition_balances_blocks():
-    blocks = [(0, 0, 10), (1, 0, 64), (1, 64, 128), ((2, 3), 0, 40), (4, 0, 64), (5, 0, 6)]
-    parts = numpy_parallel.partition(blocks, 3)
-    assert len(parts) == 3 and [b for p in parts for b in p] == blocks
-    sizes = [sum(stop - start for _, start, stop in p) for p in parts]
-    assert max(sizes) - min(sizes) <= 64
-
-
-def test_partition_never_makes_empty_runs():
-    assert numpy_parallel.partition([(0, 0, 100)], 4) == [[(0, 0, 100)]]
-    assert numpy_parallel.partition([], 2) == [[]]
 
 
 def test_workers_follow_size_and_cpus(monkeypatch):
@@ -35,27 +23,71 @@ def test_workers_follow_size_and_cpus(monkeypatch):
     assert numpy_parallel.workers(big) == 1
 
 
-def test_run_parts_runs_each_part_once_first_on_the_caller():
-    threads = {}
+def _taking(log, delay=0.0):
+    def work(worker, take):
+        mine = []
+        while (item := take()) is not None:
+            mine.append(item)
+            log.append((worker, threading.get_ident(), item))
+            time.sleep(delay)
+        return mine
 
-    def work(i):
-        threads[i] = threading.get_ident()
-        return i * 10
-
-    assert numpy_parallel.run_parts(work, ["a", "b", "c"]) == [0, 10, 20]
-    assert threads[0] == threading.get_ident() and set(threads) == {0, 1, 2}
+    return work
 
 
-def test_run_parts_waits_for_every_part_before_raising():
+def test_share_gives_every_item_once_in_order_first_worker_on_the_caller():
+    log = []
+    results = numpy_parallel.share(_taking(log, delay=0.001), list("abcdefgh"), 3)
+    assert len(results) == 3
+    assert sorted(i for r in results for i in r) == list("abcdefgh")
+    # Taken in the order given (each worker's own items too), none twice.
+    assert [item for _, _, item in log] == list("abcdefgh")
+    assert all(r == sorted(r) for r in results)
+    idents = {worker: ident for worker, ident, _ in log}
+    assert idents.get(0, threading.get_ident()) == threading.get_ident()  # the caller
+    assert len(set(idents.values())) == len(idents)  # one thread per worker
+
+
+def test_share_lets_free_workers_take_a_stalled_workers_share():
+    # Worker 0 (the caller) stalls after its first item, as if preempted:
+    # the other takes everything else.
+    started, drained = threading.Event(), threading.Event()
+
+    def work(worker, take):
+        if worker == 0:
+            mine = [take()]
+            started.set()
+            assert drained.wait(30)
+            assert take() is None
+            return mine
+        assert started.wait(30)
+        mine = list(iter(take, None))
+        drained.set()
+        return mine
+
+    assert numpy_parallel.share(work, range(40), 2) == [[0], list(range(1, 40))]
+
+
+def test_share_with_one_worker_runs_on_the_caller_only():
+    log = []
+    assert numpy_parallel.share(_taking(log), [1, 2, 3], 1) == [[1, 2, 3]]
+    assert {ident for _, ident, _ in log} == {threading.get_ident()}
+    assert numpy_parallel.share(_taking(log), [], 2) == [[], []]
+
+
+def test_share_waits_for_every_worker_before_raising():
     finished = []
 
-    def work(i):
-        if i == 0:
-            raise RuntimeError("part 0 failed")
-        finished.append(i)
+    def work(worker, take):
+        if worker == 0:
+            raise RuntimeError("worker 0 failed")
+        time.sleep(0.02)
+        while take() is not None:
+            pass
+        finished.append(worker)
 
-    with pytest.raises(RuntimeError, match="part 0 failed"):
-        numpy_parallel.run_parts(work, [0, 1, 2])
+    with pytest.raises(RuntimeError, match="worker 0 failed"):
+        numpy_parallel.share(work, range(5), 3)
     assert sorted(finished) == [1, 2]
 
 

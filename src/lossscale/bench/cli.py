@@ -31,8 +31,8 @@ def build_parser():
         "--workload",
         default="all",
         choices=workloads.NAMES + ("gpu", "all"),
-        help="Which workload to run. 'gpu' runs gpu_many_small and gpu_large; "
-        "'all' (default) runs many_small and large, plus the GPU ones "
+        help="Which workload to run. 'gpu' runs gpu_tiny, gpu_many_small and gpu_large; "
+        "'all' (default) runs tiny, many_small and large, plus the GPU ones "
         "when torch sees a CUDA device.",
     )
     parser.add_argument(

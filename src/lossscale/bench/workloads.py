@@ -1,10 +1,15 @@
 """The benchmark workloads: lists of float32 tensor shapes, and their data.
 
+- `tiny`: 28 tensors, 117,002 parameters, the parameters of a small
+  transformer (`TRANSFORMER`: token and position embeddings, two encoder
+  layers with d_model 64 and feed-forward width 256, a 10-class head), so
+  a step is bound by fixed per-step and per-tensor costs (on a GPU: launches).
 - `many_small`: 400 tensors, about 1M parameters, shaped like a small
   convolutional network (3x3 kernels, dense matrices, biases and norm
   parameters), so per-tensor overhead dominates.
 - `large`: 16 tensors of 1024x1024, about 16M parameters, so memory
   bandwidth dominates.
+- `gpu_tiny`: `tiny` on CUDA.
 - `gpu_many_small`: `many_small` on CUDA, where a step is bound by kernel
   launches rather than memory.
 - `gpu_large`: 64 tensors of 2048x2048, about 256M parameters, on CUDA.
@@ -66,23 +71,53 @@ def _small_network(widths, count):
     return tuple(shapes[:count])
 
 
+# `tiny`: the parameters of a small transformer classifier, in torch's
+# (out, in) layout: vocabulary 128, context 128, d_model 64, two
+# `torch.nn.TransformerEncoderLayer(64, nhead, 256)` (any nhead), 10
+# classes. 28 tensors, 117,002 parameters (tests/test_bench_workloads.py
+# checks the layers against torch's own).
+_ENCODER_LAYER = (
+    (192, 64),  # self_attn.in_proj_weight (q, k and v packed)
+    (192,),  # self_attn.in_proj_bias
+    (64, 64),  # self_attn.out_proj.weight
+    (64,),  # self_attn.out_proj.bias
+    (256, 64),  # linear1.weight
+    (256,),  # linear1.bias
+    (64, 256),  # linear2.weight
+    (64,),  # linear2.bias
+    (64,),  # norm1.weight
+    (64,),  # norm1.bias
+    (64,),  # norm2.weight
+    (64,),  # norm2.bias
+)
+TRANSFORMER = (
+    ((128, 64), (128, 64))  # token embedding, learned position embedding
+    + _ENCODER_LAYER * 2
+    + ((10, 64), (10,))  # the head: weight, bias
+)
+
+
 def _build(name, quick):
+    if name == "tiny":
+        if quick:  # the same 28 tensors, every dimension an eighth
+            return Workload(name, tuple(tuple(-(-d // 8) for d in s) for s in TRANSFORMER), "cpu")
+        return Workload(name, TRANSFORMER, "cpu")
     if name == "many_small":
         if quick:
             return Workload(name, _small_network((4, 6, 8), 24), "cpu")
         return Workload(name, _small_network((8, 12, 16, 20, 24, 28, 32, 36, 40), 400), "cpu")
     if name == "large":
         return Workload(name, ((128, 128),) * 2 if quick else ((1024, 1024),) * 16, "cpu")
-    if name == "gpu_many_small":
-        return dataclasses.replace(_build("many_small", quick), name=name, device="cuda")
+    if name in ("gpu_tiny", "gpu_many_small"):
+        return dataclasses.replace(_build(name[4:], quick), name=name, device="cuda")
     if name == "gpu_large":
         return Workload(name, ((256, 256),) * 2 if quick else ((2048, 2048),) * 64, "cuda")
     raise ValueError(f"`workload` must be one of {NAMES}. Received: workload={name!r}")
 
 
-NAMES = ("many_small", "large", "gpu_many_small", "gpu_large")
-CPU_NAMES = ("many_small", "large")
-GPU_NAMES = ("gpu_many_small", "gpu_large")
+CPU_NAMES = ("tiny", "many_small", "large")
+GPU_NAMES = ("gpu_tiny", "gpu_many_small", "gpu_large")
+NAMES = CPU_NAMES + GPU_NAMES
 
 
 def get(name, quick=False):

@@ -5,6 +5,11 @@ disjoint blocks of the same arrays reach more of the memory bandwidth than
 one core can. `fused` cuts its update kernels into blocks and runs
 them here; `peak_magnitude` (the backend's `max_abs`) reduces in blocks the
 same way.
+
+The threads share one queue of blocks: each takes the next block as soon as
+it is free. On a machine whose cores other processes also use, a thread that
+the OS preempts then holds up nobody (with a fixed share per thread, the
+others would wait for it at the end of every step).
 """
 
 import os
@@ -22,41 +27,12 @@ MIN_ELEMENTS_PER_WORKER = 1 << 19
 MIN_MEAN_BLOCK_FOR_THREADS = 1 << 14
 # Memory bandwidth saturates long before this many cores on any machine.
 MAX_WORKERS = 16
-# Elements per block of a reduction. Reductions make no temporaries, so
-# blocks can be large (fewer Python calls, less GIL traffic); 4 MiB of
-# float32 is still in L3 for the second reduction over the same block.
-REDUCE_BLOCK = 1 << 20
+# Elements per block of a reduction: 512 KiB of float32, so the block is
+# still in L2 cache for the second reduction over it (the minimum after the
+# maximum). Blocks of 4 MiB, read back from L3, made the check 25% slower.
+REDUCE_BLOCK = 1 << 17
 # Arrays smaller than this are reduced whole, on the calling thread.
 REDUCE_WHOLE_BELOW = 1 << 17
-
-
-def partition(blocks, workers):
-    """Cuts `blocks` into `workers` consecutive runs of about equal element counts.
-
-    Args:
-        blocks: `(job, start, stop)` tuples.
-        workers: The number of runs wanted.
-
-    Returns:
-        A list of at most `workers` lists of blocks, in order. A cut goes
-        before the block whose midpoint crosses the ideal boundary, so every
-        run is within one block of its share.
-    """
-    total = sum(stop - start for _, start, stop in blocks)
-    parts, current, done = [], [], 0
-    for block in blocks:
-        size = block[2] - block[1]
-        if (
-            current
-            and len(parts) < workers - 1
-            and (done + size / 2) * workers > total * (len(parts) + 1)
-        ):
-            parts.append(current)
-            current = []
-        current.append(block)
-        done += size
-    parts.append(current)
-    return parts
 
 
 def workers(blocks):
@@ -67,16 +43,27 @@ def workers(blocks):
     return max(1, min(cpu_count(), MAX_WORKERS, total // MIN_ELEMENTS_PER_WORKER))
 
 
-def run_parts(work, parts):
-    """Calls `work(i)` for every index of `parts`, the first on this thread.
+def share(work, items, count):
+    """Runs `work(worker, take)` on `count` threads that share `items`, the first on this thread.
+
+    `take()` returns the next item not yet taken, in the order of `items`,
+    or None once all are taken; each `work` loops until then.
 
     Returns:
-        The results, in the order of `parts`. Every call has finished when it
-        returns, even if one raised (the first exception then propagates).
+        The `count` results of `work`, by worker. Every call has finished
+        when it returns, even if one raised (the first exception then
+        propagates).
     """
-    futures = [executor().submit(work, i) for i in range(1, len(parts))]
+    lock = threading.Lock()
+    queue = iter(items)
+
+    def take():
+        with lock:  # not only the GIL: free-threaded Python has none
+            return next(queue, None)
+
+    futures = [executor().submit(work, worker, take) for worker in range(1, count)]
     try:
-        first = work(0)
+        first = work(0, take)
     finally:
         # No worker may outlive the call: the blocks belong to the caller.
         wait(futures)
@@ -89,7 +76,9 @@ def peak_magnitude(arrays):
     `max()` then `min()` of a whole large array read it from memory twice;
     here it is cut into blocks that are still in cache for the second
     reduction, shared among threads. Small arrays are reduced whole,
-    combined once at the end.
+    combined once at the end. The blocks are read first to last: `fused`
+    then updates last to first, starting where the gradients are still in
+    cache.
     """
     highs, lows, flats = [], [], []
     for a in arrays:
@@ -105,13 +94,17 @@ def peak_magnitude(arrays):
         for start in range(0, f.size, REDUCE_BLOCK)
     ]
     if blocks:
-        parts = partition(blocks, workers(blocks))
 
-        def work(i):
-            pieces = [flats[j][start:stop] for j, start, stop in parts[i]]
-            return [p.max() for p in pieces], [p.min() for p in pieces]
+        def work(worker, take):
+            block_highs, block_lows = [], []
+            while (block := take()) is not None:
+                j, start, stop = block
+                piece = flats[j][start:stop]
+                block_highs.append(np.maximum.reduce(piece))
+                block_lows.append(np.minimum.reduce(piece))
+            return block_highs, block_lows
 
-        for h, lo in run_parts(work, parts):
+        for h, lo in share(work, blocks, workers(blocks)):
             highs += h
             lows += lo
     if not highs:
