@@ -1,0 +1,258 @@
+"""`dynamic_loss_scale`: dynamic loss scaling as an optax transformation.
+
+A thin adapter: the unscale, the finite check and the scale rule are the
+ones every lossscale interface runs (the JAX backend's `unscale` and
+`all_finite`, `mixed_precision.next_loss_scale`); what is added here is the
+optax shape of the step (pure `init` / `update` over pytrees) and the skip,
+written as selects so that XLA fuses it into the inner update.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lossscale.backends import get_ops
+from lossscale.mixed_precision.loss_scale import (
+    HISTORY_LENGTH,
+    LossScalePolicy,
+    LossScaleState,
+    may_apply,
+    next_loss_scale,
+    state_fields,
+)
+from lossscale.optax import placement
+from lossscale.optax.state import DynamicLossScaleState
+
+_ops = get_ops("jax")
+
+
+def dynamic_loss_scale(
+    inner,
+    initial_scale=2.0**15,
+    dynamic_growth_steps=2000,
+    *,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    hysteresis=1,
+    min_scale=None,
+    max_scale=None,
+    max_consecutive_skips=None,
+    growth_policy="fixed",
+    telemetry=False,
+):
+    """Wraps an optax transformation with dynamic loss scaling.
+
+    Differentiate `scale_loss(loss, state)`; `update` then does:
+
+    ```
+    grads = grads / scale                # in the wider of the gradient's and
+                                         # the parameter's dtype
+    if all(isfinite(grads)):             # checked after unscaling
+        updates, inner_state = inner.update(grads, inner_state, params)
+        counter += 1; every dynamic_growth_steps finite steps: scale *= growth_factor
+    else:                                # the step is skipped
+        updates = -0.0 everywhere        # p + (-0.0) is p, bit for bit, -0.0 included
+        inner_state unchanged            # not even optax's count moves
+        counter = 0; scale *= backoff_factor (after `hysteresis` overflows in a row)
+    ```
+
+    The scale follows lossscale's one state machine
+    (`lossscale.mixed_precision.next_loss_scale`): the defaults are Keras's
+    (2^15, doubled after 2000 finite steps, halved on overflow), with its two
+    guards (no growth to a non-finite scale, no backoff below the smallest
+    normal float32). Apply the updates with `optax.apply_updates` (or
+    `TrainState.apply_gradients`, `nnx.Optimizer.update`,
+    `eqx.apply_updates`).
+
+    `init` is pure: it runs under `jax.jit`, `jax.vmap` and `jax.eval_shape`
+    (an abstract restore target for orbax). On concrete sharded parameters
+    it places the loss-scale scalars, and the inner state's scalars (optax's
+    `count`), replicated over the parameters' mesh; per-parameter state
+    follows its parameter. A jitted step therefore compiles once. Under
+    sharding the finite check reduces over every shard inside the step, so
+    all devices take the same decision.
+
+    Args:
+        inner: The `optax.GradientTransformation` to drive, such as
+            `optax.adam(1e-3)` or an `optax.chain`.
+        initial_scale: Float. The initial loss scale.
+        dynamic_growth_steps: Int. After this many consecutive finite
+            steps, the scale grows by `growth_factor`.
+        growth_factor: Float > 1. Defaults to 2.
+        backoff_factor: Float in (0, 1). Defaults to 0.5.
+        hysteresis: Int >= 1. Overflowing steps in a row, each skipped,
+            before the scale backs off. Defaults to 1.
+        min_scale: Float or `None`. A backoff below it records an error:
+            every later step is skipped, and `check(state)` raises
+            `LossScaleError`.
+        max_scale: Float or `None`. Growth stops here.
+        max_consecutive_skips: Int or `None`. More skipped steps in a row
+            record an error (see `check`).
+        growth_policy: `"fixed"` (default) or `"headroom"` (grow only while
+            the largest scaled gradient leaves room; see
+            `LossScalePolicy`).
+        telemetry: Boolean. Record skip counters, the last scales and
+            which parameters had non-finite gradients (read with
+            `summary(state)`). On whenever a fail-fast limit is set.
+
+    Returns:
+        An `optax.GradientTransformationExtraArgs`; extra keyword arguments
+        of `update` go to `inner`.
+
+    Example:
+
+    >>> import jax.numpy as jnp, optax, lossscale.optax as lso
+    >>> tx = lso.dynamic_loss_scale(optax.sgd(0.5), initial_scale=4.0)
+    >>> params = {"w": jnp.array([1.0, -0.0])}
+    >>> state = tx.init(params)
+    >>> grads = {"w": jnp.array([4.0, 8.0])}  # gradients of scale_loss(loss, state)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> optax.apply_updates(params, updates)["w"], float(lso.loss_scale(state))
+    (Array([ 0.5, -1. ], dtype=float32), 4.0)
+    >>> updates, state = tx.update({"w": jnp.array([jnp.inf, 0.0])}, state, params)
+    >>> optax.apply_updates(params, updates)["w"], float(lso.loss_scale(state))
+    (Array([ 1., -0.], dtype=float32), 2.0)
+    """
+    arguments = dict(locals())  # first: holds exactly the named arguments
+    settings = {f.name: arguments[f.name] for f in dataclasses.fields(LossScalePolicy)}
+    if not isinstance(inner, optax.GradientTransformation):
+        raise ValueError(
+            "`inner` must be an optax.GradientTransformation, such as optax.adam(1e-3). "
+            f"Received: inner={inner!r}"
+        )
+    policy = LossScalePolicy(**settings)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        like = placement.anchor(params)
+        inner_state = placement.replicate_uncommitted(inner.init(params), like)
+        paths = leaf_paths(params) if policy.tracks("nonfinite") else ()
+        return DynamicLossScaleState(
+            _initial_state(policy, len(paths), like), inner_state, policy, paths
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        _check_state(state, policy)
+        leaves, treedef, dtypes = _check_updates(updates, params, state)
+        scale = state.scale
+        unscaled = [u.astype(d) for u, d in zip(_ops.unscale(leaves, scale), dtypes)]
+        finite, peak, variable_finite = _inspect(unscaled, scale, policy)
+        current = state.loss_scale_state
+        applied = may_apply(_ops, current, finite, policy)
+        new_updates, new_inner = inner.update(
+            jax.tree_util.tree_unflatten(treedef, unscaled),
+            state.inner_state,
+            params,
+            **extra_args,
+        )
+        # Selects, not lax.cond: XLA fuses them into the inner update's own
+        # elementwise pass. The skipped update is -0.0 because p + (-0.0) is
+        # p for every p, where +0.0 would turn a -0.0 parameter into +0.0.
+        new_updates = jax.tree_util.tree_map(lambda u: jnp.where(applied, u, -0.0), new_updates)
+        new_inner = jax.tree_util.tree_map(
+            lambda new, old: jnp.where(applied, new, old), new_inner, state.inner_state
+        )
+        new_loss_scale = next_loss_scale(
+            _ops, current, finite, policy, peak=peak, variable_finite=variable_finite
+        )
+        return new_updates, DynamicLossScaleState(new_loss_scale, new_inner, policy, state.paths)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def leaf_paths(tree):
+    """`/`-joined key paths of the array leaves of `tree`, in leaf order."""
+    return tuple(
+        jax.tree_util.keystr(path, simple=True, separator="/")
+        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+    )
+
+
+def _initial_state(policy, count, like):
+    """The `LossScaleState` a policy starts from, placed like `like` (or not at all)."""
+    values = {}
+    for f in state_fields(policy):
+        meta = f.metadata
+        value = policy.initial_scale if meta["initial"] is None else meta["initial"]
+        number = {"step": None, "history": HISTORY_LENGTH, "variable": count}[meta["per"]]
+        scalars = [_ops.full((), value, meta["dtype"], like=like) for _ in range(number or 1)]
+        values[f.name] = scalars[0] if number is None else tuple(scalars)
+    return LossScaleState(**values)
+
+
+def _check_state(state, policy):
+    if not isinstance(state, DynamicLossScaleState):
+        raise TypeError(
+            "`state` must be the DynamicLossScaleState returned by this transformation's "
+            f"`init` or `update`. Received: state of type {type(state).__name__}"
+        )
+    if state.policy != policy:
+        raise ValueError(
+            "`state` was made by a dynamic_loss_scale with other settings. "
+            f"Expected: {policy}. Received: {state.policy}"
+        )
+
+
+def _check_updates(updates, params, state):
+    """Returns `(leaves, treedef, unscaled dtypes)`; raises on any bad input."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    leaves = [leaf for _, leaf in with_paths]
+    bad = [
+        f"{jax.tree_util.keystr(path)}: {getattr(leaf, 'dtype', type(leaf).__name__)}"
+        for path, leaf in with_paths
+        if not (hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating))
+    ]
+    if bad:
+        raise TypeError(
+            "`updates` must be floating-point gradients (float16, bfloat16, float32, "
+            f"float64 arrays). Received: {', '.join(bad)}"
+        )
+    if state.paths and len(leaves) != len(state.paths):
+        raise ValueError(
+            "`updates` must hold one gradient per parameter the state was made for "
+            f"({len(state.paths)}: {list(state.paths)}). Received: {len(leaves)} gradients"
+        )
+    if params is None:
+        return leaves, treedef, [leaf.dtype for leaf in leaves]
+    param_leaves, param_treedef = jax.tree_util.tree_flatten(params)
+    if param_treedef != treedef:
+        raise ValueError(
+            "`updates` must have the tree structure of `params`. "
+            f"Received: updates={treedef}, params={param_treedef}"
+        )
+    dtypes = []
+    for (path, leaf), param in zip(with_paths, param_leaves):
+        if tuple(leaf.shape) != tuple(jnp.shape(param)):
+            raise ValueError(
+                f"The gradient at {jax.tree_util.keystr(path)} must have its parameter's shape "
+                f"{tuple(jnp.shape(param))}. Received: shape {tuple(leaf.shape)}"
+            )
+        # A half-precision gradient of a float32 parameter is unscaled in
+        # float32, so that small values do not flush to zero.
+        param_dtype = jnp.result_type(param)
+        wider = jnp.issubdtype(param_dtype, jnp.floating) and (
+            jnp.finfo(param_dtype).bits > jnp.finfo(leaf.dtype).bits
+        )
+        dtypes.append(param_dtype if wider else leaf.dtype)
+    return leaves, treedef, dtypes
+
+
+def _inspect(unscaled, scale, policy):
+    """`(finite, peak, variable_finite)` of the unscaled gradients for `next_loss_scale`.
+
+    `peak` (the largest scaled magnitude) only with the headroom policy;
+    `variable_finite` only when telemetry is kept.
+    """
+    headroom = policy.growth_policy == "headroom"
+    if not policy.records_details and not headroom:
+        return _ops.all_finite(unscaled), None, ()
+    peaks = [_ops.max_abs([u]) if u.size else None for u in unscaled]
+    present = [p for p in peaks if p is not None]
+    largest = _ops.max_abs(present) if present else jnp.zeros((), jnp.float32)
+    finite = _ops.isfinite(largest)
+    peak = largest * scale if headroom else None
+    if not policy.records_details:
+        return finite, peak, ()
+    return finite, peak, tuple(None if p is None else _ops.isfinite(p) for p in peaks)
