@@ -198,6 +198,16 @@ def test_the_scale_is_lossscales_one_state_machine(settings):
         assert lso.summary(state) == reference.summary(), k
 
 
+def test_a_gradient_that_overflows_when_unscaled_is_an_overflow():
+    tiny = float(np.finfo(np.float32).tiny)  # the smallest scale a backoff reaches
+    tx = lso.dynamic_loss_scale(optax.sgd(0.1), initial_scale=tiny)
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    updates, state = tx.update({"w": jnp.full(2, 1e3)}, state, params)  # finite, scaled
+    assert np.all(np.signbit(np.asarray(updates["w"])))  # 1e3 / tiny is inf: skipped
+    assert float(state.scale) == tiny and int(state.counter) == 0
+
+
 def test_headroom_policy_grows_only_with_room():
     tx = lso.dynamic_loss_scale(
         optax.sgd(0.1), initial_scale=2.0**14, dynamic_growth_steps=1, growth_policy="headroom"
@@ -331,6 +341,21 @@ def test_errors():
             r"Received: shape \(4,\)",
         ),
     ]
+    drifting = lso.dynamic_loss_scale(
+        optax.GradientTransformation(
+            lambda params: {"t": jnp.zeros((), jnp.int32)},
+            lambda updates, state, params=None: (updates, {"t": state["t"] + 0.5}),
+        )
+    )
+    cases.append(
+        (
+            lambda: drifting.update(grads, drifting.init(params), params),
+            ValueError,
+            r"The inner transformation's `update` returned a state of another structure, dtype "
+            r"or shape than it was given, which a skipped step cannot stand in for. "
+            r"Received: \[\"\['t'\]: int32\[\] -> float32\[\]\"\]",
+        )
+    )
     for call, error, message in cases:
         with pytest.raises(error, match=message):
             call()

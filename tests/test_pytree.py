@@ -445,11 +445,12 @@ def test_the_transform_keeps_no_array_of_its_states_alive():
 
     tx = transform(lso())
     params = {"w": jnp.ones((64, 64))}
-    state = tx.init(params)
-    params, state = tx.jit()({"w": jnp.ones((64, 64))}, state, params)
-    initial = tx.init(params)
-    refs = [weakref.ref(x) for x in list(initial.values()) + list(state.values())]
-    del initial, state
+    first = tx.init(params)
+    refs = [weakref.ref(x) for x in first.values()]
+    params, state = tx.jit(donate=False)({"w": jnp.ones((64, 64))}, first, params)
+    again = tx.init(params)
+    refs += [weakref.ref(x) for x in list(again.values()) + list(state.values())]
+    del first, again, state
     gc.collect()
     assert all(ref() is None for ref in refs)
 

@@ -146,15 +146,15 @@ def dynamic_loss_scale(
         grads = jax.tree_util.tree_unflatten(treedef, unscaled)
 
         def step():
-            new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
-            return new_updates, jax.tree_util.tree_map(_same_type, state.inner_state, new_inner)
+            return inner.update(grads, state.inner_state, params, **extra_args)
+
+        update_shapes, _ = _check_inner_state(jax.eval_shape(step), state.inner_state)
 
         def skip():
             # -0.0, because p + (-0.0) is p for every p, where +0.0 would turn
             # a -0.0 parameter into +0.0.
-            shapes = jax.eval_shape(step)[0]
             negative_zeros = jax.tree_util.tree_map(
-                lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes
+                lambda s: jnp.full(s.shape, -0.0, s.dtype), update_shapes
             )
             return negative_zeros, state.inner_state
 
@@ -169,10 +169,27 @@ def dynamic_loss_scale(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _same_type(old, new):
-    # The state keeps its dtypes and weak types from step to step, so both
-    # branches of the skip agree and a jitted step never retraces.
-    return _ops.assign(old, new) if isinstance(old, jax.Array) else new
+def _check_inner_state(shapes, inner_state):
+    """Returns `shapes` (what `inner.update` returns) if its state can replace `inner_state`.
+
+    A skipped step returns the old inner state where a taken one returns the
+    new: both must have one structure, shape and dtype per leaf.
+    """
+    new = jax.tree_util.tree_flatten_with_path(shapes[1])
+    old = jax.tree_util.tree_flatten_with_path(inner_state)
+    changed = [
+        f"{jax.tree_util.keystr(path)}: {jnp.result_type(b)}{list(jnp.shape(b))} -> "
+        f"{a.dtype}{list(a.shape)}"
+        for (path, a), (_, b) in zip(new[0], old[0])
+        if (a.dtype, tuple(a.shape)) != (jnp.result_type(b), tuple(jnp.shape(b)))
+    ]
+    if new[1] != old[1] or changed:
+        raise ValueError(
+            "The inner transformation's `update` returned a state of another structure, "
+            "dtype or shape than it was given, which a skipped step cannot stand in for. "
+            f"Received: {changed or f'{old[1]} -> {new[1]}'}"
+        )
+    return shapes
 
 
 def leaf_paths(tree):
