@@ -376,3 +376,9 @@ def test_import_lossscale_imports_no_optax_and_lossscale_optax_does():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[] ['jax', 'lossscale.optax', 'optax']"
+    # Without optax, the import says what is missing and how to install it.
+    code = "import sys; sys.modules['optax'] = None; import lossscale.optax"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "ImportError: lossscale.optax needs JAX and optax (" in out.stderr
+    assert "pip install jax optax" in out.stderr
