@@ -137,15 +137,17 @@ def dynamic_loss_scale(
         _check_state(state, policy)
         leaves, treedef, dtypes = _check_updates(updates, params, state)
         scale = state.scale
-        unscaled = [u.astype(d) for u, d in zip(_ops.unscale(leaves, scale), dtypes)]
-        finite, peak, variable_finite = _inspect(unscaled, scale, policy)
+        finite, peak, variable_finite = _inspect(leaves, dtypes, scale, policy)
         current = state.loss_scale_state
         # A barrier keeps XLA from fusing the reduction behind the decision
-        # into each consumer (on CPU it more than halved a 400-tensor step).
+        # into each consumer.
         applied = jax.lax.optimization_barrier(may_apply(_ops, current, finite, policy))
-        grads = jax.tree_util.tree_unflatten(treedef, unscaled)
 
         def step():
+            # Unscaled inside the branch, where XLA fuses the division into
+            # the inner update instead of writing the unscaled gradients out.
+            unscaled = [u.astype(d) for u, d in zip(_ops.unscale(leaves, scale), dtypes)]
+            grads = jax.tree_util.tree_unflatten(treedef, unscaled)
             return inner.update(grads, state.inner_state, params, **extra_args)
 
         update_shapes, _ = _check_inner_state(jax.eval_shape(step), state.inner_state)
@@ -269,20 +271,27 @@ def _check_updates(updates, params, state):
     return leaves, treedef, dtypes
 
 
-def _inspect(unscaled, scale, policy):
-    """`(finite, peak, variable_finite)` of the unscaled gradients for `next_loss_scale`.
+def _inspect(leaves, dtypes, scale, policy):
+    """`(finite, peak, variable_finite)` of the gradients for `next_loss_scale`.
 
-    `peak` (the largest scaled magnitude) only with the headroom policy;
-    `variable_finite` only when telemetry is kept.
+    Each gradient's largest magnitude divided by the scale, in the dtype it
+    is unscaled to, is its largest unscaled magnitude (division and rounding
+    are monotone), and inf or NaN exactly when an unscaled value is: so the
+    check reads each scaled gradient once, and a finite gradient that
+    overflows when unscaled counts as an overflow. `peak` (the largest
+    scaled magnitude) only with the headroom policy; `variable_finite` only
+    when telemetry is kept.
     """
-    headroom = policy.growth_policy == "headroom"
-    if not policy.records_details and not headroom:
-        return _ops.all_finite(unscaled), None, ()
-    peaks = [_ops.max_abs([u]) if u.size else None for u in unscaled]
-    present = [p for p in peaks if p is not None]
-    largest = _ops.max_abs(present) if present else jnp.zeros((), jnp.float32)
-    finite = _ops.isfinite(largest)
-    peak = largest * scale if headroom else None
+    scaled_peaks = [_ops.max_abs([g]) if g.size else None for g in leaves]
+    unscaled_peaks = [
+        None if p is None else (p / scale).astype(d) for p, d in zip(scaled_peaks, dtypes)
+    ]
+    present = [p for p in unscaled_peaks if p is not None]
+    finite = _ops.isfinite(_ops.max_abs(present)) if present else jnp.asarray(True)
+    peak = None
+    if policy.growth_policy == "headroom":
+        scaled = [p for p in scaled_peaks if p is not None]
+        peak = _ops.max_abs(scaled) if scaled else jnp.zeros((), jnp.float32)
     if not policy.records_details:
         return finite, peak, ()
-    return finite, peak, tuple(None if p is None else _ops.isfinite(p) for p in peaks)
+    return finite, peak, tuple(None if p is None else _ops.isfinite(p) for p in unscaled_peaks)

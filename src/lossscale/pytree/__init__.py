@@ -12,10 +12,10 @@ new_params, new_state = tx.apply(grads, state, params)  # pure; jit-able
 
 The math is not written again here: `apply` flattens the trees and calls the
 `stateless_apply` of a copy of the optimizer built for that tree (the
-optimizer given is a blueprint, never built or written; see `Transform`). The state is an `OptimizerState`, a
-read-only mapping from readable names (`"adam/dense_kernel_momentum"`) to
-arrays, itself a pytree: it goes through `jax.jit`, `jax.vmap` and
-checkpointing libraries like any dict of arrays.
+optimizer given is a blueprint, never built or written; see `Transform`).
+The state is an `OptimizerState`, a read-only mapping from readable names
+(`"adam/dense_kernel_momentum"`) to arrays, itself a pytree: it goes through
+`jax.jit`, `jax.vmap` and checkpointing libraries like any dict of arrays.
 
 Trees are flattened with `jax.tree_util` when JAX has been imported (so
 custom pytree nodes work); otherwise nested dicts, lists and tuples of NumPy
