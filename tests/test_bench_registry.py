@@ -11,7 +11,13 @@ def test_every_requested_implementation_is_registered():
     for impl in impls.values():
         by_kind.setdefault(impl.kind, []).append(impl.name)
     assert by_kind == {
-        "ours": ["lossscale-numpy", "lossscale-torch", "lossscale-jax", "lossscale-torch-compiled"],
+        "ours": [
+            "lossscale-numpy",
+            "lossscale-torch",
+            "lossscale-jax",
+            "lossscale-torch-compiled",
+            "lossscale-optax",
+        ],
         "peer": [
             "torch-gradscaler-fused",
             "torch-gradscaler-foreach",
@@ -19,13 +25,21 @@ def test_every_requested_implementation_is_registered():
             "keras-jax",
             "optax-jmp",
         ],
-        "baseline": ["torch-adam-fused-unscaled"],
+        "baseline": ["torch-adam-fused-unscaled", "optax-adam-unscaled"],
     }
     assert impls["keras-torch"].env == {"KERAS_BACKEND": "torch"}
     assert impls["keras-jax"].env == {"KERAS_BACKEND": "jax"}
     assert impls["lossscale-numpy"].devices == ("cpu",)
     assert all("cuda" in impl.devices for name, impl in impls.items() if name != "lossscale-numpy")
     assert impls["optax-jmp"].requires == ("jax", "optax", "jmp")
+    assert (
+        impls["lossscale-optax"].requires
+        == impls["optax-adam-unscaled"].requires
+        == (
+            "jax",
+            "optax",
+        )
+    )
 
 
 def test_installed_and_versions():

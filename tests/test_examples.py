@@ -11,6 +11,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 NAMES = ("torch_autocast.py", "jax_pytree.py", "numpy_mlp.py")
+# The JAX ecosystem's loops: an optax transformation, not the Keras-style wrapper.
+OPTAX_NAMES = ("flax_linen.py", "flax_nnx.py")
 QUICKSTARTS = ("quickstart_torch.py", "quickstart_jax.py")
 # The quickstarts are printed in the README, verbatim.
 README = ROOT / "README.md"
@@ -32,7 +34,7 @@ def _run(name, cwd):
     return proc.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + OPTAX_NAMES)
 def test_example_runs_and_learns(name, tmp_path):
     last = _run(name, tmp_path)
     assert float(re.search(r"accuracy (\S+)", last).group(1)) > 0.95
@@ -45,6 +47,13 @@ def test_example_is_short_and_uses_the_wrapper(name):
     text = (EXAMPLES / name).read_text()
     assert len(text.splitlines()) < 80
     assert "LossScaleOptimizer(" in text and ("scale_loss(" in text or "dynamic_scale" in text)
+
+
+@pytest.mark.parametrize("name", OPTAX_NAMES)
+def test_optax_example_is_short_and_uses_the_transformation(name):
+    text = (EXAMPLES / name).read_text()
+    assert len(text.splitlines()) < 80
+    assert "lso.dynamic_loss_scale(optax." in text and "lso.scale_loss(" in text
 
 
 @pytest.mark.parametrize("name", QUICKSTARTS)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import lossscale as ls
+from lossscale.optax import OptaxOptimizer
 from lossscale.optimizers import native
 from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
-from lossscale.optimizers.optax_native import OptaxOptimizer
 from lossscale.torch import TorchOptimizer
 
 

@@ -325,7 +325,8 @@ def test_plain_optimizer_and_failed_save_keeps_the_old_file(rng, tmp_path):
 def test_usage_errors(tmp_path):
     with pytest.raises(
         ValueError,
-        match=r"`optimizer` must be a lossscale.optimizers.Optimizer. "
+        match=r"`optimizer` must be a lossscale.optimizers.Optimizer, or a lossscale.pytree "
+        r"transform or an optax transformation passed with its `state=`. "
         r"Received: optimizer='adam'",
     ):
         saving.save("adam", tmp_path / "x")

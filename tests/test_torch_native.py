@@ -498,9 +498,9 @@ def test_docstring_example():
     assert result.attempted > 0 and result.failed == 0
 
 
-def test_importing_the_adapters_imports_no_framework():
+def test_importing_the_adapter_imports_no_framework():
     code = (
-        "import sys, lossscale.optimizers.optax_native; "
+        "import sys, lossscale.optimizers.native; "
         "print(sorted(m for m in ('torch', 'jax', 'optax') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

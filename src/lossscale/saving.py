@@ -15,6 +15,15 @@ to disk (`fsync`), renames it over the checkpoint's name and flushes the
 directory, so neither an interrupted save nor a power loss leaves a
 truncated file under that name.
 
+Pure optimizers keep their state in pytrees the caller holds: a
+`lossscale.pytree` transform and an optax transformation (such as
+`lossscale.optax.dynamic_loss_scale`) are saved with that state,
+`save(tx, path, state=state)`, and restored into a target of the same
+structure, `state = restore(tx, path, state=target)`, where the target may
+be `jax.eval_shape(tx.init, params)`. Such a file has its own format name
+(`lossscale.state`; see `lossscale.pytree._checkpoint`), so it never loads
+as an optimizer's variables, nor the other way round.
+
 `safetensors` is an optional dependency, imported on first use.
 
 Examples:
@@ -39,28 +48,55 @@ import numpy as np
 from lossscale import validation
 
 FORMAT = "lossscale.optimizer"
+STATE_FORMAT = "lossscale.state"
 FORMAT_VERSION = 1
+_FORMAT_NAMES = {
+    FORMAT: "lossscale optimizer checkpoint",
+    STATE_FORMAT: "lossscale state checkpoint",
+}
+_FORMAT_HINTS = {
+    FORMAT: "; it holds an optimizer's variables: restore it with "
+    "lossscale.saving.restore(optimizer, path) or load(path, variables)",
+    STATE_FORMAT: "; it holds a transform's state: restore it with "
+    "lossscale.saving.restore(tx, path, state=target)",
+}
 
 
 class CheckpointError(ValueError):
     """A checkpoint file cannot be used: missing, damaged, or for another optimizer."""
 
 
-def save(optimizer, path):
+def save(optimizer, path, state=None):
     """Writes `optimizer`'s config and every variable to one safetensors file.
 
+    A `lossscale.pytree` transform or an optax transformation keeps its
+    state in a pytree instead: pass it as `state`, the one `init`, `apply`
+    or `update` last returned.
+
     Args:
-        optimizer: A built `lossscale.optimizers.Optimizer`.
+        optimizer: A built `lossscale.optimizers.Optimizer`; or a
+            `lossscale.pytree.Transform` or `optax.GradientTransformation`
+            together with `state`.
         path: The file to write (replaced atomically if it exists).
+        state: The state pytree of a transform (required for one, refused
+            for an `Optimizer`, whose variables hold its state).
     """
     from lossscale import serialization
     from lossscale.optimizers.base import Optimizer
+    from lossscale.pytree import _checkpoint
 
     if not isinstance(optimizer, Optimizer):
+        config, names, arrays = _checkpoint.payload(optimizer, state)
+        entries = [_entry(name, a) for name, a in zip(names, arrays)]
+        _write(path, arrays, _metadata(STATE_FORMAT, config, entries))
+        return
+    if state is not None:
         raise ValueError(
-            "`optimizer` must be a lossscale.optimizers.Optimizer. "
-            f"Received: optimizer={optimizer!r}"
+            "`state` is for transforms, whose state is a pytree; an Optimizer saves its own "
+            f"variables: lossscale.saving.save(optimizer, path). Received: state of type "
+            f"{type(state).__name__}"
         )
+    _check_not_a_blueprint(optimizer)
     if not optimizer.built:
         raise ValueError(
             "`optimizer` must be built before saving, so that all of its variables exist. "
@@ -75,16 +111,44 @@ def save(optimizer, path):
             "LearningRateSchedule."
         ) from None
     arrays = [np.asarray(v.numpy(), order="C") for v in optimizer.variables]
-    entries = [
-        {"path": v.path, "shape": list(a.shape), "dtype": a.dtype.name, "sha256": _digest(a)}
-        for v, a in zip(optimizer.variables, arrays)
-    ]
-    metadata = {
-        "format": FORMAT,
+    entries = [_entry(v.path, a) for v, a in zip(optimizer.variables, arrays)]
+    _write(path, arrays, _metadata(FORMAT, config, entries))
+
+
+def _check_not_a_blueprint(optimizer):
+    """Refuses an optimizer given to `lossscale.pytree.transform`: it holds no training state."""
+    from lossscale.pytree._transform import is_blueprint
+
+    if not optimizer.built and is_blueprint(optimizer):
+        raise ValueError(
+            "This optimizer was given to lossscale.pytree.transform, which never builds or "
+            "writes it: the training state is the `state` pytree that `tx.init` and "
+            "`tx.apply` return. Save that instead, lossscale.saving.save(tx, path, "
+            "state=state), and restore it with lossscale.saving.restore(tx, path, "
+            f"state=tx.init(params)). Received: optimizer={optimizer!r}"
+        )
+
+
+def _entry(name, array):
+    return {
+        "path": name,
+        "shape": list(array.shape),
+        "dtype": array.dtype.name,
+        "sha256": _digest(array),
+    }
+
+
+def _metadata(format_name, config, entries):
+    return {
+        "format": format_name,
         "format_version": str(FORMAT_VERSION),
-        "config": config,
+        "config": config if isinstance(config, str) else json.dumps(config),
         "variables": json.dumps(entries),
     }
+
+
+def _write(path, arrays, metadata):
+    """Writes `arrays` as tensors "0", "1", ... to a temporary file, then renames it."""
     path = os.fspath(path)
     temporary = f"{path}.tmp-{os.getpid()}"
     try:
@@ -114,20 +178,46 @@ def _durable_replace(temporary, path):
             os.close(directory)
 
 
-def restore(optimizer, path):
+def restore(optimizer, path, state=None):
     """Loads the state saved in `path` into `optimizer` (built, same structure).
 
     Everything is checked first (the file, the optimizer classes, the
     number, shapes and kinds of the variables); on any error nothing is
     written.
 
+    For a `lossscale.pytree` transform or an optax transformation, which
+    hold no state, `state` is the target (a state of the same tree, such as
+    `tx.init(params)` or `jax.eval_shape(tx.init, params)`) and a new state
+    is returned, each array made like the target's (dtype, device,
+    sharding); the target's values are not read.
+
     Args:
-        optimizer: A built optimizer of the classes that wrote the file.
+        optimizer: A built optimizer of the classes that wrote the file; or
+            a transform or optax transformation.
         path: A file written by `save`.
+        state: The target state, for a transform.
+
+    Returns:
+        `None` for an optimizer (restored in place); the restored state for
+        a transform.
 
     Raises:
         CheckpointError: The file is missing, damaged or does not match.
     """
+    from lossscale.optimizers.base import Optimizer
+    from lossscale.pytree import _checkpoint
+
+    if not isinstance(optimizer, Optimizer):
+        _checkpoint.describe(optimizer)  # raises, naming what is accepted
+        checkpoint = _read(os.fspath(path), STATE_FORMAT)
+        return _checkpoint.restore(optimizer, checkpoint, state, _fail, validation.dtype_kind)
+    if state is not None:
+        raise ValueError(
+            "`state` is for transforms, whose state is a pytree; an Optimizer restores its "
+            "own variables: lossscale.saving.restore(optimizer, path). Received: state of "
+            f"type {type(state).__name__}"
+        )
+    _check_not_a_blueprint(optimizer)
     if not optimizer.built:
         raise ValueError(
             "`optimizer` must be built before `restore`, so that all of its variables exist. "
@@ -194,7 +284,7 @@ def _fail(path, problem):
     raise CheckpointError(f"Checkpoint {path!r}: {problem}")
 
 
-def _read(path):
+def _read(path, format_name=FORMAT):
     """Reads and checks a whole checkpoint; raises `CheckpointError` on any problem."""
     safetensors = _safetensors()
     if not os.path.isfile(path):
@@ -206,11 +296,12 @@ def _read(path):
             raw = {key: f.get_tensor(key) for key in keys}
     except Exception as error:  # the reader's own error types; the file is unusable
         _fail(path, f"not a readable safetensors file (truncated or corrupt): {error}")
-    if metadata.get("format") != FORMAT:
+    found = metadata.get("format")
+    if found != format_name:
         _fail(
             path,
-            f"not a lossscale optimizer checkpoint (metadata 'format' is "
-            f"{metadata.get('format')!r}, expected {FORMAT!r})",
+            f"not a {_FORMAT_NAMES[format_name]} (metadata 'format' is {found!r}, expected "
+            f"{format_name!r}){_FORMAT_HINTS.get(found, '')}",
         )
     if metadata.get("format_version") != str(FORMAT_VERSION):
         _fail(
@@ -232,8 +323,9 @@ def _read(path):
         ]
     except (KeyError, TypeError, ValueError) as error:
         _fail(path, f"its metadata is corrupt ({type(error).__name__}: {error})")
-    if not isinstance(config, dict) or "class_name" not in config:
-        _fail(path, "its metadata is corrupt (the config names no optimizer class)")
+    key, what = ("class_name", "optimizer class") if format_name == FORMAT else ("kind", "kind")
+    if not isinstance(config, dict) or key not in config:
+        _fail(path, f"its metadata is corrupt (the config names no {what})")
     if keys != {str(i) for i in range(len(entries))}:
         _fail(path, f"it lists {len(entries)} variables but holds arrays {sorted(keys)}")
     arrays = [raw[str(i)] for i in range(len(entries))]

@@ -44,3 +44,60 @@ def optax_jmp(workload):
         return state[0]
 
     return Stepper(step=step, sync=jax.block_until_ready)
+
+
+def _optax_stepper(jax, tx, params, grads):
+    """One jitted, donated optax step: `update`, then `apply_updates`."""
+    import optax
+
+    def apply(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    apply = jax.jit(apply, donate_argnums=(0, 1))
+    state = [params, tx.init(params)]
+
+    def step():
+        state[:] = apply(*state, grads)
+        return state[0]
+
+    return Stepper(step=step, sync=jax.block_until_ready)
+
+
+@implementation(
+    "lossscale-optax",
+    "ours",
+    "lossscale.optax.dynamic_loss_scale(optax.adam) under jax.jit, state donated",
+    requires=("jax", "optax"),
+    devices=("cpu", "cuda"),
+)
+def lossscale_optax(workload):
+    jax = frameworks.jax_for(workload)
+    import optax
+
+    import lossscale.optax
+
+    params, grads = frameworks.jax_arrays(jax, workload)
+    tx = lossscale.optax.dynamic_loss_scale(
+        optax.adam(1e-3, eps=1e-7),
+        initial_scale=workloads.LOSS_SCALE,
+        dynamic_growth_steps=workloads.GROWTH_STEPS,
+    )
+    return _optax_stepper(jax, tx, params, grads)
+
+
+@implementation(
+    "optax-adam-unscaled",
+    "baseline",
+    "optax.adam under jax.jit, state donated, no loss scaling (the reference for lossscale-optax)",
+    requires=("jax", "optax"),
+    devices=("cpu", "cuda"),
+)
+def optax_adam_unscaled(workload):
+    jax = frameworks.jax_for(workload)
+    import optax
+
+    params, _ = frameworks.jax_arrays(jax, workload)
+    _, grads = workloads.arrays(workload, loss_scaled=False)
+    grads = [jax.numpy.asarray(g) for g in grads]
+    return _optax_stepper(jax, optax.adam(1e-3, eps=1e-7), params, grads)

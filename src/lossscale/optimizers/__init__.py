@@ -13,7 +13,6 @@ from lossscale.optimizers.lion import Lion
 from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from lossscale.optimizers.nadam import Nadam
 from lossscale.optimizers.native import wrap_native
-from lossscale.optimizers.optax_native import OptaxOptimizer
 from lossscale.optimizers.rmsprop import RMSprop
 from lossscale.optimizers.sgd import SGD
 
@@ -83,7 +82,6 @@ __all__ = [
     "Lion",
     "LossScaleOptimizer",
     "Nadam",
-    "OptaxOptimizer",
     "Optimizer",
     "RMSprop",
     "SGD",

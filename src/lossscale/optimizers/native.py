@@ -39,7 +39,7 @@ def wrap_native(optimizer):
         return TorchOptimizer(optimizer)
     optax = sys.modules.get("optax")
     if optax is not None and isinstance(optimizer, optax.GradientTransformation):
-        from lossscale.optimizers.optax_native import OptaxOptimizer
+        from lossscale.optax.adapter import OptaxOptimizer
 
         return OptaxOptimizer(optimizer)
     return optimizer

@@ -17,8 +17,8 @@ def jax_in_use():
 def flatten(tree, argname, use_jax):
     """Returns `(leaves, treedef, paths)`; paths are `/`-joined key strings.
 
-    `use_jax` is fixed per transform when it is initialised, so that a
-    transform keeps one kind of tree structure even if JAX is imported later.
+    Both ways give the same leaves and paths, so a state made before JAX was
+    imported still fits the tree once it is (`use_jax` is `jax_in_use()`).
     """
     if use_jax:
         jax = sys.modules["jax"]

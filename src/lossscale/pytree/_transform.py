@@ -1,35 +1,48 @@
 """`Transform`: an optimizer as pure `init`/`apply` functions of pytrees."""
 
-import sys
+import weakref
 
 from lossscale import validation
+from lossscale.backends import common_backend
 from lossscale.optimizers.base import Optimizer
 from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from lossscale.pytree import _templates
 from lossscale.pytree._flatten import flatten, jax_in_use, unflatten
 from lossscale.pytree._state import OptimizerState
-from lossscale.variables import Variable
+
+# The optimizers given to `transform`: blueprints, never built by it, whose
+# state is in the pytrees `init` and `apply` return (`lossscale.saving` says
+# so when one of them is saved).
+_BLUEPRINTS = weakref.WeakSet()
+
+
+def is_blueprint(optimizer):
+    """Whether `optimizer` was given to `transform` (and so holds no training state)."""
+    return optimizer in _BLUEPRINTS
 
 
 class Transform:
     """An optimizer used as pure functions of parameter and gradient pytrees.
 
-    Create it with `transform(optimizer)`. `init` builds the optimizer on the
-    first parameter tree it sees (slot names follow the tree's paths) and
-    returns the initial `OptimizerState`; `apply` runs one step of the
-    optimizer's `stateless_apply` and returns new parameters (same tree
-    structure, dtypes and, on JAX, sharding) and a new state. The optimizer
-    object is never mutated by `apply`, so `jax.jit(tx.apply)` compiles once;
-    `tx.jit()` compiles it with `params` and `state` donated, in the order
-    that lets XLA update every buffer in place.
+    Create it with `transform(optimizer)`. `init(params)` returns the
+    initial `OptimizerState` for any parameter tree; `apply` runs one step
+    of the optimizer's `stateless_apply` and returns new parameters (same
+    tree structure, dtypes and, on JAX, sharding) and a new state. Both are
+    pure: `init` runs under `jax.jit`, `jax.vmap` and `jax.eval_shape` (an
+    abstract restore target for a checkpointer), and `jax.jit(tx.apply)`
+    compiles once; `tx.jit()` compiles it with `params` and `state` donated,
+    in the order that lets XLA update every buffer in place.
 
-    The transform keeps the arrays it was initialised with (the optimizer's
-    variables wrap them); on JAX, donating `state` and `params` to the
-    jitted step (`tx.jit()`) frees them after the first step.
+    The optimizer given is a blueprint: the transform never builds it and
+    never writes it. Each parameter tree (structure, shapes, dtypes) gets a
+    private copy built once, on JAX from shapes and dtypes alone, so a
+    transform serves several models and keeps no array of theirs alive. All
+    of the training state is in the `state` pytrees: save it with
+    `lossscale.saving.save(tx, path, state=state)`.
 
     Args:
-        optimizer: A `lossscale.optimizers.Optimizer`, typically a
-            `LossScaleOptimizer`. Unbuilt, or built on variables with the
-            shapes of the parameter tree (to continue stateful training).
+        optimizer: An unbuilt `lossscale.optimizers.Optimizer`, typically a
+            `LossScaleOptimizer`.
 
     Examples:
         >>> import numpy as np, lossscale as ls, lossscale.pytree
@@ -47,28 +60,55 @@ class Transform:
                 "`optimizer` must be a lossscale.optimizers.Optimizer instance. "
                 f"Received: optimizer={optimizer!r}"
             )
+        if optimizer.built:
+            raise ValueError(
+                "`optimizer` must not be built: a transform builds its own copy for each "
+                "parameter tree, and its state lives in the pytrees `init` and `apply` "
+                "return. To carry a stateful optimizer's values over, pass an unbuilt one "
+                "and make the state from them: OptimizerState(dict(zip(tx.names(params), "
+                f"[v.value for v in optimizer.variables]))). Received: optimizer={optimizer!r}"
+            )
+        native = [
+            o
+            for o in (optimizer, getattr(optimizer, "inner_optimizer", None))
+            if getattr(o, "keeps_native_state", False)
+        ]
+        if native:
+            raise ValueError(
+                "`optimizer` keeps its state in a native optimizer, which updates tensors in "
+                "place and cannot run as pure functions. Use a lossscale optimizer (or an "
+                f"optax transformation with lossscale.optax). Received: optimizer={optimizer!r}"
+            )
         self._optimizer = optimizer
-        self._treedef = None
-        self._names = None
-        self._use_jax = None
+        self._blueprint = _templates.clone(optimizer)
+        self._templates = {}  # signature -> (built copy, state names in variables order)
+        self._by_names = {}  # frozenset of state names -> (built copy, names)
+        _BLUEPRINTS.add(optimizer)
 
     @property
     def optimizer(self):
-        """The wrapped optimizer (built by the first `init`)."""
+        """The optimizer given to `transform` (a blueprint: never built, holds no state)."""
         return self._optimizer
 
-    @property
-    def names(self):
-        """The state's names, in `optimizer.variables` order (None before `init`)."""
-        return list(self._names) if self._names is not None else None
+    def names(self, params):
+        """The state's names for `params`, in `optimizer.variables` order.
+
+        Args:
+            params: A pytree of arrays (or of `jax.ShapeDtypeStruct`s' arrays).
+
+        Returns:
+            A list of strings, such as `"adam/dense_kernel_momentum"`.
+        """
+        leaves, treedef, paths = flatten(params, "params", jax_in_use())
+        return list(self._template(leaves, treedef, paths)[1])
 
     def init(self, params):
-        """Returns the optimizer state for `params`.
+        """Returns the initial optimizer state for `params`.
 
-        The first call builds the optimizer on `params`' leaves and must run
-        eagerly (not under `jax.jit`); later calls need the same tree
-        structure and return the optimizer's current (initial) values, and
-        may run under `jax.jit` or `jax.vmap`.
+        Pure: it may run under `jax.jit`, `jax.vmap` (an ensemble's states)
+        or `jax.eval_shape` (the abstract target a checkpointer restores
+        into). On sharded parameters, each slot takes its parameter's
+        sharding and scalars are replicated over the same devices.
 
         Args:
             params: A pytree of arrays (the trainable parameters).
@@ -76,28 +116,10 @@ class Transform:
         Returns:
             An `OptimizerState`.
         """
-        use_jax = jax_in_use() if self._use_jax is None else self._use_jax
-        leaves, treedef, paths = flatten(params, "params", use_jax)
-        if self._treedef is None:
-            if not self._optimizer.built:
-                _check_concrete(leaves)
-                variables = [
-                    Variable(leaf, name=path or "param") for leaf, path in zip(leaves, paths)
-                ]
-                self._optimizer.build(variables)
-            self._treedef, self._use_jax = treedef, use_jax
-            self._names = _unique_names(self._optimizer.variables)
-        else:
-            self._check_structure(treedef, "params")
-        values = [v.value for v in self._optimizer.variables]
-        deleted = [n for n, x in zip(self._names, values) if _is_deleted(x)]
-        if deleted:
-            raise ValueError(
-                "The initial optimizer state was donated to a jitted step and no longer "
-                "exists; keep the state returned by `apply`, or create a new optimizer and "
-                f"transform. Deleted: {deleted}"
-            )
-        return OptimizerState(dict(zip(self._names, values)))
+        leaves, treedef, paths = flatten(params, "params", jax_in_use())
+        template, names, fresh = self._template(leaves, treedef, paths)
+        built = template if fresh else _templates.build(self._blueprint, leaves, paths)
+        return OptimizerState(dict(zip(names, [v.value for v in built.variables])))
 
     def apply(self, grads, state, params):
         """Applies one optimizer step to a parameter pytree.
@@ -119,34 +141,48 @@ class Transform:
         Returns:
             A tuple `(new_params, new_state)`.
         """
-        if self._treedef is None:
-            raise ValueError(
-                "`apply` needs an initialised transform; call `state = tx.init(params)` first."
-            )
-        if not isinstance(state, OptimizerState):
-            raise TypeError(
-                "`state` must be the OptimizerState returned by `init` or `apply`. "
-                f"Received: state of type {type(state).__name__}"
-            )
-        param_leaves, treedef, _ = flatten(params, "params", self._use_jax)
-        self._check_structure(treedef, "params")
-        grad_leaves, grad_treedef, _ = flatten(grads, "grads", self._use_jax)
+        _check_state_type(state)
+        use_jax = jax_in_use()
+        param_leaves, treedef, paths = flatten(params, "params", use_jax)
+        grad_leaves, grad_treedef, _ = flatten(grads, "grads", use_jax)
         if grad_treedef != treedef:
             raise ValueError(
                 "`grads` must have the structure of `params`. "
                 f"Expected: {treedef}. Received: {grad_treedef}"
             )
-        missing = [n for n in self._names if n not in state]
-        extra = [n for n in state if n not in self._names]
+        template, names, _ = self._template(param_leaves, treedef, paths)
+        missing = [n for n in names if n not in state]
+        extra = [n for n in state if n not in names]
         if missing or extra:
             raise ValueError(
-                "`state` does not match this optimizer's variables. "
+                "`state` does not match the optimizer's variables for these `params`. "
                 f"Missing: {missing}. Unexpected: {extra}"
             )
-        new_leaves, new_values = self._optimizer.stateless_apply(
-            [state[n] for n in self._names], grad_leaves, param_leaves
+        new_leaves, new_values = template.stateless_apply(
+            [state[n] for n in names], grad_leaves, param_leaves
         )
-        return unflatten(treedef, new_leaves), OptimizerState(dict(zip(self._names, new_values)))
+        return unflatten(treedef, new_leaves), OptimizerState(dict(zip(names, new_values)))
+
+    def _template(self, leaves, treedef, paths):
+        """`(built copy, names, fresh)` for this tree; `fresh`: built on `leaves` just now.
+
+        JAX trees get an abstract copy (shapes and dtypes only, so it works on
+        traced leaves and holds no memory); NumPy and torch trees, which are
+        never traced, a copy built on their first leaves, whose values `init`
+        then returns.
+        """
+        key = _templates.signature(treedef, leaves)
+        known = self._templates.get(key)
+        if known is not None:
+            return (*known, False)
+        if common_backend(leaves, what="`params` leaves") == "jax":
+            template, fresh = _templates.abstract(self._blueprint, leaves, paths), False
+        else:
+            template, fresh = _templates.build(self._blueprint, leaves, paths), True
+        names = tuple(_unique_names(template.variables))
+        self._templates[key] = (template, names)
+        self._by_names.setdefault(frozenset(names), (template, names))
+        return template, names, fresh
 
     def jit(self, donate=True):
         """Returns `apply` compiled with `jax.jit`, donating `state` and `params`.
@@ -183,15 +219,15 @@ class Transform:
         With a `LossScaleOptimizer` this is the current dynamic scale; with
         another optimizer, its static `loss_scale_factor` (if any).
         """
-        if isinstance(self._optimizer, LossScaleOptimizer):
+        if isinstance(self._blueprint, LossScaleOptimizer):
             return loss * self.loss_scale(state)
-        return self._optimizer.scale_loss(loss)
+        return self._blueprint.scale_loss(loss)
 
     def loss_scale(self, state):
         """The current dynamic loss scale in `state` (`LossScaleOptimizer` only)."""
-        scale = self._loss_scale_optimizer("loss_scale").dynamic_scale
-        position = next(i for i, v in enumerate(self._optimizer.variables) if v is scale)
-        return state[self._names[position]]
+        optimizer = self._loss_scale_optimizer("loss_scale")
+        _check_state_type(state)
+        return state[optimizer.dynamic_scale.path]
 
     def summary(self, state):
         """The loss-scale state in `state` as Python values, for logging.
@@ -199,7 +235,8 @@ class Transform:
         Delegates to `LossScaleOptimizer.summary` (a host read: call it when
         logging, not inside the jitted step).
         """
-        return self._loss_scale_optimizer("summary").summary(self._values(state))
+        template, names = self._known(state, "summary")
+        return template.summary([state[n] for n in names])
 
     def check(self, state):
         """Raises `LossScaleError` if `state` records a crossed limit.
@@ -208,32 +245,29 @@ class Transform:
         `max_consecutive_skips` set, call this between steps (it reads one
         scalar). Delegates to `LossScaleOptimizer.check`.
         """
-        self._loss_scale_optimizer("check").check(self._values(state))
+        template, names = self._known(state, "check")
+        template.check([state[n] for n in names])
 
     def _loss_scale_optimizer(self, method):
-        if not isinstance(self._optimizer, LossScaleOptimizer):
+        if not isinstance(self._blueprint, LossScaleOptimizer):
             raise ValueError(
                 f"`{method}` needs a transform of a LossScaleOptimizer. "
                 f"Received: optimizer={self._optimizer!r}"
             )
-        if self._names is None:
-            raise ValueError(f"`{method}` needs an initialised transform; call `tx.init` first.")
-        return self._optimizer
+        return self._blueprint
 
-    def _values(self, state):
-        if not isinstance(state, OptimizerState):
-            raise TypeError(
-                "`state` must be the OptimizerState returned by `init` or `apply`. "
-                f"Received: state of type {type(state).__name__}"
-            )
-        return [state[n] for n in self._names]
-
-    def _check_structure(self, treedef, argname):
-        if treedef != self._treedef:
+    def _known(self, state, method):
+        """The built copy and names for a state of a tree this transform has seen."""
+        self._loss_scale_optimizer(method)
+        _check_state_type(state)
+        known = self._by_names.get(frozenset(state))
+        if known is None:
             raise ValueError(
-                f"`{argname}` must have the tree structure this transform was initialised "
-                f"with. Expected: {self._treedef}. Received: {treedef}"
+                f"`{method}` needs a state of a parameter tree this transform has seen: call "
+                "`tx.init(params)` (or `jax.eval_shape(tx.init, params)`) for that tree first. "
+                f"Received: a state with names {sorted(state)}"
             )
+        return known
 
     def __repr__(self):
         return f"<Transform optimizer={self._optimizer!r}>"
@@ -243,10 +277,12 @@ def transform(optimizer):
     """Wraps `optimizer` for pure, pytree-in/pytree-out use (see `Transform`).
 
     Args:
-        optimizer: A `lossscale.optimizers.Optimizer`.
+        optimizer: An unbuilt `lossscale.optimizers.Optimizer` (a blueprint:
+            the transform builds copies of it and never changes it).
 
     Returns:
-        A `Transform` with `init`, `apply`, `scale_loss` and `loss_scale`.
+        A `Transform` with `init`, `apply`, `jit`, `names`, `scale_loss`,
+        `loss_scale`, `summary` and `check`.
 
     Examples:
         >>> import jax, jax.numpy as jnp, lossscale as ls, lossscale.pytree
@@ -271,18 +307,9 @@ def _unique_names(variables):
     return names
 
 
-def _check_concrete(leaves):
-    jax = sys.modules.get("jax")
-    if jax is None:
-        return
-    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-        raise ValueError(
-            "The first `tx.init(params)` builds the optimizer and must run eagerly, not "
-            "under `jax.jit`/`jax.vmap`: call it once on concrete parameters (later calls "
-            "may be traced). Received: traced params"
+def _check_state_type(state):
+    if not isinstance(state, OptimizerState):
+        raise TypeError(
+            "`state` must be the OptimizerState returned by `init` or `apply`. "
+            f"Received: state of type {type(state).__name__}"
         )
-
-
-def _is_deleted(x):
-    is_deleted = getattr(x, "is_deleted", None)
-    return bool(is_deleted()) if callable(is_deleted) else False

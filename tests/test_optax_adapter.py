@@ -1,4 +1,4 @@
-"""`OptaxOptimizer`: optax transformations driven by lossscale and `LossScaleOptimizer`.
+"""`lossscale.optax.adapter.OptaxOptimizer`: optax transformations driven by lossscale and `LossScaleOptimizer`.
 
 Wrapped in a `LossScaleOptimizer` with injected inf/NaN gradients, the
 parameters and every state leaf follow, bit for bit, the transformation
@@ -17,8 +17,7 @@ import optax
 import pytest
 
 import lossscale as ls
-from lossscale.optimizers import optax_native
-from lossscale.optimizers.optax_native import OptaxOptimizer
+from lossscale.optax import OptaxOptimizer, adapter
 
 pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
 
@@ -360,5 +359,5 @@ def test_unsupported_methods_raise():
 
 
 def test_docstring_example():
-    result = doctest.testmod(optax_native, optionflags=doctest.ELLIPSIS)
+    result = doctest.testmod(adapter, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

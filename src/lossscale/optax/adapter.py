@@ -9,11 +9,16 @@ back through `assign`. All of the state is therefore in `variables`, so
 `LossScaleOptimizer`'s skipped steps (`lax.cond` over the variables) carry
 it like any lossscale optimizer's.
 
-optax and JAX are imported when an adapter is made, never by importing
-lossscale.
+Its home is `lossscale.optax`, which imports JAX and optax; importing
+lossscale alone imports neither.
 """
 
+import jax
+import jax.numpy as jnp
+import optax
+
 from lossscale import validation
+from lossscale.optax import placement
 from lossscale.optimizers.base import Optimizer
 from lossscale.schedules.base import LearningRateSchedule
 
@@ -60,7 +65,7 @@ class OptaxOptimizer(Optimizer):
 
     Examples:
         >>> import jax.numpy as jnp, optax, lossscale as ls
-        >>> from lossscale.optimizers.optax_native import OptaxOptimizer
+        >>> from lossscale.optax import OptaxOptimizer
         >>> w = ls.Variable(jnp.ones(2), name="w")
         >>> opt = ls.LossScaleOptimizer(OptaxOptimizer(optax.sgd(0.5)), initial_scale=4.0)
         >>> loss_scale = opt.scale_loss(1.0)  # multiply the loss before differentiating
@@ -79,8 +84,6 @@ class OptaxOptimizer(Optimizer):
                 "transformation, name. Build clipping, weight decay and accumulation into the "
                 "transformation (optax.chain, optax.MultiSteps)."
             )
-        import optax
-
         if not isinstance(transformation, optax.GradientTransformation):
             raise ValueError(
                 "`transformation` must be an optax.GradientTransformation, such as "
@@ -138,10 +141,12 @@ class OptaxOptimizer(Optimizer):
 
     # --- building -----------------------------------------------------------
     def build(self, var_list):
-        """Runs `transformation.init` on `var_list` and keeps each state leaf as a variable."""
-        import jax
-        import jax.numpy as jnp
+        """Runs `transformation.init` on `var_list` and keeps each state leaf as a variable.
 
+        Scalar leaves (optax's `count`) are placed replicated over the
+        parameters' devices, as lossscale's own scalars are, so that a jitted
+        step over sharded parameters compiles once.
+        """
         if self.built:
             return
         variables = self._as_variables(var_list, "var_list")
@@ -156,7 +161,10 @@ class OptaxOptimizer(Optimizer):
                 "OptaxOptimizer cannot hold overwrite-with-gradient variables: the optax "
                 f"transformation would update them like any parameter. Received: {overwrite}"
             )
-        state = self.transformation.init([v.value for v in variables])
+        params = [v.value for v in variables]
+        state = placement.replicate_uncommitted(
+            self.transformation.init(params), placement.anchor(params)
+        )
         leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
         paths = [path for path, _ in leaves]
         learning_rate = _injected_learning_rate_index(state, paths)
@@ -184,9 +192,6 @@ class OptaxOptimizer(Optimizer):
         super()._apply_validated(grads, variables)
 
     def _update(self, ops, grads, variables):
-        import jax
-        import optax
-
         params = [v.value for v in self._trainable_variables]
         ordered = [None] * len(params)
         for g, v in zip(grads, variables):
@@ -236,8 +241,6 @@ def _leaf_names(paths):
     Falls back to the full key strings (quoted dict keys) if two short forms
     coincide, so names are always unique.
     """
-    import jax
-
     names = [jax.tree_util.keystr(path, simple=True, separator="/") or "state" for path in paths]
     if len(set(names)) < len(names):
         names = [jax.tree_util.keystr(path) for path in paths]
@@ -246,9 +249,6 @@ def _leaf_names(paths):
 
 def _injected_learning_rate_index(state, paths):
     """Index in `paths` of the leaf an `optax.inject_hyperparams` learning rate is, or None."""
-    import jax
-    import optax
-
     injected = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
     nodes = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, injected))[
         0

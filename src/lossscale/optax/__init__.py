@@ -1,0 +1,47 @@
+"""What JAX users plug in: dynamic loss scaling for optax, Flax, NNX and Equinox.
+
+```
+import optax, lossscale.optax as lso
+
+tx = lso.dynamic_loss_scale(optax.adam(1e-3))   # any optax transformation inside
+state = tx.init(params)                         # pure: jit, vmap, eval_shape
+grads = jax.grad(lambda p: lso.scale_loss(loss_fn(p), state))(params)
+updates, state = tx.update(grads, state, params)  # unscale, check, update or skip
+params = optax.apply_updates(params, updates)
+```
+
+- `dynamic_loss_scale(inner, ...)`: an `optax.GradientTransformationExtraArgs`
+  around any optax transformation; it drops into `optax.chain`, Flax's
+  `TrainState`, `nnx.Optimizer` and an Equinox loop.
+- `loss_scale(state)`, `scale_loss(loss, state)`, `summary(state)`,
+  `check(state)`: find the loss-scale state anywhere in the tree given.
+- `DynamicLossScaleState`: the state (a named pytree).
+- `OptaxOptimizer`: the other direction, an optax transformation as the
+  inner optimizer of a lossscale `LossScaleOptimizer`.
+
+Importing this package imports JAX and optax; `import lossscale` imports
+neither.
+"""
+
+try:
+    import jax  # noqa: F401 - fails early, with the fix, if JAX is missing
+    import optax  # noqa: F401
+except ImportError as error:
+    raise ImportError(
+        f"lossscale.optax needs JAX and optax ({error}): pip install jax optax"
+    ) from error
+
+from lossscale.optax.adapter import OptaxOptimizer
+from lossscale.optax.host import check, loss_scale, scale_loss, summary
+from lossscale.optax.state import DynamicLossScaleState
+from lossscale.optax.transform import dynamic_loss_scale
+
+__all__ = [
+    "DynamicLossScaleState",
+    "OptaxOptimizer",
+    "check",
+    "dynamic_loss_scale",
+    "loss_scale",
+    "scale_loss",
+    "summary",
+]

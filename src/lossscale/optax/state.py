@@ -1,0 +1,152 @@
+"""`DynamicLossScaleState`: the state of `dynamic_loss_scale`, a named pytree.
+
+Its arrays are the loss-scale fields the policy tracks (the fields of
+`lossscale.mixed_precision.LossScaleState`: `scale` and `counter` with the
+defaults) and the inner transformation's state; its static part is the
+`LossScalePolicy` and, when per-parameter telemetry is kept, the parameter
+paths. Because the policy travels with the state, `summary(state)` and
+`check(state)` need nothing else, and two states of one transformation
+always have the same tree structure.
+"""
+
+import dataclasses
+
+import jax
+
+from lossscale.mixed_precision.loss_scale import LossScaleState, state_fields
+
+
+class DynamicLossScaleState:
+    """The state of a `dynamic_loss_scale` transformation.
+
+    A pytree node: `jax.jit`, `jax.vmap`, `jax.eval_shape`, orbax and
+    `jax.tree_util.tree_map` see its arrays as leaves, keyed by name
+    (`scale`, `counter`, `inner_state[0].mu['w']`, ...).
+
+    Attributes:
+        scale: Float32 scalar, the current loss scale.
+        counter: Int32 scalar, finite steps since the last growth or
+            overflow.
+        consecutive_skips: The other `LossScaleState` fields, this one and
+            `steps`, `skipped`, `last_overflow_step`, `error`,
+            `error_step`, `scale_history` and `nonfinite`: `None` (tuples:
+            empty) unless the policy tracks them (hysteresis, telemetry,
+            fail-fast limits).
+        inner_state: The inner transformation's state.
+        policy: The `LossScalePolicy` (static).
+        paths: The parameter paths `nonfinite` refers to (static; empty
+            without telemetry).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, lossscale.optax as lso
+        >>> state = lso.dynamic_loss_scale(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+        >>> float(state.scale), int(state.counter)
+        (32768.0, 0)
+        >>> [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+        ['.scale', '.counter']
+    """
+
+    __slots__ = ("_loss_scale", "inner_state", "policy", "paths")
+
+    def __init__(self, loss_scale, inner_state, policy, paths=()):
+        # No checks on the values: JAX rebuilds states around tracers,
+        # shape descriptions and sharding specs alike.
+        self._loss_scale = loss_scale
+        self.inner_state = inner_state
+        self.policy = policy
+        self.paths = tuple(paths)
+
+    @property
+    def loss_scale_state(self):
+        """The loss-scale fields as a `LossScaleState` (for `next_loss_scale`)."""
+        return self._loss_scale
+
+    def replace(self, loss_scale_state=None, inner_state=None):
+        """Returns a state with new loss-scale fields and/or a new inner state."""
+        return DynamicLossScaleState(
+            self._loss_scale if loss_scale_state is None else loss_scale_state,
+            self.inner_state if inner_state is None else inner_state,
+            self.policy,
+            self.paths,
+        )
+
+    def __repr__(self):
+        fields = ", ".join(
+            f"{f.name}={getattr(self._loss_scale, f.name)!r}" for f in state_fields(self.policy)
+        )
+        return f"DynamicLossScaleState({fields}, inner_state={self.inner_state!r})"
+
+
+def _field_property(name):
+    return property(
+        lambda self: getattr(self._loss_scale, name),
+        doc=f"The `{name}` field of the loss-scale state (see `LossScaleState`).",
+    )
+
+
+# One attribute per LossScaleState field: the dataclass is the one list.
+for _field in dataclasses.fields(LossScaleState):
+    setattr(DynamicLossScaleState, _field.name, _field_property(_field.name))
+del _field
+
+
+def _flatten_with_keys(state):
+    names = [f.name for f in state_fields(state.policy)]
+    children = [(jax.tree_util.GetAttrKey(n), getattr(state._loss_scale, n)) for n in names]
+    children.append((jax.tree_util.GetAttrKey("inner_state"), state.inner_state))
+    return children, (state.policy, state.paths)
+
+
+def _flatten(state):
+    children, aux = _flatten_with_keys(state)
+    return [child for _, child in children], aux
+
+
+def _unflatten(aux, children):
+    policy, paths = aux
+    *fields, inner_state = children
+    names = [f.name for f in state_fields(policy)]
+    return DynamicLossScaleState(
+        LossScaleState(**dict(zip(names, fields))), inner_state, policy, paths
+    )
+
+
+jax.tree_util.register_pytree_with_keys(
+    DynamicLossScaleState, _flatten_with_keys, _unflatten, flatten_func=_flatten
+)
+
+
+def is_state(x):
+    """Whether `x` is a `DynamicLossScaleState` (an `is_leaf` for tree searches)."""
+    return isinstance(x, DynamicLossScaleState)
+
+
+def find(tree, function):
+    """The one `DynamicLossScaleState` inside `tree`, wherever it sits.
+
+    `tree` may be the state itself, an `optax.chain` state (a tuple), a
+    Flax `TrainState`, `nnx.Optimizer.opt_state`, or any pytree holding it.
+
+    Args:
+        tree: A pytree.
+        function: The public function's name, for error messages.
+
+    Raises:
+        ValueError: `tree` holds no loss-scale state, or several.
+    """
+    if is_state(tree):
+        return tree
+    found = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_state) if is_state(x)]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ValueError(
+            f"`{function}` needs a state made by `lossscale.optax.dynamic_loss_scale` (the "
+            "state itself, or a tree holding it: an optax.chain state, a Flax TrainState, "
+            "nnx.Optimizer.opt_state). Received: a value of type "
+            f"{type(tree).__name__} holding no DynamicLossScaleState"
+        )
+    raise ValueError(
+        f"`{function}` found {len(found)} DynamicLossScaleStates in the tree it was given, "
+        "and cannot tell which one is meant. Pass that state itself."
+    )

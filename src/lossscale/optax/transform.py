@@ -1,0 +1,296 @@
+"""`dynamic_loss_scale`: dynamic loss scaling as an optax transformation.
+
+A thin adapter: the unscale, the finite check and the scale rule are the
+ones every lossscale interface runs (the JAX backend's `unscale` and
+`all_finite`, `mixed_precision.next_loss_scale`); what is added here is the
+optax shape of the step (pure `init` / `update` over pytrees) and the skip,
+a `lax.cond` around the inner update.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lossscale.backends import get_ops
+from lossscale.mixed_precision.loss_scale import (
+    HISTORY_LENGTH,
+    LossScalePolicy,
+    LossScaleState,
+    may_apply,
+    next_loss_scale,
+    state_fields,
+)
+from lossscale.optax import placement
+from lossscale.optax.state import DynamicLossScaleState
+
+_ops = get_ops("jax")
+
+
+def dynamic_loss_scale(
+    inner,
+    initial_scale=2.0**15,
+    dynamic_growth_steps=2000,
+    *,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    hysteresis=1,
+    min_scale=None,
+    max_scale=None,
+    max_consecutive_skips=None,
+    growth_policy="fixed",
+    telemetry=False,
+):
+    """Wraps an optax transformation with dynamic loss scaling.
+
+    Differentiate `scale_loss(loss, state)`; `update` then does:
+
+    ```
+    grads = grads / scale                # in the wider of the gradient's and
+                                         # the parameter's dtype
+    if all(isfinite(grads)):             # checked after unscaling
+        updates, inner_state = inner.update(grads, inner_state, params)
+        counter += 1; every dynamic_growth_steps finite steps: scale *= growth_factor
+    else:                                # the step is skipped
+        updates = -0.0 everywhere        # p + (-0.0) is p, bit for bit, -0.0 included
+        inner_state unchanged            # not even optax's count moves
+        counter = 0; scale *= backoff_factor (after `hysteresis` overflows in a row)
+    ```
+
+    The scale follows lossscale's one state machine
+    (`lossscale.mixed_precision.next_loss_scale`): the defaults are Keras's
+    (2^15, doubled after 2000 finite steps, halved on overflow), with its two
+    guards (no growth to a non-finite scale, no backoff below the smallest
+    normal float32). Apply the updates with `optax.apply_updates` (or
+    `TrainState.apply_gradients`, `nnx.Optimizer.update`,
+    `eqx.apply_updates`).
+
+    `init` is pure: it runs under `jax.jit`, `jax.vmap` and `jax.eval_shape`
+    (an abstract restore target for orbax). On concrete sharded parameters
+    it places the loss-scale scalars, and the inner state's scalars (optax's
+    `count`), replicated over the parameters' mesh; per-parameter state
+    follows its parameter. A jitted step therefore compiles once. Under
+    sharding the finite check reduces over every shard inside the step, so
+    all devices take the same decision.
+
+    Args:
+        inner: The `optax.GradientTransformation` to drive, such as
+            `optax.adam(1e-3)` or an `optax.chain`.
+        initial_scale: Float. The initial loss scale.
+        dynamic_growth_steps: Int. After this many consecutive finite
+            steps, the scale grows by `growth_factor`.
+        growth_factor: Float > 1. Defaults to 2.
+        backoff_factor: Float in (0, 1). Defaults to 0.5.
+        hysteresis: Int >= 1. Overflowing steps in a row, each skipped,
+            before the scale backs off. Defaults to 1.
+        min_scale: Float or `None`. A backoff below it records an error:
+            every later step is skipped, and `check(state)` raises
+            `LossScaleError`.
+        max_scale: Float or `None`. Growth stops here.
+        max_consecutive_skips: Int or `None`. More skipped steps in a row
+            record an error (see `check`).
+        growth_policy: `"fixed"` (default) or `"headroom"` (grow only while
+            the largest scaled gradient leaves room; see
+            `LossScalePolicy`).
+        telemetry: Boolean. Record skip counters, the last scales and
+            which parameters had non-finite gradients (read with
+            `summary(state)`). On whenever a fail-fast limit is set.
+
+    Returns:
+        An `optax.GradientTransformationExtraArgs`; extra keyword arguments
+        of `update` go to `inner`.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, lossscale.optax as lso
+        >>> tx = lso.dynamic_loss_scale(optax.sgd(0.5), initial_scale=4.0)
+        >>> params = {"w": jnp.array([1.0, -0.0])}
+        >>> state = tx.init(params)
+        >>> grads = {"w": jnp.array([4.0, 8.0])}  # gradients of scale_loss(loss, state)
+        >>> updates, state = tx.update(grads, state, params)
+        >>> optax.apply_updates(params, updates)["w"], float(lso.loss_scale(state))
+        (Array([ 0.5, -1. ], dtype=float32), 4.0)
+        >>> updates, state = tx.update({"w": jnp.array([jnp.inf, 0.0])}, state, params)
+        >>> optax.apply_updates(params, updates)["w"], float(lso.loss_scale(state))
+        (Array([ 1., -0.], dtype=float32), 2.0)
+    """
+    arguments = dict(locals())  # first: holds exactly the named arguments
+    settings = {f.name: arguments[f.name] for f in dataclasses.fields(LossScalePolicy)}
+    if not isinstance(inner, optax.GradientTransformation):
+        raise ValueError(
+            "`inner` must be an optax.GradientTransformation, such as optax.adam(1e-3). "
+            f"Received: inner={inner!r}"
+        )
+    policy = LossScalePolicy(**settings)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        like = placement.anchor(params)
+        inner_state = placement.replicate_uncommitted(inner.init(params), like)
+        paths = leaf_paths(params) if policy.tracks("nonfinite") else ()
+        return DynamicLossScaleState(
+            _initial_state(policy, len(paths), like), inner_state, policy, paths
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        _check_state(state, policy)
+        leaves, treedef, dtypes = _check_updates(updates, params, state)
+        scale = state.scale
+        finite, peak, variable_finite = _inspect(leaves, dtypes, scale, policy)
+        current = state.loss_scale_state
+        # A barrier keeps XLA from fusing the reduction behind the decision
+        # into each consumer.
+        applied = jax.lax.optimization_barrier(may_apply(_ops, current, finite, policy))
+
+        def step():
+            # Unscaled inside the branch, where XLA fuses the division into
+            # the inner update instead of writing the unscaled gradients out.
+            unscaled = [u.astype(d) for u, d in zip(_ops.unscale(leaves, scale), dtypes)]
+            grads = jax.tree_util.tree_unflatten(treedef, unscaled)
+            return inner.update(grads, state.inner_state, params, **extra_args)
+
+        update_shapes, _ = _check_inner_state(jax.eval_shape(step), state.inner_state)
+
+        def skip():
+            # -0.0, because p + (-0.0) is p for every p, where +0.0 would turn
+            # a -0.0 parameter into +0.0.
+            negative_zeros = jax.tree_util.tree_map(
+                lambda s: jnp.full(s.shape, -0.0, s.dtype), update_shapes
+            )
+            return negative_zeros, state.inner_state
+
+        # lax.cond, not selects: XLA runs one branch, and compiles a
+        # 400-tensor step in seconds where selects over the state took minutes.
+        new_updates, new_inner = jax.lax.cond(applied, step, skip)
+        new_loss_scale = next_loss_scale(
+            _ops, current, finite, policy, peak=peak, variable_finite=variable_finite
+        )
+        return new_updates, DynamicLossScaleState(new_loss_scale, new_inner, policy, state.paths)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_inner_state(shapes, inner_state):
+    """Returns `shapes` (what `inner.update` returns) if its state can replace `inner_state`.
+
+    A skipped step returns the old inner state where a taken one returns the
+    new: both must have one structure, shape and dtype per leaf.
+    """
+    new = jax.tree_util.tree_flatten_with_path(shapes[1])
+    old = jax.tree_util.tree_flatten_with_path(inner_state)
+    changed = [
+        f"{jax.tree_util.keystr(path)}: {jnp.result_type(b)}{list(jnp.shape(b))} -> "
+        f"{a.dtype}{list(a.shape)}"
+        for (path, a), (_, b) in zip(new[0], old[0])
+        if (a.dtype, tuple(a.shape)) != (jnp.result_type(b), tuple(jnp.shape(b)))
+    ]
+    if new[1] != old[1] or changed:
+        raise ValueError(
+            "The inner transformation's `update` returned a state of another structure, "
+            "dtype or shape than it was given, which a skipped step cannot stand in for. "
+            f"Received: {changed or f'{old[1]} -> {new[1]}'}"
+        )
+    return shapes
+
+
+def leaf_paths(tree):
+    """`/`-joined key paths of the array leaves of `tree`, in leaf order."""
+    return tuple(
+        jax.tree_util.keystr(path, simple=True, separator="/")
+        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+    )
+
+
+def _initial_state(policy, count, like):
+    """The `LossScaleState` a policy starts from, placed like `like` (or not at all)."""
+    values = {}
+    for f in state_fields(policy):
+        meta = f.metadata
+        value = policy.initial_scale if meta["initial"] is None else meta["initial"]
+        number = {"step": None, "history": HISTORY_LENGTH, "variable": count}[meta["per"]]
+        scalars = [_ops.full((), value, meta["dtype"], like=like) for _ in range(number or 1)]
+        values[f.name] = scalars[0] if number is None else tuple(scalars)
+    return LossScaleState(**values)
+
+
+def _check_state(state, policy):
+    if not isinstance(state, DynamicLossScaleState):
+        raise TypeError(
+            "`state` must be the DynamicLossScaleState returned by this transformation's "
+            f"`init` or `update`. Received: state of type {type(state).__name__}"
+        )
+    if state.policy != policy:
+        raise ValueError(
+            "`state` was made by a dynamic_loss_scale with other settings. "
+            f"Expected: {policy}. Received: {state.policy}"
+        )
+
+
+def _check_updates(updates, params, state):
+    """Returns `(leaves, treedef, unscaled dtypes)`; raises on any bad input."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    leaves = [leaf for _, leaf in with_paths]
+    bad = [
+        f"{jax.tree_util.keystr(path)}: {getattr(leaf, 'dtype', type(leaf).__name__)}"
+        for path, leaf in with_paths
+        if not (hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating))
+    ]
+    if bad:
+        raise TypeError(
+            "`updates` must be floating-point gradients (float16, bfloat16, float32, "
+            f"float64 arrays). Received: {', '.join(bad)}"
+        )
+    if state.paths and len(leaves) != len(state.paths):
+        raise ValueError(
+            "`updates` must hold one gradient per parameter the state was made for "
+            f"({len(state.paths)}: {list(state.paths)}). Received: {len(leaves)} gradients"
+        )
+    if params is None:
+        return leaves, treedef, [leaf.dtype for leaf in leaves]
+    param_leaves, param_treedef = jax.tree_util.tree_flatten(params)
+    if param_treedef != treedef:
+        raise ValueError(
+            "`updates` must have the tree structure of `params`. "
+            f"Received: updates={treedef}, params={param_treedef}"
+        )
+    dtypes = []
+    for (path, leaf), param in zip(with_paths, param_leaves):
+        if tuple(leaf.shape) != tuple(jnp.shape(param)):
+            raise ValueError(
+                f"The gradient at {jax.tree_util.keystr(path)} must have its parameter's shape "
+                f"{tuple(jnp.shape(param))}. Received: shape {tuple(leaf.shape)}"
+            )
+        # A half-precision gradient of a float32 parameter is unscaled in
+        # float32, so that small values do not flush to zero.
+        param_dtype = jnp.result_type(param)
+        wider = jnp.issubdtype(param_dtype, jnp.floating) and (
+            jnp.finfo(param_dtype).bits > jnp.finfo(leaf.dtype).bits
+        )
+        dtypes.append(param_dtype if wider else leaf.dtype)
+    return leaves, treedef, dtypes
+
+
+def _inspect(leaves, dtypes, scale, policy):
+    """`(finite, peak, variable_finite)` of the gradients for `next_loss_scale`.
+
+    Each gradient's largest magnitude divided by the scale, in the dtype it
+    is unscaled to, is its largest unscaled magnitude (division and rounding
+    are monotone), and inf or NaN exactly when an unscaled value is: so the
+    check reads each scaled gradient once, and a finite gradient that
+    overflows when unscaled counts as an overflow. `peak` (the largest
+    scaled magnitude) only with the headroom policy; `variable_finite` only
+    when telemetry is kept.
+    """
+    scaled_peaks = [_ops.max_abs([g]) if g.size else None for g in leaves]
+    unscaled_peaks = [
+        None if p is None else (p / scale).astype(d) for p, d in zip(scaled_peaks, dtypes)
+    ]
+    present = [p for p in unscaled_peaks if p is not None]
+    finite = _ops.isfinite(_ops.max_abs(present)) if present else jnp.asarray(True)
+    peak = None
+    if policy.growth_policy == "headroom":
+        scaled = [p for p in scaled_peaks if p is not None]
+        peak = _ops.max_abs(scaled) if scaled else jnp.zeros((), jnp.float32)
+    if not policy.records_details:
+        return finite, peak, ()
+    return finite, peak, tuple(None if p is None else _ops.isfinite(p) for p in unscaled_peaks)

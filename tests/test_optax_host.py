@@ -1,0 +1,104 @@
+"""`loss_scale`, `scale_loss`, `summary`, `check`: the state found wherever it sits.
+
+`summary` and `check` say exactly what `LossScaleOptimizer.summary()` and
+`check()` say for the same gradients: one state machine, one message.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lossscale as ls
+import lossscale.optax as lso
+from lossscale.mixed_precision import LossScaleError
+
+pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
+
+
+def test_found_inside_a_chain_and_any_container():
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0), lso.dynamic_loss_scale(optax.sgd(0.1), initial_scale=8.0)
+    )
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    for tree in (state, {"opt_state": state, "step": jnp.asarray(3)}, [params, state]):
+        assert float(lso.loss_scale(tree)) == 8.0
+        assert lso.summary(tree) == {"dynamic_scale": 8.0, "step_counter": 0}
+    loss = jnp.asarray(0.25, jnp.float16)
+    scaled = lso.scale_loss(loss, state)
+    assert scaled.dtype == jnp.float32 and float(scaled) == 2.0  # promoted, as jmp's scale
+    tree = lso.scale_loss({"a": jnp.ones(2), "b": jnp.asarray(0.5)}, state)
+    assert tree["a"].tolist() == [8.0, 8.0] and float(tree["b"]) == 4.0
+    # Inside a jitted step, where the scale is traced.
+    assert float(jax.jit(lambda s: lso.scale_loss(1.5, s))(state)) == 12.0
+
+
+def test_summary_and_check_say_what_the_wrapper_says():
+    settings = dict(initial_scale=16.0, dynamic_growth_steps=2, max_consecutive_skips=2)
+    tx = lso.dynamic_loss_scale(optax.sgd(0.1), **settings)
+    params = {"bias": jnp.zeros(2), "kernel": jnp.ones((2, 2))}
+    state = tx.init(params)
+    reference = ls.LossScaleOptimizer(ls.optimizers.SGD(0.1), **settings)
+    variables = [
+        ls.Variable(np.zeros(2, np.float32), name="bias"),
+        ls.Variable(np.ones((2, 2), np.float32), name="kernel"),
+    ]
+    step = jax.jit(lambda g, s: tx.update(g, s, params)[1])
+    rng = np.random.default_rng(0)
+    for k in range(6):
+        grads = {
+            "bias": rng.normal(size=2).astype(np.float32),
+            "kernel": rng.normal(size=(2, 2)).astype(np.float32),
+        }
+        if k >= 2:
+            grads["kernel"][0, 1] = np.nan
+        state = step(jax.tree_util.tree_map(jnp.asarray, grads), state)
+        try:
+            reference.apply([grads["bias"], grads["kernel"]], variables)
+        except LossScaleError as error:
+            expected = str(error)
+        assert lso.summary(state) == reference.summary()
+        if k < 4:
+            lso.check(state)  # two skips in a row are allowed
+    with pytest.raises(LossScaleError) as info:
+        lso.check(state)
+    assert str(info.value) == expected
+    assert "Variables whose gradients were non-finite at that step: ['kernel']" in expected
+    summary = lso.summary(state)
+    assert summary["error"] == "more than `max_consecutive_skips` steps in a row were skipped"
+    assert summary["error_step"] == 4 and summary["consecutive_skips"] == 3
+    # Without a limit there is nothing to check, and nothing is read.
+    lso.check(lso.dynamic_loss_scale(optax.sgd(0.1)).init(params))
+
+
+def test_errors():
+    tx = lso.dynamic_loss_scale(optax.sgd(0.1))
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    with pytest.raises(
+        ValueError,
+        match=r"`loss_scale` needs a state made by `lossscale.optax.dynamic_loss_scale` \(the "
+        r"state itself, or a tree holding it: an optax.chain state, a Flax TrainState, "
+        r"nnx.Optimizer.opt_state\). Received: a value of type tuple holding no "
+        r"DynamicLossScaleState",
+    ):
+        lso.loss_scale(optax.adam(0.1).init(params))
+    with pytest.raises(ValueError, match=r"`summary` needs a state made by .* type dict"):
+        lso.summary({"w": jnp.ones(2)})
+    with pytest.raises(
+        ValueError,
+        match=r"`check` found 2 DynamicLossScaleStates in the tree it was given, and cannot "
+        r"tell which one is meant",
+    ):
+        lso.check([state, state])
+    with pytest.raises(
+        ValueError,
+        match=r"`summary` reads the state on the host, between steps; it cannot run inside "
+        r"jax.jit or another JAX transformation.*Received: a traced state",
+    ):
+        jax.jit(lso.summary)(state)
+    failing = lso.dynamic_loss_scale(optax.sgd(0.1), min_scale=1.0)
+    with pytest.raises(ValueError, match=r"`check` reads the state on the host"):
+        jax.jit(lso.check)(failing.init(params))

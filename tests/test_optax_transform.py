@@ -1,0 +1,384 @@
+"""`lossscale.optax.dynamic_loss_scale`: the optax transformation, against optax + jmp.
+
+The reference is what a JAX user writes today: jmp's `DynamicLossScale`
+for the scale and `jmp.select_tree` for the skip, around the same optax
+transformation. Scales are powers of two, so unscaling is exact and the
+two agree bit for bit where XLA fuses the same arithmetic.
+"""
+
+import doctest
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+import pytest
+
+import lossscale as ls
+import lossscale.optax as lso
+from lossscale.mixed_precision import LossScaleError
+from lossscale.optax import transform as transform_module
+
+SHAPES = {"dense": {"kernel": (4, 3), "bias": (3,)}, "out": (3,)}
+STEPS = 20
+BAD_STEPS = {3: np.inf, 4: np.nan, 11: -np.inf}  # two in a row: the scale halves twice
+INITIAL_SCALE, GROWTH_STEPS = 2.0**10, 3
+
+
+def make_params(seed=0):
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(
+        lambda s: jnp.asarray(rng.normal(size=s).astype(np.float32)),
+        SHAPES,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def unscaled_grads(seed=1):
+    """One gradient tree per step (finite, ~N(0, 2)); bad steps get a non-finite entry later."""
+    rng = np.random.default_rng(seed)
+    return [
+        jax.tree_util.tree_map(
+            lambda s: jnp.asarray(2 * rng.normal(size=s).astype(np.float32)),
+            SHAPES,
+            is_leaf=lambda x: isinstance(x, tuple),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def scaled(grads, step, scale):
+    grads = jax.tree_util.tree_map(lambda g: g * scale, grads)
+    if step in BAD_STEPS:
+        grads["out"] = grads["out"].at[1].set(BAD_STEPS[step])
+    return grads
+
+
+def inner():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.01, weight_decay=0.1))
+
+
+def assert_bitwise(ours, theirs):
+    ours, theirs = jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def optax_jmp_run(params):
+    """The user's loop with optax + jmp; returns per-step (params, scale, inner state)."""
+    tx = inner()
+    opt_state = tx.init(params)
+    loss_scale = jmp.DynamicLossScale(jnp.float32(INITIAL_SCALE), period=GROWTH_STEPS)
+
+    @jax.jit
+    def step(params, opt_state, loss_scale, grads):
+        grads = loss_scale.unscale(grads)
+        finite = jmp.all_finite(grads)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        params, opt_state = jmp.select_tree(
+            finite, (new_params, new_opt_state), (params, opt_state)
+        )
+        return params, opt_state, loss_scale.adjust(finite)
+
+    out = []
+    for k, g in enumerate(unscaled_grads()):
+        params, opt_state, loss_scale = step(
+            params, opt_state, loss_scale, scaled(g, k, loss_scale.loss_scale)
+        )
+        out.append((params, float(loss_scale.loss_scale), opt_state))
+    return out
+
+
+def lossscale_run(params, **settings):
+    tx = lso.dynamic_loss_scale(
+        inner(), initial_scale=INITIAL_SCALE, dynamic_growth_steps=GROWTH_STEPS, **settings
+    )
+    state = tx.init(params)
+    traces = []
+
+    @jax.jit
+    def step(params, state, grads):
+        traces.append(1)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    out = []
+    for k, g in enumerate(unscaled_grads()):
+        params, state = step(params, state, scaled(g, k, lso.loss_scale(state)))
+        out.append((params, state))
+    return out, traces
+
+
+# --- the trajectory -----------------------------------------------------------
+def test_scale_and_parameters_follow_optax_and_jmp():
+    ours, traces = lossscale_run(make_params())
+    theirs = optax_jmp_run(make_params())
+    scales = [float(lso.loss_scale(state)) for _, state in ours]
+    assert scales == [jmp_scale for _, jmp_scale, _ in theirs]
+    # 2^10, 2^11 after 3 finite steps, halved twice by steps 3 and 4, ...
+    assert scales[:6] == [1024.0, 1024.0, 2048.0, 1024.0, 512.0, 512.0]
+    for (params, state), (ref_params, _, ref_inner) in zip(ours, theirs):
+        for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(ref_params)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        assert int(state.inner_state[1][0].count) == int(ref_inner[1][0].count)
+    assert int(ours[-1][1].inner_state[1][0].count) == STEPS - len(BAD_STEPS)
+    assert len(traces) == 1  # 20 steps, skips included, one trace
+
+
+def test_skipped_steps_change_nothing_bitwise():
+    """Parameters (-0.0 ones included) and the whole inner state stay as they were."""
+    tx = lso.dynamic_loss_scale(inner(), initial_scale=INITIAL_SCALE)
+    params = make_params()
+    params["out"] = jnp.asarray([-0.0, 0.0, -1.5])
+    state = tx.init(params)
+    grads = scaled(unscaled_grads()[0], 0, INITIAL_SCALE)
+    params, state = jax.jit(lambda p, s, g: _step(tx, p, s, g))(params, state, grads)
+    params["out"] = jnp.asarray([-0.0, 0.0, -1.5])
+    step = jax.jit(lambda p, s, g: _step(tx, p, s, g, keep_updates=True))
+    for bad in (np.inf, -np.inf, np.nan):
+        grads = scaled(unscaled_grads()[1], 1, INITIAL_SCALE)
+        grads["dense"]["kernel"] = grads["dense"]["kernel"].at[2, 1].set(bad)
+        new_params, new_state, updates = step(params, state, grads)
+        assert_bitwise(new_params, params)
+        assert np.signbit(np.asarray(new_params["out"])).tolist() == [True, False, True]
+        assert_bitwise(new_state.inner_state, state.inner_state)
+        # The update of a skipped step is -0.0: p + (-0.0) is p for every p.
+        for u in jax.tree_util.tree_leaves(updates):
+            assert np.all(np.asarray(u) == 0) and np.all(np.signbit(np.asarray(u)))
+        assert float(new_state.scale) == float(state.scale) / 2
+        assert int(new_state.counter) == 0
+    # Why not +0.0: it would flip a -0.0 parameter's sign.
+    assert not np.signbit(np.float32(-0.0) + np.float32(0.0))
+
+
+def _step(tx, params, state, grads, keep_updates=False):
+    updates, state = tx.update(grads, state, params)
+    new = optax.apply_updates(params, updates)
+    return (new, state, updates) if keep_updates else (new, state)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(hysteresis=2, growth_factor=4.0, backoff_factor=0.25),
+        dict(max_scale=2048.0, telemetry=True),
+        dict(max_consecutive_skips=1, min_scale=8.0),
+    ],
+    ids=["hysteresis", "max_scale_telemetry", "fail_fast"],
+)
+def test_the_scale_is_lossscales_one_state_machine(settings):
+    """Beyond-Keras settings: the scale follows LossScaleOptimizer's on the same gradients."""
+    ours, _ = lossscale_run(make_params(), **settings)
+    reference = ls.LossScaleOptimizer(
+        ls.optimizers.SGD(0.0),
+        initial_scale=INITIAL_SCALE,
+        dynamic_growth_steps=GROWTH_STEPS,
+        **settings,
+    )
+    variables = [
+        ls.Variable(np.array(x), name=path)
+        for path, x in zip(
+            ("dense/bias", "dense/kernel", "out"), jax.tree_util.tree_leaves(make_params())
+        )
+    ]
+    reference.scale_loss(1.0)
+    for k, (g, (_, state)) in enumerate(zip(unscaled_grads(), ours)):
+        scale = float(reference.dynamic_scale)
+        grads = [np.asarray(x) for x in jax.tree_util.tree_leaves(scaled(g, k, scale))]
+        try:
+            reference.apply(grads, variables)
+        except LossScaleError:
+            pass
+        assert lso.summary(state) == reference.summary(), k
+
+
+def test_a_gradient_that_overflows_when_unscaled_is_an_overflow():
+    tiny = float(np.finfo(np.float32).tiny)  # the smallest scale a backoff reaches
+    tx = lso.dynamic_loss_scale(optax.sgd(0.1), initial_scale=tiny)
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    updates, state = tx.update({"w": jnp.full(2, 1e3)}, state, params)  # finite, scaled
+    assert np.all(np.signbit(np.asarray(updates["w"])))  # 1e3 / tiny is inf: skipped
+    assert float(state.scale) == tiny and int(state.counter) == 0
+
+
+def test_headroom_policy_grows_only_with_room():
+    tx = lso.dynamic_loss_scale(
+        optax.sgd(0.1), initial_scale=2.0**14, dynamic_growth_steps=1, growth_policy="headroom"
+    )
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    step = jax.jit(lambda p, s, g: _step(tx, p, s, g))
+    _, state = step(params, state, {"w": jnp.full(2, 2.0**-8) * 2.0**14})  # peak 64: room
+    assert float(state.scale) == 2.0**15
+    _, state = step(params, state, {"w": jnp.full(2, 2.0**-2) * 2.0**15})  # peak 8192: none
+    assert float(state.scale) == 2.0**15
+
+
+def test_half_precision_gradients_are_unscaled_in_the_parameters_dtype():
+    tx = lso.dynamic_loss_scale(optax.sgd(1.0), initial_scale=2.0**10)
+    small = jnp.asarray([3e-6, -2e-5, 5e-3], jnp.float32)  # flush or round in float16
+    for param_dtype, expected in (("float32", "float32"), ("float16", "float16")):
+        params = {"w": jnp.zeros(3, param_dtype)}
+        state = tx.init(params)
+        grads = {"w": (small * 2.0**10).astype(jnp.float16)}
+        updates, _ = tx.update(grads, state, params)
+        assert updates["w"].dtype == expected
+        exact = -(grads["w"].astype(jnp.float32) / 2.0**10).astype(expected)
+        np.testing.assert_array_equal(np.asarray(updates["w"]), np.asarray(exact))
+    # Without params, the gradient's own dtype.
+    updates, _ = tx.update(grads, tx.init(grads))
+    assert updates["w"].dtype == jnp.float16
+
+
+# --- purity: jit, vmap, eval_shape ----------------------------------------------
+def test_init_is_pure():
+    tx = lso.dynamic_loss_scale(inner(), telemetry=True)
+    params = make_params()
+    eager = tx.init(params)
+    abstract = jax.eval_shape(tx.init, params)
+    traced = jax.jit(tx.init)(params)
+    assert jax.tree_util.tree_structure(abstract) == jax.tree_util.tree_structure(eager)
+    assert_bitwise(traced, eager)
+    for a, b in zip(jax.tree_util.tree_leaves(abstract), jax.tree_util.tree_leaves(eager)):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+    assert eager.paths == ("dense/bias", "dense/kernel", "out")
+    assert float(eager.scale) == 2.0**15 and eager.scale.dtype == jnp.float32
+    assert eager.counter.dtype == jnp.int32 and eager.last_overflow_step == -1
+
+
+def test_vmap_over_an_ensemble_decides_per_member():
+    tx = lso.dynamic_loss_scale(optax.adam(0.01), initial_scale=16.0)
+    members = [make_params(0), make_params(1)]
+    stacked = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), *members)
+    grads = [scaled(unscaled_grads()[0], 0, 16.0), scaled(unscaled_grads()[3], 3, 16.0)]
+    stacked_grads = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), *grads)
+    states = jax.vmap(tx.init)(stacked)
+    new_params, new_states = jax.jit(jax.vmap(lambda p, s, g: _step(tx, p, s, g)))(
+        stacked, states, stacked_grads
+    )
+    np.testing.assert_array_equal(np.asarray(new_states.scale), [16.0, 8.0])
+    for k in range(2):
+        alone, _ = _step(tx, members[k], tx.init(members[k]), grads[k])
+        for a, b in zip(jax.tree_util.tree_leaves(new_params), jax.tree_util.tree_leaves(alone)):
+            np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_extra_arguments_reach_the_inner_transformation():
+    plateau = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=0))
+    tx = lso.dynamic_loss_scale(plateau, initial_scale=4.0)
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    for loss in (1.0, 2.0, 3.0):
+        _, state = tx.update({"w": jnp.full(2, 4.0)}, state, params, value=jnp.asarray(loss))
+    # The loss rose: optax's plateau rule cut its scale below 1.
+    assert float(state.inner_state[1].scale) < 1.0
+
+
+# --- bad input -----------------------------------------------------------------
+def test_errors():
+    tx = lso.dynamic_loss_scale(optax.adam(0.1), telemetry=True)
+    params = {"w": jnp.ones(2), "b": jnp.ones(3)}
+    state = tx.init(params)
+    grads = {"w": jnp.ones(2), "b": jnp.ones(3)}
+    cases = [
+        (
+            lambda: lso.dynamic_loss_scale("adam"),
+            ValueError,
+            r"`inner` must be an optax.GradientTransformation, such as optax.adam\(1e-3\). "
+            r"Received: inner='adam'",
+        ),
+        (
+            lambda: lso.dynamic_loss_scale(optax.adam(0.1), dynamic_growth_steps=0),
+            ValueError,
+            r"`dynamic_growth_steps` must be an integer >= 1. Received: dynamic_growth_steps=0",
+        ),
+        (
+            lambda: tx.update(grads, {"scale": 1.0}, params),
+            TypeError,
+            r"`state` must be the DynamicLossScaleState returned by this transformation's "
+            r"`init` or `update`. Received: state of type dict",
+        ),
+        (
+            lambda: lso.dynamic_loss_scale(optax.adam(0.1)).update(grads, state, params),
+            ValueError,
+            r"`state` was made by a dynamic_loss_scale with other settings. Expected: "
+            r"LossScalePolicy\(.*telemetry=False\). Received: LossScalePolicy\(.*telemetry=True",
+        ),
+        (
+            lambda: tx.update({"w": jnp.ones(2, jnp.int32), "b": jnp.ones(3)}, state, params),
+            TypeError,
+            r"`updates` must be floating-point gradients \(float16, bfloat16, float32, "
+            r"float64 arrays\). Received: \['w'\]: int32",
+        ),
+        (
+            lambda: tx.update({"w": jnp.ones(2), "b": True}, state, params),
+            TypeError,
+            r"Received: \['b'\]: bool",
+        ),
+        (
+            lambda: tx.update({"w": jnp.ones(2)}, state, {"w": jnp.ones(2)}),
+            ValueError,
+            r"`updates` must hold one gradient per parameter the state was made for "
+            r"\(2: \['b', 'w'\]\). Received: 1 gradients",
+        ),
+        (
+            lambda: tx.update({"w": jnp.ones(2), "c": jnp.ones(3)}, state, params),
+            ValueError,
+            r"`updates` must have the tree structure of `params`. Received: "
+            r"updates=PyTreeDef\(\{'c': \*, 'w': \*\}\), params=PyTreeDef\(\{'b': \*, 'w': \*\}\)",
+        ),
+        (
+            lambda: tx.update({"w": jnp.ones(2), "b": jnp.ones(4)}, state, params),
+            ValueError,
+            r"The gradient at \['b'\] must have its parameter's shape \(3,\). "
+            r"Received: shape \(4,\)",
+        ),
+    ]
+    drifting = lso.dynamic_loss_scale(
+        optax.GradientTransformation(
+            lambda params: {"t": jnp.zeros((), jnp.int32)},
+            lambda updates, state, params=None: (updates, {"t": state["t"] + 0.5}),
+        )
+    )
+    cases.append(
+        (
+            lambda: drifting.update(grads, drifting.init(params), params),
+            ValueError,
+            r"The inner transformation's `update` returned a state of another structure, dtype "
+            r"or shape than it was given, which a skipped step cannot stand in for. "
+            r"Received: \[\"\['t'\]: int32\[\] -> float32\[\]\"\]",
+        )
+    )
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+
+
+def test_docstring_example():
+    result = doctest.testmod(transform_module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_import_lossscale_imports_no_optax_and_lossscale_optax_does():
+    code = (
+        "import sys, lossscale, lossscale.pytree, lossscale.saving; "
+        "before = sorted(m for m in ('jax', 'optax', 'lossscale.optax') if m in sys.modules); "
+        "import lossscale.optax; "
+        "after = sorted(m for m in ('jax', 'optax', 'lossscale.optax') if m in sys.modules); "
+        "print(before, after)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] ['jax', 'lossscale.optax', 'optax']"
+    # Without optax, the import says what is missing and how to install it.
+    code = "import sys; sys.modules['optax'] = None; import lossscale.optax"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "ImportError: lossscale.optax needs JAX and optax (" in out.stderr
+    assert "pip install jax optax" in out.stderr
