@@ -194,7 +194,7 @@ BACKEND_DIR = Path(lossscale.backends.__file__).parent
 LAYERS = {
     "numpy": ["parallel", "ops", "fused", "kernels"],
     "torch": ["masks", "dtensors", "ops", "multi", "plans", "foreach", "fused", "kernels"],
-    "jax": ["ops", "kernels"],
+    "jax": ["ops", "fused", "kernels"],
 }
 
 

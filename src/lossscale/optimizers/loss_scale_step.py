@@ -114,10 +114,12 @@ class LossScaleStepMixin:
             variable.assign(value)
 
     def _folds_unscale(self, variables):
-        # Not under stateless_apply: such a kernel may leave the unscaled
-        # values in the gradient buffers, which belong to the caller there.
+        # Not under stateless_apply on a backend that writes in place: such a
+        # kernel may leave the unscaled values in the gradient buffers, which
+        # belong to the caller there. JAX arrays are immutable, and there the
+        # jitted stateless step is the one that gains (no unscaled copy).
         return (
-            not self._stateless
+            not (self._stateless and self._ops.MUTABLE)
             and not self.policy.records_details
             and self.policy.growth_policy == "fixed"
             and self.inner_optimizer._takes_grad_scale(variables)

@@ -3,9 +3,15 @@
 An optimizer class names the kernel that reproduces its `update_step`
 (`Optimizer.update_kernel`); `fused_update(name)` returns that kernel, or
 None, in which case the per-variable `update_step` runs (XLA fuses it).
+Adam, AdamW and SGD fold a loss-scale skip into their arithmetic (`fused`);
+each kernel has a test proving it equals `update_step`
+(tests/test_jax_fused.py). Nothing here knows an optimizer class: the names
+are the whole contract.
 """
 
-KERNELS = {}
+from lossscale.backends.jax import fused
+
+KERNELS = {"adam": fused.adam, "sgd": fused.sgd}
 
 
 def fused_update(name):
@@ -14,10 +20,10 @@ def fused_update(name):
 
 
 def fused_weight_decay():
-    """None: `weight_decay.apply_weight_decay` decays one variable at a time (XLA fuses it)."""
-    return None
+    """Decoupled weight decay with a skip folded into it (see `fused.weight_decay`)."""
+    return fused.weight_decay
 
 
 def fused_scale_update():
-    """None: the generic selects of `next_loss_scale` are this backend's path."""
+    """None: the generic selects of `next_loss_scale` are this backend's path (scalars)."""
     return None
