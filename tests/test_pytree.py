@@ -77,7 +77,14 @@ def test_round_trip_matches_stateful_apply(backend, rng):
     assert int(tx.optimizer.iterations.numpy()) == 0
 
 
-def test_state_names_follow_the_tree(backend):
+def test_state_names_follow_the_tree(backend, request):
+    if backend.name == "tensorflow":
+        # pytree/_state.py prints `str(x.dtype)`, which is "<dtype: 'float32'>"
+        # for TensorFlow; the fix (print the dtype's name) belongs to the
+        # pytree branch. Strict: this fails once it lands, to be removed then.
+        request.applymarker(
+            pytest.mark.xfail(strict=True, reason="pytree repr shows TensorFlow's dtype repr")
+        )
     params = nested([backend.array(np.zeros(s)) for s in SHAPES.values()])
     tx = transform(lso())
     state = tx.init(params)

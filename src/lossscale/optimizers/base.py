@@ -238,6 +238,12 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
         var_list = self._as_variables(var_list, "var_list")
         if not var_list:
             raise ValueError("`var_list` must contain at least one variable. Received: var_list=[]")
+        for v in var_list:
+            if validation.dtype_kind(v.dtype) != "float":
+                raise ValueError(
+                    "`var_list` must hold floating-point variables: an update rule cannot "
+                    f"train integers or booleans. Received: variable {v.path!r} of dtype {v.dtype}"
+                )
         self._trainable_variables = var_list
         self._indices = {id(v): i for i, v in enumerate(var_list)}
         self._exclusions.decide(var_list)
