@@ -197,7 +197,7 @@ LAYERS = {
     "numpy": ["parallel", "ops", "fused", "kernels"],
     "torch": ["masks", "ops", "multi", "plans", "foreach", "fused", "kernels"],
     "jax": ["ops", "kernels"],
-    "tensorflow": ["ops", "control", "multi", "replicas", "kernels"],
+    "tensorflow": ["ops", "control", "multi", "replicas", "fused", "compiled", "kernels"],
 }
 
 

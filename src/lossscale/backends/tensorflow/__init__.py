@@ -9,13 +9,20 @@ from the modules that implement them:
   eager mode, `tf.cond` inside a `tf.function`;
 - `multi`: unscale, finite check and norms over lists of tensors;
 - `replicas`: the skip decision agreed across `tf.distribute` replicas;
-- `kernels`: the registry of fused update rules, by the name an optimizer
+- `fused`: SGD on TensorFlow's fused training kernels;
+- `compiled`: eager steps traced once, so that many small ops cost one call;
+- `kernels`: the registry of update rules, by the name an optimizer
   declares.
 
 Each module imports only those above it in this list. TensorFlow is
 imported only when a `tf.Tensor` or `tf.Variable` is seen.
 """
 
+from lossscale.backends.tensorflow.compiled import (
+    all_finite,
+    finite_flags,
+    unscale,
+)
 from lossscale.backends.tensorflow.control import (
     cond,
     gated,
@@ -26,11 +33,8 @@ from lossscale.backends.tensorflow.kernels import (
     fused_weight_decay,
 )
 from lossscale.backends.tensorflow.multi import (
-    all_finite,
-    finite_flags,
     global_norm,
     max_abs,
-    unscale,
 )
 from lossscale.backends.tensorflow.ops import (
     INT_DTYPE,
