@@ -131,22 +131,24 @@ class Variable:
         self._ops = get_ops(backend)
         self._storage = self._new_storage(value, dtype, like)
 
-    def _new_storage(self, value, dtype=None, like=None):
+    def _new_storage(self, value, dtype=None, like=None, ops=None):
         """What this variable holds for `value`: a NumPy array of `dtype`, or a native array.
 
         A backend whose state lives in its own variable objects provides
         `variable_storage` (TensorFlow: a `tf.Variable`, which `tf.function`,
         `tf.distribute` and `tf.train.Checkpoint` track; one passed in is
         kept as it is). Elsewhere the variable holds the array itself.
+        `ops`: the backend to make it on (defaults to the variable's own).
         """
-        make = getattr(self._ops, "variable_storage", None)
+        ops = ops or self._ops
+        make = getattr(ops, "variable_storage", None)
         if make is not None:
-            if dtype is not None and not self._ops.is_native(value):
+            if dtype is not None and not ops.is_native(value):
                 value = np.asarray(value, dtype=dtype)
             return make(value, like=like, name=self.name, trainable=self.trainable)
-        if dtype is None and self._ops.is_native(value):
+        if dtype is None and ops.is_native(value):
             return value  # wrapped without copying
-        return self._ops.asarray(value, dtype=dtype, like=like)
+        return ops.asarray(value, dtype=dtype, like=like)
 
     # --- reading ---------------------------------------------------------
     @property
@@ -234,9 +236,8 @@ class Variable:
         if ops is self._ops and (not ops.MUTABLE or hasattr(ops, "variable_storage")):
             return  # immutable arrays, or a backend variable: already in place
         dtype = ops.INT_DTYPE if self.dtype.startswith("int") else self.dtype
-        value = self._ops.to_numpy(self._storage)
-        self._ops = ops
-        self._storage = self._new_storage(value, dtype, like)
+        storage = self._new_storage(self._ops.to_numpy(self._storage), dtype, like, ops)
+        self._ops, self._storage = ops, storage
 
     # --- array protocol and arithmetic -----------------------------------
     def __array__(self, dtype=None, copy=None):

@@ -249,7 +249,7 @@ class Optimizer(SlotsMixin, StatelessMixin, ConfigMixin, StateMixin):
         self._exclusions.decide(var_list)
         # Scalars made before the backend was known follow the model there.
         for v in self._variables:
-            v._move_to(var_list[0].value)
+            v._move_to(var_list[0]._storage)
         if self.use_ema:
             self._model_variables_moving_average = self.add_optimizer_variables(var_list, "average")
         if self.gradient_accumulation_steps:

@@ -103,12 +103,15 @@ def variable_storage(value, like=None, name=None, trainable=False):
     A `tf.Variable` is kept as it is (no copy); anything else (a NumPy
     array, a tensor) becomes a new `tf.Variable`, made outside any
     `tf.function` being traced (`tf.init_scope`, as Keras makes an
-    optimizer's slots on its first traced step) and inside the current
-    `tf.distribute` strategy's scope, which mirrors it when the optimizer
-    is built under `strategy.scope()`. Its aggregation is NONE: each
-    replica writes its own copy, in replica context and without
-    `merge_call`; all write the same values, since every replica takes the
-    same skip decision (`all_true`).
+    optimizer's slots on its first traced step). It follows `like`, the
+    model variable it belongs to: mirrored by `like`'s `tf.distribute`
+    strategy if `like` is mirrored, else on `like`'s device; without
+    `like`, in the current strategy's scope, if any.
+
+    Its aggregation is NONE: under a strategy each replica writes its own
+    copy, in replica context and without `merge_call`, and all write the
+    same values, since every replica takes the same skip decision
+    (`replicas.all_true`).
     """
     if isinstance(value, tf.Variable):
         return value
@@ -118,17 +121,33 @@ def variable_storage(value, like=None, name=None, trainable=False):
             "traced: create it (or build the optimizer) outside the function, or pass a "
             f"tf.Variable. Received: a symbolic tf.Tensor of shape {tuple(value.shape)}"
         )
-    with tf.init_scope():
-        strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
-        scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
-        with scope:
-            return tf.Variable(
-                value,
-                trainable=trainable,
-                name=_valid_name(name),
-                synchronization=tf.VariableSynchronization.ON_WRITE,
-                aggregation=tf.VariableAggregation.NONE,
+    with tf.init_scope(), _placement(unwrap(like)):
+        return tf.Variable(
+            value,
+            trainable=trainable,
+            name=_valid_name(name),
+            synchronization=tf.VariableSynchronization.ON_WRITE,
+            aggregation=tf.VariableAggregation.NONE,
+        )
+
+
+def _placement(like):
+    strategy = getattr(like, "distribute_strategy", None)
+    if strategy is not None:
+        if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+            raise ValueError(
+                "The optimizer's variables are mirrored like the model variables they "
+                "belong to, and tf.distribute makes mirrored variables outside "
+                "`strategy.run` only: build the optimizer first, e.g. "
+                "`optimizer.build(model.trainable_variables)`. Received: a first `apply` "
+                f"inside `strategy.run`, for {like.name!r}"
             )
+        return strategy.scope()
+    if isinstance(like, tf.Variable):
+        return tf.device(like.device)
+    if like is None and tf.distribute.has_strategy():
+        return tf.distribute.get_strategy().scope()
+    return contextlib.nullcontext()
 
 
 def _valid_name(name):
