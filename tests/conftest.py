@@ -1,4 +1,4 @@
-"""Shared fixtures: every backend-neutral test runs on numpy, torch and jax.
+"""Shared fixtures: every backend-neutral test runs on numpy, torch, jax and tensorflow.
 
 `backend` is a small helper object: `backend.name`, `backend.array(np_array)`
 makes a native array (float32 unless the input says otherwise), and
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import settings
 
-BACKENDS = ("numpy", "torch", "jax")
+BACKENDS = ("numpy", "torch", "jax", "tensorflow")
 
 
 def force_numpy_threads(monkeypatch, workers=3):
@@ -47,6 +47,13 @@ class Backend:
             import torch
 
             return torch.from_numpy(x.copy())
+        if self.name == "tensorflow":
+            # A tf.Variable, TensorFlow's mutable array: wrapped by a
+            # lossscale.Variable without copying, as a model's are (tensors
+            # are tested on their own in test_tensorflow_*).
+            import tensorflow as tf
+
+            return tf.Variable(x)
         import jax.numpy as jnp
 
         return jnp.asarray(x)

@@ -27,7 +27,8 @@ def test_torch_parameter_is_torch():
 def test_unknown_type_rejected():
     with pytest.raises(
         TypeError,
-        match="Expected a NumPy array, a torch.Tensor, a jax.Array or a lossscale.Variable. Received: str",
+        match="Expected a NumPy array, a torch.Tensor, a jax.Array, a tf.Tensor, a tf.Variable "
+        "or a lossscale.Variable. Received: str",
     ):
         backend_of("x")
 
@@ -42,7 +43,8 @@ def test_mixing_backends_names_both():
     assert ops_for(torch.ones(1)).NAME == "torch"
     with pytest.raises(
         ValueError,
-        match=r"`backend` must be one of \('numpy', 'torch', 'jax'\). Received: backend='tf'",
+        match=r"`backend` must be one of \('numpy', 'torch', 'jax', 'tensorflow'\). "
+        r"Received: backend='tf'",
     ):
         get_ops("tf")
 
@@ -152,14 +154,14 @@ def test_numpy_quiet_silences_overflow():
             np.float32(3e38) * np.float32(10)
 
 
-def test_import_pulls_in_neither_torch_nor_jax():
+def test_import_pulls_in_neither_torch_nor_jax_nor_tensorflow():
     code = (
         "import sys, lossscale, numpy as np; import lossscale.optimizers as o; "
         "o.Adam().apply([np.ones(2, np.float32)], [np.ones(2, np.float32)]); "
-        "print('torch' in sys.modules, 'jax' in sys.modules)"
+        "print('torch' in sys.modules, 'jax' in sys.modules, 'tensorflow' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "False"]
+    assert out.stdout.split() == ["False", "False", "False"]
 
 
 def test_import_reads_no_environment_variable():
@@ -195,6 +197,7 @@ LAYERS = {
     "numpy": ["parallel", "ops", "fused", "kernels"],
     "torch": ["masks", "dtensors", "ops", "multi", "plans", "foreach", "fused", "kernels"],
     "jax": ["ops", "fused", "kernels"],
+    "tensorflow": ["ops", "control", "multi", "replicas", "fused", "compiled", "kernels"],
 }
 
 

@@ -17,6 +17,9 @@ def test_every_requested_implementation_is_registered():
             "lossscale-jax",
             "lossscale-torch-compiled",
             "lossscale-optax",
+            "lossscale-tensorflow",
+            "lossscale-tensorflow-graph",
+            "lossscale-tensorflow-xla",
         ],
         "peer": [
             "torch-gradscaler-fused",
@@ -24,11 +27,17 @@ def test_every_requested_implementation_is_registered():
             "keras-torch",
             "keras-jax",
             "optax-jmp",
+            "keras-tensorflow",
+            "keras-tensorflow-graph",
+            "keras-tensorflow-xla",
         ],
         "baseline": ["torch-adam-fused-unscaled", "optax-adam-unscaled"],
     }
     assert impls["keras-torch"].env == {"KERAS_BACKEND": "torch"}
     assert impls["keras-jax"].env == {"KERAS_BACKEND": "jax"}
+    for suffix in ("", "-graph", "-xla"):
+        assert impls[f"keras-tensorflow{suffix}"].env == {"KERAS_BACKEND": "tensorflow"}
+        assert impls[f"lossscale-tensorflow{suffix}"].requires == ("tensorflow",)
     assert impls["lossscale-numpy"].devices == ("cpu",)
     assert all("cuda" in impl.devices for name, impl in impls.items() if name != "lossscale-numpy")
     assert impls["optax-jmp"].requires == ("jax", "optax", "jmp")

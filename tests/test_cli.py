@@ -32,7 +32,7 @@ def _error(capsys, argv):
         (["demo", "--initial-scale", "inf"], "Received: 'inf'"),
         (["demo", "--initial-scale", "2**2000"], "Received: '2**2000'"),
         (["demo", "--loss-weight=-1e-5"], "argument --loss-weight: must be a finite number > 0"),
-        (["demo", "--backend", "tensorflow"], "argument --backend: invalid choice: 'tensorflow'"),
+        (["demo", "--backend", "mxnet"], "argument --backend: invalid choice: 'mxnet'"),
         (["demo", "--bogus"], "unrecognized arguments: --bogus"),
         (["demo", "--steps"], "argument --steps: expected one argument"),
         (["train"], "argument COMMAND: invalid choice: 'train'"),

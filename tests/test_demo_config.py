@@ -33,7 +33,7 @@ def test_defaults():
         ("initial_scale", 0.0, "a finite number > 0"),
         ("initial_scale", float("inf"), "a finite number > 0"),
         ("growth_steps", 0, "an integer >= 1"),
-        ("backend", "mxnet", "one of ('torch', 'numpy', 'jax')"),
+        ("backend", "mxnet", "one of ('torch', 'numpy', 'jax', 'tensorflow')"),
         ("loss_weight", -1.0, "a finite number > 0"),
         ("batch_size", 1438, "an integer >= 1 and <= 1437"),
         ("learning_rate", 0, "a finite number > 0"),

@@ -120,6 +120,17 @@ def test_torch_variables_wrap_the_module_parameters_in_place(weights, batch):
     assert torch.equal(model.net.hidden.bias.detach(), torch.ones(16))
 
 
+def test_tensorflow_variables_hold_tf_variables_updated_in_place(weights):
+    import tensorflow as tf
+
+    model = make_model("tensorflow", weights)
+    storages = [v._storage for v in model.variables]
+    assert all(isinstance(s, tf.Variable) for s in storages)
+    model.variables[1].assign(np.ones(16, np.float32))
+    assert model.variables[1]._storage is storages[1]
+    np.testing.assert_array_equal(storages[1].numpy(), np.ones(16, np.float32))
+
+
 def test_bad_precision_and_backend(weights, batch):
     x, y = batch
     with pytest.raises(
@@ -130,7 +141,7 @@ def test_bad_precision_and_backend(weights, batch):
         make_model("numpy", weights).gradients(x, y, "bfloat16", 1.0, lambda loss: loss)
     with pytest.raises(
         ValueError,
-        match=r"`backend` must be one of \('torch', 'numpy', 'jax'\)"
+        match=r"`backend` must be one of \('torch', 'numpy', 'jax', 'tensorflow'\)"
         r"\. Received: backend='mxnet'",
     ):
         make_model("mxnet", weights)

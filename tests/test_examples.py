@@ -10,7 +10,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-NAMES = ("torch_autocast.py", "jax_pytree.py", "numpy_mlp.py")
+NAMES = ("torch_autocast.py", "jax_pytree.py", "numpy_mlp.py", "tf_gradient_tape.py")
 # The JAX ecosystem's loops: an optax transformation, not the Keras-style wrapper.
 OPTAX_NAMES = ("flax_linen.py", "flax_nnx.py")
 QUICKSTARTS = ("quickstart_torch.py", "quickstart_jax.py")
@@ -40,6 +40,8 @@ def test_example_runs_and_learns(name, tmp_path):
     assert float(re.search(r"accuracy (\S+)", last).group(1)) > 0.95
     # 300 steps, no overflow, doubling every 100 finite steps: 2**15 -> 2**18.
     assert float(re.search(r"loss scale (\S+)", last).group(1)) == 2.0**18
+    traces = re.search(r"traces (\d+)", last)  # a compiled step, where the example has one
+    assert traces is None or traces.group(1) == "1"
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -71,7 +71,11 @@ def test_round_trip_on_each_backend(backend, rng, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "source, target", [("torch", "numpy"), ("torch", "jax"), ("jax", "torch"), ("numpy", "jax")]
+    "source, target",
+    [("torch", "numpy"), ("torch", "jax"), ("jax", "torch"), ("numpy", "jax")]
+    # TensorFlow to and from each of the other three.
+    + [("tensorflow", other) for other in ("numpy", "torch", "jax")]
+    + [(other, "tensorflow") for other in ("numpy", "torch", "jax")],
 )
 def test_resume_on_another_backend_continues_the_trajectory(source, target, tmp_path):
     source, target = Backend(source), Backend(target)

@@ -1,7 +1,8 @@
 """lossscale: dynamic loss scaling for mixed-precision training.
 
-Works on NumPy, PyTorch and JAX arrays; the backend comes from the arrays.
-Importing this package imports neither torch nor jax.
+Works on NumPy, PyTorch, JAX and TensorFlow arrays; the backend comes from
+the arrays. Importing this package imports none of torch, jax and
+tensorflow.
 """
 
 from lossscale import mixed_precision, optimizers, pytree, saving, schedules

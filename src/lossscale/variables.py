@@ -106,7 +106,7 @@ class Variable:
                 )
             if dtype is not None and dtype != self._ops.dtype_name(native):
                 native = self._ops.cast(native, dtype)
-            self._storage = native
+            self._storage = self._new_storage(native)
             return
         if (
             shape is None
@@ -129,7 +129,26 @@ class Variable:
             )
         backend = backend or (backend_of(like) if like is not None else "numpy")
         self._ops = get_ops(backend)
-        self._storage = self._ops.asarray(value, dtype=dtype, like=like)
+        self._storage = self._new_storage(value, dtype, like)
+
+    def _new_storage(self, value, dtype=None, like=None, ops=None):
+        """What this variable holds for `value`: a NumPy array of `dtype`, or a native array.
+
+        A backend whose state lives in its own variable objects provides
+        `variable_storage` (TensorFlow: a `tf.Variable`, which `tf.function`,
+        `tf.distribute` and `tf.train.Checkpoint` track; one passed in is
+        kept as it is). Elsewhere the variable holds the array itself.
+        `ops`: the backend to make it on (defaults to the variable's own).
+        """
+        ops = ops or self._ops
+        make = getattr(ops, "variable_storage", None)
+        if make is not None:
+            if dtype is not None and not ops.is_native(value):
+                value = np.asarray(value, dtype=dtype)
+            return make(value, like=like, name=self.name, trainable=self.trainable)
+        if dtype is None and ops.is_native(value):
+            return value  # wrapped without copying
+        return ops.asarray(value, dtype=dtype, like=like)
 
     # --- reading ---------------------------------------------------------
     @property
@@ -214,11 +233,11 @@ class Variable:
     def _move_to(self, like):
         """Re-creates this variable on `like`'s backend and device (before use)."""
         ops = get_ops(backend_of(like))
-        if ops is self._ops and not ops.MUTABLE:
-            return
+        if ops is self._ops and (not ops.MUTABLE or hasattr(ops, "variable_storage")):
+            return  # immutable arrays, or a backend variable: already in place
         dtype = ops.INT_DTYPE if self.dtype.startswith("int") else self.dtype
-        self._storage = ops.asarray(self._ops.to_numpy(self._storage), dtype=dtype, like=like)
-        self._ops = ops
+        storage = self._new_storage(self._ops.to_numpy(self._storage), dtype, like, ops)
+        self._ops, self._storage = ops, storage
 
     # --- array protocol and arithmetic -----------------------------------
     def __array__(self, dtype=None, copy=None):

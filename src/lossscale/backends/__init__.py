@@ -2,8 +2,8 @@
 
 `backend_of(x)` names the backend of one array; `ops_for(*arrays)` returns
 the backend module (see `protocol.BackendOps`) shared by all of them and
-raises if they mix backends. torch and jax are imported only when an array
-of theirs is seen, so `import lossscale` pulls in neither.
+raises if they mix backends. torch, jax and tensorflow are imported only
+when an array of theirs is seen, so `import lossscale` pulls in none of them.
 """
 
 import importlib
@@ -13,11 +13,14 @@ import numpy as np
 
 from lossscale.backends._common import unwrap
 
-BACKENDS = ("numpy", "torch", "jax")
+BACKENDS = ("numpy", "torch", "jax", "tensorflow")
 
 
 def backend_of(x):
-    """Returns `"numpy"`, `"torch"` or `"jax"` for a native array or Variable.
+    """Returns `"numpy"`, `"torch"`, `"jax"` or `"tensorflow"` for a native array or Variable.
+
+    TensorFlow's arrays are `tf.Tensor`s and `tf.Variable`s (mirrored ones
+    included).
 
     Python scalars and NumPy scalars count as NumPy. Raises `TypeError` for
     anything else.
@@ -34,9 +37,12 @@ def backend_of(x):
     jax = sys.modules.get("jax")
     if jax is not None and isinstance(x, jax.Array):
         return "jax"
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and isinstance(x, (tf.Tensor, tf.Variable)):
+        return "tensorflow"
     raise TypeError(
-        "Expected a NumPy array, a torch.Tensor, a jax.Array or a "
-        f"lossscale.Variable. Received: {type(x).__name__}"
+        "Expected a NumPy array, a torch.Tensor, a jax.Array, a tf.Tensor, a tf.Variable "
+        f"or a lossscale.Variable. Received: {type(x).__name__}"
     )
 
 

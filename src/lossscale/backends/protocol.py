@@ -1,7 +1,8 @@
 """The backend seam: the complete list of primitives optimizer code may use.
 
-Every backend package (`lossscale.backends.numpy`, `.torch`, `.jax`)
-provides exactly these names. Optimizer, clipping, weight-decay, EMA, accumulation and
+Every backend package (`lossscale.backends.numpy`, `.torch`, `.jax`,
+`.tensorflow`) provides exactly these names, plus optional ones listed at
+the end. Optimizer, clipping, weight-decay, EMA, accumulation and
 loss-scale code call them through the module returned by
 `lossscale.backends.ops_for(...)` and never branch on a backend name.
 
@@ -140,3 +141,10 @@ class BackendOps(Protocol):
         """
 
     def quiet(self) -> ContextManager: ...
+
+    # --- optional --------------------------------------------------------
+    # `variable_storage(value, like=None, name=None, trainable=False)`: on a
+    # backend whose state lives in its own variable objects (TensorFlow),
+    # the object a `Variable` holds for `value` (a NumPy array or a native
+    # array; one of those objects is kept as it is). `Variable` asks for it
+    # with `getattr`; the other backends hold the array itself.

@@ -62,8 +62,25 @@ def jax_arrays(jax, workload):
     return [to_jax(p) for p in params], [to_jax(g) for g in grads]
 
 
+def tensorflow_for(workload):
+    """Imports TensorFlow for the workload's device and returns the `tf` module."""
+    import tensorflow as tf
+
+    if workload.device == "cuda" and not tf.config.list_physical_devices("GPU"):
+        raise Unavailable("tensorflow sees no GPU (tensorflow-cpu, or no CUDA device)")
+    return tf
+
+
+def tensorflow_arrays(tf, workload):
+    """Returns `(variables, grads)`: `tf.Variable` parameters and tensor gradients (loss-scaled)."""
+    params, grads = workloads.arrays(workload)
+    device = "/GPU:0" if workload.device == "cuda" else "/CPU:0"
+    with tf.device(device):
+        return [tf.Variable(p) for p in params], [tf.constant(g) for g in grads]
+
+
 def keras_for(backend, workload):
-    """Imports Keras 3 on `backend` ("torch" or "jax") for the workload's device."""
+    """Imports Keras 3 on `backend` ("torch", "jax" or "tensorflow") for the workload's device."""
     if os.environ.get("KERAS_BACKEND") != backend:
         raise RuntimeError(
             f"The Keras {backend} implementation must run with KERAS_BACKEND={backend}. "
@@ -72,8 +89,10 @@ def keras_for(backend, workload):
     if backend == "torch":
         os.environ["KERAS_TORCH_DEVICE"] = workload.device
         torch_device(workload)
-    else:
+    elif backend == "jax":
         jax_for(workload)
+    else:
+        tensorflow_for(workload)
     import keras
 
     return keras

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 KINDS = ("ours", "peer", "baseline")
 # Modules whose `@implementation` functions fill the registry, in table order.
-MODULES = ("impl_lossscale", "impl_torch", "impl_keras", "impl_jax")
+MODULES = ("impl_lossscale", "impl_torch", "impl_keras", "impl_jax", "impl_tensorflow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +49,25 @@ class Implementation:
         return [r for r in self.requires if importlib.util.find_spec(r) is None]
 
     def versions(self):
-        """`{distribution: version}` for what it requires (lossscale and numpy included)."""
+        """`{module: version}` for what it requires (lossscale and numpy included).
+
+        A module's version is its distribution's (`tensorflow` is installed
+        by `tensorflow-cpu`, say).
+        """
         names = dict.fromkeys(("lossscale", "numpy") + tuple(self.requires))
-        return {n: importlib.metadata.version(n) for n in names}
+        return {n: importlib.metadata.version(_distribution(n)) for n in names}
 
 
 REGISTRY = {}
+
+
+def _distribution(module):
+    """The installed distribution that provides `module` (itself when it is one)."""
+    try:
+        importlib.metadata.distribution(module)
+        return module
+    except importlib.metadata.PackageNotFoundError:
+        return importlib.metadata.packages_distributions().get(module, [module])[0]
 
 
 def implementation(name, kind, description, requires=(), devices=("cpu",), env=None):

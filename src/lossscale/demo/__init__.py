@@ -16,7 +16,7 @@ Choices, and why they keep the comparison honest:
   weights: the recipe of Micikevicius et al., "Mixed Precision Training"
   (2018). The runs differ only in the gradients' precision and scaling. The
   same recipe runs on every backend (torch, NumPy with a hand-differentiated
-  network, JAX with `jax.grad`).
+  network, JAX with `jax.grad`, TensorFlow with `tf.GradientTape`).
 - Underflow is measured, not assumed. At every step of a float16 run the
   float32 gradients at the same weights and batch are computed too, and the
   table reports the share of values that are nonzero in float32 but zero in

@@ -25,8 +25,8 @@ class DemoConfig:
         initial_scale: Float > 0. `LossScaleOptimizer`'s initial loss scale.
         growth_steps: Int >= 1. `LossScaleOptimizer`'s
             `dynamic_growth_steps`.
-        backend: `"torch"`, `"numpy"` or `"jax"`: the array library the
-            model and the optimizer run on.
+        backend: `"torch"`, `"numpy"`, `"jax"` or `"tensorflow"`: the array
+            library the model and the optimizer run on.
         loss_weight: Float > 0. The constant every run multiplies its loss
             by before differentiating (Adam's `epsilon` is multiplied by
             it too, so the float32 run trains as on the plain loss).

@@ -19,7 +19,14 @@ _NEEDS = {
     "matplotlib": "matplotlib",
     "tqdm": "tqdm",
 }
-_BACKEND_NEEDS = {"torch": {"torch": "torch"}, "jax": {"jax": "jax"}, "numpy": {}}
+_BACKEND_NEEDS = {
+    "torch": {"torch": "torch"},
+    "jax": {"jax": "jax"},
+    "tensorflow": {"tensorflow": "tensorflow-cpu"},
+    "numpy": {},
+}
+# What `pip install 'lossscale[demo]'` does not bring (it brings torch).
+_EXTRA_INSTALL = {"jax": " jax", "tensorflow": " tensorflow-cpu"}
 
 
 class MissingDependencyError(RuntimeError):
@@ -56,7 +63,7 @@ def check_dependencies(backend):
         raise MissingDependencyError(
             f"`lossscale demo --backend {backend}` needs {', '.join(missing)}, which "
             f"{'is' if len(missing) == 1 else 'are'} not installed. Install the demo extra: "
-            f"pip install 'lossscale[demo]'" + (" jax" if backend == "jax" else "")
+            f"pip install 'lossscale[demo]'" + _EXTRA_INSTALL.get(backend, "")
         )
 
 

@@ -240,12 +240,18 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
         var_list = self._as_variables(var_list, "var_list")
         if not var_list:
             raise ValueError("`var_list` must contain at least one variable. Received: var_list=[]")
+        for v in var_list:
+            if validation.dtype_kind(v.dtype) != "float":
+                raise ValueError(
+                    "`var_list` must hold floating-point variables: an update rule cannot "
+                    f"train integers or booleans. Received: variable {v.path!r} of dtype {v.dtype}"
+                )
         self._trainable_variables = var_list
         self._indices = {id(v): i for i, v in enumerate(var_list)}
         self._exclusions.decide(var_list)
         # Scalars made before the backend was known follow the model there.
         for v in self._variables:
-            v._move_to(var_list[0].value)
+            v._move_to(var_list[0]._storage)
         if self.use_ema:
             self._model_variables_moving_average = self.add_optimizer_variables(var_list, "average")
         if self.gradient_accumulation_steps:

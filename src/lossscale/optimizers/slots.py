@@ -54,7 +54,9 @@ class SlotsMixin:
             The new `Variable`, on the backend and device of the variables
             the optimizer is built with (NumPy before that).
         """
-        like = self._trainable_variables[0].value if self._trainable_variables else None
+        # The storage itself (not a read of it): a TensorFlow slot follows a
+        # mirrored model variable into its strategy.
+        like = self._trainable_variables[0]._storage if self._trainable_variables else None
         variable = Variable(
             initializer,
             shape=shape,
@@ -86,7 +88,7 @@ class SlotsMixin:
             dtype=reference.dtype,
             trainable=False,
             name=full_name,
-            like=reference.value,
+            like=reference._storage,
         )
         variable.path = f"{self.name}/{full_name}"
         self._variables.append(variable)

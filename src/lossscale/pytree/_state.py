@@ -69,7 +69,10 @@ class OptimizerState(collections.abc.Mapping):
     def __repr__(self):
         def describe(x):
             shape = tuple(getattr(x, "shape", ()))
-            dtype = str(getattr(x, "dtype", type(x).__name__)).removeprefix("torch.")
+            dtype = getattr(x, "dtype", None)
+            # NumPy, JAX and TensorFlow dtypes carry a name; torch's print as "torch.float32".
+            dtype = getattr(dtype, "name", None) or str(dtype or type(x).__name__)
+            dtype = dtype.removeprefix("torch.")
             return f"{dtype}{list(shape)}"
 
         inner = ", ".join(f"{name!r}: {describe(x)}" for name, x in self._values.items())

@@ -1,5 +1,6 @@
 """`PiecewiseConstantDecay`: constant learning rates between step boundaries."""
 
+import math
 import numbers
 
 import numpy as np
@@ -58,6 +59,10 @@ class PiecewiseConstantDecay(LearningRateSchedule):
         # boundary b behaves as against floor(b), like Keras's cast.
         step = ops.asarray(step)
         bounds, values = self.boundaries, self.values
+        if ops.dtype_name(step).startswith(("int", "uint")):
+            # The same comparisons in integers (TensorFlow compares an
+            # integer tensor with integers only).
+            bounds = [math.floor(b) for b in bounds]
 
         def mask(condition):
             return ops.cast(condition, _common.DTYPE)

@@ -2,8 +2,8 @@
 
 Every model holds its float32 master weights as `lossscale.Variable`s,
 `variables` (named `w1`, `b1`, `w2`, `b2`): the optimizer updates them, in
-place on torch and NumPy and by rebinding on JAX, and the model reads them
-at every pass. It offers:
+place on torch, NumPy and TensorFlow (`tf.Variable`s) and by rebinding on
+JAX, and the model reads them at every pass. It offers:
 
 - `gradients(x, y, precision, loss_weight, scale_loss)`: the minibatch
   cross-entropy (a float32 backend scalar, unweighted) and the gradients of
@@ -23,13 +23,13 @@ import importlib
 from lossscale import validation
 from lossscale.variables import Variable
 
-BACKENDS = ("torch", "numpy", "jax")
+BACKENDS = ("torch", "numpy", "jax", "tensorflow")
 PRECISIONS = ("float32", "float16")
 WEIGHT_NAMES = ("w1", "b1", "w2", "b2")
 
 
 def make_model(backend, weights):
-    """Returns the `MLP` of `backend` (`"torch"`, `"numpy"` or `"jax"`) built from `weights`.
+    """Returns the `MLP` of `backend` (`"torch"`, `"numpy"`, `"jax"`, `"tensorflow"`) of `weights`.
 
     Args:
         backend: The array library.

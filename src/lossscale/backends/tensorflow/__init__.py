@@ -1,0 +1,129 @@
+"""TensorFlow backend: `tf.Variable` storage, masked eager branches, `tf.cond` in graphs.
+
+The seam's primitives (`lossscale.backends.protocol.BackendOps`), gathered
+from the modules that implement them:
+
+- `ops`: tensors and `tf.Variable` storage, writes (in place on a
+  `tf.Variable`, a new tensor under `stateless_apply`), elementwise math;
+- `control`: branches on device values (`cond`, `gated`): masked writes in
+  eager mode, `tf.cond` inside a `tf.function`;
+- `multi`: unscale, finite check and norms over lists of tensors;
+- `replicas`: the skip decision agreed across `tf.distribute` replicas;
+- `fused`: SGD on TensorFlow's fused training kernels;
+- `compiled`: eager steps traced once, so that many small ops cost one call;
+- `kernels`: the registry of update rules, by the name an optimizer
+  declares.
+
+Each module imports only those above it in this list. TensorFlow is
+imported only when a `tf.Tensor` or `tf.Variable` is seen.
+"""
+
+from lossscale.backends.tensorflow.compiled import (
+    all_finite,
+    finite_flags,
+    unscale,
+)
+from lossscale.backends.tensorflow.control import (
+    cond,
+    gated,
+)
+from lossscale.backends.tensorflow.kernels import (
+    fused_scale_update,
+    fused_update,
+    fused_weight_decay,
+)
+from lossscale.backends.tensorflow.multi import (
+    global_norm,
+    max_abs,
+)
+from lossscale.backends.tensorflow.ops import (
+    INT_DTYPE,
+    MUTABLE,
+    NAME,
+    abs,
+    asarray,
+    assign,
+    assign_add,
+    assign_sub,
+    cast,
+    clip,
+    copy,
+    cos,
+    dtype_name,
+    exp,
+    floor,
+    full,
+    is_native,
+    isfinite,
+    log,
+    logical_and,
+    logical_not,
+    maximum,
+    minimum,
+    place,
+    power,
+    quiet,
+    read,
+    shape,
+    sign,
+    sqrt,
+    square,
+    sum,
+    to_numpy,
+    variable_storage,
+    where,
+)
+from lossscale.backends.tensorflow.replicas import (
+    all_max,
+    all_true,
+)
+
+__all__ = [
+    "INT_DTYPE",
+    "MUTABLE",
+    "NAME",
+    "abs",
+    "all_finite",
+    "all_max",
+    "all_true",
+    "asarray",
+    "assign",
+    "assign_add",
+    "assign_sub",
+    "cast",
+    "clip",
+    "cond",
+    "copy",
+    "cos",
+    "dtype_name",
+    "exp",
+    "finite_flags",
+    "floor",
+    "full",
+    "fused_scale_update",
+    "fused_update",
+    "fused_weight_decay",
+    "gated",
+    "global_norm",
+    "is_native",
+    "isfinite",
+    "log",
+    "logical_and",
+    "logical_not",
+    "max_abs",
+    "maximum",
+    "minimum",
+    "place",
+    "power",
+    "quiet",
+    "read",
+    "shape",
+    "sign",
+    "sqrt",
+    "square",
+    "sum",
+    "to_numpy",
+    "unscale",
+    "variable_storage",
+    "where",
+]

@@ -1,0 +1,189 @@
+"""Eager steps traced once: many small ops as one `tf.function` call.
+
+In eager mode every TensorFlow op is a Python dispatch of tens of
+microseconds. Adam's `update_step` is about thirty ops per variable, twelve
+thousand for a 400-tensor model; the same ops traced into a graph run in
+one call. So, when an optimizer steps eagerly on `tf.Variable`s, the
+kernels of `kernels` trace their rule once (per optimizer, its variables
+and settings) and call the traced function at every step after that. The
+rule is the same Python code either way: the per-variable `update_step`,
+or a `fused` kernel.
+
+An eager masked branch (`control`) hands its mask over as an argument, and
+the traced rule runs under `tf.cond` on it: a skipped step writes nothing.
+
+Variables bound to plain tensors (`stateless_apply`) pass their values
+into the traced function and take the results back, so a stateless step
+runs the same graph as a stateful one. Inside a `tf.function` (the
+caller's own) the rule is traced into that graph as it is.
+
+The traced graph runs TensorFlow's ordinary kernels, and equals the eager
+ops bit for bit (the tests check every rule): these calls are made with
+the graph optimizer's arithmetic rewrites turned off. Grappler would
+otherwise rewrite `x / sqrt(y)` as `x * rsqrt(y)` and regroup chains of
+additions and of constants, which moves results by a rounding, and
+differently for a variable read than for a tensor passed in (so
+`stateless_apply` would no longer equal `apply`). A `tf.function` of the
+caller's own is optimized as the caller's settings say.
+
+The multi-tensor helpers (`unscale`, `finite_flags`) are pure functions of
+their tensors; eagerly, lists of `MIN_TENSORS` or more run as one traced
+call (shorter ones cost less op by op).
+"""
+
+import contextlib
+import weakref
+
+import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+from tensorflow.python.eager import context
+
+from lossscale.backends._common import bound
+from lossscale.backends.tensorflow import multi, ops
+
+# Below this many tensors an eager helper runs op by op: a traced call
+# costs about as much as ten eager ops.
+MIN_TENSORS = 8
+
+# optimizer -> {key: traced function}. Weak, so the functions die with it.
+_TRACED = weakref.WeakKeyDictionary()
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _settings(optimizer):
+    """The optimizer's plain attributes: a changed hyperparameter traces again."""
+    return tuple(sorted((k, v) for k, v in vars(optimizer).items() if isinstance(v, _PLAIN)))
+
+
+def run(optimizer, rule, variables, inputs, extra=()):
+    """Runs `rule(optimizer, variables, *inputs)`, traced once when eager.
+
+    Args:
+        optimizer: The optimizer whose variables `rule` may write.
+        rule: A function writing `variables` and `optimizer.variables`.
+        variables: The model variables of this step (`Variable`s).
+        inputs: Tensors (or lists of tensors) that change between steps.
+        extra: Python values the rule depends on (part of the cache key).
+    """
+    if not tf.executing_eagerly():
+        rule(optimizer, variables, *inputs)
+        return
+    targets = list(variables) + optimizer.variables
+    # tf.Variables are captured by the traced function and written there;
+    # variables bound to tensors (`stateless_apply`) pass in and out.
+    held = [ops.is_variable(v._storage) for v in targets]
+    carried = [v for v, is_held in zip(targets, held) if not is_held]
+    key = (
+        rule,
+        tuple(map(id, targets)),
+        tuple(id(v._storage) if is_held else None for v, is_held in zip(targets, held)),
+        extra,
+        _settings(optimizer),
+    )
+    traced = _TRACED.setdefault(optimizer, {})
+    function = traced.get(key)
+    if function is None:
+        function = traced[key] = _trace(weakref.ref(optimizer), rule, variables, targets, carried)
+    mask = variables[0]._write_mask if variables else None
+    keep = tf.constant(True) if mask is None else mask
+    with _exact_arithmetic():
+        new = function(list(inputs), [v._storage for v in carried], keep)
+    for v, value in zip(carried, new):
+        v._storage = value
+
+
+@contextlib.contextmanager
+def _exact_arithmetic():
+    """Calls made in here optimize their graphs without rewriting arithmetic.
+
+    Off: the arithmetic optimizer, and constant folding, which also
+    regroups constants (`(x * a) * b` as `x * (a * b)`).
+
+    TensorFlow reads the graph optimizer's settings for an eager call of a
+    `tf.function` from the context's per-thread function-call options (an
+    internal of TensorFlow's eager runtime, stable since 2.0), and applies
+    them the first time each traced function runs.
+    """
+    eager = context.context()
+    saved = eager.function_call_options
+    config = config_pb2.ConfigProto()
+    if saved.config_proto_serialized:
+        config.ParseFromString(saved.config_proto_serialized)
+    rewrites = config.graph_options.rewrite_options
+    rewrites.arithmetic_optimization = rewriter_config_pb2.RewriterConfig.OFF
+    rewrites.constant_folding = rewriter_config_pb2.RewriterConfig.OFF
+    eager.function_call_options = context.FunctionCallOptions(
+        executor_type=saved.executor_type, config_proto=config
+    )
+    try:
+        yield
+    finally:
+        eager.function_call_options = saved
+
+
+def _trace(optimizer_ref, rule, variables, targets, carried):
+    def step(inputs, values, keep):
+        optimizer = optimizer_ref()
+        # The eager masks are the outer branch's; in here `keep` decides.
+        saved = [v._write_mask for v in targets]
+        for v in targets:
+            v._write_mask = None
+        try:
+
+            def branch(write):
+                def run_branch():
+                    with bound(carried, values):
+                        write()
+                        return [v._storage for v in carried]
+
+                return run_branch
+
+            return tf.cond(
+                keep,
+                branch(lambda: rule(optimizer, variables, *inputs)),
+                branch(lambda: None),
+            )
+        finally:
+            for v, mask in zip(targets, saved):
+                v._write_mask = mask
+
+    return tf.function(step)
+
+
+@tf.function(reduce_retracing=True)
+def _traced_unscale(grads, scale):
+    return multi.unscale(grads, scale)
+
+
+@tf.function(reduce_retracing=True)
+def _traced_finite_flags(arrays):
+    return multi.finite_flags(arrays)
+
+
+def _many(arrays):
+    return len(arrays) >= MIN_TENSORS and tf.executing_eagerly()
+
+
+def unscale(grads, scale, in_place=False):
+    """`multi.unscale`, one traced call for a long eager list."""
+    grads = list(grads)
+    if _many(grads):
+        return list(_traced_unscale([ops._tensor(g) for g in grads], ops._tensor(scale)))
+    return multi.unscale(grads, scale, in_place)
+
+
+def finite_flags(arrays):
+    """`multi.finite_flags`, one traced call for a long eager list."""
+    arrays = list(arrays)
+    if _many(arrays):
+        return _traced_finite_flags([ops._tensor(a) for a in arrays])
+    return multi.finite_flags(arrays)
+
+
+def all_finite(arrays):
+    """`multi.all_finite`, one traced call for a long eager list."""
+    arrays = list(arrays)
+    if _many(arrays):
+        return _traced_finite_flags([ops._tensor(a) for a in arrays])[0]
+    return multi.all_finite(arrays)

@@ -1,0 +1,98 @@
+"""Branches on device values: masked writes in eager mode, `tf.cond` in a graph.
+
+Eager: `cond(pred, true_fn, false_fn, variables)` runs both branches, each
+with its boolean mask set on every variable it may write
+(`variable._write_mask`, combined with an enclosing branch's), and every
+write of a marked variable stores `where(mask, new, old)`. The predicate is
+never read on the host, so a step does not wait for the device (eager
+`tf.cond` would read it), and a value computed in the branch not taken (a
+NaN from an overflowing gradient) is never stored.
+
+Inside a `tf.function` (with or without `jit_compile=True`): `tf.cond`, so
+only the branch taken runs. Writes to `tf.Variable`s are the branches' side
+effects; variables bound to plain tensors (`stateless_apply`) pass their
+values in and out of the branches, as JAX's `lax.cond` does. `gated` is the
+true branch alone (no kernel on this backend folds the flag into its own
+arithmetic, so there is nothing to gain from masks inside a graph).
+"""
+
+import tensorflow as tf
+
+from lossscale.backends._common import bound, unwrap
+from lossscale.backends.tensorflow import ops
+
+
+def _plain(pred):
+    """The Python bool of a host predicate, or None for a tensor."""
+    pred = unwrap(pred)
+    if isinstance(pred, tf.Variable):
+        return None
+    return None if isinstance(pred, tf.Tensor) else bool(pred)
+
+
+def cond(pred, true_fn, false_fn, variables):
+    """Runs `true_fn` where `pred` holds and `false_fn` (None: nothing) where it does not.
+
+    Args:
+        pred: A boolean scalar tensor, or a Python / NumPy bool (a plain `if`).
+        true_fn: Function of no arguments.
+        false_fn: Function of no arguments, or None.
+        variables: Every `Variable` either branch may write.
+    """
+    host = _plain(pred)
+    if host is not None:
+        branch = true_fn if host else false_fn
+        if branch is not None:
+            branch()
+        return
+    pred = tf.cast(ops.read(unwrap(pred)), tf.bool)
+    variables = list(variables)
+    if tf.executing_eagerly():
+        _run_masked(variables, _combined(variables, pred), true_fn)
+        if false_fn is not None:
+            _run_masked(variables, _combined(variables, tf.logical_not(pred)), false_fn)
+        return
+    _graph_cond(pred, true_fn, false_fn or (lambda: None), variables)
+
+
+def gated(pred, fn, variables, skip=None):
+    """Runs `fn` so that its writes to `variables` take effect only where `pred` holds.
+
+    `skip` is torch's form of the flag and unused here.
+    """
+    cond(pred, fn, None, variables)
+
+
+def _combined(variables, keep):
+    outer = variables[0]._write_mask if variables else None
+    return keep if outer is None else tf.logical_and(outer, keep)
+
+
+def _run_masked(variables, mask, fn):
+    saved = [v._write_mask for v in variables]
+    for v in variables:
+        v._write_mask = mask
+    try:
+        fn()
+    finally:
+        for v, previous in zip(variables, saved):
+            v._write_mask = previous
+
+
+def _graph_cond(pred, true_fn, false_fn, variables):
+    # Variables held in tf.Variables are written by the branches themselves;
+    # those bound to tensors carry their values through the branches.
+    carried = [v for v in variables if not ops.is_variable(v._storage)]
+    values = [v._storage for v in carried]
+
+    def branch(fn):
+        def run():
+            with bound(carried, values):
+                fn()
+                return [v._storage for v in carried]
+
+        return run
+
+    new = tf.cond(pred, branch(true_fn), branch(false_fn))
+    for v, value in zip(carried, new or ()):
+        v._storage = value

@@ -1,0 +1,63 @@
+"""Unscale, finite check and norms over lists of tensors.
+
+The finite check reduces `is_finite` (XLA fuses it into one read of each
+gradient). It does not take the largest magnitude, as the JAX backend
+does: XLA's CPU max-reduction drops NaN (`reduce_max([1, nan, 2])` is 2
+under `jit_compile=True`), so `max_abs` adds an explicit NaN test for the
+same reason.
+"""
+
+import tensorflow as tf
+
+from lossscale.backends.tensorflow import ops
+
+
+def _tensors(arrays):
+    return [ops._tensor(a) for a in arrays]
+
+
+def unscale(grads, scale, in_place=False):
+    # Tensors are immutable: `in_place` has nothing to permit.
+    scale = ops._tensor(scale)
+    divisors = {}  # the scale cast once per gradient dtype
+    out = []
+    for g in _tensors(grads):
+        if g.dtype.size < 4:
+            g = tf.cast(g, tf.float32)
+        divisor = divisors.get(g.dtype)
+        if divisor is None:
+            divisor = divisors[g.dtype] = tf.cast(scale, g.dtype)
+        out.append(g / divisor)
+    return out
+
+
+def all_finite(arrays):
+    flags = [tf.reduce_all(tf.math.is_finite(a)) for a in _tensors(arrays)]
+    if not flags:
+        return tf.constant(True)
+    return flags[0] if len(flags) == 1 else tf.reduce_all(tf.stack(flags))
+
+
+def finite_flags(arrays):
+    finite = all_finite(arrays)
+    return finite, tf.cast(tf.logical_not(finite), tf.float32)
+
+
+def global_norm(arrays):
+    squares = [
+        tf.reduce_sum(tf.square(tf.cast(a, tf.float32) if a.dtype.size < 4 else a))
+        for a in _tensors(arrays)
+    ]
+    if not squares:
+        return tf.constant(0.0)
+    return tf.sqrt(tf.add_n(squares) if len(squares) > 1 else squares[0])
+
+
+def max_abs(arrays):
+    """Largest |x| over all arrays as a float32 scalar (NaN if any NaN)."""
+    arrays = _tensors(arrays)
+    if not arrays:
+        return tf.constant(0.0)
+    peaks = tf.stack([tf.cast(tf.reduce_max(tf.abs(a)), tf.float32) for a in arrays])
+    nan = tf.reduce_any(tf.stack([tf.reduce_any(tf.math.is_nan(a)) for a in arrays]))
+    return tf.where(nan, tf.constant(float("nan")), tf.reduce_max(peaks))

@@ -1,0 +1,272 @@
+"""TensorFlow backend: `tf.Variable` storage, writes in place, elementwise math.
+
+A `Variable` on TensorFlow holds a `tf.Variable`: a user's (wrapped without
+copying, so `apply` updates a model's variables as `assign_sub` would) or
+one made here for optimizer state and for wrapped tensors (`tf.Tensor`s are
+immutable). Being `tf.Variable`s, an optimizer's slots are captured by
+`tf.function`, mirrored under `tf.distribute` and tracked by
+`tf.train.Checkpoint`, like a model's.
+
+`stateless_apply` binds variables to plain tensors instead; writes to a
+tensor return the new tensor (as on JAX), so the same update code runs on
+both kinds of storage. Reads of a `tf.Variable` are snapshots
+(`tf.Variable.value()`): a later write does not change a value read before
+it.
+
+TensorFlow does not promote dtypes in arithmetic, so every write casts the
+value to the storage's dtype (and broadcasts it to the storage's shape),
+as the other backends' in-place writes do.
+"""
+
+import contextlib
+import re
+
+import numpy as np
+import tensorflow as tf
+
+from lossscale.backends._common import unwrap
+
+NAME = "tensorflow"
+MUTABLE = True
+INT_DTYPE = "int32"
+
+
+def is_native(x):
+    return isinstance(x, (tf.Tensor, tf.Variable))
+
+
+def is_variable(x):
+    """Whether `x` is a `tf.Variable` (mirrored ones included), written in place."""
+    return isinstance(x, tf.Variable)
+
+
+def _tensor(x):
+    """`x` as a tensor: a `tf.Variable` read, a Variable unwrapped; numbers pass through."""
+    x = unwrap(x)
+    return x.value() if isinstance(x, tf.Variable) else x
+
+
+def asarray(x, dtype=None, like=None):
+    # TensorFlow copies between devices where an op needs it, so `like`
+    # places nothing.
+    x = _tensor(x)
+    if isinstance(x, tf.Tensor):
+        return x if dtype is None else tf.cast(x, dtype)
+    return tf.convert_to_tensor(np.asarray(x, dtype=dtype) if dtype is not None else x)
+
+
+def full(shape, value, dtype, like=None):
+    return tf.fill(tuple(shape), tf.constant(value, dtype=dtype))
+
+
+def copy(x):
+    # Tensors are immutable and a read is a snapshot: nothing to duplicate.
+    return asarray(x)
+
+
+def to_numpy(x):
+    x = unwrap(x)
+    if isinstance(x, (tf.Tensor, tf.Variable)) and not _concrete(x):
+        raise ValueError(
+            "A value inside a tf.function being traced has no NumPy value yet: read it "
+            "outside the function (or return it). Received: a symbolic "
+            f"{type(x).__name__} of shape {tuple(x.shape)}"
+        )
+    return x.numpy() if hasattr(x, "numpy") else np.asarray(x)
+
+
+def _concrete(x):
+    if isinstance(x, tf.Variable):
+        return tf.executing_eagerly()
+    return not tf.is_symbolic_tensor(x)
+
+
+def dtype_name(x):
+    x = unwrap(x)
+    dtype = x.dtype if isinstance(x, (tf.Tensor, tf.Variable)) else tf.convert_to_tensor(x).dtype
+    return dtype.name
+
+
+def shape(x):
+    x = unwrap(x)
+    return tuple(x.shape) if hasattr(x, "shape") else ()
+
+
+def place(x, like):
+    return asarray(x, like=like)
+
+
+# --- variable storage ---------------------------------------------------------
+def variable_storage(value, like=None, name=None, trainable=False):
+    """The `tf.Variable` a `lossscale.Variable` keeps for `value`.
+
+    A `tf.Variable` is kept as it is (no copy); anything else (a NumPy
+    array, a tensor) becomes a new `tf.Variable`, made outside any
+    `tf.function` being traced (`tf.init_scope`, as Keras makes an
+    optimizer's slots on its first traced step). It follows `like`, the
+    model variable it belongs to: mirrored by `like`'s `tf.distribute`
+    strategy if `like` is mirrored, else on `like`'s device; without
+    `like`, in the current strategy's scope, if any.
+
+    Its aggregation is NONE: under a strategy each replica writes its own
+    copy, in replica context and without `merge_call`, and all write the
+    same values, since every replica takes the same skip decision
+    (`replicas.all_true`).
+    """
+    if isinstance(value, tf.Variable):
+        return value
+    if isinstance(value, tf.Tensor) and tf.is_symbolic_tensor(value):
+        raise ValueError(
+            "A lossscale.Variable cannot be made from a tensor inside a tf.function being "
+            "traced: create it (or build the optimizer) outside the function, or pass a "
+            f"tf.Variable. Received: a symbolic tf.Tensor of shape {tuple(value.shape)}"
+        )
+    with tf.init_scope(), _placement(unwrap(like)):
+        return tf.Variable(
+            value,
+            trainable=trainable,
+            name=_valid_name(name),
+            synchronization=tf.VariableSynchronization.ON_WRITE,
+            aggregation=tf.VariableAggregation.NONE,
+        )
+
+
+def _placement(like):
+    strategy = getattr(like, "distribute_strategy", None)
+    if strategy is not None:
+        if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+            raise ValueError(
+                "The optimizer's variables are mirrored like the model variables they "
+                "belong to, and tf.distribute makes mirrored variables outside "
+                "`strategy.run` only: build the optimizer first, e.g. "
+                "`optimizer.build(model.trainable_variables)`. Received: a first `apply` "
+                f"inside `strategy.run`, for {like.name!r}"
+            )
+        return strategy.scope()
+    if isinstance(like, tf.Variable):
+        return tf.device(like.device)
+    if like is None and tf.distribute.has_strategy():
+        return tf.distribute.get_strategy().scope()
+    return contextlib.nullcontext()
+
+
+def _valid_name(name):
+    # TensorFlow accepts letters, digits and "._-/" in a variable's name,
+    # starting with a letter, digit or ".".
+    name = re.sub(r"[^A-Za-z0-9_.\-/]", "_", name or "variable")
+    return name if re.match(r"[A-Za-z0-9.]", name) else f"v{name}"
+
+
+def read(storage):
+    return storage.value() if isinstance(storage, tf.Variable) else storage
+
+
+def _value_for(storage, value):
+    """`value` as a tensor of `storage`'s dtype and shape."""
+    value = _tensor(value)
+    dtype = storage.dtype
+    if isinstance(value, tf.Tensor):
+        if value.dtype != dtype:
+            value = tf.cast(value, dtype)
+    else:
+        value = tf.convert_to_tensor(np.asarray(value, dtype=dtype.as_numpy_dtype))
+    if value.shape != storage.shape:
+        value = tf.broadcast_to(value, storage.shape)
+    return value
+
+
+def _write(storage, new, mask):
+    """Stores `new` (already `storage`'s dtype and shape); under `mask`, only where it holds."""
+    if mask is not None:
+        new = tf.where(mask, new, read(storage))
+    if isinstance(storage, tf.Variable):
+        storage.assign(new, read_value=False)
+        return storage
+    return new
+
+
+# `mask`: a boolean scalar tensor set on the variable by an eager masked
+# branch (`control`), or None. A masked write stores `where(mask, new, old)`:
+# a skipped step leaves every bit as it was (zeros keep their sign).
+def assign(storage, value, mask=None):
+    return _write(storage, _value_for(storage, value), mask)
+
+
+def assign_add(storage, value, mask=None):
+    value = _value_for(storage, value)
+    if mask is None and isinstance(storage, tf.Variable):
+        storage.assign_add(value, read_value=False)
+        return storage
+    return _write(storage, read(storage) + value, mask)
+
+
+def assign_sub(storage, value, mask=None):
+    value = _value_for(storage, value)
+    if mask is None and isinstance(storage, tf.Variable):
+        storage.assign_sub(value, read_value=False)
+        return storage
+    return _write(storage, read(storage) - value, mask)
+
+
+# --- elementwise and reductions -------------------------------------------------
+def cast(x, dtype):
+    x = _tensor(x)
+    if isinstance(x, tf.Tensor):
+        return x if x.dtype == dtype else tf.cast(x, dtype)
+    return tf.constant(x, dtype=dtype)
+
+
+def _unary(fn):
+    return lambda x: fn(_tensor(x))
+
+
+def _binary(fn):
+    def op(x, y):
+        x, y = _tensor(x), _tensor(y)
+        # Python numbers take the tensor's dtype (TensorFlow does not promote).
+        if isinstance(x, tf.Tensor) and not isinstance(y, tf.Tensor):
+            y = tf.constant(y, dtype=x.dtype)
+        elif isinstance(y, tf.Tensor) and not isinstance(x, tf.Tensor):
+            x = tf.constant(x, dtype=y.dtype)
+        return fn(x, y)
+
+    return op
+
+
+sqrt = _unary(tf.sqrt)
+square = _unary(tf.square)
+abs = _unary(tf.abs)  # noqa: A001 - the seam's name for |x|
+sign = _unary(tf.sign)
+exp = _unary(tf.exp)
+log = _unary(tf.math.log)
+cos = _unary(tf.cos)
+floor = _unary(tf.floor)
+isfinite = _unary(tf.math.is_finite)
+logical_not = _unary(tf.logical_not)
+power = _binary(tf.pow)
+maximum = _binary(tf.maximum)
+minimum = _binary(tf.minimum)
+logical_and = _binary(tf.logical_and)
+
+
+def where(cond, x, y):
+    x, y = _tensor(x), _tensor(y)
+    if isinstance(x, tf.Tensor) and not isinstance(y, tf.Tensor):
+        y = tf.constant(y, dtype=x.dtype)
+    elif isinstance(y, tf.Tensor) and not isinstance(x, tf.Tensor):
+        x = tf.constant(x, dtype=y.dtype)
+    return tf.where(_tensor(cond), x, y)
+
+
+def clip(x, lo, hi):
+    x = _tensor(x)
+    return tf.clip_by_value(x, tf.cast(lo, x.dtype), tf.cast(hi, x.dtype))
+
+
+def sum(x):  # noqa: A001 - the seam's name for a full reduction
+    return tf.reduce_sum(_tensor(x))
+
+
+def quiet():
+    # TensorFlow raises no floating-point warnings.
+    return contextlib.nullcontext()
