@@ -13,7 +13,13 @@ EXAMPLES = ROOT / "examples"
 NAMES = ("torch_autocast.py", "jax_pytree.py", "numpy_mlp.py", "tf_gradient_tape.py")
 # The JAX ecosystem's loops: an optax transformation, not the Keras-style wrapper.
 OPTAX_NAMES = ("flax_linen.py", "flax_nnx.py")
-QUICKSTARTS = ("quickstart_torch.py", "quickstart_jax.py")
+QUICKSTARTS = (
+    "quickstart_torch.py",
+    "quickstart_torch_scaler.py",
+    "quickstart_jax.py",
+    "quickstart_tensorflow.py",
+    "quickstart_numpy.py",
+)
 # The quickstarts are printed in the README, verbatim.
 README = ROOT / "README.md"
 

@@ -93,6 +93,33 @@ def test_a_step_compiles_into_one_graph_that_never_recompiles(name):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_the_compiled_check_is_left_to_the_compiler():
+    """No AMP check kernel in the traced step: it would run on functional copies.
+
+    Compiled, the finite check is plain reductions the compiler fuses into
+    the loops that unscale the gradients.
+    """
+    graphs = []
+
+    def capture(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch.compiler.reset()
+    generator = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in [(6, 4), (4,)]]
+    opt = ls.LossScaleOptimizer(OPTIMIZERS["adam"](), initial_scale=64.0)
+    opt.scale_loss(1.0)
+    opt.build(params)
+    grads = [torch.randn(p.shape, generator=generator) for p in params]
+    torch.compile(lambda: opt.apply(grads, params), fullgraph=True, backend=capture)()
+    torch.compiler.reset()
+    (graph,) = graphs
+    called = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+    assert not any("non_finite_check" in name for name in called), called
+    assert any("isfinite" in name for name in called), called
+
+
 def _compiled_and_eager(name):
     runs = []
     for compiled in (True, False):

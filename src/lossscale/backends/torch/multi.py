@@ -107,6 +107,17 @@ def finite_flags(arrays):
     arrays = _floats(arrays)
     if not arrays:
         return torch.tensor(True), torch.zeros(())
+    if torch.compiler.is_compiling():
+        # The compiler fuses these reductions into the loops that wrote
+        # `arrays`; the AMP kernel would be an opaque call on functional
+        # copies of every array.
+        finite = _combine(
+            [
+                torch.stack([torch.isfinite(arrays[i]).all() for i in indices]).all()
+                for _, _, indices in groups(arrays)
+            ]
+        ).all()
+        return finite, (~finite).to(torch.float32)
     skip = None
     for device, _, indices in groups(arrays):
         found = torch.zeros((), dtype=torch.float32, device=device)
