@@ -110,7 +110,7 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
     # for all of its variables at once (multi-tensor or fused), or None. Only
     # the class that declares it gets the kernel: a subclass that changes the
     # rule takes the per-variable `update_step` unless it declares a name too.
-    update_kernel = None
+    update_kernel: str | None = None
 
     def __init__(
         self,

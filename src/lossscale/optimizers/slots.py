@@ -9,7 +9,7 @@ write through.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 from lossscale.backends import common_backend, get_ops
 from lossscale.optimizers.weight_decay import WeightDecayExclusions
@@ -110,6 +110,22 @@ class SlotsMixin:
         variable.path = f"{self.name}/{full_name}"
         self._variables.append(variable)
         return variable
+
+    @overload
+    def add_optimizer_variables(
+        self,
+        trainable_variables: Sequence[Variable | Array],
+        name: str,
+        initializer: Initializer = "zeros",
+    ) -> list[Variable | None]: ...
+
+    @overload
+    def add_optimizer_variables(
+        self,
+        trainable_variables: Sequence[Variable | Array],
+        name: Sequence[str],
+        initializer: Initializer | Sequence[Initializer] = "zeros",
+    ) -> tuple[list[Variable | None], ...]: ...
 
     def add_optimizer_variables(
         self,
