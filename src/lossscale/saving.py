@@ -39,13 +39,23 @@ Examples:
     (1, 8.0)
 """
 
+from __future__ import annotations
+
 import hashlib
 import json
 import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lossscale import validation
+from lossscale.typing import Array, PyTree
+
+if TYPE_CHECKING:
+    from lossscale.optimizers.base import Optimizer
+    from lossscale.pytree import Transform
+    from lossscale.variables import Variable
 
 FORMAT = "lossscale.optimizer"
 STATE_FORMAT = "lossscale.state"
@@ -62,11 +72,18 @@ _FORMAT_HINTS = {
 }
 
 
+__all__ = ["CheckpointError", "load", "restore", "save"]
+
+
 class CheckpointError(ValueError):
     """A checkpoint file cannot be used: missing, damaged, or for another optimizer."""
 
 
-def save(optimizer, path, state=None):
+def save(
+    optimizer: Optimizer | Transform | Any,
+    path: str | os.PathLike[str],
+    state: PyTree | None = None,
+) -> None:
     """Writes `optimizer`'s config and every variable to one safetensors file.
 
     A `lossscale.pytree` transform or an optax transformation keeps its
@@ -178,7 +195,11 @@ def _durable_replace(temporary, path):
             os.close(directory)
 
 
-def restore(optimizer, path, state=None):
+def restore(
+    optimizer: Optimizer | Transform | Any,
+    path: str | os.PathLike[str],
+    state: PyTree | None = None,
+) -> PyTree | None:
     """Loads the state saved in `path` into `optimizer` (built, same structure).
 
     Everything is checked first (the file, the optimizer classes, the
@@ -228,7 +249,11 @@ def restore(optimizer, path, state=None):
     _assign(optimizer, checkpoint)
 
 
-def load(path, variables, custom_objects=None):
+def load(
+    path: str | os.PathLike[str],
+    variables: Sequence[Variable | Array],
+    custom_objects: dict[str, Any] | None = None,
+) -> Optimizer:
     """Rebuilds the optimizer saved in `path` for `variables`, with its state.
 
     Args:

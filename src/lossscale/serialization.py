@@ -5,29 +5,40 @@ the shape Keras uses, holding only plain Python values: it round-trips
 through JSON.
 """
 
-_REGISTRY = {}
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from lossscale.typing import Config
+
+_T = TypeVar("_T", bound=type)
+
+_REGISTRY: dict[str, type] = {}
 
 
-def register_serializable(cls=None, *, name=None):
+def register_serializable(
+    cls: _T | None = None, *, name: str | None = None
+) -> _T | Callable[[_T], _T]:
     """Registers a class so `deserialize` finds it by `class_name`.
 
     Usable as `@register_serializable` or `@register_serializable(name=...)`.
     """
 
-    def register(klass):
+    def register(klass: _T) -> _T:
         _REGISTRY[name or klass.__name__] = klass
         return klass
 
     return register(cls) if cls is not None else register
 
 
-def registered_names():
+def registered_names() -> list[str]:
     """The class names `deserialize` knows without `custom_objects`."""
     _load_builtins()
     return sorted(_REGISTRY)
 
 
-def serialize(obj):
+def serialize(obj: Any) -> Config:
     """Returns the config dict of an optimizer or schedule."""
     if not hasattr(obj, "get_config"):
         raise ValueError(
@@ -41,7 +52,7 @@ def serialize(obj):
     }
 
 
-def deserialize(config, custom_objects=None):
+def deserialize(config: Config, custom_objects: dict[str, Any] | None = None) -> Any:
     """Rebuilds an object from `serialize`'s output.
 
     Args:
@@ -72,7 +83,7 @@ def deserialize(config, custom_objects=None):
     return cls(**config["config"])
 
 
-def lookup(name, custom_objects=None):
+def lookup(name: str, custom_objects: dict[str, Any] | None = None) -> Callable[..., Any]:
     """Finds a class by name in `custom_objects`, then in the registry."""
     if custom_objects and name in custom_objects:
         return custom_objects[name]

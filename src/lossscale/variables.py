@@ -1,11 +1,15 @@
 """`Variable`: a named, assignable array on one backend."""
 
+from __future__ import annotations
+
 import operator
+from collections.abc import Callable
 
 import numpy as np
 
 from lossscale import initializers
 from lossscale.backends import backend_of, get_ops, unwrap
+from lossscale.typing import Array, Initializer, Shape
 
 AGGREGATIONS = (None, "none", "mean", "sum", "only_first_replica")
 
@@ -54,17 +58,17 @@ class Variable:
 
     def __init__(
         self,
-        initializer,
-        shape=None,
-        dtype=None,
-        trainable=True,
-        name=None,
-        aggregation="none",
-        overwrite_with_gradient=False,
-        constraint=None,
-        backend=None,
-        like=None,
-    ):
+        initializer: Initializer,
+        shape: Shape | None = None,
+        dtype: str | None = None,
+        trainable: bool = True,
+        name: str | None = None,
+        aggregation: str | None = "none",
+        overwrite_with_gradient: bool = False,
+        constraint: Callable[[Array], Array] | None = None,
+        backend: str | None = None,
+        like: Array | None = None,
+    ) -> None:
         if name is not None and not isinstance(name, str):
             raise ValueError(f"`name` must be a string. Received: name={name!r}")
         if aggregation not in AGGREGATIONS:
@@ -152,15 +156,15 @@ class Variable:
 
     # --- reading ---------------------------------------------------------
     @property
-    def backend(self):
+    def backend(self) -> str:
         return self._ops.NAME
 
     @property
-    def value(self):
+    def value(self) -> Array:
         """The native array (a detached view on torch)."""
         return self._ops.read(self._storage)
 
-    def numpy(self):
+    def numpy(self) -> np.ndarray:
         """Returns a copy of the value as a NumPy array.
 
         A copy, as in Keras: later updates of the variable do not change it
@@ -169,17 +173,17 @@ class Variable:
         return np.array(self._ops.to_numpy(self._storage), copy=True)
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, ...]:
         # Fixed for the variable's life (every write keeps it): read once, at
         # creation, so that a compiled step sees a constant.
         return self._shape
 
     @property
-    def dtype(self):
+    def dtype(self) -> str:
         return self._ops.dtype_name(self._storage)
 
     @property
-    def ndim(self):
+    def ndim(self) -> int:
         return len(self.shape)
 
     # --- writing ---------------------------------------------------------
@@ -212,19 +216,19 @@ class Variable:
                 f"(path={self.path!r}), Received: value.shape={value_shape}"
             )
 
-    def assign(self, value):
+    def assign(self, value: Array) -> None:
         """Assigns `value` (same shape) to the variable, in place where possible."""
         value = self._coerce(value, "assign")
         self._check_shape(value, "assign", exact=not isinstance(value, (int, float, bool)))
         self._storage = self._ops.assign(self._storage, value, self._write_mask)
 
-    def assign_add(self, value):
+    def assign_add(self, value: Array) -> None:
         """Adds `value` (broadcastable to the variable's shape) in place."""
         value = self._coerce(value, "assign_add")
         self._check_shape(value, "assign_add", exact=False)
         self._storage = self._ops.assign_add(self._storage, value, self._write_mask)
 
-    def assign_sub(self, value):
+    def assign_sub(self, value: Array) -> None:
         """Subtracts `value` (broadcastable to the variable's shape) in place."""
         value = self._coerce(value, "assign_sub")
         self._check_shape(value, "assign_sub", exact=False)

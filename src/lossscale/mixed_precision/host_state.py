@@ -5,14 +5,20 @@ values back to the host (a device synchronisation on an accelerator) and are
 meant for loggers and for the checks between steps, never for the hot path.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 from lossscale.mixed_precision.loss_scale import NO_ERROR, state_fields
 from lossscale.mixed_precision.telemetry import LossScaleError, as_numpy, failure_message, summarize
+from lossscale.typing import Array
 
 
 class HostStateMixin:
     """Host-side reading of `LossScaleOptimizer`'s state."""
 
-    def summary(self, optimizer_variables=None):
+    def summary(self, optimizer_variables: Sequence[Array] | None = None) -> dict[str, Any]:
         """Returns the loss-scale state as a dict of Python values, for loggers.
 
         Reads the values back to the host (a device synchronisation on an
@@ -36,7 +42,7 @@ class HostStateMixin:
         values.setdefault("nonfinite", [])
         return summarize(values, self.policy, [v.path for v in self._trainable_variables])
 
-    def check(self, optimizer_variables=None):
+    def check(self, optimizer_variables: Sequence[Array] | None = None) -> None:
         """Raises `LossScaleError` if the state records a crossed limit.
 
         `apply` calls it after every step when `min_scale` or

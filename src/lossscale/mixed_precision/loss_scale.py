@@ -10,6 +10,11 @@ the Keras defaults keep exactly Keras's two (`scale`, `counter`); hysteresis,
 telemetry and fail-fast limits add the fields they need.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from lossscale.mixed_precision.policy import (  # noqa: F401 - re-exported
     FLOAT16_MAX,
     GROWTH_POLICIES,
@@ -28,9 +33,15 @@ from lossscale.mixed_precision.state import (  # noqa: F401 - re-exported
     LossScaleState,
     replaced,
 )
+from lossscale.typing import Array
+
+if TYPE_CHECKING:
+    from lossscale.backends.protocol import BackendOps
 
 
-def may_apply(ops, state, finite, policy):
+def may_apply(
+    ops: BackendOps, state: LossScaleState, finite: Array, policy: LossScalePolicy
+) -> Array:
     """Whether this step's gradients are applied: finite, and no error recorded."""
     if not policy.fails_fast:
         return finite
@@ -48,8 +59,15 @@ def _constant(ops, value, dtype, like):
 
 
 def next_loss_scale(
-    ops, state, finite, policy, peak=None, variable_finite=(), skip=None, in_place=False
-):
+    ops: BackendOps,
+    state: LossScaleState,
+    finite: Array,
+    policy: LossScalePolicy,
+    peak: Array | None = None,
+    variable_finite: Sequence[Array | None] = (),
+    skip: Array | None = None,
+    in_place: bool = False,
+) -> LossScaleState:
     """Advances the loss-scale state by one step.
 
     With finite gradients the counter increments; on the

@@ -6,6 +6,7 @@ applies) is derived once, at construction, into plain attributes.
 """
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -113,17 +114,17 @@ class LossScalePolicy:
         object.__setattr__(self, "_starts", starts)
 
     @property
-    def fails_fast(self):
+    def fails_fast(self) -> bool:
         """Whether `min_scale` or `max_consecutive_skips` can end training with an error."""
         return self.min_scale is not None or self.max_consecutive_skips is not None
 
     @property
-    def records_details(self):
+    def records_details(self) -> bool:
         """Whether the telemetry fields (counters, history, variable flags) are kept."""
         return self.telemetry or self.fails_fast
 
     @property
-    def is_plain(self):
+    def is_plain(self) -> bool:
         """Whether the update is Keras's own, with other factors at most.
 
         See `_compute_is_plain`.
@@ -146,7 +147,7 @@ class LossScalePolicy:
             and all(float(np.float32(f)) == f for f in (self.growth_factor, self.backoff_factor))
         )
 
-    def tracks(self, field_name):
+    def tracks(self, field_name: str) -> bool:
         """Whether `LossScaleState.<field_name>` exists under this policy."""
         group = _FIELDS[field_name].metadata["group"]
         return {
@@ -156,7 +157,7 @@ class LossScalePolicy:
             "fail_fast": self.fails_fast,
         }[group]
 
-    def non_default_settings(self):
+    def non_default_settings(self) -> dict[str, Any]:
         """The settings to write in a config: Keras's, then any changed one."""
         return {
             f.name: getattr(self, f.name)
@@ -165,6 +166,6 @@ class LossScalePolicy:
         }
 
 
-def state_fields(policy):
+def state_fields(policy: LossScalePolicy) -> tuple[dataclasses.Field, ...]:
     """The `LossScaleState` fields `policy` tracks, in declaration order."""
     return tuple(_FIELDS[name] for name in policy._field_names)

@@ -13,6 +13,11 @@ Its home is `lossscale.optax`, which imports JAX and optax; importing
 lossscale alone imports neither.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -21,6 +26,8 @@ from lossscale import validation
 from lossscale.optax import placement
 from lossscale.optimizers.base import Optimizer
 from lossscale.schedules.base import LearningRateSchedule
+from lossscale.typing import Array, Config
+from lossscale.variables import Variable
 
 
 class OptaxOptimizer(Optimizer):
@@ -77,7 +84,9 @@ class OptaxOptimizer(Optimizer):
         (array([0.5, 1.5], dtype=float32), 2.0)
     """
 
-    def __init__(self, transformation, name=None, **kwargs):
+    def __init__(
+        self, transformation: optax.GradientTransformation, name: str | None = None, **kwargs: Any
+    ) -> None:
         if kwargs:
             raise ValueError(
                 f"Argument(s) not recognized by OptaxOptimizer: {sorted(kwargs)}. Accepted: "
@@ -117,7 +126,7 @@ class OptaxOptimizer(Optimizer):
         return self._learning_rate_variable
 
     @property
-    def learning_rate(self):
+    def learning_rate(self) -> jax.Array:
         """The `learning_rate` injected with `optax.inject_hyperparams` (a JAX scalar).
 
         Setting it writes the state leaf. Before `build`, and for a
@@ -128,7 +137,7 @@ class OptaxOptimizer(Optimizer):
         return self._learning_rate_value()
 
     @learning_rate.setter
-    def learning_rate(self, learning_rate):
+    def learning_rate(self, learning_rate: float) -> None:
         variable = self._injected_learning_rate()
         if isinstance(learning_rate, LearningRateSchedule) or callable(learning_rate):
             raise TypeError(
@@ -140,7 +149,7 @@ class OptaxOptimizer(Optimizer):
         variable.assign(float(learning_rate))
 
     # --- building -----------------------------------------------------------
-    def build(self, var_list):
+    def build(self, var_list: Sequence[Variable | Array]) -> None:
         """Runs `transformation.init` on `var_list` and keeps each state leaf as a variable.
 
         Scalar leaves (optax's `count`) are placed replicated over the
@@ -212,7 +221,7 @@ class OptaxOptimizer(Optimizer):
             self.assign(variable, value)
 
     # --- what is not supported ------------------------------------------------
-    def get_config(self):
+    def get_config(self) -> Config:
         """Not supported: raises `NotImplementedError`.
 
         An optax transformation is a pair of closures over its
@@ -227,7 +236,11 @@ class OptaxOptimizer(Optimizer):
             "`save_own_variables` / `load_own_variables` or `state_dict()`."
         )
 
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+    def exclude_from_weight_decay(
+        self,
+        var_list: Sequence[Variable | Array] | None = None,
+        var_names: Sequence[str] | None = None,
+    ) -> None:
         """Not supported: raises `NotImplementedError`; mask the decay inside the transformation."""
         raise NotImplementedError(
             "OptaxOptimizer applies no weight decay of its own: the transformation does. Pass "

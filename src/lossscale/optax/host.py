@@ -8,15 +8,20 @@ synchronisation on an accelerator) and belong between steps, like
 `LossScaleOptimizer.summary()` / `check()`, whose messages they share.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 import jax
 import numpy as np
 
 from lossscale.mixed_precision.loss_scale import NO_ERROR, state_fields
 from lossscale.mixed_precision.telemetry import LossScaleError, failure_message, summarize
 from lossscale.optax.state import find
+from lossscale.typing import PyTree
 
 
-def loss_scale(state):
+def loss_scale(state: PyTree) -> jax.Array:
     """The current loss scale held in `state` (a float32 scalar).
 
     Args:
@@ -28,7 +33,7 @@ def loss_scale(state):
     return _array(find(state, "loss_scale").scale)
 
 
-def scale_loss(loss, state):
+def scale_loss(loss: PyTree, state: PyTree) -> PyTree:
     """Multiplies `loss` by the loss scale in `state`; differentiate the result.
 
     Args:
@@ -43,7 +48,7 @@ def scale_loss(loss, state):
     return jax.tree_util.tree_map(lambda x: x * scale, loss)
 
 
-def summary(state):
+def summary(state: PyTree) -> dict[str, Any]:
     """The loss-scale state as Python values, for loggers.
 
     Reads the values back to the host: call it between steps, not inside
@@ -71,7 +76,7 @@ def summary(state):
     return summarize(values, found.policy, list(found.paths))
 
 
-def check(state):
+def check(state: PyTree) -> None:
     """Raises `LossScaleError` if `state` records a crossed limit.
 
     A jitted step cannot raise: with `min_scale` or `max_consecutive_skips`

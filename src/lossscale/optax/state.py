@@ -9,11 +9,15 @@ paths. Because the policy travels with the state, `summary(state)` and
 always have the same tree structure.
 """
 
+from __future__ import annotations
+
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 
-from lossscale.mixed_precision.loss_scale import LossScaleState, state_fields
+from lossscale.mixed_precision.loss_scale import LossScalePolicy, LossScaleState, state_fields
+from lossscale.typing import PyTree
 
 
 class DynamicLossScaleState:
@@ -48,7 +52,13 @@ class DynamicLossScaleState:
 
     __slots__ = ("_loss_scale", "inner_state", "policy", "paths")
 
-    def __init__(self, loss_scale, inner_state, policy, paths=()):
+    def __init__(
+        self,
+        loss_scale: LossScaleState,
+        inner_state: PyTree,
+        policy: LossScalePolicy,
+        paths: Sequence[str] = (),
+    ) -> None:
         # No checks on the values: JAX rebuilds states around tracers,
         # shape descriptions and sharding specs alike.
         self._loss_scale = loss_scale
@@ -57,11 +67,13 @@ class DynamicLossScaleState:
         self.paths = tuple(paths)
 
     @property
-    def loss_scale_state(self):
+    def loss_scale_state(self) -> LossScaleState:
         """The loss-scale fields as a `LossScaleState` (for `next_loss_scale`)."""
         return self._loss_scale
 
-    def replace(self, loss_scale_state=None, inner_state=None):
+    def replace(
+        self, loss_scale_state: LossScaleState | None = None, inner_state: PyTree | None = None
+    ) -> DynamicLossScaleState:
         """Returns a state with new loss-scale fields and/or a new inner state."""
         return DynamicLossScaleState(
             self._loss_scale if loss_scale_state is None else loss_scale_state,
@@ -77,16 +89,22 @@ class DynamicLossScaleState:
         return f"DynamicLossScaleState({fields}, inner_state={self.inner_state!r})"
 
 
-def _field_property(name):
+def _field_property(field):
+    def read(self):
+        return getattr(self._loss_scale, field.name)
+
+    # A scalar (None when untracked), or a tuple of them.
+    read.__annotations__["return"] = (
+        "jax.Array | None" if field.metadata["per"] == "step" else "tuple[jax.Array, ...]"
+    )
     return property(
-        lambda self: getattr(self._loss_scale, name),
-        doc=f"The `{name}` field of the loss-scale state (see `LossScaleState`).",
+        read, doc=f"The `{field.name}` field of the loss-scale state (see `LossScaleState`)."
     )
 
 
 # One attribute per LossScaleState field: the dataclass is the one list.
 for _field in dataclasses.fields(LossScaleState):
-    setattr(DynamicLossScaleState, _field.name, _field_property(_field.name))
+    setattr(DynamicLossScaleState, _field.name, _field_property(_field))
 del _field
 
 

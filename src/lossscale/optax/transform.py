@@ -7,6 +7,8 @@ optax shape of the step (pure `init` / `update` over pytrees) and the skip,
 a `lax.cond` around the inner update.
 """
 
+from __future__ import annotations
+
 import dataclasses
 
 import jax
@@ -29,19 +31,19 @@ _ops = get_ops("jax")
 
 
 def dynamic_loss_scale(
-    inner,
-    initial_scale=2.0**15,
-    dynamic_growth_steps=2000,
+    inner: optax.GradientTransformation,
+    initial_scale: float = 2.0**15,
+    dynamic_growth_steps: int = 2000,
     *,
-    growth_factor=2.0,
-    backoff_factor=0.5,
-    hysteresis=1,
-    min_scale=None,
-    max_scale=None,
-    max_consecutive_skips=None,
-    growth_policy="fixed",
-    telemetry=False,
-):
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    hysteresis: int = 1,
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+    max_consecutive_skips: int | None = None,
+    growth_policy: str = "fixed",
+    telemetry: bool = False,
+) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transformation with dynamic loss scaling.
 
     Differentiate `scale_loss(loss, state)`; `update` then does:

@@ -1,5 +1,9 @@
 """Optimizers: the base class, the loss-scale wrapper and the update rules."""
 
+from __future__ import annotations
+
+from typing import Any
+
 from lossscale import serialization
 from lossscale.optimizers.adadelta import Adadelta
 from lossscale.optimizers.adagrad import Adagrad
@@ -15,6 +19,7 @@ from lossscale.optimizers.nadam import Nadam
 from lossscale.optimizers.native import wrap_native
 from lossscale.optimizers.rmsprop import RMSprop
 from lossscale.optimizers.sgd import SGD
+from lossscale.typing import Config
 
 ALL_OPTIMIZERS = (
     Adadelta,
@@ -37,17 +42,17 @@ for _cls in ALL_OPTIMIZERS:
 _ALIASES = {cls.__name__.lower(): cls for cls in ALL_OPTIMIZERS if cls is not LossScaleOptimizer}
 
 
-def serialize(optimizer):
+def serialize(optimizer: Optimizer) -> Config:
     """Returns `{"module", "class_name", "config"}` for an optimizer."""
     return serialization.serialize(optimizer)
 
 
-def deserialize(config, custom_objects=None):
+def deserialize(config: Config, custom_objects: dict[str, Any] | None = None) -> Optimizer:
     """Rebuilds an optimizer from `serialize`'s output."""
     return serialization.deserialize(config, custom_objects=custom_objects)
 
 
-def get(identifier):
+def get(identifier: Optimizer | str | Config) -> Optimizer:
     """Returns an optimizer from an instance, a name (`"adam"`) or a config dict.
 
     Raises:

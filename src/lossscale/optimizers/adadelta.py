@@ -1,7 +1,14 @@
 """Adadelta: steps scaled by the ratio of running update and gradient RMS."""
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 from lossscale import validation
 from lossscale.optimizers.base import Optimizer
+from lossscale.typing import Array, LearningRate
+from lossscale.variables import Variable
 
 
 class Adadelta(Optimizer):
@@ -40,14 +47,21 @@ class Adadelta(Optimizer):
 
     update_kernel = "adadelta"
 
-    def __init__(self, learning_rate=0.001, rho=0.95, epsilon=1e-7, name="adadelta", **kwargs):
+    def __init__(
+        self,
+        learning_rate: LearningRate = 0.001,
+        rho: float = 0.95,
+        epsilon: float = 1e-7,
+        name: str = "adadelta",
+        **kwargs: Any,
+    ) -> None:
         validation.check_number("rho", rho, low=0, high=1, high_open=True)
         validation.check_number("epsilon", epsilon, low=0, low_open=True)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.rho = rho
         self.epsilon = epsilon
 
-    def build(self, var_list):
+    def build(self, var_list: Sequence[Variable | Array]) -> None:
         if self.built:
             return
         super().build(var_list)
@@ -55,7 +69,7 @@ class Adadelta(Optimizer):
             var_list, ["accumulated_grad", "accumulated_delta_var"]
         )
 
-    def update_step(self, gradient, variable, learning_rate):
+    def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
         ops = self._ops
         lr = ops.cast(learning_rate, variable.dtype)
         gradient = ops.cast(gradient, variable.dtype)

@@ -1,7 +1,14 @@
 """Adagrad: per-parameter rates scaled by the sum of past squared gradients."""
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 from lossscale import validation
 from lossscale.optimizers.base import Optimizer
+from lossscale.typing import Array, LearningRate
+from lossscale.variables import Variable
 
 
 class Adagrad(Optimizer):
@@ -38,19 +45,19 @@ class Adagrad(Optimizer):
 
     def __init__(
         self,
-        learning_rate=0.001,
-        initial_accumulator_value=0.1,
-        epsilon=1e-7,
-        name="adagrad",
-        **kwargs,
-    ):
+        learning_rate: LearningRate = 0.001,
+        initial_accumulator_value: float = 0.1,
+        epsilon: float = 1e-7,
+        name: str = "adagrad",
+        **kwargs: Any,
+    ) -> None:
         validation.check_number("initial_accumulator_value", initial_accumulator_value, low=0)
         validation.check_number("epsilon", epsilon, low=0, low_open=True)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.initial_accumulator_value = initial_accumulator_value
         self.epsilon = epsilon
 
-    def build(self, var_list):
+    def build(self, var_list: Sequence[Variable | Array]) -> None:
         if self.built:
             return
         super().build(var_list)
@@ -58,7 +65,7 @@ class Adagrad(Optimizer):
             var_list, "accumulator", initializer=float(self.initial_accumulator_value)
         )
 
-    def update_step(self, gradient, variable, learning_rate):
+    def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
         ops = self._ops
         lr = ops.cast(learning_rate, variable.dtype)
         gradient = ops.cast(gradient, variable.dtype)

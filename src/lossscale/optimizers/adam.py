@@ -1,8 +1,15 @@
 """Adam: adaptive moment estimation."""
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 from lossscale import validation
 from lossscale.optimizers import moments
 from lossscale.optimizers.base import Optimizer
+from lossscale.typing import Array, LearningRate
+from lossscale.variables import Variable
 
 
 class Adam(Optimizer):
@@ -43,14 +50,14 @@ class Adam(Optimizer):
 
     def __init__(
         self,
-        learning_rate=0.001,
-        beta_1=0.9,
-        beta_2=0.999,
-        epsilon=1e-7,
-        amsgrad=False,
-        name="adam",
-        **kwargs,
-    ):
+        learning_rate: LearningRate = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        amsgrad: bool = False,
+        name: str = "adam",
+        **kwargs: Any,
+    ) -> None:
         moments.check_rates(beta_1, beta_2, epsilon)
         validation.check_bool("amsgrad", amsgrad)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
@@ -59,7 +66,7 @@ class Adam(Optimizer):
         self.epsilon = epsilon
         self.amsgrad = amsgrad
 
-    def build(self, var_list):
+    def build(self, var_list: Sequence[Variable | Array]) -> None:
         if self.built:
             return
         super().build(var_list)
@@ -67,7 +74,7 @@ class Adam(Optimizer):
         if self.amsgrad:
             self._velocity_hats = self.add_optimizer_variables(var_list, "velocity_hat")
 
-    def update_step(self, gradient, variable, learning_rate):
+    def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
         ops = self._ops
         dtype = variable.dtype
         lr = ops.cast(learning_rate, dtype)

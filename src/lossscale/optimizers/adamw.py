@@ -1,7 +1,12 @@
 """AdamW: Adam with decoupled weight decay on by default."""
 
+from __future__ import annotations
+
+from typing import Any
+
 from lossscale import validation
 from lossscale.optimizers.adam import Adam
+from lossscale.typing import LearningRate
 
 
 class AdamW(Adam):
@@ -46,15 +51,15 @@ class AdamW(Adam):
 
     def __init__(
         self,
-        learning_rate=0.001,
-        weight_decay=0.004,
-        beta_1=0.9,
-        beta_2=0.999,
-        epsilon=1e-7,
-        amsgrad=False,
-        name="adam_w",
-        **kwargs,
-    ):
+        learning_rate: LearningRate = 0.001,
+        weight_decay: float | None = 0.004,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        amsgrad: bool = False,
+        name: str = "adam_w",
+        **kwargs: Any,
+    ) -> None:
         validation.check_number("weight_decay", weight_decay, low=0)
         super().__init__(
             learning_rate=learning_rate,

@@ -10,7 +10,11 @@ pieces (`clipping.py`, `weight_decay.py`, `ema.py`, `accumulation.py`) live
 in the small modules it composes.
 """
 
+from __future__ import annotations
+
 import re
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from lossscale import validation
 from lossscale.backends import get_ops
@@ -22,6 +26,7 @@ from lossscale.optimizers.state import StateMixin
 from lossscale.optimizers.stateless import StatelessMixin
 from lossscale.optimizers.weight_decay import WeightDecayExclusions
 from lossscale.schedules.base import LearningRateSchedule
+from lossscale.typing import Array, LearningRate
 from lossscale.variables import Variable
 
 # Accepted ranges of the base keyword arguments (all but `ema_momentum` may be None).
@@ -105,23 +110,23 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
     # for all of its variables at once (multi-tensor or fused), or None. Only
     # the class that declares it gets the kernel: a subclass that changes the
     # rule takes the per-variable `update_step` unless it declares a name too.
-    update_kernel = None
+    update_kernel: str | None = None
 
     def __init__(
         self,
-        learning_rate,
-        weight_decay=None,
-        clipnorm=None,
-        clipvalue=None,
-        global_clipnorm=None,
-        use_ema=False,
-        ema_momentum=0.99,
-        ema_overwrite_frequency=None,
-        loss_scale_factor=None,
-        gradient_accumulation_steps=None,
-        name=None,
-        **kwargs,
-    ):
+        learning_rate: LearningRate,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
+        loss_scale_factor: float | None = None,
+        gradient_accumulation_steps: int | None = None,
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         kwargs.pop("decay", None)  # Keras 2 argument, accepted and ignored like Keras 3.
         if kwargs:
             raise ValueError(
@@ -200,7 +205,7 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
         self._variables.insert(1, self._variables.pop())
 
     @property
-    def learning_rate(self):
+    def learning_rate(self) -> Array:
         """The current learning rate (a backend scalar)."""
         lr = self._learning_rate
         if isinstance(lr, LearningRateSchedule):
@@ -210,11 +215,11 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
         return lr()
 
     @learning_rate.setter
-    def learning_rate(self, learning_rate):
+    def learning_rate(self, learning_rate: LearningRate) -> None:
         self._set_learning_rate(learning_rate)
 
     @property
-    def iterations(self):
+    def iterations(self) -> Variable | Array:
         """Optimizer steps taken (`raw steps // gradient_accumulation_steps`).
 
         The `Variable` itself without gradient accumulation, else an array.
@@ -231,11 +236,11 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
         )
 
     @iterations.setter
-    def iterations(self, value):
+    def iterations(self, value: int) -> None:
         validation.check_number("iterations", int(value), low=0, integer=True)
         self._iterations.assign(int(value) * (self.gradient_accumulation_steps or 1))
 
-    def build(self, var_list):
+    def build(self, var_list: Sequence[Variable | Array]) -> None:
         """Creates the optimizer's state for `var_list` (called by `apply`)."""
         var_list = self._as_variables(var_list, "var_list")
         if not var_list:
@@ -260,7 +265,7 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
             ]
         self.built = True
 
-    def update_step(self, gradient, variable, learning_rate):
+    def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
         """Applies the update rule to one variable; subclasses implement it."""
         raise NotImplementedError(
             f"{type(self).__name__} must implement `update_step(gradient, variable, "
@@ -268,13 +273,19 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
         )
 
     # --- applying -----------------------------------------------------------
-    def apply_gradients(self, grads_and_vars):
+    def apply_gradients(
+        self, grads_and_vars: Iterable[tuple[Array | None, Variable | Array]]
+    ) -> Variable | Array:
         """Applies `(gradient, variable)` pairs; returns `iterations`."""
         grads, variables = zip(*grads_and_vars)
         self.apply(list(grads), list(variables))
         return self.iterations
 
-    def apply(self, grads, trainable_variables=None):
+    def apply(
+        self,
+        grads: Sequence[Array | None],
+        trainable_variables: Sequence[Variable | Array] | None = None,
+    ) -> None:
         """Updates trainable variables according to the gradients.
 
         Args:
@@ -331,14 +342,14 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
         """Everything an update may write: model variables, then optimizer state."""
         return self._trainable_variables + self.variables
 
-    def finalize_variable_values(self, var_list):
+    def finalize_variable_values(self, var_list: Sequence[Variable | Array]) -> None:
         """Writes the EMA into `var_list` when `use_ema=True`; otherwise does nothing."""
         if self.use_ema:
             ema.overwrite_with_averages(
                 [self._as_variable(v) for v in var_list], self._model_variables_moving_average
             )
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: Array) -> Array:
         """Multiplies `loss` by `loss_scale_factor` when it is set."""
         if self.loss_scale_factor is not None:
             return loss * self.loss_scale_factor

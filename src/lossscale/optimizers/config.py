@@ -5,9 +5,16 @@ names, so the config is read off the signatures of the class hierarchy and
 never written by hand.
 """
 
-import inspect
+from __future__ import annotations
 
+import inspect
+from typing import Any, TypeVar
+
+from lossscale.typing import Config
 from lossscale.variables import Variable
+
+# `from_config` returns an instance of the class it is called on.
+_ConfigT = TypeVar("_ConfigT", bound="ConfigMixin")
 
 
 class ConfigMixin:
@@ -25,7 +32,7 @@ class ConfigMixin:
                     keys.append(p.name)
         return keys
 
-    def get_config(self):
+    def get_config(self) -> Config:
         """Returns the optimizer's config: every constructor argument, by name."""
         from lossscale import serialization
 
@@ -37,7 +44,9 @@ class ConfigMixin:
         return config
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(
+        cls: type[_ConfigT], config: Config, custom_objects: dict[str, Any] | None = None
+    ) -> _ConfigT:
         """Creates an optimizer from its config (the reverse of `get_config`).
 
         Args:

@@ -1,7 +1,14 @@
 """FTRL-Proximal: follow the regularized leader, with L1/L2 shrinkage."""
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 from lossscale import validation
 from lossscale.optimizers.base import Optimizer
+from lossscale.typing import Array, LearningRate
+from lossscale.variables import Variable
 
 
 class Ftrl(Optimizer):
@@ -60,16 +67,16 @@ class Ftrl(Optimizer):
 
     def __init__(
         self,
-        learning_rate=0.001,
-        learning_rate_power=-0.5,
-        initial_accumulator_value=0.1,
-        l1_regularization_strength=0.0,
-        l2_regularization_strength=0.0,
-        l2_shrinkage_regularization_strength=0.0,
-        beta=0.0,
-        name="ftrl",
-        **kwargs,
-    ):
+        learning_rate: LearningRate = 0.001,
+        learning_rate_power: float = -0.5,
+        initial_accumulator_value: float = 0.1,
+        l1_regularization_strength: float = 0.0,
+        l2_regularization_strength: float = 0.0,
+        l2_shrinkage_regularization_strength: float = 0.0,
+        beta: float = 0.0,
+        name: str = "ftrl",
+        **kwargs: Any,
+    ) -> None:
         check = validation.check_number
         check("learning_rate_power", learning_rate_power, high=0)
         check("initial_accumulator_value", initial_accumulator_value, low=0)
@@ -85,7 +92,7 @@ class Ftrl(Optimizer):
         self.l2_shrinkage_regularization_strength = l2_shrinkage_regularization_strength
         self.beta = beta
 
-    def build(self, var_list):
+    def build(self, var_list: Sequence[Variable | Array]) -> None:
         if self.built:
             return
         super().build(var_list)
@@ -95,7 +102,7 @@ class Ftrl(Optimizer):
             initializer=[float(self.initial_accumulator_value), "zeros"],
         )
 
-    def update_step(self, gradient, variable, learning_rate):
+    def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
         ops = self._ops
         lr = ops.cast(learning_rate, variable.dtype)
         gradient = ops.cast(gradient, variable.dtype)

@@ -1,7 +1,14 @@
 """Lamb: Adam steps rescaled per layer by a trust ratio."""
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 from lossscale.optimizers import moments
 from lossscale.optimizers.base import Optimizer
+from lossscale.typing import Array, LearningRate
+from lossscale.variables import Variable
 
 
 class Lamb(Optimizer):
@@ -44,21 +51,27 @@ class Lamb(Optimizer):
     update_kernel = "lamb"
 
     def __init__(
-        self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name="lamb", **kwargs
-    ):
+        self,
+        learning_rate: LearningRate = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        name: str = "lamb",
+        **kwargs: Any,
+    ) -> None:
         moments.check_rates(beta_1, beta_2, epsilon)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.beta_1 = beta_1
         self.beta_2 = beta_2
         self.epsilon = epsilon
 
-    def build(self, var_list):
+    def build(self, var_list: Sequence[Variable | Array]) -> None:
         if self.built:
             return
         super().build(var_list)
         self._momentums, self._velocities = moments.add_moments(self, var_list)
 
-    def update_step(self, gradient, variable, learning_rate):
+    def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
         ops = self._ops
         dtype = variable.dtype
         lr = ops.cast(learning_rate, dtype)

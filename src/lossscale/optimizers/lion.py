@@ -1,7 +1,14 @@
 """Lion: sign-based updates from an interpolated momentum."""
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 from lossscale import validation
 from lossscale.optimizers.base import Optimizer
+from lossscale.typing import Array, LearningRate
+from lossscale.variables import Variable
 
 
 class Lion(Optimizer):
@@ -39,20 +46,27 @@ class Lion(Optimizer):
 
     update_kernel = "lion"
 
-    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.99, name="lion", **kwargs):
+    def __init__(
+        self,
+        learning_rate: LearningRate = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
+        name: str = "lion",
+        **kwargs: Any,
+    ) -> None:
         validation.check_number("beta_1", beta_1, low=0, low_open=True, high=1)
         validation.check_number("beta_2", beta_2, low=0, high=1, high_open=True)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.beta_1 = beta_1
         self.beta_2 = beta_2
 
-    def build(self, var_list):
+    def build(self, var_list: Sequence[Variable | Array]) -> None:
         if self.built:
             return
         super().build(var_list)
         self._momentums = self.add_optimizer_variables(var_list, "momentum")
 
-    def update_step(self, gradient, variable, learning_rate):
+    def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
         ops = self._ops
         dtype = variable.dtype
         lr = ops.cast(learning_rate, dtype)

@@ -1,7 +1,11 @@
 """`LossScaleOptimizer`: dynamic loss scaling around any optimizer."""
 
+from __future__ import annotations
+
 import dataclasses
 import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from lossscale.mixed_precision.host_state import HostStateMixin
 from lossscale.mixed_precision.loss_scale import HISTORY_LENGTH, LossScalePolicy, state_fields
@@ -9,6 +13,11 @@ from lossscale.mixed_precision.telemetry import UnscaledLossWarning, unscaled_lo
 from lossscale.optimizers.base import Optimizer
 from lossscale.optimizers.loss_scale_step import LossScaleStepMixin
 from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
+from lossscale.typing import Array, Config, LearningRate
+from lossscale.variables import Variable
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 # Base-optimizer arguments and their defaults: the wrapper accepts only the
 # defaults, since these settings belong to the inner optimizer.
@@ -128,22 +137,22 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMix
 
     def __init__(
         self,
-        inner_optimizer,
-        initial_scale=2.0**15,
-        dynamic_growth_steps=2000,
-        name=None,
+        inner_optimizer: Optimizer | Any,
+        initial_scale: float = 2.0**15,
+        dynamic_growth_steps: int = 2000,
+        name: str | None = None,
         *,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        hysteresis=1,
-        min_scale=None,
-        max_scale=None,
-        max_consecutive_skips=None,
-        growth_policy="fixed",
-        telemetry=False,
-        process_group=None,
-        **kwargs,
-    ):
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        max_consecutive_skips: int | None = None,
+        growth_policy: str = "fixed",
+        telemetry: bool = False,
+        process_group: ProcessGroup | None = None,
+        **kwargs: Any,
+    ) -> None:
         arguments = dict(locals())  # first: holds exactly the named arguments
         settings = {f.name: arguments[f.name] for f in dataclasses.fields(LossScalePolicy)}
         if not kwargs.pop("dynamic", True):
@@ -205,7 +214,7 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMix
             name=name,
         )
 
-    def build(self, var_list):
+    def build(self, var_list: Sequence[Variable | Array]) -> None:
         """Moves the wrapper's state to the model's backend and builds the inner optimizer."""
         if self.built:
             return
@@ -225,12 +234,16 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMix
         self.inner_optimizer.build(var_list)
 
     @property
-    def variables(self):
+    def variables(self) -> list[Variable]:
         """The wrapper's own variables, then the inner optimizer's."""
         return self._variables + self.inner_optimizer.variables
 
     # --- one step -----------------------------------------------------------
-    def apply(self, grads, trainable_variables=None):
+    def apply(
+        self,
+        grads: Sequence[Array | None],
+        trainable_variables: Sequence[Variable | Array] | None = None,
+    ) -> None:
         """Applies the unscaled gradients unless they overflow; adapts the scale.
 
         Warns once (`UnscaledLossWarning`) if `scale_loss` was never called.
@@ -247,7 +260,7 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMix
         super().apply(grads, trainable_variables)
         self.check()
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: Array) -> Array:
         """Multiplies `loss` by the current loss scale.
 
         That is `initial_scale` until a step (or a loaded checkpoint) changes
@@ -259,31 +272,35 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMix
 
     # --- delegation to the inner optimizer -----------------------------------
     @property
-    def learning_rate(self):
+    def learning_rate(self) -> Array:
         return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
-    def learning_rate(self, learning_rate):
+    def learning_rate(self, learning_rate: LearningRate) -> None:
         self.inner_optimizer.learning_rate = learning_rate
 
     @property
-    def iterations(self):
+    def iterations(self) -> Variable | Array:
         return self.inner_optimizer.iterations
 
     @iterations.setter
-    def iterations(self, value):
+    def iterations(self, value: int) -> None:
         self.inner_optimizer.iterations = value
 
-    def finalize_variable_values(self, var_list):
+    def finalize_variable_values(self, var_list: Sequence[Variable | Array]) -> None:
         """Delegates to the inner optimizer."""
         self.inner_optimizer.finalize_variable_values(var_list)
 
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+    def exclude_from_weight_decay(
+        self,
+        var_list: Sequence[Variable | Array] | None = None,
+        var_names: Sequence[str] | None = None,
+    ) -> None:
         """Delegates to the inner optimizer, which applies the weight decay."""
         self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     # --- configuration ----------------------------------------------------------
-    def get_config(self):
+    def get_config(self) -> Config:
         """Keras's keys, plus each beyond-Keras setting that differs from its default.
 
         With the defaults the config equals Keras's, so Keras can read it.
@@ -297,7 +314,9 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMix
         }
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(
+        cls, config: Config, custom_objects: dict[str, Any] | None = None
+    ) -> LossScaleOptimizer:
         from lossscale import serialization, validation
 
         validation.check_config(cls, config, accepted=cls._config_keys())
@@ -308,14 +327,15 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMix
         return cls(inner, **config)
 
 
-def _policy_property(name):
-    return property(
-        lambda self: getattr(self.policy, name),
-        doc=f"The `{name}` setting (read-only; see the class docstring).",
-    )
+def _policy_property(field):
+    def read(self):
+        return getattr(self.policy, field.name)
+
+    read.__annotations__["return"] = field.type  # the policy field's own type
+    return property(read, doc=f"The `{field.name}` setting (read-only; see the class docstring).")
 
 
 # Each setting reads through to the policy: the dataclass is the one list.
 for _field in dataclasses.fields(LossScalePolicy):
-    setattr(LossScaleOptimizer, _field.name, _policy_property(_field.name))
+    setattr(LossScaleOptimizer, _field.name, _policy_property(_field))
 del _field

@@ -15,7 +15,10 @@ Adam, AdamW and SGD fold it into their own arithmetic (no select, no
 `ops.cond`. Nothing reads the flag on the host.
 """
 
+from __future__ import annotations
+
 import functools
+from collections.abc import Sequence
 
 from lossscale.mixed_precision.loss_scale import (
     STATE_FIELD_NAMES,
@@ -23,6 +26,7 @@ from lossscale.mixed_precision.loss_scale import (
     may_apply,
     next_loss_scale,
 )
+from lossscale.typing import Array
 
 
 class LossScaleStepMixin:
@@ -87,7 +91,7 @@ class LossScaleStepMixin:
         self._write_state(ops, state, new)
 
     @property
-    def last_step_applied(self):
+    def last_step_applied(self) -> Array | None:
         """Whether the last `apply` was applied (a backend boolean scalar), or None before one.
 
         False for a skipped (overflowing) step. A device value on torch:
@@ -179,7 +183,7 @@ class LossScaleStepMixin:
             }
         )
 
-    def check_finite(self, grads):
+    def check_finite(self, grads: Sequence[Array | None]) -> Array:
         """Returns a backend boolean scalar: whether every non-`None` gradient is finite."""
         present = [g for g in grads if g is not None]
         return self._ops_of(present).all_finite(present)

@@ -1,7 +1,14 @@
 """Nadam: Adam with Nesterov momentum."""
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 from lossscale.optimizers import moments
 from lossscale.optimizers.base import Optimizer
+from lossscale.typing import Array, LearningRate
+from lossscale.variables import Variable
 
 
 class Nadam(Optimizer):
@@ -51,15 +58,21 @@ class Nadam(Optimizer):
     schedule_decay = 0.96
 
     def __init__(
-        self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name="nadam", **kwargs
-    ):
+        self,
+        learning_rate: LearningRate = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        name: str = "nadam",
+        **kwargs: Any,
+    ) -> None:
         moments.check_rates(beta_1, beta_2, epsilon)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.beta_1 = beta_1
         self.beta_2 = beta_2
         self.epsilon = epsilon
 
-    def build(self, var_list):
+    def build(self, var_list: Sequence[Variable | Array]) -> None:
         if self.built:
             return
         super().build(var_list)
@@ -79,7 +92,7 @@ class Nadam(Optimizer):
         self.assign(u_product, u_product.value * u_t)
         super()._update_variables(grads, variables, learning_rate)
 
-    def update_step(self, gradient, variable, learning_rate):
+    def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
         ops = self._ops
         dtype = variable.dtype
         lr = ops.cast(learning_rate, dtype)

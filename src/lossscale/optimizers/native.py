@@ -8,10 +8,16 @@ imported here: an object can only be a
 library is already loaded, so only loaded libraries are consulted.
 """
 
+from __future__ import annotations
+
 import sys
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from lossscale.typing import Array
 
 
-def wrap_native(optimizer):
+def wrap_native(optimizer: Any) -> Any:
     """Returns `optimizer` wrapped in its adapter, or unchanged if it needs none.
 
     A `torch.optim.Optimizer` becomes a `TorchOptimizer` and an
@@ -63,7 +69,7 @@ class NativeInnerStateMixin:
         inner = getattr(self, "inner_optimizer", None)
         return inner if getattr(inner, "keeps_native_state", False) else None
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The optimizer's state; with a native inner optimizer, its `state_dict()`
         carrying this wrapper's variables in `optimizer_variables`."""
         inner = self._native_inner()
@@ -71,7 +77,7 @@ class NativeInnerStateMixin:
             return super().state_dict()
         return inner.state_dict(extra_variables=self._variables)
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores the state written by `state_dict()` (checked before writing)."""
         inner = self._native_inner()
         if inner is None:
@@ -79,14 +85,14 @@ class NativeInnerStateMixin:
             return
         inner.load_state_dict(state_dict, extra_variables=self._variables)
 
-    def save_own_variables(self, store):
+    def save_own_variables(self, store: MutableMapping[str, Array]) -> None:
         """Writes every variable to `store`; raises if the inner optimizer keeps native state."""
         inner = self._native_inner()
         if inner is not None:
             inner.save_own_variables(store)  # raises, naming `state_dict()`
         super().save_own_variables(store)
 
-    def load_own_variables(self, store):
+    def load_own_variables(self, store: Mapping[str, Array]) -> None:
         """Restores the variables from `store`; raises if the inner optimizer keeps native state."""
         inner = self._native_inner()
         if inner is not None:

@@ -1,7 +1,14 @@
 """RMSprop: divide the gradient by a running root mean square of its history."""
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 from lossscale import validation
 from lossscale.optimizers.base import Optimizer
+from lossscale.typing import Array, LearningRate
+from lossscale.variables import Variable
 
 
 class RMSprop(Optimizer):
@@ -51,14 +58,14 @@ class RMSprop(Optimizer):
 
     def __init__(
         self,
-        learning_rate=0.001,
-        rho=0.9,
-        momentum=0.0,
-        epsilon=1e-7,
-        centered=False,
-        name="rm_sprop",
-        **kwargs,
-    ):
+        learning_rate: LearningRate = 0.001,
+        rho: float = 0.9,
+        momentum: float = 0.0,
+        epsilon: float = 1e-7,
+        centered: bool = False,
+        name: str = "rm_sprop",
+        **kwargs: Any,
+    ) -> None:
         validation.check_number("rho", rho, low=0, high=1, high_open=True)
         validation.check_number("momentum", momentum, low=0, high=1)
         validation.check_number("epsilon", epsilon, low=0, low_open=True)
@@ -69,7 +76,7 @@ class RMSprop(Optimizer):
         self.epsilon = epsilon
         self.centered = centered
 
-    def build(self, var_list):
+    def build(self, var_list: Sequence[Variable | Array]) -> None:
         if self.built:
             return
         super().build(var_list)
@@ -81,7 +88,7 @@ class RMSprop(Optimizer):
             self.add_optimizer_variables(var_list, "average_gradient") if self.centered else []
         )
 
-    def update_step(self, gradient, variable, learning_rate):
+    def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
         ops = self._ops
         lr = ops.cast(learning_rate, variable.dtype)
         gradient = ops.cast(gradient, variable.dtype)

@@ -1,7 +1,14 @@
 """Stochastic gradient descent, with optional (Nesterov) momentum."""
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 from lossscale import validation
 from lossscale.optimizers.base import Optimizer
+from lossscale.typing import Array, LearningRate
+from lossscale.variables import Variable
 
 
 class SGD(Optimizer):
@@ -34,14 +41,21 @@ class SGD(Optimizer):
 
     update_kernel = "sgd"
 
-    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, name="sgd", **kwargs):
+    def __init__(
+        self,
+        learning_rate: LearningRate = 0.01,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        name: str = "sgd",
+        **kwargs: Any,
+    ) -> None:
         validation.check_number("momentum", momentum, low=0, high=1)
         validation.check_bool("nesterov", nesterov)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.momentum = momentum
         self.nesterov = nesterov
 
-    def build(self, var_list):
+    def build(self, var_list: Sequence[Variable | Array]) -> None:
         if self.built:
             return
         super().build(var_list)
@@ -49,7 +63,7 @@ class SGD(Optimizer):
             self.add_optimizer_variables(var_list, "momentum") if self.momentum != 0 else []
         )
 
-    def update_step(self, gradient, variable, learning_rate):
+    def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
         ops = self._ops
         lr = ops.cast(learning_rate, variable.dtype)
         gradient = ops.cast(gradient, variable.dtype)

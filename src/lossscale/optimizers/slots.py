@@ -6,8 +6,14 @@ how raw native arrays are wrapped once, and the `assign*` hooks update rules
 write through.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, overload
+
 from lossscale.backends import common_backend, get_ops
 from lossscale.optimizers.weight_decay import WeightDecayExclusions
+from lossscale.typing import Array, Initializer, Shape
 from lossscale.variables import Variable
 
 
@@ -15,7 +21,7 @@ class SlotsMixin:
     """Variable creation and lookup for `Optimizer`."""
 
     @property
-    def variables(self):
+    def variables(self) -> list[Variable]:
         """Every variable holding this optimizer's state, in creation order."""
         return self._variables[:]
 
@@ -36,8 +42,14 @@ class SlotsMixin:
         return variables
 
     def add_variable(
-        self, shape, initializer="zeros", dtype=None, aggregation="none", layout=None, name=None
-    ):
+        self,
+        shape: Shape,
+        initializer: Initializer = "zeros",
+        dtype: str | None = None,
+        aggregation: str | None = "none",
+        layout: Any = None,
+        name: str | None = None,
+    ) -> Variable:
         """Adds a (non-trainable) variable to the optimizer.
 
         Args:
@@ -71,7 +83,12 @@ class SlotsMixin:
         self._variables.append(variable)
         return variable
 
-    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+    def add_variable_from_reference(
+        self,
+        reference_variable: Variable | Array,
+        name: str | None = None,
+        initializer: Initializer = "zeros",
+    ) -> Variable:
         """Adds a variable shaped like `reference_variable`.
 
         Its name is `{reference path with "/" as "_"}_{name}`; `name`
@@ -94,7 +111,28 @@ class SlotsMixin:
         self._variables.append(variable)
         return variable
 
-    def add_optimizer_variables(self, trainable_variables, name, initializer="zeros"):
+    @overload
+    def add_optimizer_variables(
+        self,
+        trainable_variables: Sequence[Variable | Array],
+        name: str,
+        initializer: Initializer = "zeros",
+    ) -> list[Variable | None]: ...
+
+    @overload
+    def add_optimizer_variables(
+        self,
+        trainable_variables: Sequence[Variable | Array],
+        name: Sequence[str],
+        initializer: Initializer | Sequence[Initializer] = "zeros",
+    ) -> tuple[list[Variable | None], ...]: ...
+
+    def add_optimizer_variables(
+        self,
+        trainable_variables: Sequence[Variable | Array],
+        name: str | Sequence[str],
+        initializer: Initializer | Sequence[Initializer] = "zeros",
+    ) -> list[Variable | None] | tuple[list[Variable | None], ...]:
         """Adds one slot variable per trainable variable, for one or several names.
 
         Overwrite-with-gradient variables get `None` instead of a slot.
@@ -131,7 +169,11 @@ class SlotsMixin:
     def _get_variable_index(self, variable):
         return self._indices[id(variable)]
 
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+    def exclude_from_weight_decay(
+        self,
+        var_list: Sequence[Variable | Array] | None = None,
+        var_names: Sequence[str] | None = None,
+    ) -> None:
         """Excludes variables from weight decay (call before `build`).
 
         Args:
@@ -148,15 +190,15 @@ class SlotsMixin:
             [self._as_variable(v) for v in var_list or ()], var_names
         )
 
-    def assign(self, variable, value):
+    def assign(self, variable: Variable | Array, value: Array) -> None:
         """Assigns `value` to `variable` (a `Variable` or a mutable native array)."""
         self._assign("assign", variable, value)
 
-    def assign_add(self, variable, value):
+    def assign_add(self, variable: Variable | Array, value: Array) -> None:
         """Adds `value` to `variable`."""
         self._assign("assign_add", variable, value)
 
-    def assign_sub(self, variable, value):
+    def assign_sub(self, variable: Variable | Array, value: Array) -> None:
         """Subtracts `value` from `variable`."""
         self._assign("assign_sub", variable, value)
 

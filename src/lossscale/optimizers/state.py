@@ -12,11 +12,16 @@ Two forms of the same state:
   docs/torch.md.
 """
 
+from __future__ import annotations
+
 import inspect
 import numbers
 import warnings
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any
 
 from lossscale.backends import backend_of, get_ops
+from lossscale.typing import Array
 
 STATE_DICT_KEYS = ("state", "param_groups", "optimizer_variables")
 
@@ -25,7 +30,7 @@ class StateMixin:
     """`save_own_variables`, `load_own_variables`, `set_weights`, `state_dict` and
     `load_state_dict`."""
 
-    def save_own_variables(self, store):
+    def save_own_variables(self, store: MutableMapping[str, Array]) -> None:
         """Writes every variable, as a NumPy array, to `store["0"]`, `store["1"]`, ...
 
         The arrays are copies: a store is a snapshot that later steps do not
@@ -34,7 +39,7 @@ class StateMixin:
         for i, variable in enumerate(self.variables):
             store[str(i)] = variable.numpy()
 
-    def load_own_variables(self, store):
+    def load_own_variables(self, store: Mapping[str, Array]) -> None:
         """Restores the variables from a store written by `save_own_variables`.
 
         A store holding a different number of variables is not loaded: a
@@ -58,7 +63,7 @@ class StateMixin:
         for variable, value in zip(variables, values):
             variable.assign(value)
 
-    def set_weights(self, weights):
+    def set_weights(self, weights: Sequence[Array]) -> None:
         """Sets every optimizer variable from a list of arrays, in `variables` order."""
         if not self.built:
             raise ValueError(
@@ -76,7 +81,7 @@ class StateMixin:
         for variable, weight in zip(variables, weights):
             variable.assign(weight)
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """Returns the optimizer's state in the form torch optimizers use.
 
         ```
@@ -118,7 +123,7 @@ class StateMixin:
             "optimizer_variables": {path: v._ops.copy(v.value) for path, v in shared.items()},
         }
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores the state written by `state_dict()`, continuing its trajectory.
 
         The optimizer must be built, on variables of the same number and

@@ -7,8 +7,13 @@ read back and the bindings restored. Under `jax.jit` the values are tracers,
 so the same code compiles.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+
 from lossscale.backends import _common
 from lossscale.optimizers import gradients
+from lossscale.typing import Array
 
 
 class StatelessMixin:
@@ -19,7 +24,12 @@ class StatelessMixin:
     # aside. An attribute, not a context variable: `torch.compile` traces it.
     _stateless = False
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+    def stateless_apply(
+        self,
+        optimizer_variables: Sequence[Array],
+        grads: Sequence[Array | None],
+        trainable_variables: Sequence[Array],
+    ) -> tuple[list[Array], list[Array]]:
         """Stateless version of `apply` that returns modified values.
 
         Runs the same update as `apply` against the given values and leaves

@@ -4,8 +4,13 @@ Registered with `jax.tree_util` lazily, the first time a state is created
 after JAX was imported, so that importing lossscale never imports JAX.
 """
 
+from __future__ import annotations
+
 import collections.abc
 import sys
+from collections.abc import Iterator, Mapping
+
+from lossscale.typing import Array
 
 
 class OptimizerState(collections.abc.Mapping):
@@ -30,7 +35,7 @@ class OptimizerState(collections.abc.Mapping):
 
     __slots__ = ("_values",)
 
-    def __init__(self, values):
+    def __init__(self, values: Mapping[str, Array]) -> None:
         if not isinstance(values, collections.abc.Mapping):
             raise TypeError(
                 "`values` must be a mapping from names to arrays. "
@@ -42,7 +47,7 @@ class OptimizerState(collections.abc.Mapping):
         _register_with_jax()
         self._values = {name: values[name] for name in sorted(values)}
 
-    def __getitem__(self, name):
+    def __getitem__(self, name: str) -> Array:
         try:
             return self._values[name]
         except KeyError:
@@ -50,13 +55,13 @@ class OptimizerState(collections.abc.Mapping):
                 f"No optimizer variable named {name!r}. Known: {list(self._values)}"
             ) from None
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self._values)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._values)
 
-    def replace(self, **updates):
+    def replace(self, **updates: Array) -> OptimizerState:
         """Returns a copy with some values replaced (names must exist).
 
         Names holding `/` are passed through a dict: `state.replace(**{

@@ -1,6 +1,10 @@
 """`Transform`: an optimizer as pure `init`/`apply` functions of pytrees."""
 
+from __future__ import annotations
+
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 from lossscale import validation
 from lossscale.backends import common_backend
@@ -9,6 +13,7 @@ from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from lossscale.pytree import _templates
 from lossscale.pytree._flatten import flatten, jax_in_use, unflatten
 from lossscale.pytree._state import OptimizerState
+from lossscale.typing import Array, PyTree
 
 # The optimizers given to `transform`: blueprints, never built by it, whose
 # state is in the pytrees `init` and `apply` return (`lossscale.saving` says
@@ -16,7 +21,7 @@ from lossscale.pytree._state import OptimizerState
 _BLUEPRINTS = weakref.WeakSet()
 
 
-def is_blueprint(optimizer):
+def is_blueprint(optimizer: Optimizer) -> bool:
     """Whether `optimizer` was given to `transform` (and so holds no training state)."""
     return optimizer in _BLUEPRINTS
 
@@ -54,7 +59,7 @@ class Transform:
         (array([0.5, 0.5], dtype=float32), 1)
     """
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer: Optimizer) -> None:
         if not isinstance(optimizer, Optimizer):
             raise ValueError(
                 "`optimizer` must be a lossscale.optimizers.Optimizer instance. "
@@ -86,11 +91,11 @@ class Transform:
         _BLUEPRINTS.add(optimizer)
 
     @property
-    def optimizer(self):
+    def optimizer(self) -> Optimizer:
         """The optimizer given to `transform` (a blueprint: never built, holds no state)."""
         return self._optimizer
 
-    def names(self, params):
+    def names(self, params: PyTree) -> list[str]:
         """The state's names for `params`, in `optimizer.variables` order.
 
         Args:
@@ -102,7 +107,7 @@ class Transform:
         leaves, treedef, paths = flatten(params, "params", jax_in_use())
         return list(self._template(leaves, treedef, paths)[1])
 
-    def init(self, params):
+    def init(self, params: PyTree) -> OptimizerState:
         """Returns the initial optimizer state for `params`.
 
         Pure: it may run under `jax.jit`, `jax.vmap` (an ensemble's states)
@@ -121,7 +126,9 @@ class Transform:
         built = template if fresh else _templates.build(self._blueprint, leaves, paths)
         return OptimizerState(dict(zip(names, [v.value for v in built.variables])))
 
-    def apply(self, grads, state, params):
+    def apply(
+        self, grads: PyTree, state: OptimizerState, params: PyTree
+    ) -> tuple[PyTree, OptimizerState]:
         """Applies one optimizer step to a parameter pytree.
 
         Pure: nothing is mutated, so it may be wrapped in `jax.jit` or
@@ -184,7 +191,9 @@ class Transform:
         self._by_names.setdefault(frozenset(names), (template, names))
         return template, names, fresh
 
-    def jit(self, donate=True):
+    def jit(
+        self, donate: bool = True
+    ) -> Callable[[PyTree, OptimizerState, PyTree], tuple[PyTree, OptimizerState]]:
         """Returns `apply` compiled with `jax.jit`, donating `state` and `params`.
 
         Same signature and results as `apply`. JAX pairs donated inputs with
@@ -213,7 +222,7 @@ class Transform:
 
         return step
 
-    def scale_loss(self, loss, state):
+    def scale_loss(self, loss: Array, state: OptimizerState) -> Array:
         """Multiplies `loss` by the loss scale held in `state`.
 
         With a `LossScaleOptimizer` this is the current dynamic scale; with
@@ -223,13 +232,13 @@ class Transform:
             return loss * self.loss_scale(state)
         return self._blueprint.scale_loss(loss)
 
-    def loss_scale(self, state):
+    def loss_scale(self, state: OptimizerState) -> Array:
         """The current dynamic loss scale in `state` (`LossScaleOptimizer` only)."""
         optimizer = self._loss_scale_optimizer("loss_scale")
         _check_state_type(state)
         return state[optimizer.dynamic_scale.path]
 
-    def summary(self, state):
+    def summary(self, state: OptimizerState) -> dict[str, Any]:
         """The loss-scale state in `state` as Python values, for logging.
 
         Delegates to `LossScaleOptimizer.summary` (a host read: call it when
@@ -238,7 +247,7 @@ class Transform:
         template, names = self._known(state, "summary")
         return template.summary([state[n] for n in names])
 
-    def check(self, state):
+    def check(self, state: OptimizerState) -> None:
         """Raises `LossScaleError` if `state` records a crossed limit.
 
         The jitted step cannot raise; with `min_scale` or
@@ -273,7 +282,7 @@ class Transform:
         return f"<Transform optimizer={self._optimizer!r}>"
 
 
-def transform(optimizer):
+def transform(optimizer: Optimizer) -> Transform:
     """Wraps `optimizer` for pure, pytree-in/pytree-out use (see `Transform`).
 
     Args:

@@ -1,5 +1,14 @@
 """`LearningRateSchedule`: the base class users subclass."""
 
+from __future__ import annotations
+
+from typing import TypeVar
+
+from lossscale.typing import Array, Config
+
+# `from_config` returns an instance of the class it is called on.
+_ScheduleT = TypeVar("_ScheduleT", bound="LearningRateSchedule")
+
 
 class LearningRateSchedule:
     """A learning rate that depends on the optimizer's step.
@@ -21,19 +30,19 @@ class LearningRateSchedule:
         0.25
     """
 
-    def __call__(self, step):
+    def __call__(self, step: Array) -> Array:
         raise NotImplementedError(
             f"Learning rate schedule '{type(self).__name__}' must override `__call__(self, step)`."
         )
 
-    def get_config(self):
+    def get_config(self) -> Config:
         raise NotImplementedError(
             f"Learning rate schedule '{type(self).__name__}' must override `get_config()` in "
             "order to be serializable."
         )
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls: type[_ScheduleT], config: Config) -> _ScheduleT:
         """Instantiates a schedule from its config (checked against `__init__`)."""
         from lossscale import validation
 

@@ -1,5 +1,7 @@
 """Cosine schedules: `CosineDecay` (with linear warmup) and `CosineDecayRestarts`."""
 
+from __future__ import annotations
+
 import math
 
 import numpy as np
@@ -7,6 +9,7 @@ import numpy as np
 from lossscale import validation
 from lossscale.schedules import _common
 from lossscale.schedules.base import LearningRateSchedule
+from lossscale.typing import Array, Config
 
 
 def _cosine(ops, fraction, alpha):
@@ -57,13 +60,13 @@ class CosineDecay(LearningRateSchedule):
 
     def __init__(
         self,
-        initial_learning_rate,
-        decay_steps,
-        alpha=0.0,
-        name="CosineDecay",
-        warmup_target=None,
-        warmup_steps=0,
-    ):
+        initial_learning_rate: float,
+        decay_steps: float,
+        alpha: float = 0.0,
+        name: str = "CosineDecay",
+        warmup_target: float | None = None,
+        warmup_steps: float = 0,
+    ) -> None:
         validation.check_number("initial_learning_rate", initial_learning_rate, low=0)
         _common.check_decay_steps("decay_steps", decay_steps)
         validation.check_number("alpha", alpha, low=0, high=1)
@@ -77,7 +80,7 @@ class CosineDecay(LearningRateSchedule):
         self.warmup_target = warmup_target
         self.warmup_steps = warmup_steps
 
-    def __call__(self, step):
+    def __call__(self, step: Array) -> Array:
         ops, step = _common.float_step(step)
         if self.warmup_target is None:
             step = ops.minimum(step, self.decay_steps)
@@ -95,7 +98,7 @@ class CosineDecay(LearningRateSchedule):
         ) + self.initial_learning_rate
         return ops.where(step < self.warmup_steps, warming, decayed)
 
-    def get_config(self):
+    def get_config(self) -> Config:
         return _common.signature_config(self)
 
 
@@ -139,13 +142,13 @@ class CosineDecayRestarts(LearningRateSchedule):
 
     def __init__(
         self,
-        initial_learning_rate,
-        first_decay_steps,
-        t_mul=2.0,
-        m_mul=1.0,
-        alpha=0.0,
-        name="SGDRDecay",
-    ):
+        initial_learning_rate: float,
+        first_decay_steps: float,
+        t_mul: float = 2.0,
+        m_mul: float = 1.0,
+        alpha: float = 0.0,
+        name: str = "SGDRDecay",
+    ) -> None:
         validation.check_number("initial_learning_rate", initial_learning_rate, low=0)
         _common.check_decay_steps("first_decay_steps", first_decay_steps)
         validation.check_number("t_mul", t_mul, low=0, low_open=True)
@@ -159,7 +162,7 @@ class CosineDecayRestarts(LearningRateSchedule):
         self.alpha = alpha
         self.name = name
 
-    def __call__(self, step):
+    def __call__(self, step: Array) -> Array:
         ops, step = _common.float_step(step)
         fraction = step / self.first_decay_steps
         t_mul = self.t_mul
@@ -178,5 +181,5 @@ class CosineDecayRestarts(LearningRateSchedule):
         )
         return self.initial_learning_rate * (decayed + self.alpha)
 
-    def get_config(self):
+    def get_config(self) -> Config:
         return _common.signature_config(self)

@@ -1,8 +1,11 @@
 """`ExponentialDecay`: the learning rate shrinks by a constant factor per period."""
 
+from __future__ import annotations
+
 from lossscale import validation
 from lossscale.schedules import _common
 from lossscale.schedules.base import LearningRateSchedule
+from lossscale.typing import Array, Config
 
 
 class ExponentialDecay(LearningRateSchedule):
@@ -31,12 +34,12 @@ class ExponentialDecay(LearningRateSchedule):
 
     def __init__(
         self,
-        initial_learning_rate,
-        decay_steps,
-        decay_rate,
-        staircase=False,
-        name="ExponentialDecay",
-    ):
+        initial_learning_rate: float,
+        decay_steps: float,
+        decay_rate: float,
+        staircase: bool = False,
+        name: str = "ExponentialDecay",
+    ) -> None:
         validation.check_number("initial_learning_rate", initial_learning_rate, low=0)
         _common.check_decay_steps("decay_steps", decay_steps)
         validation.check_number("decay_rate", decay_rate, low=0)
@@ -48,12 +51,12 @@ class ExponentialDecay(LearningRateSchedule):
         self.staircase = staircase
         self.name = name
 
-    def __call__(self, step):
+    def __call__(self, step: Array) -> Array:
         ops, step = _common.float_step(step)
         p = step / self.decay_steps
         if self.staircase:
             p = ops.floor(p)
         return self.initial_learning_rate * ops.power(self.decay_rate, p)
 
-    def get_config(self):
+    def get_config(self) -> Config:
         return _common.signature_config(self)

@@ -1,8 +1,11 @@
 """`InverseTimeDecay`: the learning rate falls as one over (1 + rate * time)."""
 
+from __future__ import annotations
+
 from lossscale import validation
 from lossscale.schedules import _common
 from lossscale.schedules.base import LearningRateSchedule
+from lossscale.typing import Array, Config
 
 
 class InverseTimeDecay(LearningRateSchedule):
@@ -30,12 +33,12 @@ class InverseTimeDecay(LearningRateSchedule):
 
     def __init__(
         self,
-        initial_learning_rate,
-        decay_steps,
-        decay_rate,
-        staircase=False,
-        name="InverseTimeDecay",
-    ):
+        initial_learning_rate: float,
+        decay_steps: float,
+        decay_rate: float,
+        staircase: bool = False,
+        name: str = "InverseTimeDecay",
+    ) -> None:
         validation.check_number("initial_learning_rate", initial_learning_rate, low=0)
         _common.check_decay_steps("decay_steps", decay_steps)
         validation.check_number("decay_rate", decay_rate, low=0)
@@ -47,12 +50,12 @@ class InverseTimeDecay(LearningRateSchedule):
         self.staircase = staircase
         self.name = name
 
-    def __call__(self, step):
+    def __call__(self, step: Array) -> Array:
         ops, step = _common.float_step(step)
         p = step / self.decay_steps
         if self.staircase:
             p = ops.floor(p)
         return self.initial_learning_rate / (1.0 + self.decay_rate * p)
 
-    def get_config(self):
+    def get_config(self) -> Config:
         return _common.signature_config(self)

@@ -1,12 +1,16 @@
 """`PiecewiseConstantDecay`: constant learning rates between step boundaries."""
 
+from __future__ import annotations
+
 import math
 import numbers
+from collections.abc import Sequence
 
 import numpy as np
 
 from lossscale.schedules import _common
 from lossscale.schedules.base import LearningRateSchedule
+from lossscale.typing import Array, Config
 
 
 class PiecewiseConstantDecay(LearningRateSchedule):
@@ -35,7 +39,12 @@ class PiecewiseConstantDecay(LearningRateSchedule):
         [1.0, 0.5, 0.1]
     """
 
-    def __init__(self, boundaries, values, name="PiecewiseConstant"):
+    def __init__(
+        self,
+        boundaries: Sequence[float],
+        values: Sequence[float],
+        name: str = "PiecewiseConstant",
+    ) -> None:
         boundaries, values = _number_list("boundaries", boundaries), _number_list("values", values)
         if not boundaries or any(b >= c for b, c in zip(boundaries, boundaries[1:])):
             raise ValueError(
@@ -53,7 +62,7 @@ class PiecewiseConstantDecay(LearningRateSchedule):
         self.values = values
         self.name = name
 
-    def __call__(self, step):
+    def __call__(self, step: Array) -> Array:
         ops, _ = _common.float_step(step)
         # Compare in the step's own dtype: an integer step against a float
         # boundary b behaves as against floor(b), like Keras's cast.
@@ -72,7 +81,7 @@ class PiecewiseConstantDecay(LearningRateSchedule):
             result = result + mask(ops.logical_and(step > low, step <= high)) * value
         return result
 
-    def get_config(self):
+    def get_config(self) -> Config:
         return _common.signature_config(self)
 
 

@@ -1,8 +1,11 @@
 """`PolynomialDecay`: a polynomial ramp from the initial to the end learning rate."""
 
+from __future__ import annotations
+
 from lossscale import validation
 from lossscale.schedules import _common
 from lossscale.schedules.base import LearningRateSchedule
+from lossscale.typing import Array, Config
 
 
 class PolynomialDecay(LearningRateSchedule):
@@ -42,13 +45,13 @@ class PolynomialDecay(LearningRateSchedule):
 
     def __init__(
         self,
-        initial_learning_rate,
-        decay_steps,
-        end_learning_rate=0.0001,
-        power=1.0,
-        cycle=False,
-        name="PolynomialDecay",
-    ):
+        initial_learning_rate: float,
+        decay_steps: float,
+        end_learning_rate: float = 0.0001,
+        power: float = 1.0,
+        cycle: bool = False,
+        name: str = "PolynomialDecay",
+    ) -> None:
         validation.check_number("initial_learning_rate", initial_learning_rate, low=0)
         _common.check_decay_steps("decay_steps", decay_steps)
         validation.check_number("end_learning_rate", end_learning_rate, low=0)
@@ -62,7 +65,7 @@ class PolynomialDecay(LearningRateSchedule):
         self.cycle = cycle
         self.name = name
 
-    def __call__(self, step):
+    def __call__(self, step: Array) -> Array:
         ops, step = _common.float_step(step)
         if self.cycle:
             # ceil(x) == -floor(-x); step 0 counts as inside the first period.
@@ -76,5 +79,5 @@ class PolynomialDecay(LearningRateSchedule):
             1.0 - p, self.power
         ) + self.end_learning_rate
 
-    def get_config(self):
+    def get_config(self) -> Config:
         return _common.signature_config(self)

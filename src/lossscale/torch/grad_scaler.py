@@ -12,7 +12,10 @@ extras of `LossScalePolicy`, agreement over a process group, and a guard
 against gradients that overflow only once unscaled.
 """
 
+from __future__ import annotations
+
 import numbers
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +31,9 @@ from lossscale.mixed_precision.loss_scale import (
 )
 from lossscale.mixed_precision.telemetry import LossScaleError
 from lossscale.torch import scaler_checks, scaler_state
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 _OPS = get_ops("torch")
 # After an update the scale is at least `backoff_factor` times what it was,
@@ -133,21 +139,21 @@ class GradScaler(
 
     def __init__(
         self,
-        device="cuda",
-        init_scale=2.0**16,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=2000,
-        enabled=True,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
         *,
-        hysteresis=1,
-        min_scale=None,
-        max_scale=None,
-        max_consecutive_skips=None,
-        growth_policy="fixed",
-        telemetry=False,
-        process_group=None,
-    ):
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        max_consecutive_skips: int | None = None,
+        growth_policy: str = "fixed",
+        telemetry: bool = False,
+        process_group: ProcessGroup | None = None,
+    ) -> None:
         validation.check_bool("enabled", enabled)
         check = validation.check_number
         check("init_scale", init_scale, low=0, low_open=True, high=MAX_SCALE)
@@ -187,12 +193,12 @@ class GradScaler(
         self._scale_bound = 0.0
 
     @property
-    def policy(self):
+    def policy(self) -> LossScalePolicy:
         """The `LossScalePolicy`: torch's settings and the extras."""
         return self._policy
 
     @property
-    def process_group(self):
+    def process_group(self) -> ProcessGroup | None:
         """The process group whose ranks take one skip decision, or `None`."""
         return self._process_group
 
@@ -237,7 +243,7 @@ class GradScaler(
 
     # -- the update ----------------------------------------------------------
 
-    def update(self, new_scale=None):
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Updates the scale from this iteration's overflow checks (see the class docstring).
 
         Args:
@@ -314,7 +320,7 @@ class GradScaler(
             self._scale_bound = float(np.float32(new_scale))
         self._per_optimizer_states.clear()
 
-    def get_scale(self):
+    def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled); reads the device."""
         value = super().get_scale()
         if self._enabled and self._scale is not None:

@@ -21,7 +21,11 @@ which every lossscale write honours. A native `step()` writes on its own, so und
 torch is imported when an adapter is made, never by importing lossscale.
 """
 
+from __future__ import annotations
+
 import inspect
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from lossscale import validation
 from lossscale.optimizers import clipping
@@ -29,6 +33,12 @@ from lossscale.optimizers.base import Optimizer
 from lossscale.schedules.base import LearningRateSchedule
 from lossscale.torch.native_messages import STATELESS_MESSAGE, store_message
 from lossscale.torch.native_state import NativeStateMixin
+from lossscale.typing import Array, Config
+
+if TYPE_CHECKING:
+    import torch
+
+    from lossscale.variables import Variable
 
 STATE_DICT_KEYS = ("state", "param_groups", "optimizer_variables")
 
@@ -108,8 +118,15 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
     keeps_native_state = True
 
     def __init__(
-        self, optimizer, name=None, *, clipnorm=None, clipvalue=None, global_clipnorm=None, **kwargs
-    ):
+        self,
+        optimizer: torch.optim.Optimizer,
+        name: str | None = None,
+        *,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        **kwargs: Any,
+    ) -> None:
         if kwargs:
             raise ValueError(
                 f"Argument(s) not recognized by TorchOptimizer: {sorted(kwargs)}. Accepted: "
@@ -152,7 +169,7 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
         return rates[0]
 
     @property
-    def learning_rate(self):
+    def learning_rate(self) -> float:
         """The native optimizer's learning rate, `param_groups[*]["lr"]`, as a float.
 
         Raises `AttributeError` if the param groups hold different rates
@@ -163,7 +180,7 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
         return self._native_learning_rate()
 
     @learning_rate.setter
-    def learning_rate(self, learning_rate):
+    def learning_rate(self, learning_rate: float) -> None:
         if isinstance(learning_rate, LearningRateSchedule) or callable(learning_rate):
             raise TypeError(
                 "The learning rate of a TorchOptimizer lives in the native optimizer's "
@@ -179,7 +196,7 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
                 group["lr"] = float(learning_rate)
 
     # --- building -----------------------------------------------------------
-    def build(self, var_list):
+    def build(self, var_list: Sequence[Variable | Array]) -> None:
         """Checks that `var_list` is exactly the native optimizer's parameters."""
         if self.built:
             return
@@ -291,11 +308,16 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
         return True
 
     # --- what is not supported ------------------------------------------------
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+    def stateless_apply(
+        self,
+        optimizer_variables: Sequence[Array],
+        grads: Sequence[Array | None],
+        trainable_variables: Sequence[Array],
+    ) -> tuple[list[Array], list[Array]]:
         """Not supported: raises `NotImplementedError` (see the class docstring)."""
         raise NotImplementedError(STATELESS_MESSAGE)
 
-    def get_config(self):
+    def get_config(self) -> Config:
         """Not supported: raises `NotImplementedError`.
 
         A live `torch.optim.Optimizer` holds its parameters, which no config
@@ -309,15 +331,19 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
             "(torch.save) instead."
         )
 
-    def save_own_variables(self, store):
+    def save_own_variables(self, store: MutableMapping[str, Array]) -> None:
         """Not supported: raises `NotImplementedError`; use `state_dict()`."""
         raise NotImplementedError(store_message("save_own_variables", self.optimizer))
 
-    def load_own_variables(self, store):
+    def load_own_variables(self, store: Mapping[str, Array]) -> None:
         """Not supported: raises `NotImplementedError`; use `load_state_dict()`."""
         raise NotImplementedError(store_message("load_own_variables", self.optimizer))
 
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+    def exclude_from_weight_decay(
+        self,
+        var_list: Sequence[Variable | Array] | None = None,
+        var_names: Sequence[str] | None = None,
+    ) -> None:
         """Not supported: raises `NotImplementedError`.
 
         Weight decay is the native optimizer's: put the excluded parameters

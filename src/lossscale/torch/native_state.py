@@ -1,8 +1,15 @@
 """`state_dict` / `load_state_dict` of `TorchOptimizer`: the native state and the step counter."""
 
+from __future__ import annotations
+
 import copy
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from lossscale.torch.native_messages import check_value
+
+if TYPE_CHECKING:
+    from lossscale.variables import Variable
 
 STATE_DICT_KEYS = ("state", "param_groups", "optimizer_variables")
 
@@ -11,7 +18,7 @@ class NativeStateMixin:
     """The native optimizer's `state_dict()`, copied, plus the adapter's own variables."""
 
     # --- state ------------------------------------------------------------------
-    def state_dict(self, *, extra_variables=()):
+    def state_dict(self, *, extra_variables: Sequence[Variable] = ()) -> dict[str, Any]:
         """Returns the native optimizer's state dict plus the adapter's step counter.
 
         ```
@@ -40,7 +47,9 @@ class NativeStateMixin:
         }
         return state
 
-    def load_state_dict(self, state_dict, *, extra_variables=()):
+    def load_state_dict(
+        self, state_dict: dict[str, Any], *, extra_variables: Sequence[Variable] = ()
+    ) -> None:
         """Restores the state written by `state_dict()`.
 
         Everything is checked before anything is written: the keys, shapes

@@ -9,6 +9,11 @@ momentum or betas follow the group's `"lr"`, `"weight_decay"`, `"momentum"`
 and `"betas"`, so schedulers work as they do on torch's optimizers.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
 import torch
 
 from lossscale import validation
@@ -73,7 +78,11 @@ class Optimizer(optimizer_state.OptimizerStateMixin, torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, optimizer):
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer: LossscaleOptimizer,
+    ) -> None:
         if not isinstance(optimizer, LossscaleOptimizer) or isinstance(
             optimizer, LossScaleOptimizer
         ):
@@ -107,7 +116,7 @@ class Optimizer(optimizer_state.OptimizerStateMixin, torch.optim.Optimizer):
         self.last_step_applied = None
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group (torch's method) and the rule that runs it."""
         params = param_group["params"] if isinstance(param_group, dict) else param_group
         params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -135,7 +144,7 @@ class Optimizer(optimizer_state.OptimizerStateMixin, torch.optim.Optimizer):
         self._rules.append(rule)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Takes one step of every param group's rule (torch's signature).
 
         Args:
@@ -196,7 +205,7 @@ class Optimizer(optimizer_state.OptimizerStateMixin, torch.optim.Optimizer):
             setattr(rule, key, value)
 
     @property
-    def rules(self):
+    def rules(self) -> list[LossscaleOptimizer]:
         """The lossscale optimizer running each param group, in group order."""
         return list(self._rules)
 

@@ -18,13 +18,17 @@ every group before it writes anything, and restores the groups' hyper-
 parameters as torch's optimizers do (a scheduler's `initial_lr` included).
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 _OWN = "optimizer_variables"
 
 
 class OptimizerStateMixin:
     """Torch-layout state dicts over the rules of the param groups."""
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The state of every param group's rule, in torch's layout (copies).
 
         Returns:
@@ -41,7 +45,7 @@ class OptimizerStateMixin:
             offset += count
         return {"state": state, "param_groups": groups}
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores the state written by `state_dict()`; nothing is written unless all of it fits.
 
         Args:

@@ -17,9 +17,12 @@ keys) and we load torch's (the extra fields then start from their initial
 values).
 """
 
+from __future__ import annotations
+
 import dataclasses
 import math
 import numbers
+from typing import Any
 
 import numpy as np
 import torch
@@ -190,13 +193,13 @@ class ScalerStateMixin:
 
     # -- settings ------------------------------------------------------------
 
-    def set_growth_factor(self, new_factor):
+    def set_growth_factor(self, new_factor: float) -> None:
         """Sets the growth factor (a float > 1)."""
         validation.check_number("new_factor", new_factor, low=1, low_open=True)
         self._policy = dataclasses.replace(self._policy, growth_factor=float(new_factor))
         super().set_growth_factor(new_factor)
 
-    def set_backoff_factor(self, new_factor):
+    def set_backoff_factor(self, new_factor: float) -> None:
         """Sets the backoff factor (a float in (0, 1))."""
         validation.check_number(
             "new_factor", new_factor, low=0, high=1, low_open=True, high_open=True
@@ -204,7 +207,7 @@ class ScalerStateMixin:
         self._policy = dataclasses.replace(self._policy, backoff_factor=float(new_factor))
         super().set_backoff_factor(new_factor)
 
-    def set_growth_interval(self, new_interval):
+    def set_growth_interval(self, new_interval: int) -> None:
         """Sets the growth interval (an integer >= 1)."""
         validation.check_number("new_interval", new_interval, low=1, integer=True)
         self._policy = dataclasses.replace(self._policy, dynamic_growth_steps=int(new_interval))
@@ -212,7 +215,7 @@ class ScalerStateMixin:
 
     # -- state dicts and pickling ---------------------------------------------
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """torch's five entries, and the extra state fields under `"lossscale"` if any.
 
         Empty when disabled. Reads the state on the host; call it after `update()`.
@@ -223,7 +226,7 @@ class ScalerStateMixin:
             out[STATE_KEY] = extras
         return out
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict of this class or of `torch.amp.GradScaler`.
 
         Works before the first step (the values are used when the scale is
@@ -264,7 +267,7 @@ class ScalerStateMixin:
             self._extras = make_tensors(extras, policy, self._scale.device)
         self._scale_bound = float(np.float32(state_dict["scale"]))
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()  # torch's: the scale becomes lazy again
         if self._enabled:
             state["_extra_start"] = self._extra_values()
@@ -273,7 +276,7 @@ class ScalerStateMixin:
 
     # -- reading the state ---------------------------------------------------
 
-    def summary(self):
+    def summary(self) -> dict[str, Any]:
         """The loss-scale state as a dict of Python values, for loggers.
 
         Reads the device: call it when logging, not inside the step.
@@ -298,7 +301,7 @@ class ScalerStateMixin:
         out.pop("nonfinite_variables", None)
         return out
 
-    def check(self):
+    def check(self) -> None:
         """Raises `LossScaleError` if the state records a crossed fail-fast limit.
 
         `update()` already does so after every step when `min_scale` or

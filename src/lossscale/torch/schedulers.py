@@ -10,7 +10,15 @@ which it learns by reading one boolean on the host: on a GPU, one
 synchronisation per `step()` call.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 import torch
+
+if TYPE_CHECKING:
+    from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
+    from lossscale.torch.optimizer import Optimizer
 
 
 class AppliedStepScheduler:
@@ -40,7 +48,11 @@ class AppliedStepScheduler:
         0.05
     """
 
-    def __init__(self, scheduler, optimizer):
+    def __init__(
+        self,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        optimizer: Optimizer | LossScaleOptimizer,
+    ) -> None:
         if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
             raise ValueError(
                 "`scheduler` must be a torch.optim.lr_scheduler.LRScheduler. Received: "
@@ -56,7 +68,7 @@ class AppliedStepScheduler:
         self.optimizer = optimizer
         self.skipped_steps = 0
 
-    def step(self):
+    def step(self) -> None:
         """Steps the scheduler unless the optimizer's last step was skipped (one host read)."""
         applied = self.optimizer.last_step_applied
         if applied is None or bool(applied):
@@ -64,15 +76,15 @@ class AppliedStepScheduler:
         else:
             self.skipped_steps += 1
 
-    def get_last_lr(self):
+    def get_last_lr(self) -> list[float | torch.Tensor]:
         """The scheduler's last learning rates (torch's method)."""
         return self.scheduler.get_last_lr()
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The scheduler's state, and the count of steps not taken."""
         return {"scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps}
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores what `state_dict()` returned."""
         if not isinstance(state_dict, dict) or set(state_dict) != {"scheduler", "skipped_steps"}:
             raise ValueError(
