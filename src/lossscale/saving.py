@@ -41,7 +41,6 @@ Examples:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -49,7 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lossscale import validation
+from lossscale import checkpoint_files, validation
+from lossscale.checkpoint_files import CheckpointError
 from lossscale.typing import Array, PyTree
 
 if TYPE_CHECKING:
@@ -57,26 +57,8 @@ if TYPE_CHECKING:
     from lossscale.pytree import Transform
     from lossscale.variables import Variable
 
-FORMAT = "lossscale.optimizer"
-STATE_FORMAT = "lossscale.state"
-FORMAT_VERSION = 1
-_FORMAT_NAMES = {
-    FORMAT: "lossscale optimizer checkpoint",
-    STATE_FORMAT: "lossscale state checkpoint",
-}
-_FORMAT_HINTS = {
-    FORMAT: "; it holds an optimizer's variables: restore it with "
-    "lossscale.saving.restore(optimizer, path) or load(path, variables)",
-    STATE_FORMAT: "; it holds a transform's state: restore it with "
-    "lossscale.saving.restore(tx, path, state=target)",
-}
-
 
 __all__ = ["CheckpointError", "load", "restore", "save"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file cannot be used: missing, damaged, or for another optimizer."""
 
 
 def save(
@@ -104,8 +86,10 @@ def save(
 
     if not isinstance(optimizer, Optimizer):
         config, names, arrays = _checkpoint.payload(optimizer, state)
-        entries = [_entry(name, a) for name, a in zip(names, arrays)]
-        _write(path, arrays, _metadata(STATE_FORMAT, config, entries))
+        entries = [checkpoint_files.entry(name, a) for name, a in zip(names, arrays)]
+        checkpoint_files.write(
+            path, arrays, checkpoint_files.metadata(checkpoint_files.STATE_FORMAT, config, entries)
+        )
         return
     if state is not None:
         raise ValueError(
@@ -128,8 +112,10 @@ def save(
             "LearningRateSchedule."
         ) from None
     arrays = [np.asarray(v.numpy(), order="C") for v in optimizer.variables]
-    entries = [_entry(v.path, a) for v, a in zip(optimizer.variables, arrays)]
-    _write(path, arrays, _metadata(FORMAT, config, entries))
+    entries = [checkpoint_files.entry(v.path, a) for v, a in zip(optimizer.variables, arrays)]
+    checkpoint_files.write(
+        path, arrays, checkpoint_files.metadata(checkpoint_files.FORMAT, config, entries)
+    )
 
 
 def _check_not_a_blueprint(optimizer):
@@ -144,55 +130,6 @@ def _check_not_a_blueprint(optimizer):
             "state=state), and restore it with lossscale.saving.restore(tx, path, "
             f"state=tx.init(params)). Received: optimizer={optimizer!r}"
         )
-
-
-def _entry(name, array):
-    return {
-        "path": name,
-        "shape": list(array.shape),
-        "dtype": array.dtype.name,
-        "sha256": _digest(array),
-    }
-
-
-def _metadata(format_name, config, entries):
-    return {
-        "format": format_name,
-        "format_version": str(FORMAT_VERSION),
-        "config": config if isinstance(config, str) else json.dumps(config),
-        "variables": json.dumps(entries),
-    }
-
-
-def _write(path, arrays, metadata):
-    """Writes `arrays` as tensors "0", "1", ... to a temporary file, then renames it."""
-    path = os.fspath(path)
-    temporary = f"{path}.tmp-{os.getpid()}"
-    try:
-        _safetensors().numpy.save_file(
-            {str(i): a for i, a in enumerate(arrays)}, temporary, metadata=metadata
-        )
-        _durable_replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-
-
-def _durable_replace(temporary, path):
-    """Renames `temporary` to `path` so that a power loss leaves one or the other.
-
-    The file's bytes reach the disk before the rename (else the new name
-    could point at a truncated file), and the directory entry after it.
-    """
-    with open(temporary, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-    if hasattr(os, "O_DIRECTORY"):  # POSIX: a directory can be opened and synced
-        directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
 
 
 def restore(
@@ -230,8 +167,10 @@ def restore(
 
     if not isinstance(optimizer, Optimizer):
         _checkpoint.describe(optimizer)  # raises, naming what is accepted
-        checkpoint = _read(os.fspath(path), STATE_FORMAT)
-        return _checkpoint.restore(optimizer, checkpoint, state, _fail, validation.dtype_kind)
+        checkpoint = checkpoint_files.read(os.fspath(path), checkpoint_files.STATE_FORMAT)
+        return _checkpoint.restore(
+            optimizer, checkpoint, state, checkpoint_files.fail, validation.dtype_kind
+        )
     if state is not None:
         raise ValueError(
             "`state` is for transforms, whose state is a pytree; an Optimizer restores its "
@@ -245,7 +184,7 @@ def restore(
             "Call `optimizer.build(trainable_variables)` first, or use "
             "`lossscale.saving.load(path, trainable_variables)`."
         )
-    checkpoint = _read(os.fspath(path))
+    checkpoint = checkpoint_files.read(os.fspath(path))
     _assign(optimizer, checkpoint)
 
 
@@ -272,7 +211,7 @@ def load(
     """
     from lossscale import serialization
 
-    checkpoint = _read(os.fspath(path))
+    checkpoint = checkpoint_files.read(os.fspath(path))
     try:
         optimizer = serialization.deserialize(checkpoint.config, custom_objects=custom_objects)
     except (ValueError, TypeError) as error:
@@ -282,90 +221,6 @@ def load(
     optimizer.build(variables)
     _assign(optimizer, checkpoint)
     return optimizer
-
-
-class _Checkpoint:
-    """What `_read` found: the config and the arrays, every check passed."""
-
-    def __init__(self, path, config, entries, arrays):
-        self.path, self.config, self.entries, self.arrays = path, config, entries, arrays
-
-
-def _safetensors():
-    try:
-        import safetensors.numpy
-    except ImportError:
-        raise ImportError(
-            "lossscale.saving needs the `safetensors` package: pip install safetensors"
-        ) from None
-    return safetensors
-
-
-def _digest(array):
-    return hashlib.sha256(array.tobytes()).hexdigest()
-
-
-def _fail(path, problem):
-    raise CheckpointError(f"Checkpoint {path!r}: {problem}")
-
-
-def _read(path, format_name=FORMAT):
-    """Reads and checks a whole checkpoint; raises `CheckpointError` on any problem."""
-    safetensors = _safetensors()
-    if not os.path.isfile(path):
-        _fail(path, "no such file" if not os.path.exists(path) else "not a regular file")
-    try:
-        with safetensors.safe_open(path, framework="np") as f:
-            metadata = f.metadata() or {}
-            keys = set(f.keys())
-            raw = {key: f.get_tensor(key) for key in keys}
-    except Exception as error:  # the reader's own error types; the file is unusable
-        _fail(path, f"not a readable safetensors file (truncated or corrupt): {error}")
-    found = metadata.get("format")
-    if found != format_name:
-        _fail(
-            path,
-            f"not a {_FORMAT_NAMES[format_name]} (metadata 'format' is {found!r}, expected "
-            f"{format_name!r}){_FORMAT_HINTS.get(found, '')}",
-        )
-    if metadata.get("format_version") != str(FORMAT_VERSION):
-        _fail(
-            path,
-            f"format version {metadata.get('format_version')!r} is not supported "
-            f"(this lossscale reads version {FORMAT_VERSION})",
-        )
-    try:
-        config = json.loads(metadata["config"])
-        entries = json.loads(metadata["variables"])
-        entries = [
-            dict(
-                path=str(e["path"]),
-                shape=tuple(int(s) for s in e["shape"]),
-                dtype=str(e["dtype"]),
-                sha256=str(e["sha256"]),
-            )
-            for e in entries
-        ]
-    except (KeyError, TypeError, ValueError) as error:
-        _fail(path, f"its metadata is corrupt ({type(error).__name__}: {error})")
-    key, what = ("class_name", "optimizer class") if format_name == FORMAT else ("kind", "kind")
-    if not isinstance(config, dict) or key not in config:
-        _fail(path, f"its metadata is corrupt (the config names no {what})")
-    if keys != {str(i) for i in range(len(entries))}:
-        _fail(path, f"it lists {len(entries)} variables but holds arrays {sorted(keys)}")
-    arrays = [raw[str(i)] for i in range(len(entries))]
-    for i, (entry, array) in enumerate(zip(entries, arrays)):
-        if (
-            tuple(array.shape) != entry["shape"]
-            or array.dtype.name != entry["dtype"]
-            or (_digest(np.asarray(array, order="C")) != entry["sha256"])
-        ):
-            _fail(
-                path,
-                f"variable {i} ({entry['path']!r}) is corrupt: its bytes do not match "
-                "the shape, dtype and SHA-256 digest recorded when it was saved",
-            )
-    return _Checkpoint(path, config, entries, arrays)
 
 
 def _structure(config):
@@ -383,10 +238,10 @@ def _assign(optimizer, checkpoint):
     ours = _structure(serialization.serialize(optimizer))
     theirs = _structure(checkpoint.config)
     if ours != theirs:
-        _fail(path, f"it holds the state of a {theirs}, not of this {ours}")
+        checkpoint_files.fail(path, f"it holds the state of a {theirs}, not of this {ours}")
     variables = optimizer.variables
     if len(variables) != len(checkpoint.arrays):
-        _fail(
+        checkpoint_files.fail(
             path,
             f"it holds {len(checkpoint.arrays)} optimizer variables but this {ours} "
             f"has {len(variables)}; it was saved with other settings or for another "
@@ -396,13 +251,13 @@ def _assign(optimizer, checkpoint):
         zip(variables, checkpoint.entries, checkpoint.arrays)
     ):
         if tuple(variable.shape) != tuple(array.shape):
-            _fail(
+            checkpoint_files.fail(
                 path,
                 f"variable {i} ({entry['path']!r}) has shape {tuple(array.shape)} but "
                 f"this optimizer's ({variable.path!r}) has shape {variable.shape}",
             )
         if validation.dtype_kind(array.dtype.name) != validation.dtype_kind(variable.dtype):
-            _fail(
+            checkpoint_files.fail(
                 path,
                 f"variable {i} ({entry['path']!r}) holds {array.dtype.name} values "
                 f"but this optimizer's ({variable.path!r}) is {variable.dtype}",
