@@ -24,3 +24,20 @@ def bound(variables, storages):
     finally:
         for v, s in zip(variables, saved):
             v._storage = s
+
+
+@contextlib.contextmanager
+def masked(variables, mask):
+    """Temporarily sets each variable's write mask to `mask`, restoring it on exit.
+
+    While it is set, every write to those variables takes effect only where
+    the mask holds (each backend's `assign*` reads it).
+    """
+    saved = [v._write_mask for v in variables]
+    try:
+        for v in variables:
+            v._write_mask = mask
+        yield
+    finally:
+        for v, previous in zip(variables, saved):
+            v._write_mask = previous

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lossscale.backends._common import bound, unwrap
+from lossscale.backends._common import bound, masked, unwrap
 
 NAME = "jax"
 MUTABLE = False
@@ -269,16 +269,9 @@ def gated(pred, fn, variables, skip=None):
             fn()
         return
     variables = list(variables)
-    saved = [v._write_mask for v in variables]
-    outer = saved[0] if saved else None
-    mask = pred if outer is None else jnp.logical_and(outer, pred)
-    for v in variables:
-        v._write_mask = mask
-    try:
+    outer = variables[0]._write_mask if variables else None
+    with masked(variables, pred if outer is None else jnp.logical_and(outer, pred)):
         fn()
-    finally:
-        for v, previous in zip(variables, saved):
-            v._write_mask = previous
 
 
 def quiet():

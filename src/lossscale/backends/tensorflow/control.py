@@ -18,7 +18,7 @@ arithmetic, so there is nothing to gain from masks inside a graph).
 
 import tensorflow as tf
 
-from lossscale.backends._common import bound, unwrap
+from lossscale.backends._common import bound, masked, unwrap
 from lossscale.backends.tensorflow import ops
 
 
@@ -48,9 +48,11 @@ def cond(pred, true_fn, false_fn, variables):
     pred = tf.cast(ops.read(unwrap(pred)), tf.bool)
     variables = list(variables)
     if tf.executing_eagerly():
-        _run_masked(variables, _combined(variables, pred), true_fn)
+        with masked(variables, _combined(variables, pred)):
+            true_fn()
         if false_fn is not None:
-            _run_masked(variables, _combined(variables, tf.logical_not(pred)), false_fn)
+            with masked(variables, _combined(variables, tf.logical_not(pred))):
+                false_fn()
         return
     _graph_cond(pred, true_fn, false_fn or (lambda: None), variables)
 
@@ -66,17 +68,6 @@ def gated(pred, fn, variables, skip=None):
 def _combined(variables, keep):
     outer = variables[0]._write_mask if variables else None
     return keep if outer is None else tf.logical_and(outer, keep)
-
-
-def _run_masked(variables, mask, fn):
-    saved = [v._write_mask for v in variables]
-    for v in variables:
-        v._write_mask = mask
-    try:
-        fn()
-    finally:
-        for v, previous in zip(variables, saved):
-            v._write_mask = previous
 
 
 def _graph_cond(pred, true_fn, false_fn, variables):

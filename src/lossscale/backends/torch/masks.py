@@ -16,6 +16,8 @@ and two threads stepping two optimizers never see each other's masks.
 
 import torch
 
+from lossscale.backends._common import masked
+
 
 class WriteMask:
     """Where the writes of a masked branch take effect.
@@ -66,17 +68,6 @@ def select_into(storage, mask, new):
         storage.copy_(torch.where(keep, new, storage))
 
 
-def _run_marked(variables, mask, fn):
-    saved = [v._write_mask for v in variables]
-    for v in variables:
-        v._write_mask = mask
-    try:
-        fn()
-    finally:
-        for v, previous in zip(variables, saved):
-            v._write_mask = previous
-
-
 def _combined(variables, keep):
     outer = mask_of(variables)
     if outer is None:
@@ -102,7 +93,8 @@ def gated(pred, fn, variables, skip=None):
     keep = pred if pred.dtype == torch.bool else pred.to(torch.bool)
     outer = mask_of(variables)
     mask = WriteMask(_combined(variables, keep), skip if outer is None else None)
-    _run_marked(variables, mask, fn)
+    with masked(variables, mask):
+        fn()
 
 
 def cond(pred, true_fn, false_fn, variables):
@@ -121,6 +113,8 @@ def cond(pred, true_fn, false_fn, variables):
         return
     variables = list(variables)
     keep = pred if pred.dtype == torch.bool else pred.to(torch.bool)
-    _run_marked(variables, WriteMask(_combined(variables, keep)), true_fn)
+    with masked(variables, WriteMask(_combined(variables, keep))):
+        true_fn()
     if false_fn is not None:
-        _run_marked(variables, WriteMask(_combined(variables, ~keep)), false_fn)
+        with masked(variables, WriteMask(_combined(variables, ~keep))):
+            false_fn()
