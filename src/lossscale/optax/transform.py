@@ -10,6 +10,7 @@ a `lax.cond` around the inner update.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from lossscale.mixed_precision.loss_scale import (
     next_loss_scale,
     state_fields,
 )
-from lossscale.optax import placement
+from lossscale.optax import gate, placement
 from lossscale.optax.state import DynamicLossScaleState
 
 _ops = get_ops("jax")
@@ -125,6 +126,7 @@ def dynamic_loss_scale(
         )
     policy = LossScalePolicy(**settings)
     inner = optax.with_extra_args_support(inner)
+    unscale = _unscaler(policy)
 
     def init_fn(params):
         like = placement.anchor(params)
@@ -143,33 +145,51 @@ def dynamic_loss_scale(
         # A barrier keeps XLA from fusing the reduction behind the decision
         # into each consumer.
         applied = jax.lax.optimization_barrier(may_apply(_ops, current, finite, policy))
-
-        def step():
-            # Unscaled inside the branch, where XLA fuses the division into
-            # the inner update instead of writing the unscaled gradients out.
-            unscaled = [u.astype(d) for u, d in zip(_ops.unscale(leaves, scale), dtypes)]
-            grads = jax.tree_util.tree_unflatten(treedef, unscaled)
-            return inner.update(grads, state.inner_state, params, **extra_args)
-
-        update_shapes, _ = _check_inner_state(jax.eval_shape(step), state.inner_state)
-
-        def skip():
-            # -0.0, because p + (-0.0) is p for every p, where +0.0 would turn
-            # a -0.0 parameter into +0.0.
-            negative_zeros = jax.tree_util.tree_map(
-                lambda s: jnp.full(s.shape, -0.0, s.dtype), update_shapes
-            )
-            return negative_zeros, state.inner_state
-
-        # lax.cond, not selects: XLA runs one branch, and compiles a
-        # 400-tensor step in seconds where selects over the state took minutes.
-        new_updates, new_inner = jax.lax.cond(applied, step, skip)
+        # Sanitised where the step is skipped, so the inner update only ever
+        # traces finite values (its outputs are discarded then).
+        grads = jax.tree_util.tree_unflatten(
+            treedef,
+            [jnp.where(applied, g, jnp.zeros((), g.dtype)) for g in unscale(leaves, dtypes, scale)],
+        )
+        _check_inner_state(
+            jax.eval_shape(lambda: inner.update(grads, state.inner_state, params, **extra_args)),
+            state.inner_state,
+        )
+        new_updates, new_inner = gate.gated_update(
+            inner.update, applied, grads, state.inner_state, params, extra_args
+        )
         new_loss_scale = next_loss_scale(
             _ops, current, finite, policy, peak=peak, variable_finite=variable_finite
         )
         return new_updates, DynamicLossScaleState(new_loss_scale, new_inner, policy, state.paths)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _unscaler(policy):
+    """`unscale(grads, dtypes, scale)`: each gradient divided by `scale`, in its dtype.
+
+    Where every scale the policy can reach is a power of two (Keras's
+    defaults: 2^15, doubled, halved, floored at 2^-126), multiplying by the
+    reciprocal is division bit for bit, subnormal results included, and XLA
+    fuses a multiplication into each reader of the gradient where it writes
+    a quotient out to a scratch buffer first. Other policies divide.
+    """
+    factors = [policy.initial_scale, policy.growth_factor, policy.backoff_factor]
+    if policy.max_scale is not None:
+        factors.append(policy.max_scale)
+    by_reciprocal = all(math.frexp(f)[0] == 0.5 for f in factors)
+
+    def unscale(grads, dtypes, scale):
+        out = []
+        for g, dtype in zip(grads, dtypes):
+            # Half-precision gradients are unscaled in float32, as `ops.unscale` does.
+            wide = jnp.float32 if g.dtype.itemsize < 4 else g.dtype
+            g, s = g.astype(wide), scale.astype(wide)
+            out.append((g * (1 / s) if by_reciprocal else g / s).astype(dtype))
+        return out
+
+    return unscale
 
 
 def _check_inner_state(shapes, inner_state):
@@ -283,15 +303,24 @@ def _inspect(leaves, dtypes, scale, policy):
     scaled magnitude) only with the headroom policy; `variable_finite` only
     when telemetry is kept.
     """
-    scaled_peaks = [_ops.max_abs([g]) if g.size else None for g in leaves]
-    unscaled_peaks = [
-        None if p is None else (p / scale).astype(d) for p, d in zip(scaled_peaks, dtypes)
-    ]
-    present = [p for p in unscaled_peaks if p is not None]
+    if policy.records_details:
+        scaled_peaks = [_ops.max_abs([g]) if g.size else None for g in leaves]
+        unscaled_peaks = [
+            None if p is None else (p / scale).astype(d) for p, d in zip(scaled_peaks, dtypes)
+        ]
+        present = [p for p in unscaled_peaks if p is not None]
+        scaled = [p for p in scaled_peaks if p is not None]
+    else:
+        # One reduction per unscaled dtype, not per gradient: on CPU each is
+        # several XLA thunks.
+        groups = {}
+        for g, d in zip(leaves, dtypes):
+            groups.setdefault(jnp.dtype(d), []).append(g)
+        scaled = [_ops.max_abs(group) for group in groups.values()]
+        present = [(p / scale).astype(d) for p, d in zip(scaled, groups)]
     finite = _ops.isfinite(_ops.max_abs(present)) if present else jnp.asarray(True)
     peak = None
     if policy.growth_policy == "headroom":
-        scaled = [p for p in scaled_peaks if p is not None]
         peak = _ops.max_abs(scaled) if scaled else jnp.zeros((), jnp.float32)
     if not policy.records_details:
         return finite, peak, ()

@@ -186,8 +186,40 @@ def all_finite(arrays):
     # elements is (max propagates NaN). XLA fuses that float reduction into
     # one read of the array, where `all(isfinite(x))` first writes a boolean
     # copy of it: 19% off a 16M-parameter jitted Adam step on CPU.
-    peaks = [jnp.max(jnp.abs(a)).astype(jnp.float32) for a in map(unwrap, arrays) if a.size]
+    peaks = _peaks(arrays)
     return jnp.isfinite(jnp.max(jnp.stack(peaks))) if peaks else jnp.asarray(True)
+
+
+# Arrays up to this size are reduced together, concatenated per dtype into
+# chunks of at most `_CHUNK` elements: on CPU each reduction is several XLA
+# thunks, so a 400-tensor model's check took 645 us one tensor at a time and
+# 263 us concatenated. Larger arrays are reduced in place (a concatenation
+# would copy them).
+_SMALL, _CHUNK = 4096, 1 << 16
+
+
+def _peaks(arrays):
+    """Float32 largest magnitudes whose maximum is that of every element of `arrays`."""
+    peaks, chunks = [], {}
+    for a in map(unwrap, arrays):
+        if not a.size:
+            continue
+        if a.size > _SMALL:
+            peaks.append(jnp.max(jnp.abs(a)).astype(jnp.float32))
+            continue
+        chunk = chunks.setdefault(a.dtype, [[], 0])
+        if chunk[1] + a.size > _CHUNK:
+            peaks.append(_peak_of(chunk[0]))
+            chunk[:] = [[], 0]
+        chunk[0].append(a.ravel())
+        chunk[1] += a.size
+    peaks += [_peak_of(parts) for parts, _ in chunks.values() if parts]
+    return peaks
+
+
+def _peak_of(parts):
+    joined = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return jnp.max(jnp.abs(joined)).astype(jnp.float32)
 
 
 def finite_flags(arrays):
@@ -205,7 +237,7 @@ def global_norm(arrays):
 
 def max_abs(arrays):
     """Largest |x| over all arrays as a float32 scalar (NaN if any NaN)."""
-    peaks = [jnp.max(jnp.abs(unwrap(a))).astype(jnp.float32) for a in arrays]
+    peaks = _peaks(arrays)
     return jnp.max(jnp.stack(peaks)) if peaks else jnp.asarray(0.0, jnp.float32)
 
 
