@@ -106,6 +106,25 @@ def test_all_finite(rng):
         assert not bool(jax.jit(jax_ops.all_finite)(arrays))
 
 
+def test_small_arrays_are_reduced_together_and_large_ones_alone(rng, monkeypatch):
+    """Chunks of small arrays per dtype: the same maximum, every element seen."""
+    monkeypatch.setattr(jax_ops, "_SMALL", 8)
+    monkeypatch.setattr(jax_ops, "_CHUNK", 20)
+    arrays = [jnp.asarray(rng.normal(size=n).astype(np.float32)) for n in (3, 8, 5, 9, 7, 6, 1)]
+    arrays += [jnp.asarray(rng.normal(size=4), jnp.float16), jnp.zeros(0)]
+    expected = max(float(np.max(np.abs(np.asarray(a, np.float32)))) for a in arrays if a.size)
+    assert float(jax_ops.max_abs(arrays)) == expected
+    assert float(jax.jit(jax_ops.max_abs)(arrays)) == expected
+    # 2 chunks of float32 (3 + 8 + 5, then 7 + 6 + 1), 1 of float16, the 9 alone.
+    assert len(jax_ops._peaks(arrays)) == 4
+    for i, a in enumerate(arrays):
+        for position in (0, a.size - 1) if a.size else ():
+            bad = list(arrays)
+            bad[i] = a.at[position].set(np.inf)
+            assert not bool(jax.jit(jax_ops.all_finite)(bad)), (i, position)
+            assert float(jax_ops.max_abs(bad)) == np.inf
+
+
 def test_global_norm_of_half_precision(rng):
     grads = [rng.normal(size=(3, 2)) * 300, rng.normal(size=4) * 300]
     native = [jnp.asarray(g, jnp.float16) for g in grads]

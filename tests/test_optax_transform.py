@@ -237,6 +237,52 @@ def test_half_precision_gradients_are_unscaled_in_the_parameters_dtype():
     assert updates["w"].dtype == jnp.float16
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_unscaling_by_the_reciprocal_is_division_bit_for_bit(dtype):
+    """Every power of two a default policy reaches, against float64 division."""
+    unscale = transform_module._unscaler(ls.mixed_precision.LossScalePolicy())
+    rng = np.random.default_rng(7)
+    finfo = jnp.finfo(dtype)
+    grads = (rng.normal(size=4000) * np.exp2(rng.integers(-24, 16, 4000))).astype(np.float32)
+    grads = jnp.asarray(np.clip(grads, -float(finfo.max), float(finfo.max))).astype(dtype)
+    wide = np.asarray(grads.astype(jnp.float32)).astype(np.float64)
+    step = jax.jit(lambda g, s: unscale([g], ["float32"], s)[0])
+    for k in range(-126, 128):
+        ours = np.asarray(step(grads, jnp.float32(2.0**k)))
+        with np.errstate(over="ignore"):  # quotients past float32's range are inf
+            exact = (wide / 2.0**k).astype(np.float32)
+        # XLA's CPU code may flush subnormal results to zero (it does for
+        # division too); every normal result must be the quotient exactly.
+        normal = np.abs(exact) >= np.finfo(np.float32).tiny
+        np.testing.assert_array_equal(ours[normal], exact[normal])
+        assert np.all((ours[~normal] == exact[~normal]) | (ours[~normal] == 0))
+        assert np.array_equal(np.signbit(ours), np.signbit(exact))
+
+
+@pytest.mark.parametrize(
+    "settings, powers",
+    [
+        ({}, True),
+        (dict(growth_factor=4.0, backoff_factor=0.25, max_scale=2.0**20), True),
+        (dict(initial_scale=1000.0), False),
+        (dict(growth_factor=3.0), False),
+        (dict(backoff_factor=0.75), False),
+        (dict(initial_scale=1024.0, max_scale=3000.0), False),
+    ],
+)
+def test_only_power_of_two_policies_unscale_by_the_reciprocal(settings, powers):
+    policy = ls.mixed_precision.LossScalePolicy(**settings)
+    assert transform_module._scales_are_powers_of_two(policy) is powers
+    unscale = jax.jit(lambda g, s: transform_module._unscaler(policy)([g], ["float32"], s)[0])
+    grads = jnp.asarray(np.random.default_rng(8).normal(size=4000).astype(np.float32))
+    scale = jnp.float32(policy.initial_scale)
+    if powers:  # exact: the correctly rounded quotient
+        expected = (np.asarray(grads).astype(np.float64) / policy.initial_scale).astype(np.float32)
+    else:  # JAX's own division, whatever XLA makes of it (on CPU: not always IEEE)
+        expected = np.asarray(jax.jit(jnp.divide)(grads, scale))
+    np.testing.assert_array_equal(np.asarray(unscale(grads, scale)), expected)
+
+
 # --- purity: jit, vmap, eval_shape ----------------------------------------------
 def test_init_is_pure():
     tx = lso.dynamic_loss_scale(inner(), telemetry=True)

@@ -19,10 +19,12 @@ updates, whatever they computed, are replaced by `-0.0`. XLA then sees plain
 optax's dataflow with one select fused into each state write: no scratch
 buffer and no copy.
 
-Only values visible in the inner update's top-level jaxpr are rerouted; a
-state value produced inside a nested call (a `jax.jit`-wrapped helper that
-also computes the updates) is selected at the output instead, which stays
-exact and may cost XLA a copy.
+Values are rerouted where the inner update's top-level jaxpr binds them: a
+nested call (a `jax.jit`-wrapped helper) that computes both the state and
+the updates has its state outputs selected as it returns, so the updates
+inside it read the unselected values. That stays exact, and may cost XLA a
+copy. A state leaf that is an input passed through, or one value returned
+as two leaves, is selected at the output.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A thin adapter: the unscale, the finite check and the scale rule are the
 ones every lossscale interface runs (the JAX backend's `unscale` and
 `all_finite`, `mixed_precision.next_loss_scale`); what is added here is the
-optax shape of the step (pure `init` / `update` over pytrees) and the skip,
-a `lax.cond` around the inner update.
+optax shape of the step (pure `init` / `update` over pytrees) and the skip
+(`gate.gated_update`: selects XLA runs in place, no `lax.cond`).
 """
 
 from __future__ import annotations
@@ -170,26 +170,46 @@ def _unscaler(policy):
     """`unscale(grads, dtypes, scale)`: each gradient divided by `scale`, in its dtype.
 
     Where every scale the policy can reach is a power of two (Keras's
-    defaults: 2^15, doubled, halved, floored at 2^-126), multiplying by the
-    reciprocal is division bit for bit, subnormal results included, and XLA
-    fuses a multiplication into each reader of the gradient where it writes
-    a quotient out to a scratch buffer first. Other policies divide.
+    defaults: 2^15, doubled, halved, floored at 2^-126; see
+    `_scales_are_powers_of_two`), multiplying by the reciprocal rounds
+    exactly as division does, and XLA fuses a multiplication into each
+    reader of the gradient where it writes a quotient out to a scratch
+    buffer first. The reciprocal is kept a normal number, so that a
+    flush-to-zero CPU mode does not zero it: above 2^126 the gradient is
+    halved first (exact) and multiplied by `2 / scale`. Other policies divide.
+    """
+    by_reciprocal = _scales_are_powers_of_two(policy)
+
+    def unscale(grads, dtypes, scale):
+        factors, out = {}, []
+        for g, dtype in zip(grads, dtypes):
+            # Half-precision gradients are unscaled in float32, as `ops.unscale` does.
+            wide = jnp.dtype(jnp.float32 if g.dtype.itemsize < 4 else g.dtype)
+            g, s = g.astype(wide), scale.astype(wide)
+            if not by_reciprocal:
+                out.append((g / s).astype(dtype))
+                continue
+            if wide not in factors:
+                big = s > 2.0**126
+                half = jnp.where(big, 0.5, 1.0).astype(wide)
+                factors[wide] = (half, jnp.where(big, 2 / s, 1 / s))
+            half, reciprocal = factors[wide]
+            out.append((g * half * reciprocal).astype(dtype))
+        return out
+
+    return unscale
+
+
+def _scales_are_powers_of_two(policy):
+    """Whether every scale `next_loss_scale` can give under `policy` is a power of two.
+
+    Scales are the initial one times growth and backoff factors, capped at
+    `max_scale` and floored at 2^-126 (itself a power of two).
     """
     factors = [policy.initial_scale, policy.growth_factor, policy.backoff_factor]
     if policy.max_scale is not None:
         factors.append(policy.max_scale)
-    by_reciprocal = all(math.frexp(f)[0] == 0.5 for f in factors)
-
-    def unscale(grads, dtypes, scale):
-        out = []
-        for g, dtype in zip(grads, dtypes):
-            # Half-precision gradients are unscaled in float32, as `ops.unscale` does.
-            wide = jnp.float32 if g.dtype.itemsize < 4 else g.dtype
-            g, s = g.astype(wide), scale.astype(wide)
-            out.append((g * (1 / s) if by_reciprocal else g / s).astype(dtype))
-        return out
-
-    return unscale
+    return all(math.frexp(f)[0] == 0.5 for f in factors)
 
 
 def _check_inner_state(shapes, inner_state):

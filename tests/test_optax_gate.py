@@ -1,0 +1,171 @@
+"""`lossscale.optax.gate.gated_update`: exact on both branches, and no scratch buffer.
+
+The reference for an applied step is the inner transformation's own
+`update`, jitted alone: every update and every state leaf must match it bit
+for bit. A skipped step must return the state it was given, bit for bit,
+and `-0.0` updates.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lossscale.optax as lso
+from lossscale.optax import gate
+
+SHAPES = [(6, 5), (5,), (3, 4, 2), (1,)]
+
+
+def _arrays(seed, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray((scale * rng.normal(size=s)).astype(np.float32)) for s in SHAPES]
+
+
+class _Memory(optax.GradientTransformation):
+    """Keeps the last gradient in its state: a state leaf that is an input of `update`."""
+
+    def __new__(cls):
+        def init(params):
+            return {"last": jax.tree_util.tree_map(jnp.zeros_like, params)}
+
+        def update(updates, state, params=None):
+            return jax.tree_util.tree_map(lambda g, m: g - m, updates, state["last"]), {
+                "last": updates
+            }
+
+        return super().__new__(cls, init, update)
+
+
+def _twice():
+    """One computed value returned as two state leaves (rerouted neither time)."""
+
+    def init(params):
+        return (jax.tree_util.tree_map(jnp.zeros_like, params),) * 2
+
+    def update(updates, state, params=None):
+        trace = jax.tree_util.tree_map(lambda g, t: 0.5 * t + g, updates, state[0])
+        return jax.tree_util.tree_map(lambda t: -0.1 * t, trace), (trace, trace)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _jitted_inside():
+    """The whole update in one `jax.jit` helper: nothing visible to reroute."""
+    tx = optax.adam(0.01)
+    return optax.GradientTransformation(tx.init, jax.jit(tx.update))
+
+
+INNERS = {
+    "adam": lambda: optax.adam(0.01),
+    "clip_adamw": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(0.01, weight_decay=0.1)
+    ),
+    "sgd_nesterov": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
+    "lion": lambda: optax.lion(1e-3),
+    "adafactor": lambda: optax.adafactor(0.01),
+    "memory": _Memory,
+    "twice": _twice,
+    "jitted_inside": _jitted_inside,
+}
+
+
+def _states(tx, params, steps=3):
+    """The inner state after a few ordinary steps: non-zero moments and counts."""
+    state = tx.init(params)
+    for k in range(steps):
+        _, state = jax.jit(tx.update)(_arrays(10 + k), state, params)
+    return state
+
+
+@pytest.mark.parametrize("name", sorted(INNERS))
+def test_applied_steps_are_the_inner_update_bit_for_bit(name):
+    tx = INNERS[name]()
+    params = _arrays(0)
+    state = _states(tx, params)
+    grads = _arrays(1)
+    expected = jax.jit(tx.update)(grads, state, params)
+
+    @jax.jit
+    def gated(grads, state, params, applied):
+        return gate.gated_update(tx.update, applied, grads, state, params, {})
+
+    got = gated(grads, state, params, jnp.asarray(True))
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(expected)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("name", sorted(INNERS))
+def test_skipped_steps_keep_the_state_and_return_negative_zeros(name):
+    tx = INNERS[name]()
+    params = _arrays(0)
+    state = _states(tx, params)
+
+    @jax.jit
+    def gated(grads, state, params, applied):
+        return gate.gated_update(tx.update, applied, grads, state, params, {})
+
+    updates, new_state = gated(_arrays(1), state, params, jnp.asarray(False))
+    for a, b in zip(jax.tree_util.tree_leaves(new_state), jax.tree_util.tree_leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert np.array_equal(np.signbit(np.asarray(a)), np.signbit(np.asarray(b)))
+    for u in jax.tree_util.tree_leaves(updates):
+        assert np.all(np.asarray(u) == 0) and np.all(np.signbit(np.asarray(u)))
+
+
+@pytest.mark.parametrize(
+    "name, rerouted",
+    [("adam", "all"), ("clip_adamw", "all"), ("memory", 0), ("twice", 0), ("jitted_inside", "all")],
+)
+def test_which_state_values_downstream_reads_see_selected(name, rerouted):
+    """A state value computed in the top-level jaxpr is selected where it is computed.
+
+    Its other readers (Adam's update arithmetic) then see the selected value,
+    which lets XLA write each moment in place. An input passed through or a
+    value returned twice is selected at the output only. A nested call that
+    computes the state and the updates together has its state outputs
+    selected as it returns: exact, but the updates inside it read the
+    unselected values.
+    """
+    tx = INNERS[name]()
+    params = _arrays(0)
+    state = tx.init(params)
+    closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(_arrays(1), state, params)
+    n_updates = len(params)
+    old = jax.tree_util.tree_leaves(state)
+    reroute = gate._reroutes(closed.jaxpr, closed.jaxpr.outvars[n_updates:], old)
+    assert len(reroute) == (len(old) if rerouted == "all" else rerouted)
+
+
+def _adam_step(tx):
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def test_the_compiled_step_holds_no_scratch_buffer_and_no_conditional():
+    """No full-size buffer besides the donated ones: `lax.cond` needed one per update."""
+    params = [jnp.ones((256, 256), jnp.float32) for _ in range(3)]
+    grads = [jnp.full((256, 256), 3.0, jnp.float32) for _ in range(3)]
+    tx = lso.dynamic_loss_scale(optax.adam(1e-3))
+    compiled = _adam_step(tx).lower(params, tx.init(params), grads).compile()
+    assert "conditional(" not in compiled.as_text()
+    assert compiled.memory_analysis().temp_size_in_bytes < params[0].nbytes // 64
+
+    # The measure sees scratch where there is some: a cond around the same update.
+    def cond_update(grads, state, params=None):
+        ok = jnp.isfinite(sum(jnp.sum(g) for g in grads))
+        skip = functools.partial(lambda: (jax.tree_util.tree_map(lambda g: g * -0.0, grads), state))
+        return jax.lax.cond(ok, lambda: optax.adam(1e-3).update(grads, state, params), skip)
+
+    inner = optax.adam(1e-3)
+    with_cond = optax.GradientTransformation(inner.init, cond_update)
+    compiled = _adam_step(with_cond).lower(params, inner.init(params), grads).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes >= 3 * params[0].nbytes
