@@ -59,6 +59,27 @@ def _jitted_inside():
     return optax.GradientTransformation(tx.init, jax.jit(tx.update))
 
 
+def _control_flow():
+    """Nested jaxprs in the update: a custom-JVP function, `lax.cond`, `lax.fori_loop`."""
+
+    def init(params):
+        return {
+            "trace": jax.tree_util.tree_map(jnp.zeros_like, params),
+            "n": jnp.zeros((), jnp.int32),
+        }
+
+    def update(updates, state, params=None):
+        def one(g, t):
+            t = jax.lax.fori_loop(0, 3, lambda i, t: 0.9 * t + 0.1 * jax.nn.relu(g), t)
+            big = jnp.sum(jnp.abs(g)) > 1.0
+            return jax.lax.cond(big, lambda: -0.01 * t, lambda: -0.1 * t), t
+
+        pairs = [one(g, t) for g, t in zip(updates, state["trace"])]
+        return [u for u, _ in pairs], {"trace": [t for _, t in pairs], "n": state["n"] + 1}
+
+    return optax.GradientTransformation(init, update)
+
+
 INNERS = {
     "adam": lambda: optax.adam(0.01),
     "clip_adamw": lambda: optax.chain(
@@ -70,6 +91,7 @@ INNERS = {
     "memory": _Memory,
     "twice": _twice,
     "jitted_inside": _jitted_inside,
+    "control_flow": _control_flow,
 }
 
 
