@@ -327,6 +327,22 @@ def test_extra_arguments_reach_the_inner_transformation():
     assert float(state.inner_state[1].scale) < 1.0
 
 
+def test_python_extra_arguments_stay_python_values():
+    """As in a direct call: an inner update may branch on a plain Python argument."""
+
+    def update(updates, state, params=None, *, boost=1):
+        factor = 10.0 if boost > 1 else 1.0  # a Python branch: `boost` must not be traced
+        return jax.tree_util.tree_map(lambda g: -factor * g, updates), state
+
+    inner = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+    tx = lso.dynamic_loss_scale(inner, initial_scale=4.0)
+    params = {"w": jnp.ones(2)}
+    updates, _ = jax.jit(lambda s: tx.update({"w": jnp.full(2, 4.0)}, s, params, boost=2))(
+        tx.init(params)
+    )
+    np.testing.assert_array_equal(np.asarray(updates["w"]), [-10.0, -10.0])
+
+
 # --- bad input -----------------------------------------------------------------
 def test_errors():
     tx = lso.dynamic_loss_scale(optax.adam(0.1), telemetry=True)

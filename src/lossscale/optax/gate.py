@@ -45,17 +45,18 @@ def gated_update(update, applied, grads, state, params, extra_args):
             sanitises them) to keep loops inside the update bounded.
         state: The inner state.
         params: The parameters, or `None`.
-        extra_args: Dict of extra keyword arguments for `update`.
+        extra_args: Dict of extra keyword arguments for `update`, passed as
+            given (a Python value stays a Python value, as in a direct call).
 
     Returns:
         `(updates, new_state)`: the inner update's outputs where `applied`,
         else `-0.0` updates (`p + (-0.0)` is `p` for every `p`) and `state`.
     """
-    flat, in_tree = jax.tree_util.tree_flatten((grads, state, params, extra_args))
+    flat, in_tree = jax.tree_util.tree_flatten((grads, state, params))
 
     def flat_update(*leaves):
-        g, s, p, extra = jax.tree_util.tree_unflatten(in_tree, leaves)
-        return update(g, s, p, **extra)
+        g, s, p = jax.tree_util.tree_unflatten(in_tree, leaves)
+        return update(g, s, p, **extra_args)
 
     closed, out_shapes = jax.make_jaxpr(flat_update, return_shape=True)(*flat)
     out_tree = jax.tree_util.tree_structure(out_shapes)
