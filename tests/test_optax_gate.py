@@ -92,6 +92,13 @@ INNERS = {
     "twice": _twice,
     "jitted_inside": _jitted_inside,
     "control_flow": _control_flow,
+    # optax's own wrappers: accumulation (its lax.cond), hyperparameters in
+    # the state, its finite check, a schedule, a partial mask.
+    "multi_steps": lambda: optax.MultiSteps(optax.adam(0.01), every_k_schedule=2),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=0.01),
+    "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(0.01), 3),
+    "schedule": lambda: optax.adam(optax.exponential_decay(0.01, 10, 0.5)),
+    "masked": lambda: optax.masked(optax.adam(0.01), lambda p: [i % 2 == 0 for i in range(len(p))]),
 }
 
 
