@@ -167,35 +167,17 @@ def dynamic_loss_scale(
 
 
 def _unscaler(policy):
-    """`unscale(grads, dtypes, scale)`: each gradient divided by `scale`, in its dtype.
+    """`unscale(grads, dtypes, scale)`: each gradient divided by `scale`, cast to its dtype.
 
-    Where every scale the policy can reach is a power of two (Keras's
-    defaults: 2^15, doubled, halved, floored at 2^-126; see
-    `_scales_are_powers_of_two`), multiplying by the reciprocal rounds
-    exactly as division does, and XLA fuses a multiplication into each
-    reader of the gradient where it writes a quotient out to a scratch
-    buffer first. The reciprocal is kept a normal number, so that a
-    flush-to-zero CPU mode does not zero it: above 2^126 the gradient is
-    halved first (exact) and multiplied by `2 / scale`. Other policies divide.
+    The JAX backend's `unscale`, by the exact reciprocal where every scale
+    the policy can reach is a power of two (Keras's defaults: 2^15, doubled,
+    halved, floored at 2^-126; see `_scales_are_powers_of_two`).
     """
     by_reciprocal = _scales_are_powers_of_two(policy)
 
     def unscale(grads, dtypes, scale):
-        factors, out = {}, []
-        for g, dtype in zip(grads, dtypes):
-            # Half-precision gradients are unscaled in float32, as `ops.unscale` does.
-            wide = jnp.dtype(jnp.float32 if g.dtype.itemsize < 4 else g.dtype)
-            g, s = g.astype(wide), scale.astype(wide)
-            if not by_reciprocal:
-                out.append((g / s).astype(dtype))
-                continue
-            if wide not in factors:
-                big = s > 2.0**126
-                half = jnp.where(big, 0.5, 1.0).astype(wide)
-                factors[wide] = (half, jnp.where(big, 2 / s, 1 / s))
-            half, reciprocal = factors[wide]
-            out.append((g * half * reciprocal).astype(dtype))
-        return out
+        unscaled = _ops.unscale(grads, scale, reciprocal=by_reciprocal)
+        return [u.astype(dtype) for u, dtype in zip(unscaled, dtypes)]
 
     return unscale
 

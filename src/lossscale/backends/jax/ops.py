@@ -169,15 +169,35 @@ def sum(x):  # noqa: A001 - the seam's name for a full reduction
     return jnp.sum(unwrap(x))
 
 
-def unscale(grads, scale, in_place=False):
-    # Arrays are immutable: `in_place` has nothing to permit.
+def unscale(grads, scale, in_place=False, reciprocal=False):
+    """`grads` divided by `scale` (half-precision gradients in float32).
+
+    Arrays are immutable: `in_place` has nothing to permit. `reciprocal`
+    (the caller guarantees every scale is a power of two) multiplies by the
+    reciprocal instead, which rounds exactly as division does and which XLA
+    fuses into each reader of a gradient, where it writes a quotient out to
+    a scratch buffer first. The reciprocal is kept a normal number, so that
+    a flush-to-zero CPU mode does not zero it: above 2^126 the gradient is
+    halved first (exact) and multiplied by `2 / scale`.
+    """
     scale = unwrap(scale)
-    out = []
+    factors, out = {}, []
     for g in grads:
         g = unwrap(g)
         if g.dtype.itemsize < 4:
             g = g.astype(jnp.float32)
-        out.append(g / scale.astype(g.dtype))
+        s = scale.astype(g.dtype)
+        if not reciprocal:
+            out.append(g / s)
+            continue
+        if g.dtype not in factors:
+            big = s > 2.0**126
+            factors[g.dtype] = (
+                jnp.where(big, 0.5, 1.0).astype(g.dtype),
+                jnp.where(big, 2 / s, 1 / s),
+            )
+        half, inverse = factors[g.dtype]
+        out.append(g * half * inverse)
     return out
 
 
