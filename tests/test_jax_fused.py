@@ -21,6 +21,7 @@ import pytest
 
 import lossscale as ls
 from lossscale import backends, optimizers
+from lossscale.backends._common import masked
 from lossscale.backends.jax import fused, kernels
 from lossscale.optimizers import LossScaleOptimizer
 
@@ -426,10 +427,10 @@ def test_weight_decay_kernel_is_the_generic_rule():
     weights = make_weights(SHAPES["several"])
     for keep in (None, True, False):
         variables = _eager_variables(weights)
-        if keep is not None:
-            for v in variables:
-                v._write_mask = jnp.asarray(keep)
-        fused.weight_decay(None, variables, 0.1, jnp.float32(0.05))
+        with contextlib.ExitStack() as stack:
+            if keep is not None:
+                stack.enter_context(masked(variables, jnp.asarray(keep)))
+            fused.weight_decay(None, variables, 0.1, jnp.float32(0.05))
         expected = [w - w * np.float32(0.1) * np.float32(0.05) for w in weights]
         if keep is False:
             expected = weights

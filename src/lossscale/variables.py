@@ -86,10 +86,9 @@ class Variable:
         self.constraint = constraint
         self._storage = None
         self._shape = None
-        # Set by a backend's masked branch (`backends.torch.masks`, JAX's
-        # `gated`) on every variable the branch may write: writes then take
-        # effect only where the mask holds. None everywhere else.
-        self._write_mask = None
+        # Where this variable's write mask lives (`backends._common.MaskCell`,
+        # shared with the other variables of its optimizer), or None.
+        self._mask_cell = None
         self._init_storage(initializer, shape, dtype, backend, like)
         self._shape = self._ops.shape(self._storage)
 
@@ -215,6 +214,17 @@ class Variable:
                 f"`variable.{method}(value)` must match. variable.shape={self.shape} "
                 f"(path={self.path!r}), Received: value.shape={value_shape}"
             )
+
+    @property
+    def _write_mask(self):
+        """The mask a backend's masked branch has set on this variable, or None.
+
+        Set (`backends._common.masked`) on every variable a branch on a
+        device value may write: writes then take effect only where the mask
+        holds.
+        """
+        cell = self._mask_cell
+        return None if cell is None else cell.mask
 
     def assign(self, value: Array) -> None:
         """Assigns `value` (same shape) to the variable, in place where possible."""

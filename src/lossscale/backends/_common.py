@@ -26,18 +26,67 @@ def bound(variables, storages):
             v._storage = s
 
 
+class MaskCell:
+    """The write mask shared by a group of variables (`variable._mask_cell`).
+
+    A variable's `_write_mask` is its cell's `mask`. An optimizer points
+    every variable it creates or is built with at one cell of its own, so
+    that masking a whole step is one store into that cell, not one per
+    variable: under `torch.compile` each store on a variable is a guard and
+    a side effect replayed after every call.
+
+    Attributes:
+        mask: None, or the backend's mask (torch: `masks.WriteMask`; JAX and
+            TensorFlow: a boolean scalar).
+    """
+
+    __slots__ = ("mask",)
+
+    def __init__(self, mask=None):
+        self.mask = mask
+
+
+def share_mask_cell(variables, cell):
+    """Points each of `variables` at `cell` (outside any masked branch)."""
+    for v in variables:
+        v._mask_cell = cell
+
+
 @contextlib.contextmanager
 def masked(variables, mask):
-    """Temporarily sets each variable's write mask to `mask`, restoring it on exit.
+    """Temporarily sets the write mask of `variables` to `mask`, restoring it on exit.
 
     While it is set, every write to those variables takes effect only where
     the mask holds (each backend's `assign*` reads it).
+
+    When the variables all share one cell (one optimizer's), the mask is set
+    on that cell: its other variables are masked too while the branch runs,
+    which changes nothing, as a branch writes only the variables it names.
+    Otherwise they move to a new cell of their own; on exit, a variable
+    whose old cell is still masked (an enclosing branch's) moves back, and
+    the others stay, so the next branch over the same variables finds them
+    sharing one cell.
     """
-    saved = [v._write_mask for v in variables]
+    variables = list(variables)
+    cell = _shared_cell(variables)
+    moved = ()
+    if cell is None:
+        cell = MaskCell()
+        moved = [(v, v._mask_cell) for v in variables]
+        share_mask_cell(variables, cell)
+    previous, cell.mask = cell.mask, mask
     try:
-        for v in variables:
-            v._write_mask = mask
         yield
     finally:
-        for v, previous in zip(variables, saved):
-            v._write_mask = previous
+        cell.mask = previous
+        for v, old in moved:
+            if old is not None and old.mask is not None:
+                v._mask_cell = old
+
+
+def _shared_cell(variables):
+    """The cell every one of `variables` points at, or None."""
+    cell = variables[0]._mask_cell if variables else None
+    if cell is None or any(v._mask_cell is not cell for v in variables):
+        return None
+    return cell

@@ -18,6 +18,7 @@ from typing import Any
 
 from lossscale import validation
 from lossscale.backends import get_ops
+from lossscale.backends._common import MaskCell, share_mask_cell
 from lossscale.optimizers import ema, gradients
 from lossscale.optimizers.config import ConfigMixin
 from lossscale.optimizers.pipeline import PipelineMixin
@@ -162,6 +163,9 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
         # The class's own `update_kernel` (not an inherited one), read once:
         # a compiled step reads a plain attribute, not the class namespace.
         self._kernel_name = type(self).__dict__.get("update_kernel")
+        # One write-mask cell for every variable this optimizer creates or is
+        # built with: a gated step masks them all with one store.
+        self._mask_cell = MaskCell()
         self._variables = []
         self._trainable_variables = []
         self._indices = {}
@@ -252,6 +256,7 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
                     f"train integers or booleans. Received: variable {v.path!r} of dtype {v.dtype}"
                 )
         self._trainable_variables = var_list
+        share_mask_cell(var_list, self._mask_cell)
         self._indices = {id(v): i for i, v in enumerate(var_list)}
         self._exclusions.decide(var_list)
         # Scalars made before the backend was known follow the model there.

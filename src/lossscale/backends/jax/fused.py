@@ -56,10 +56,9 @@ Two limits of arithmetic folding, neither reachable from finite training:
   computed never holds one.
 """
 
-import contextlib
-
 import jax.numpy as jnp
 
+from lossscale.backends._common import masked
 from lossscale.backends.jax import ops
 
 
@@ -141,14 +140,9 @@ def _unscaled(grad, grad_scale):
     return grad if grad_scale is None else ops.unscale([grad], grad_scale)[0]
 
 
-@contextlib.contextmanager
 def _unmasked(variable):
     # For a rule run with the skip folded into its inputs already.
-    mask, variable._write_mask = variable._write_mask, None
-    try:
-        yield
-    finally:
-        variable._write_mask = mask
+    return masked([variable], None)
 
 
 def _write(variable, value):

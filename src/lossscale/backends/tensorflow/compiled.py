@@ -38,7 +38,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
 
-from lossscale.backends._common import bound
+from lossscale.backends._common import bound, masked
 from lossscale.backends.tensorflow import multi, ops
 
 # Below this many tensors an eager helper runs op by op: a traced call
@@ -126,10 +126,7 @@ def _trace(optimizer_ref, rule, variables, targets, carried):
     def step(inputs, values, keep):
         optimizer = optimizer_ref()
         # The eager masks are the outer branch's; in here `keep` decides.
-        saved = [v._write_mask for v in targets]
-        for v in targets:
-            v._write_mask = None
-        try:
+        with masked(targets, None):
 
             def branch(write):
                 def run_branch():
@@ -144,9 +141,6 @@ def _trace(optimizer_ref, rule, variables, targets, carried):
                 branch(lambda: rule(optimizer, variables, *inputs)),
                 branch(lambda: None),
             )
-        finally:
-            for v, mask in zip(targets, saved):
-                v._write_mask = mask
 
     return tf.function(step)
 

@@ -11,7 +11,10 @@ variables)` is the true branch alone.
 
 The mask travels with the variables, not through a context variable or a
 thread-local: `torch.compile` traces attribute writes on Python objects,
-and two threads stepping two optimizers never see each other's masks.
+and two threads stepping two optimizers never see each other's masks. It is
+stored once per branch, in the cell the optimizer's variables share
+(`_common.MaskCell`), not on each variable: a compiled step would guard on
+and replay every one of those stores.
 """
 
 import torch

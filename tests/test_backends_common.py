@@ -1,0 +1,114 @@
+"""backends/_common.py: write masks shared through one cell per optimizer.
+
+The masks' effect on writes is tested per backend (test_torch_masks.py,
+test_jax_ops.py, test_tensorflow_control.py); here where a mask is stored:
+on the one cell a group of variables shares, so that masking a step costs
+one store whatever the number of variables.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import lossscale as ls
+from lossscale.backends._common import MaskCell, masked, share_mask_cell
+from lossscale.variables import Variable
+
+
+def variables(n):
+    rng = np.random.default_rng(0)
+    return [ls.Variable(rng.normal(size=3).astype(np.float32)) for _ in range(n)]
+
+
+def test_variables_sharing_a_cell_are_masked_through_it():
+    vs = variables(4)
+    cell = MaskCell()
+    share_mask_cell(vs, cell)
+    with masked(vs, "m"):
+        assert cell.mask == "m"
+        assert [v._write_mask for v in vs] == ["m"] * 4
+        assert all(v._mask_cell is cell for v in vs)
+    assert cell.mask is None and all(v._mask_cell is cell for v in vs)
+
+
+def test_variables_without_a_shared_cell_move_to_one_and_stay():
+    vs = variables(3)
+    with masked(vs, "m"):
+        assert [v._write_mask for v in vs] == ["m"] * 3
+    cell = vs[0]._mask_cell
+    assert cell is not None and all(v._mask_cell is cell for v in vs)
+    assert [v._write_mask for v in vs] == [None] * 3
+    with masked(vs, "again"):  # the same group: the same cell, nothing moves
+        assert all(v._mask_cell is cell for v in vs) and cell.mask == "again"
+
+
+def test_a_nested_branch_over_some_variables_of_a_cell_masks_the_cell_and_restores_it():
+    vs = variables(3)
+    cell = MaskCell()
+    share_mask_cell(vs, cell)
+    with masked(vs, "outer"):
+        with masked(vs[1:], "inner"):
+            assert [v._write_mask for v in vs] == ["inner"] * 3
+        assert [v._write_mask for v in vs] == ["outer"] * 3
+    assert [v._write_mask for v in vs] == [None] * 3
+
+
+def test_a_nested_branch_over_other_cells_moves_its_variables_back_into_the_open_branch():
+    outer, extra = variables(2), variables(1)
+    cell = MaskCell()
+    share_mask_cell(outer, cell)
+    with masked(outer, "outer"):
+        with masked([outer[0], *extra], "inner"):
+            assert outer[0]._write_mask == "inner" and extra[0]._write_mask == "inner"
+            assert outer[1]._write_mask == "outer"
+        # back under the enclosing branch's mask, in its cell
+        assert outer[0]._mask_cell is cell and outer[0]._write_mask == "outer"
+        assert extra[0]._write_mask is None
+    assert [v._write_mask for v in outer + extra] == [None] * 3
+
+
+def test_a_mask_is_restored_when_the_branch_raises():
+    vs = variables(2)
+    with pytest.raises(RuntimeError, match="boom"):
+        with masked(vs, "m"):
+            raise RuntimeError("boom")
+    assert [v._write_mask for v in vs] == [None, None]
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd", "rmsprop"])
+def test_an_optimizer_puts_every_variable_it_writes_in_its_own_cell(name):
+    make = {"adam": ls.optimizers.Adam, "sgd": ls.optimizers.SGD, "rmsprop": ls.optimizers.RMSprop}
+    params = variables(3)
+    opt = ls.LossScaleOptimizer(make[name](0.1, use_ema=True))
+    opt.build(params)
+    inner = opt.inner_optimizer
+    targets = inner._trainable_variables + inner.variables
+    assert all(v._mask_cell is inner._mask_cell for v in targets)
+    # the wrapper's own state is outside: it is written after the gated step
+    assert all(v._mask_cell is opt._mask_cell for v in opt._variables)
+    assert opt._mask_cell is not inner._mask_cell
+
+
+def test_a_gated_torch_step_stores_no_mask_on_any_variable(monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=generator) for s in [(8, 4), (4,), (4, 2)]]
+    for inner in (ls.optimizers.Adam(1e-3), ls.optimizers.RMSprop(1e-3)):  # fused, select
+        opt = ls.LossScaleOptimizer(inner, initial_scale=16.0)
+        opt.scale_loss(1.0)
+        opt.build(params)
+        stores = []
+        original = Variable.__setattr__
+
+        def counting(self, name, value, original=original):
+            if name in ("_mask_cell", "_write_mask"):
+                stores.append(name)
+            original(self, name, value)
+
+        monkeypatch.setattr(Variable, "__setattr__", counting)
+        for kind in ("f", "inf", "f"):
+            grads = [torch.randn(p.shape, generator=generator) * 16 for p in params]
+            if kind == "inf":
+                grads[0][0, 0] = float("inf")
+            opt.apply(grads, params)
+        monkeypatch.undo()
+        assert stores == [], type(inner).__name__
