@@ -99,7 +99,7 @@ def test_a_gated_torch_step_stores_no_mask_on_any_variable(monkeypatch):
         stores = []
         original = Variable.__setattr__
 
-        def counting(self, name, value, original=original):
+        def counting(self, name, value, original=original, stores=stores):
             if name in ("_mask_cell", "_write_mask"):
                 stores.append(name)
             original(self, name, value)

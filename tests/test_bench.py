@@ -57,6 +57,7 @@ def test_worker_runs_a_step_job_in_process():
             "quick": True,
             "repeats": 3,
             "warmup": 1,
+            "warmup_seconds": 0.0,
         }
     )
     assert result["steps"] == 3
@@ -73,6 +74,7 @@ def test_runner_reports_a_failing_worker():
             "quick": True,
             "repeats": 1,
             "warmup": 0,
+            "warmup_seconds": 0.0,
         }
     )
     assert set(result) == {"error"}
@@ -85,6 +87,8 @@ def test_runner_reports_a_failing_worker():
         (["--impl", "nope"], "unknown --impl ['nope']"),
         (["--repeats", "0"], "--repeats must be an integer >= 1. Received: 0"),
         (["--warmup", "-1"], "--warmup must be an integer >= 0. Received: -1"),
+        (["--warmup-seconds", "-1"], "--warmup-seconds must be a number >= 0. Received: -1.0"),
+        (["--warmup-seconds", "nan"], "--warmup-seconds must be a number >= 0. Received: nan"),
         (["--retries", "-2"], "--retries must be an integer >= 0. Received: -2"),
         (["--rounds", "0"], "--rounds must be an integer >= 1. Received: 0"),
         (["--workload", "huge"], "invalid choice: 'huge'"),

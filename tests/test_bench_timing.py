@@ -1,5 +1,7 @@
 """Step timing: warm-up untimed, prepare before and sync around every step."""
 
+import time
+
 from lossscale.bench import timing
 
 
@@ -13,6 +15,15 @@ def test_time_steps_order_and_counts():
     times = timing.time_steps(stepper, repeats=3, warmup=2)
     assert len(times) == 3 and all(t >= 0 for t in times)
     assert events == ["prepare", ("sync", None), "step", ("sync", "result")] * 5
+
+
+def test_warm_up_lasts_at_least_warmup_seconds():
+    steps = []
+    stepper = timing.Stepper(step=lambda: steps.append(time.perf_counter()) or time.sleep(0.01))
+    times = timing.time_steps(stepper, repeats=3, warmup=1, warmup_seconds=0.1)
+    assert len(times) == 3 and all(t >= 0.01 for t in times)
+    # the timed steps are the last three, started 0.1 s or more after the first
+    assert len(steps) >= 3 + 6 and steps[-3] - steps[0] >= 0.1
 
 
 def test_summary_in_milliseconds():

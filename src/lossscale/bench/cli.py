@@ -17,6 +17,7 @@ from lossscale.bench import floor, registry, runner, table, workloads
 
 DEFAULT_REPEATS = 30
 QUICK_REPEATS = 3
+DEFAULT_WARMUP_SECONDS = 0.5
 
 
 def build_parser():
@@ -55,6 +56,13 @@ def build_parser():
         type=int,
         default=None,
         help="Untimed steps first (default: repeats // 5, at least 2; 1 with --quick).",
+    )
+    parser.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=None,
+        help=f"Keep warming up until this many seconds have passed (default "
+        f"{DEFAULT_WARMUP_SECONDS}; 0 with --quick): a process's first steps run slow.",
     )
     parser.add_argument(
         "--quick",
@@ -142,6 +150,7 @@ def _run_rows(impls, names, args, explicit):
                 "quick": args.quick,
                 "repeats": args.repeats,
                 "warmup": args.warmup,
+                "warmup_seconds": args.warmup_seconds,
             }
             rows.append(
                 {
@@ -201,6 +210,10 @@ def main(argv=None):
         args.warmup = 1 if args.quick else max(2, args.repeats // 5)
     if args.warmup < 0:
         parser.error(f"--warmup must be an integer >= 0. Received: {args.warmup}")
+    if args.warmup_seconds is None:
+        args.warmup_seconds = 0.0 if args.quick else DEFAULT_WARMUP_SECONDS
+    if not args.warmup_seconds >= 0:
+        parser.error(f"--warmup-seconds must be a number >= 0. Received: {args.warmup_seconds}")
     if args.retries < 0:
         parser.error(f"--retries must be an integer >= 0. Received: {args.retries}")
     if args.rounds < 1:
@@ -245,6 +258,7 @@ def report(rows, floors, bandwidths, info, args):
     )
     lines.append(
         f"- Median of {args.repeats} steps after {args.warmup} warm-up steps"
+        + (f" and at least {args.warmup_seconds:g} s of warm-up" if args.warmup_seconds else "")
         + (f"; median of {args.rounds} rounds in alternating order" if args.rounds > 1 else "")
         + (" (--quick: tiny workloads, timings meaningless)" if args.quick else "")
     )

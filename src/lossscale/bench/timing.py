@@ -30,10 +30,18 @@ class Stepper:
     prepare: Callable[[], None] | None = None
 
 
-def time_steps(stepper, repeats, warmup):
-    """Returns the duration in seconds of each of `repeats` steps after `warmup` steps."""
+def time_steps(stepper, repeats, warmup, warmup_seconds=0.0):
+    """Returns the duration in seconds of each of `repeats` steps after the warm-up.
+
+    The warm-up runs `warmup` steps, and more until `warmup_seconds` have
+    passed: the first steps of a process run slow (pages faulted in, caches
+    and allocators filling), for longer than a few steps of a fast step
+    take.
+    """
     times = []
-    for i in range(warmup + repeats):
+    warm_until = time.perf_counter() + warmup_seconds
+    done = 0
+    while len(times) < repeats:
         if stepper.prepare is not None:
             stepper.prepare()
         stepper.sync(None)
@@ -42,12 +50,13 @@ def time_steps(stepper, repeats, warmup):
         try:
             start = time.perf_counter()
             stepper.sync(stepper.step())
-            elapsed = time.perf_counter() - start
+            end = time.perf_counter()
         finally:
             if gc_was_enabled:
                 gc.enable()
-        if i >= warmup:
-            times.append(elapsed)
+        done += 1
+        if done > warmup and start >= warm_until:
+            times.append(end - start)
     return times
 
 

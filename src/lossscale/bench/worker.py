@@ -25,7 +25,7 @@ def run(job):
     workload = workloads.get(job["workload"], quick=job["quick"])
     try:
         stepper = impl.setup(workload)
-        times = timing.time_steps(stepper, job["repeats"], job["warmup"])
+        times = timing.time_steps(stepper, job["repeats"], job["warmup"], job["warmup_seconds"])
     except Unavailable as e:
         return {"skipped": str(e)}
     return {**timing.summary(times), "versions": impl.versions()}
