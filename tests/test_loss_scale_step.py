@@ -57,9 +57,13 @@ def test_operations_per_step_do_not_grow_with_the_parameters(name):
 def test_the_adam_step_names_its_operations():
     ops = ops_per_step(OPTIMIZERS["adam"], 16)
     assert ops == [
-        "aten._foreach_div_.Tensor",  # unscale, in the caller's gradients
+        # A CPU scale is read on the host (nothing to wait for): a power of
+        # two >= 1, so one AMP pass divides and checks the unscaled values
+        # (tests/test_torch_multi.py). A CUDA scale is not read: there
+        # `_foreach_div_` unscales, and the AMP kernel checks at scale 1.
+        "aten._local_scalar_dense.default",
         "aten.zeros.default",  # the found_inf flag
-        "aten._amp_foreach_non_finite_check_and_unscale_.default",  # the check, after unscaling
+        "aten._amp_foreach_non_finite_check_and_unscale_.default",  # unscale, and check
         "aten.eq.Scalar",  # the flag as a boolean, for the step counter
         "aten.add.out",  # t = iterations + 1, cast as it is stored
         "aten.pow.Tensor_Tensor",  # (beta_1, beta_2) ** t

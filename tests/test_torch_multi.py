@@ -173,3 +173,98 @@ def test_max_abs_packs_inside_and_outside_inference_mode(monkeypatch):
     assert float(torch_multi.max_abs(tensors)) == 3.0
     with torch.inference_mode():
         assert float(torch_multi.max_abs(tensors)) == 3.0
+
+
+# --- unscale_checked: one AMP pass where it is exact ------------------------------
+
+ONE_PASS = [
+    "aten._local_scalar_dense.default",  # the CPU scale, read on the host
+    "aten.zeros.default",
+    "aten._amp_foreach_non_finite_check_and_unscale_.default",
+    "aten.eq.Scalar",  # the flag as a boolean
+]
+
+
+def _checked(grads, value, in_place=True):
+    from torch_cases import count_ops
+
+    scale = torch.tensor(value)
+    torch_multi.unscale_checked([torch.ones(1)], scale, True)  # caches the constants
+    with count_ops() as ops:
+        out, finite, skip = torch_multi.unscale_checked(grads, scale, in_place)
+    return out, bool(finite), float(skip), ops
+
+
+def _grads(rng, dtype=torch.float32):
+    # Magnitudes from the dtype's subnormals to near its largest value:
+    # quotients round, underflow to subnormals and to zero.
+    info = torch.finfo(dtype)
+    low, high = np.log10(info.smallest_normal) - 2, np.log10(info.max) - 0.5
+    values = rng.choice([-1, 1], 300) * 10.0 ** rng.uniform(low, high, 300)
+    wide = storage(values.astype(np.float32))
+    return [wide[:100].to(dtype), wide[100:].to(dtype).reshape(20, 10)]
+
+
+@pytest.mark.parametrize("exponent", [0, 1, 15, 24, 100, 126])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_unscale_checked_is_the_division_bit_for_bit_in_one_pass(exponent, dtype):
+    rng = np.random.default_rng(exponent)
+    grads = _grads(rng, dtype)
+    value = 2.0**exponent
+    expected = torch_multi.unscale([g.clone() for g in grads], torch.tensor(value))
+    out, finite, skip, ops = _checked(grads, value)
+    copies = ["aten._to_copy.default"] * 2 if dtype.itemsize < 4 else []  # into float32
+    assert ops == ONE_PASS[:1] + copies + ONE_PASS[1:]
+    assert all(torch.equal(o, e) for o, e in zip(out, expected))
+    assert [o.dtype for o in out] == [torch.float32 if dtype.itemsize < 4 else dtype] * 2
+    assert finite and skip == 0.0
+    if dtype == torch.float32:  # in the caller's buffers, as `unscale` does in place
+        assert all(o is g for o, g in zip(out, grads))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_unscale_checked_flags_a_non_finite_gradient_in_one_pass(bad):
+    grads = _grads(np.random.default_rng(1))
+    grads[1][3, 4] = bad
+    _, finite, skip, ops = _checked(grads, 2.0**15)
+    assert ops == ONE_PASS and not finite and skip == 1.0
+
+
+@pytest.mark.parametrize(
+    "value,in_place",
+    [
+        (3.0, True),  # 1/3 is not exact
+        (0.5, True),  # dividing by it can overflow
+        (2.0**127, True),  # 1/scale would be subnormal
+        (2.0**15, False),  # float32 gradients that are not ours to write
+    ],
+)
+def test_unscale_checked_divides_then_checks_otherwise(value, in_place):
+    grads = _grads(np.random.default_rng(2))
+    given = [g.clone() for g in grads]
+    out, finite, skip, ops = _checked(given, value, in_place)
+    assert "aten._foreach_div_.Tensor" in ops or "aten._foreach_div.Tensor" in ops, ops
+    assert all(torch.equal(o, g / torch.tensor(value)) for o, g in zip(out, grads))
+    overflows = bool(torch.stack([~torch.isfinite(g / value).all() for g in grads]).any())
+    assert finite == (not overflows) and skip == float(overflows)
+    if not in_place:
+        assert all(torch.equal(a, b) for a, b in zip(given, grads))
+
+
+def test_unscale_checked_catches_a_gradient_that_overflows_only_when_divided():
+    grads = [storage([3e38, 1.0])]  # finite, but 3e38 / 0.5 is inf
+    out, finite, skip, _ = _checked(grads, 0.5)
+    assert not finite and skip == 1.0 and torch.isinf(out[0][0])
+
+
+def test_unscale_checked_of_no_gradients_and_of_empty_ones():
+    assert _checked([], 2.0)[:3] == ([], True, 0.0)
+    out, finite, skip, _ = _checked([torch.zeros(0), storage([2.0])], 2.0)
+    assert [o.tolist() for o in out] == [[], [1.0]] and finite and skip == 0.0
+
+
+def test_unscale_checked_of_gradients_in_an_autograd_graph_does_not_write_them():
+    leaf = torch.ones(3, requires_grad=True)
+    grad = leaf * 4.0
+    out, finite, _, _ = _checked([grad], 2.0)
+    assert finite and out[0].tolist() == [2.0] * 3 and grad.tolist() == [4.0] * 3

@@ -6,7 +6,6 @@ optimizer stepped directly on the unscaled gradients of the steps that were
 not skipped. Scales are powers of two, so unscaling is exact.
 """
 
-import contextlib
 import copy
 import doctest
 import io
@@ -17,6 +16,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from torch_cases import no_host_reads
 
 import lossscale as ls
 from lossscale.torch import TorchOptimizer
@@ -94,27 +94,6 @@ def assert_same_state(native, twin):
         expected = theirs.pop((i, key), torch.zeros_like(value))
         assert torch.equal(value, expected), key
     assert not theirs
-
-
-@contextlib.contextmanager
-def no_host_reads():
-    """Makes every way of reading a tensor on the host raise."""
-    names = ["__bool__", "item", "tolist", "__float__", "__int__", "__index__", "cpu", "numpy"]
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-
-    def forbidden(name):
-        def read(self, *args, **kwargs):
-            raise AssertionError(f"host read: Tensor.{name}")
-
-        return read
-
-    try:
-        for n in names:
-            setattr(torch.Tensor, n, forbidden(n))
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
 
 
 # --- the trajectory -----------------------------------------------------------

@@ -117,8 +117,15 @@ def assert_same_run(fast, generic, rtol=1e-5, atol=1e-6):
 
 @contextlib.contextmanager
 def no_host_reads():
-    """Makes every way of reading a tensor's value on the host raise."""
-    names = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
+    """Makes every way of reading a tensor's value on the host raise.
+
+    The step then runs as on a GPU: the one read a CPU step makes on
+    purpose (its scale, which waits for nothing there,
+    `backends/torch/multi.HOST_READABLE`) is off.
+    """
+    from lossscale.backends.torch import multi
+
+    names = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
     saved = {name: getattr(torch.Tensor, name) for name in names}
 
     def forbidden(name):
@@ -129,6 +136,7 @@ def no_host_reads():
 
     mp = pytest.MonkeyPatch()
     try:
+        mp.setattr(multi, "HOST_READABLE", frozenset())
         for name in names:
             mp.setattr(torch.Tensor, name, forbidden(name))
         yield

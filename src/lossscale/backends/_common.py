@@ -26,6 +26,15 @@ def bound(variables, storages):
             v._storage = s
 
 
+def unscale_then_check(unscale, finite_flags, grads, scale, in_place=False):
+    """`(unscaled, finite, skip)`: `unscale`, then `finite_flags` of its result.
+
+    A backend's `unscale_checked` where no kernel does both in one pass.
+    """
+    unscaled = unscale(grads, scale, in_place)
+    return (unscaled, *finite_flags(unscaled))
+
+
 class MaskCell:
     """The write mask shared by a group of variables (`variable._mask_cell`).
 

@@ -74,6 +74,13 @@ class BackendOps(Protocol):
         buffers: torch does, saving a full-size copy.
         """
 
+    def unscale_checked(self, grads: Sequence[Any], scale: Any, in_place: bool = False) -> tuple:
+        """`(unscaled, finite, skip)`: `unscale`, and `finite_flags` of its result.
+
+        torch does both in one pass where that is exact (see
+        `backends/torch/multi.unscale_checked`).
+        """
+
     def all_finite(self, arrays: Sequence[Any]) -> Any: ...
     def finite_flags(self, arrays: Sequence[Any]) -> tuple:
         """`(finite, skip)`: `all_finite(arrays)`, and as a float32 flag (1.0: not finite).

@@ -57,11 +57,15 @@ class LossScaleStepMixin:
             # Outside `stateless_apply` the gradients are the caller's to
             # hand over: torch divides them in place, as GradScaler does,
             # instead of allocating unscaled copies.
-            unscaled = ops.unscale([grads[i] for i in scaled], scale, in_place=not self._stateless)
+            to_unscale, in_place = [grads[i] for i in scaled], not self._stateless
+            if self.policy.records_details or self.policy.growth_policy == "headroom":
+                unscaled, flags = ops.unscale(to_unscale, scale, in_place=in_place), None
+            else:  # only the flag is needed: torch's AMP kernel may do both at once
+                unscaled, *flags = ops.unscale_checked(to_unscale, scale, in_place=in_place)
             for i, g in zip(scaled, unscaled):
                 grads[i] = g
             finite, skip, peak, variable_finite = self._inspect(
-                ops, grads, variables, scaled, unscaled, scale
+                ops, grads, variables, scaled, unscaled, scale, flags
             )
             update = functools.partial(inner._apply_validated, grads, variables)
         # Every process must take the same decision (sharded gradients differ
@@ -129,14 +133,15 @@ class LossScaleStepMixin:
             and self.inner_optimizer._takes_grad_scale(variables)
         )
 
-    def _inspect(self, ops, grads, variables, scaled, unscaled, scale):
+    def _inspect(self, ops, grads, variables, scaled, unscaled, scale, flags):
         """Returns `(finite, skip, peak, variable_finite)` for `next_loss_scale`.
 
         `skip` (the flag as torch's AMP `found_inf`) when the check gives it
         for free, `peak` (the largest scaled magnitude) only with the
         headroom policy, `variable_finite` only when telemetry is recorded.
         Checking the unscaled gradients also catches a finite gradient that
-        overflows when divided by a tiny scale.
+        overflows when divided by a tiny scale. `flags`: `(finite, skip)` of
+        the unscaled gradients, when `unscale_checked` made them.
         """
         policy = self.policy
         headroom = policy.growth_policy == "headroom"
@@ -144,9 +149,7 @@ class LossScaleStepMixin:
         others = [g for i, g in enumerate(grads) if g is not None and i not in unscaled_at]
         if not policy.records_details:
             if not headroom:
-                # The unscaled gradients are ours (copies, or the caller's,
-                # already divided in place): the check may store into them.
-                finite, skip = ops.finite_flags(unscaled)
+                finite, skip = flags
                 if others:
                     finite, skip = ops.logical_and(finite, ops.all_finite(others)), None
                 return finite, skip, None, ()

@@ -59,5 +59,6 @@ from lossscale.backends.jax.ops import (
     sum,
     to_numpy,
     unscale,
+    unscale_checked,
     where,
 )

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lossscale.backends._common import bound, masked, unwrap
+from lossscale.backends._common import bound, masked, unscale_then_check, unwrap
 
 NAME = "jax"
 MUTABLE = False
@@ -199,6 +199,11 @@ def unscale(grads, scale, in_place=False, reciprocal=False):
         half, inverse = factors[g.dtype]
         out.append(g * half * inverse)
     return out
+
+
+def unscale_checked(grads, scale, in_place=False):
+    """`(unscaled, finite, skip)`: `unscale`, then `finite_flags` of the result."""
+    return unscale_then_check(unscale, finite_flags, grads, scale, in_place)
 
 
 def all_finite(arrays):

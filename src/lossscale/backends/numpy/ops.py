@@ -6,7 +6,7 @@ allocate and outside references to the array see every update.
 
 import numpy as np
 
-from lossscale.backends._common import unwrap
+from lossscale.backends._common import unscale_then_check, unwrap
 from lossscale.backends.numpy import parallel
 
 NAME = "numpy"
@@ -140,6 +140,11 @@ def unscale(grads, scale, in_place=False):
             divisor = divisors[g.dtype] = scale.astype(g.dtype)
         out.append(g / divisor)
     return out
+
+
+def unscale_checked(grads, scale, in_place=False):
+    """`(unscaled, finite, skip)`: `unscale`, then `finite_flags` of the result."""
+    return unscale_then_check(unscale, finite_flags, grads, scale, in_place)
 
 
 def all_finite(arrays):

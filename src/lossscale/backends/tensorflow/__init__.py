@@ -22,6 +22,7 @@ from lossscale.backends.tensorflow.compiled import (
     all_finite,
     finite_flags,
     unscale,
+    unscale_checked,
 )
 from lossscale.backends.tensorflow.control import (
     cond,
@@ -124,6 +125,7 @@ __all__ = [
     "sum",
     "to_numpy",
     "unscale",
+    "unscale_checked",
     "variable_storage",
     "where",
 ]

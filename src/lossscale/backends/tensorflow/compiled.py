@@ -38,7 +38,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
 
-from lossscale.backends._common import bound, masked
+from lossscale.backends._common import bound, masked, unscale_then_check
 from lossscale.backends.tensorflow import multi, ops
 
 # Below this many tensors an eager helper runs op by op: a traced call
@@ -173,6 +173,11 @@ def finite_flags(arrays):
     if _many(arrays):
         return _traced_finite_flags([ops._tensor(a) for a in arrays])
     return multi.finite_flags(arrays)
+
+
+def unscale_checked(grads, scale, in_place=False):
+    """`(unscaled, finite, skip)`: `unscale`, then `finite_flags` of the result."""
+    return unscale_then_check(unscale, finite_flags, grads, scale, in_place)
 
 
 def all_finite(arrays):

@@ -27,6 +27,7 @@ from lossscale.backends.torch.multi import (
     global_norm,
     max_abs,
     unscale,
+    unscale_checked,
 )
 from lossscale.backends.torch.ops import (
     INT_DTYPE,

@@ -6,11 +6,12 @@ where torch's multi-tensor reductions are slow generic loops, the finite
 check takes other routes (see `_cpu_flags`).
 """
 
+import math
 import threading
 
 import torch
 
-from lossscale.backends._common import unwrap
+from lossscale.backends._common import unscale_then_check, unwrap
 from lossscale.backends.torch import dtensors, ops
 
 
@@ -120,12 +121,92 @@ def finite_flags(arrays):
         return finite, (~finite).to(torch.float32)
     skip = None
     for device, _, indices in groups(arrays):
-        found = torch.zeros((), dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(
-            [arrays[i] for i in indices], found, ops.constant(1.0, torch.float32, device)
-        )
-        skip = found if skip is None else torch.maximum(skip, found.to(skip.device))
+        skip = _either(skip, _amp_check([arrays[i] for i in indices], 1.0, device))
     return skip == 0, skip
+
+
+def unscale_checked(grads, scale, in_place=False):
+    """`(unscaled, finite, skip)`: `unscale(grads, scale, in_place)` and its `finite_flags`.
+
+    In one pass where that is exact: torch's AMP kernel multiplies each
+    gradient by `1 / scale` and flags a non-finite value among those it
+    reads. That is the division, bit for bit, when `1 / scale` is exact (a
+    power-of-two scale up to 2**126), and checks the unscaled values when
+    dividing cannot overflow (a scale of at least 1): a finite gradient then
+    stays finite, and inf or NaN stays what it is. Whether the scale is such
+    a number is read on the host only for a CPU scale, where reading it
+    waits for nothing; under `torch.compile`, for a device scale, for other
+    scales, and where the gradients may not be written in place (float32
+    ones that are not the caller's to hand over), the gradients are divided
+    and then checked, which catches a gradient that overflows only when
+    divided.
+    """
+    grads = [unwrap(g) for g in grads]
+    inverse = _exact_inverse(unwrap(scale)) if grads else None
+    parts = groups(grads) if inverse is not None else ()
+    if inverse is None or any(
+        dtype.itemsize >= 4 and not (in_place and _writable([grads[i] for i in indices]))
+        for _, dtype, indices in parts
+    ):
+        return unscale_then_check(unscale, finite_flags, grads, scale, in_place)
+    out = [None] * len(grads)
+    copies, skip = [], None
+    for device, dtype, indices in parts:
+        group = [grads[i] for i in indices]
+        if dtype.itemsize < 4:  # unscaled into float32 copies, as `unscale` does
+            group = [g.float() for g in group]
+            copies.extend(group)
+        nonempty = [g for g in group if g.numel()]
+        if nonempty:
+            skip = _either(skip, _amp_check(nonempty, inverse, device))
+        for i, g in zip(indices, group):
+            out[i] = g
+    if copies and copies[0].device.type == "cpu":
+        _RECENT_CPU_COPIES[:] = copies
+    if skip is None:
+        return out, torch.tensor(True), torch.zeros(())
+    return out, skip == 0, skip
+
+
+# Device types whose scalars a step may read on the host: the value is in
+# host memory, so reading it waits for nothing. Never a GPU.
+HOST_READABLE = frozenset({"cpu"})
+
+
+def _exact_inverse(scale):
+    """`1 / scale` where multiplying by it divides exactly and cannot overflow, else None.
+
+    Only for a 0-d tensor on a `HOST_READABLE` device, outside
+    `torch.compile`: a power of two from 1 to 2**126, whose inverse is a
+    normal float32.
+    """
+    if (
+        not isinstance(scale, torch.Tensor)
+        or scale.device.type not in HOST_READABLE
+        or scale.ndim != 0
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    value = scale.item()
+    if math.frexp(value)[0] != 0.5 or not 1.0 <= value <= 2.0**126:
+        return None
+    return 1.0 / value
+
+
+def _amp_check(tensors, inverse, device):
+    """torch's AMP kernel over one (device, dtype) group: `tensors *= inverse`, in place.
+
+    Returns its float32 flag: 1.0 where some value it read is inf or NaN.
+    """
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    torch._amp_foreach_non_finite_check_and_unscale_(
+        tensors, found, ops.constant(inverse, torch.float32, device)
+    )
+    return found
+
+
+def _either(skip, found):
+    return found if skip is None else torch.maximum(skip, found.to(skip.device))
 
 
 def _floats(arrays):
