@@ -48,6 +48,21 @@ def test_quick_run_prints_one_row_per_implementation(capsys):
     assert "floor" in out and "torch 2." in out
 
 
+def test_an_interleaved_run_times_a_workload_in_one_process(capsys):
+    # Two subprocesses: the bandwidth floor, and both implementations together.
+    argv = ["--quick", "--workload", "tiny", "--interleave", "--rounds", "2", "--repeats", "2"]
+    status = bench.main(argv + ["--impl", "lossscale-numpy", "--impl", "torch-gradscaler-fused"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = [ROW.match(line) for line in _table_rows(out)]
+    assert [(m[1], m[2]) for m in rows] == [
+        ("lossscale-numpy", "tiny"),
+        ("torch-gradscaler-fused", "tiny"),
+    ]
+    assert "interleaved: side by side in one process per workload" in out
+    assert out.count(" on tiny: ") == 2  # each with its two rounds' medians
+
+
 def test_worker_runs_a_step_job_in_process():
     result = worker.run(
         {

@@ -13,7 +13,7 @@ import platform
 import statistics
 import sys
 
-from lossscale.bench import floor, registry, runner, table, workloads
+from lossscale.bench import floor, interleave, registry, runner, table, workloads
 
 DEFAULT_REPEATS = 30
 QUICK_REPEATS = 3
@@ -92,6 +92,14 @@ def build_parser():
         "on a machine whose speed drifts, rows compared side by side then "
         "see the same conditions (default 1).",
     )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="Time the implementations that share an environment side by side in one "
+        "process per workload, alternating rounds there (--rounds of them), instead of "
+        "one process per implementation and round: on a machine that puts whole "
+        "processes in faster or slower modes, each round then compares them in one mode.",
+    )
     return parser
 
 
@@ -128,19 +136,42 @@ def _workload_names(choice, parser):
     return names
 
 
+def _ineligible(impl, workload, explicit):
+    """The row saying why `impl` does not run on `workload`, or None when it does."""
+    row = {"impl": impl.name, "kind": impl.kind, "workload": workload.name}
+    if workload.device not in impl.devices:
+        return {**row, "skipped": f"runs on {', '.join(impl.devices)} only"} if explicit else None
+    missing = impl.missing()
+    if missing:
+        return {**row, "skipped": f"not installed: {', '.join(missing)}"}
+    return None
+
+
+def _runs_on(impl, workload):
+    return workload.device in impl.devices and not impl.missing()
+
+
+def _run_interleaved(impls, names, args, explicit):
+    rows = []
+    for name in names:
+        workload = workloads.get(name, quick=args.quick)
+        runs = [i for i in impls if _runs_on(i, workload)]
+        skipped = (_ineligible(i, workload, explicit) for i in impls if i not in runs)
+        rows += [row for row in skipped if row is not None]
+        rows += interleave.run(runs, name, args)
+    return rows
+
+
 def _run_rows(impls, names, args, explicit):
     rows = []
     for name in names:
         workload = workloads.get(name, quick=args.quick)
         for impl in impls:
             row = {"impl": impl.name, "kind": impl.kind, "workload": name}
-            if workload.device not in impl.devices:
-                if explicit:
-                    rows.append({**row, "skipped": f"runs on {', '.join(impl.devices)} only"})
-                continue
-            missing = impl.missing()
-            if missing:
-                rows.append({**row, "skipped": f"not installed: {', '.join(missing)}"})
+            if not _runs_on(impl, workload):
+                skipped = _ineligible(impl, workload, explicit)
+                if skipped is not None:
+                    rows.append(skipped)
                 continue
             print(f"[bench] {impl.name} on {name} ...", file=sys.stderr, flush=True)
             job = {
@@ -238,7 +269,8 @@ def main(argv=None):
         bw = bandwidths[workload.device]
         if "gb_per_s" in bw:
             floors[name] = floor.floor_ms(workload.size, bw["gb_per_s"])
-    rows = _run_rounds(impls, names, args, explicit=bool(args.impl))
+    run = _run_interleaved if args.interleave else _run_rounds
+    rows = run(impls, names, args, explicit=bool(args.impl))
     print(report(rows, floors, bandwidths, info, args))
     failed = [r for r in rows if "error" in r] + [b for b in bandwidths.values() if "error" in b]
     return 1 if failed else 0
@@ -260,6 +292,7 @@ def report(rows, floors, bandwidths, info, args):
         f"- Median of {args.repeats} steps after {args.warmup} warm-up steps"
         + (f" and at least {args.warmup_seconds:g} s of warm-up" if args.warmup_seconds else "")
         + (f"; median of {args.rounds} rounds in alternating order" if args.rounds > 1 else "")
+        + ("; interleaved: side by side in one process per workload" if args.interleave else "")
         + (" (--quick: tiny workloads, timings meaningless)" if args.quick else "")
     )
     lines += ["", table.markdown_table(rows, floors), ""]

@@ -3,7 +3,8 @@
 `python -m lossscale.bench.worker '<job json>'` runs either a bandwidth
 measurement (`{"kind": "floor", "device": ..., "quick": ...}`) or one
 implementation on one workload (`{"kind": "step", "impl": ..., "workload":
-..., "repeats": ..., "warmup": ..., "quick": ...}`), then prints
+..., "repeats": ..., "warmup": ..., "quick": ...}`), or several side by side
+(`{"kind": "interleaved", ...}`, see `interleave`), then prints
 `runner.RESULT_PREFIX` followed by the result as JSON on the last line of stdout.
 Anything else the libraries print is ignored by the parent.
 """
@@ -16,11 +17,13 @@ from lossscale.bench.runner import RESULT_PREFIX
 
 def run(job):
     """Runs one job in this process; returns its result dict."""
-    from lossscale.bench import floor, registry, timing, workloads
+    from lossscale.bench import floor, interleave, registry, timing, workloads
     from lossscale.bench.frameworks import Unavailable
 
     if job["kind"] == "floor":
         return floor.measure(job["device"], quick=job["quick"])
+    if job["kind"] == "interleaved":
+        return interleave.steps(job)
     impl = registry.load()[job["impl"]]
     workload = workloads.get(job["workload"], quick=job["quick"])
     try:
