@@ -98,7 +98,8 @@ def build_parser():
         help="Time the implementations that share an environment side by side in one "
         "process per workload, alternating rounds there (--rounds of them), instead of "
         "one process per implementation and round: on a machine that puts whole "
-        "processes in faster or slower modes, each round then compares them in one mode.",
+        "processes in faster or slower modes, each round then compares them in one mode. "
+        "Best for torch rows: XLA programs sharing one process slow each other down.",
     )
     return parser
 
