@@ -458,3 +458,20 @@ def test_default_names_follow_keras(cls_name, expected):
         cls_name, (SGD,), {"__init__": lambda self, **kw: Optimizer.__init__(self, 0.1, **kw)}
     )
     assert cls().name == expected
+
+
+def test_variables_of_two_backends_are_refused_before_anything_is_written():
+    import torch
+
+    np_var = ls.Variable(np.ones(2, np.float32), name="a")
+    torch_var = ls.Variable(torch.ones(2), name="b")
+    opt = ls.optimizers.SGD(0.1)
+    with pytest.raises(ValueError, match="found both 'numpy' and 'torch'"):
+        opt.build([np_var, torch_var])
+    opt.build([np_var])
+    with pytest.raises(
+        ValueError,
+        match=r"All `trainable_variables` must come from one backend; found both 'numpy' and 'torch'",
+    ):
+        opt.apply([np.ones(2, np.float32), torch.ones(2)], [np_var, torch_var])
+    assert np_var.numpy().tolist() == [1.0, 1.0] and torch_var.value.tolist() == [1.0, 1.0]

@@ -39,7 +39,11 @@ class SlotsMixin:
     def _as_variables(self, xs, argname="trainable_variables"):
         xs = list(xs)
         variables = [self._as_variable(x) for x in xs]
-        common_backend(variables, what=f"`{argname}`")
+        # One backend module per backend: comparing them is the cheap check
+        # (every step passes here); `common_backend` names the two found.
+        ops = variables[0]._ops if variables else None
+        if any(v._ops is not ops for v in variables):
+            common_backend(variables, what=f"`{argname}`")
         return variables
 
     def add_variable(
