@@ -149,22 +149,22 @@ def unscale_checked(grads, scale, in_place=False):
         for _, dtype, indices in parts
     ):
         return unscale_then_check(unscale, finite_flags, grads, scale, in_place)
-    out = [None] * len(grads)
+    out = [None] * len(grads) if len(parts) > 1 else None
     copies, skip = [], None
     for device, dtype, indices in parts:
         group = [grads[i] for i in indices]
         if dtype.itemsize < 4:  # unscaled into float32 copies, as `unscale` does
             group = [g.float() for g in group]
             copies.extend(group)
-        nonempty = [g for g in group if g.numel()]
-        if nonempty:
-            skip = _either(skip, _amp_check(nonempty, inverse, device))
-        for i, g in zip(indices, group):
-            out[i] = g
-    if copies and copies[0].device.type == "cpu":
+        # The CPU kernel takes empty tensors as they are.
+        skip = _either(skip, _amp_check(group, inverse, device))
+        if len(parts) == 1:
+            out = group
+        else:
+            for i, g in zip(indices, group):
+                out[i] = g
+    if copies:
         _RECENT_CPU_COPIES[:] = copies
-    if skip is None:
-        return out, torch.tensor(True), torch.zeros(())
     return out, skip == 0, skip
 
 
