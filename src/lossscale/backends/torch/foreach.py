@@ -35,7 +35,8 @@ def scalar(value, group):
     """
     if not isinstance(value, torch.Tensor):
         return ops.constant(value, group.dtype, group.device)
-    value = value.to(group.dtype)
+    if value.dtype != group.dtype:
+        value = value.to(group.dtype)
     return value if value.device == group.device else value.to(group.device)
 
 

@@ -211,9 +211,12 @@ def update_scale(
     else:
         new_scale = scale.to(dtype=torch.float32, copy=True)
         new_counter = counter.to(dtype=torch.int32, copy=True)
-    skip = skip.to(new_scale.device)
+    if skip.device != new_scale.device:
+        skip = skip.to(new_scale.device)
     torch._amp_update_scale_(
         new_scale, new_counter, skip, growth_factor, backoff_factor, growth_steps
     )
     new_scale.clamp_min_(skip * floor)
+    if new_scale is scale:  # updated in place: nothing to cast back (a call saved per step)
+        return new_scale, new_counter
     return new_scale.to(scale.dtype), new_counter.to(counter.dtype)
