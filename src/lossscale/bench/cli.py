@@ -1,7 +1,8 @@
 """`lossscale bench`: time one optimizer step for every implementation.
 
 Runs the bandwidth measurement and then each (implementation, workload)
-pair in its own subprocess, and prints a Markdown report: machine,
+pair in its own subprocess (with `--interleave`, the implementations of a
+workload side by side in one: `interleave`), and prints a Markdown report: machine,
 bandwidth, floors, and a table of median step time, ratio to the memory
 floor and ratio to the fastest peer.
 """
@@ -137,15 +138,15 @@ def _workload_names(choice, parser):
     return names
 
 
-def _ineligible(impl, workload, explicit):
-    """The row saying why `impl` does not run on `workload`, or None when it does."""
+def _skip_row(impl, workload, explicit):
+    """Why `impl`, which does not run on `workload`, does not: a row, or None to say nothing.
+
+    A device it lacks is reported only for an implementation asked for by name.
+    """
     row = {"impl": impl.name, "kind": impl.kind, "workload": workload.name}
     if workload.device not in impl.devices:
         return {**row, "skipped": f"runs on {', '.join(impl.devices)} only"} if explicit else None
-    missing = impl.missing()
-    if missing:
-        return {**row, "skipped": f"not installed: {', '.join(missing)}"}
-    return None
+    return {**row, "skipped": f"not installed: {', '.join(impl.missing())}"}
 
 
 def _runs_on(impl, workload):
@@ -157,7 +158,7 @@ def _run_interleaved(impls, names, args, explicit):
     for name in names:
         workload = workloads.get(name, quick=args.quick)
         runs = [i for i in impls if _runs_on(i, workload)]
-        skipped = (_ineligible(i, workload, explicit) for i in impls if i not in runs)
+        skipped = (_skip_row(i, workload, explicit) for i in impls if i not in runs)
         rows += [row for row in skipped if row is not None]
         rows += interleave.run(runs, name, args)
     return rows
@@ -170,7 +171,7 @@ def _run_rows(impls, names, args, explicit):
         for impl in impls:
             row = {"impl": impl.name, "kind": impl.kind, "workload": name}
             if not _runs_on(impl, workload):
-                skipped = _ineligible(impl, workload, explicit)
+                skipped = _skip_row(impl, workload, explicit)
                 if skipped is not None:
                     rows.append(skipped)
                 continue

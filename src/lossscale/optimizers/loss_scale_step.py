@@ -147,12 +147,12 @@ class LossScaleStepMixin:
         headroom = policy.growth_policy == "headroom"
         unscaled_at = set(scaled)
         others = [g for i, g in enumerate(grads) if g is not None and i not in unscaled_at]
+        if flags is not None:  # the policy needs the flag alone
+            finite, skip = flags
+            if others:
+                finite, skip = ops.logical_and(finite, ops.all_finite(others)), None
+            return finite, skip, None, ()
         if not policy.records_details:
-            if not headroom:
-                finite, skip = flags
-                if others:
-                    finite, skip = ops.logical_and(finite, ops.all_finite(others)), None
-                return finite, skip, None, ()
             nonempty = [g for g in unscaled if ops.shape(g).count(0) == 0]
             peak = ops.max_abs(nonempty) if nonempty else scale * 0
             finite = ops.isfinite(peak)
