@@ -256,10 +256,11 @@ def test_the_step_holds_no_cond_and_no_select_of_state(case):
     names, selects = _full_size_selects(*step_jaxpr(opt, weights))
     assert "cond" not in names and "while" not in names
     assert [eqn for eqn, reads_state in selects if reads_state] == []
-    # The full-size selects left are the gradients' sanitisers: one per
-    # loop that reads a gradient (two for Adam's moments and for Nesterov).
+    # The full-size selects left are the gradients' sanitisers and their
+    # divisors (`fused._divided`): two per loop that reads a gradient (Adam's
+    # moments and Nesterov read it in two loops).
     loops = 2 if case.startswith("adam") or case == "sgd_nesterov" else 1
-    assert len(selects) == loops * sum(w.size > 1 for w in weights)
+    assert len(selects) == 2 * loops * sum(w.size > 1 for w in weights)
 
 
 def test_the_checker_sees_a_cond_and_a_select_of_state():
@@ -389,8 +390,14 @@ def test_unscaling_inside_the_loop_is_a_true_division(shape, scale):
     g = rng.normal(size=shape).astype(np.float32) * 1000
     quotient = g / np.float32(scale)
     for loop in (0, 1):
-        got = jax.jit(fused._divided, static_argnums=2)(g, scale, loop)
+
+        def read(g, keep, scale, loop=loop):
+            return fused._Gate(keep, "float32", {}, scale).gradient(g, "float32", loop)
+
+        got = jax.jit(read)(g, True, jnp.float32(scale))
         assert np.asarray(got).tobytes() == quotient.tobytes()
+        skipped = jax.jit(read)(g, False, jnp.float32(scale))
+        assert np.asarray(skipped).tobytes() == np.zeros_like(g).tobytes()
     # The data tells the two roundings apart (where the scale is no power of two).
     if scale != 2.0**-7 and g.size > 1:
         assert (g * (np.float32(1) / np.float32(scale))).tobytes() != quotient.tobytes()

@@ -16,11 +16,12 @@ contracts a multiply feeding an add into one fused multiply-add (on CPU
 too), and only alike shapes contract alike. A skipped step leaves every
 buffer bitwise as it was, signed zeros included, by these identities:
 
-- The gradient it reads is sanitised: `where(-bound <= g <= bound, g,
-  0.0)`, with `bound = +inf` where the step is applied (every gradient is
-  finite then) and `-inf` where it is skipped. That select is of the
-  gradient, fused into the update loop, not of any state; the rest of the
-  step sees finite numbers.
+- The gradient it reads is sanitised: `where(g <= bound, g, 0.0)`, with
+  `bound = +inf` where the step is applied (every gradient is finite then,
+  so none is zeroed) and NaN where it is skipped (every comparison with NaN
+  is false, so every gradient, inf and NaN included, becomes +0.0). That
+  select is of the gradient, fused into the update loop, not of any state;
+  the rest of the step sees finite numbers.
 - A moving average `s + (a - s) * c` takes `c = -0.0`: with `a = +0.0`, the
   product is a zero signed like `s` (-0.0 when `s` is a zero), and adding it
   returns `s`, -0.0 included. Weight decay `w - (w * wd) * lr` takes
@@ -75,7 +76,7 @@ class _Gate:
     """
 
     def __init__(self, keep, dtype, values, scale=None):
-        values = dict(values, keep=(1.0, 0.0), pad=(-0.0, 0.0), bound=(jnp.inf, -jnp.inf))
+        values = dict(values, keep=(1.0, 0.0), pad=(-0.0, 0.0), bound=(jnp.inf, jnp.nan))
         one = _opaque_one(keep, dtype)
         for name, (applied, skipped) in values.items():
             picked = jnp.where(keep, _constant(applied, dtype), _constant(skipped, dtype))
@@ -85,13 +86,17 @@ class _Gate:
     def gradient(self, grad, dtype, loop=0):
         """The gradient as loop `loop` (0 or 1) of a variable reads it: sanitised, unscaled, cast.
 
-        Two comparisons, not `abs(grad) <= bound`: XLA would share that
-        `abs` with the finite check's and write it out for both.
+        One comparison feeds both selects, the gradient's and the divisor's
+        (see `_divided`), so a read costs a compare, two selects and the
+        division on top of the rule's own arithmetic. Not `abs(grad) <=
+        bound`: XLA would share that `abs` with the finite check's and write
+        it out for both.
         """
         bound = self.bound.astype(grad.dtype)
-        grad = jnp.where((grad <= bound) & (-bound <= grad), grad, 0)
+        kept = grad <= bound
+        grad = jnp.where(kept, grad, 0)
         if self.scale is not None:
-            grad = _divided(grad, self.scale, loop)
+            grad = _divided(grad, self.scale, kept, loop)
         return ops.cast(grad, dtype)
 
     def subtract(self, storage, value):
@@ -115,21 +120,23 @@ def _constant(value, dtype):
     return jnp.asarray(value, dtype)
 
 
-def _divided(grad, scale, loop):
+def _divided(grad, scale, kept, loop):
     """`ops.unscale([grad], scale)[0]` of a sanitised gradient, inside the loop that reads it.
 
-    The same float32 cast and the same division. The divisor is written
-    `scale + grad * 0` in one loop and `scale - grad * 0` in the other
-    (both are `scale`, the gradient being finite): XLA fuses a division
-    into a loop only when that loop alone reads it (two equal expressions
-    would be merged into one, written out), and it rewrites a division by a
-    plain broadcast scalar, once fused, as a multiplication by the
-    reciprocal, which rounds differently.
+    The same float32 cast and the same division. The divisor is
+    `where(kept, scale, 1 + loop)`: `scale` for every gradient the step
+    keeps, and a positive number for the zeros it put in place of the rest
+    (their quotient is +0.0 either way). XLA fuses a division into a loop
+    only when that loop alone reads it (two equal expressions would be
+    merged into one, written out), hence a different filler per loop; and it
+    rewrites a division by a plain broadcast scalar, once fused, as a
+    multiplication by the reciprocal, which rounds differently, hence a
+    divisor that is a select per element.
     """
     if grad.dtype.itemsize < 4:
         grad = grad.astype(jnp.float32)
     scale = scale.astype(grad.dtype)
-    return grad / (scale + grad * 0 if loop == 0 else scale - grad * 0)
+    return grad / jnp.where(kept, scale, jnp.asarray(1 + loop, grad.dtype))
 
 
 def _mask_of(variables):
