@@ -112,3 +112,91 @@ def test_a_gated_torch_step_stores_no_mask_on_any_variable(monkeypatch):
             opt.apply(grads, params)
         monkeypatch.undo()
         assert stores == [], type(inner).__name__
+
+
+def test_a_cell_stays_intact_until_a_variable_leaves_it():
+    vs = variables(3)
+    cell, other = MaskCell(), MaskCell()
+    share_mask_cell(vs, cell)
+    share_mask_cell(vs, cell)  # pointing at the same cell again is no departure
+    assert cell.intact
+    share_mask_cell(vs[1:2], other)
+    assert not cell.intact and other.intact
+
+
+def test_a_branch_that_moves_variables_breaks_their_old_cells():
+    shared, loose = variables(2), variables(1)
+    cell = MaskCell()
+    share_mask_cell(shared, cell)
+    with masked(shared + loose, "m"):  # no cell in common: all move to a new one
+        pass
+    assert not cell.intact
+    assert shared[0]._mask_cell is not cell
+
+
+class _Unreadable:
+    """A stand-in variable whose cell must not be read."""
+
+    @property
+    def _mask_cell(self):
+        raise AssertionError("the cell of a variable was read")
+
+
+def test_an_intact_cell_is_trusted_without_reading_any_variable():
+    cell = MaskCell()
+    with masked([_Unreadable(), _Unreadable()], "m", cell):
+        assert cell.mask == "m"
+    assert cell.mask is None
+
+
+def test_a_broken_cell_is_not_trusted():
+    vs = variables(3)
+    cell = MaskCell()
+    share_mask_cell(vs, cell)
+    share_mask_cell(vs[:1], MaskCell())  # vs[0] leaves: the cell is broken
+    with masked(vs, "m", cell):
+        assert [v._write_mask for v in vs] == ["m"] * 3
+    with pytest.raises(AssertionError, match="was read"):
+        cell.intact = False
+        with masked([_Unreadable()], "m", cell):
+            pass
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])  # NumPy's gate is a plain `if`
+def test_a_skipped_step_writes_nothing_after_another_optimizer_took_the_variables(backend):
+    """The model's variables leave the first optimizer's cell for the second's.
+
+    The first optimizer's gated step must still mask them: with its cell
+    trusted as if intact, its skipped step would write them.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    to_array = {"torch": torch.as_tensor, "jax": jnp.asarray}[backend]
+    rng = np.random.default_rng(3)
+    shapes = [(4, 3), (3,)]
+    # torch.as_tensor would share the NumPy buffers: copies.
+    params = [ls.Variable(to_array(rng.normal(size=s).astype(np.float32))) for s in shapes]
+    first = ls.LossScaleOptimizer(ls.optimizers.Adam(0.1), initial_scale=8.0)
+    first.scale_loss(1.0)
+    first.build(params)
+    ls.optimizers.Adam(0.1).build(params)  # takes the variables into its own cell
+    assert not first.inner_optimizer._mask_cell.intact
+    steps = [[rng.normal(size=s).astype(np.float32) * 8 for s in shapes] for _ in range(2)]
+    steps[1][0][1, 2] = np.inf  # the second step overflows: skipped
+    step = jax.jit(first.stateless_apply)
+    model, own = [p.value for p in params], [v.value for v in first.variables]
+    for grads in steps:
+        before = [np.asarray(x).copy() for x in model + own]
+        if backend == "jax":  # traced: the flag is a device value, as on torch
+            model, own = step(own, [to_array(g) for g in grads], model)
+        else:
+            first.apply([to_array(g) for g in grads], params)
+            model, own = [p.value for p in params], [v.value for v in first.variables]
+    after = [np.asarray(x) for x in model + own]
+    wrapper = len(model) + len(first._variables)  # the loss-scale state comes first
+    scale = next(i for i, v in enumerate(first.variables) if v is first.dynamic_scale)
+    assert float(after[len(model) + scale]) == 4.0  # halved: the step was skipped
+    # The model's variables and the inner optimizer's, bit for bit.
+    for b, a in zip(before[: len(model)] + before[wrapper:], after[: len(model)] + after[wrapper:]):
+        assert a.tobytes() == b.tobytes()

@@ -148,7 +148,7 @@ def test_masked_step_equals_python_if_step(monkeypatch, make):
         if branch is not None:
             branch()
 
-    def host_gated(pred, fn, variables, skip=None):
+    def host_gated(pred, fn, variables, skip=None, cell=None):
         host_cond(pred, fn, None, variables)
 
     runs = []

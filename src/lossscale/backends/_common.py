@@ -47,22 +47,34 @@ class MaskCell:
     Attributes:
         mask: None, or the backend's mask (torch: `masks.WriteMask`; JAX and
             TensorFlow: a boolean scalar).
+        intact: True while no variable ever pointed at this cell has been
+            pointed at another since: every such variable still shares it.
+            An optimizer's masked step then trusts the cell without reading
+            each variable's (under `torch.compile` every read is a guard).
     """
 
-    __slots__ = ("mask",)
+    __slots__ = ("mask", "intact")
 
     def __init__(self, mask=None):
         self.mask = mask
+        self.intact = True
 
 
 def share_mask_cell(variables, cell):
     """Points each of `variables` at `cell` (outside any masked branch)."""
     for v in variables:
-        v._mask_cell = cell
+        _point(v, cell)
+
+
+def _point(variable, cell):
+    old = variable._mask_cell
+    if old is not None and old is not cell:
+        old.intact = False
+    variable._mask_cell = cell
 
 
 @contextlib.contextmanager
-def masked(variables, mask):
+def masked(variables, mask, cell=None):
     """Temporarily sets the write mask of `variables` to `mask`, restoring it on exit.
 
     While it is set, every write to those variables takes effect only where
@@ -75,9 +87,17 @@ def masked(variables, mask):
     whose old cell is still masked (an enclosing branch's) moves back, and
     the others stay, so the next branch over the same variables finds them
     sharing one cell.
+
+    Args:
+        variables: The variables the branch may write.
+        mask: The mask to set, or None (writes unmasked).
+        cell: Optional: the cell every one of `variables` was pointed at
+            (`share_mask_cell`), as an optimizer's own variables were. While
+            it is `intact` it is used without reading any variable's.
     """
-    variables = list(variables)
-    cell = _shared_cell(variables)
+    if cell is None or not cell.intact:
+        variables = list(variables)
+        cell = _shared_cell(variables)
     moved = ()
     if cell is None:
         cell = MaskCell()
@@ -90,7 +110,7 @@ def masked(variables, mask):
         cell.mask = previous
         for v, old in moved:
             if old is not None and old.mask is not None:
-                v._mask_cell = old
+                _point(v, old)
 
 
 def _shared_cell(variables):

@@ -136,7 +136,12 @@ class BackendOps(Protocol):
         """
 
     def gated(
-        self, pred: Any, fn: Callable[[], None], variables: Sequence[Any], skip: Any = None
+        self,
+        pred: Any,
+        fn: Callable[[], None],
+        variables: Sequence[Any],
+        skip: Any = None,
+        cell: Any = None,
     ) -> None:
         """Runs `fn` so that its writes to `variables` take effect only where `pred` holds.
 
@@ -144,7 +149,8 @@ class BackendOps(Protocol):
         variable's write mask (writes select; a kernel with `folds_gate`
         folds the mask into its own arithmetic), with no host read and, on
         JAX, no `lax.cond`. `skip`: the same flag as `finite_flags` gives
-        it, when the caller has it.
+        it, when the caller has it. `cell`: the `MaskCell` every one of
+        `variables` was pointed at, if the caller knows one (`masked`).
         """
 
     def quiet(self) -> ContextManager: ...

@@ -50,7 +50,12 @@ class PipelineMixin:
         ops = self._ops
         targets = self._trainable_variables + self.variables
         if self._folds_gate(variables):
-            ops.gated(keep, update, targets, skip=skip)
+            # Every target was pointed at this optimizer's cell when it was
+            # built or created; `masked` trusts the cell while it is intact.
+            # (A wrapper's `variables` also holds its inner optimizer's, but
+            # the inner optimizer's build takes the model's variables into its
+            # own cell, so the wrapper's is never intact once built.)
+            ops.gated(keep, update, targets, skip=skip, cell=self._mask_cell)
         else:
             ops.cond(keep, update, None, targets)
 

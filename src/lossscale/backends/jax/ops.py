@@ -308,7 +308,7 @@ def cond(pred, true_fn, false_fn, variables):
         v._storage = s
 
 
-def gated(pred, fn, variables, skip=None):
+def gated(pred, fn, variables, skip=None, cell=None):
     """Runs `fn` so that its writes to `variables` take effect only where `pred` holds.
 
     A concrete `pred` takes a plain `if`. A traced one runs `fn` once with
@@ -318,7 +318,7 @@ def gated(pred, fn, variables, skip=None):
     its arithmetic (`kernels`) reads it there. No `lax.cond`, so no
     full-size copies of the branch's buffers; for a branch whose writes
     cannot be folded, `cond` is the cheaper choice. `skip` is torch's and
-    ignored here.
+    ignored here; `cell`, the variables' cell if known, goes to `masked`.
     """
     pred = unwrap(pred)
     if not isinstance(pred, jax.core.Tracer):
@@ -327,7 +327,7 @@ def gated(pred, fn, variables, skip=None):
         return
     variables = list(variables)
     outer = variables[0]._write_mask if variables else None
-    with masked(variables, pred if outer is None else jnp.logical_and(outer, pred)):
+    with masked(variables, pred if outer is None else jnp.logical_and(outer, pred), cell):
         fn()
 
 

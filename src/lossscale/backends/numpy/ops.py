@@ -208,7 +208,7 @@ def cond(pred, true_fn, false_fn, variables):
         branch()
 
 
-def gated(pred, fn, variables, skip=None):
+def gated(pred, fn, variables, skip=None, cell=None):
     if bool(unwrap(pred)):
         fn()
 

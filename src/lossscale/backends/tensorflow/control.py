@@ -57,10 +57,11 @@ def cond(pred, true_fn, false_fn, variables):
     _graph_cond(pred, true_fn, false_fn or (lambda: None), variables)
 
 
-def gated(pred, fn, variables, skip=None):
+def gated(pred, fn, variables, skip=None, cell=None):
     """Runs `fn` so that its writes to `variables` take effect only where `pred` holds.
 
-    `skip` is torch's form of the flag and unused here.
+    `skip` is torch's form of the flag and unused here; `cond` finds the
+    variables' cell itself (`cell` is a hint for `masked`).
     """
     cond(pred, fn, None, variables)
 

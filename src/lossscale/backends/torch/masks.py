@@ -78,7 +78,7 @@ def _combined(variables, keep):
     return outer.keep & keep.to(outer.keep.device)
 
 
-def gated(pred, fn, variables, skip=None):
+def gated(pred, fn, variables, skip=None, cell=None):
     """Runs `fn` so that its writes to `variables` take effect only where `pred` holds.
 
     Args:
@@ -87,6 +87,8 @@ def gated(pred, fn, variables, skip=None):
         variables: Every `Variable` `fn` may write.
         skip: Optional float32 tensor, 1.0 where `pred` is False: the same
             flag in torch's AMP form, when the caller has it already.
+        cell: Optional `MaskCell` every one of `variables` was pointed at
+            (`masked` trusts it while it is intact).
     """
     if not isinstance(pred, torch.Tensor):
         if bool(pred):
@@ -96,7 +98,7 @@ def gated(pred, fn, variables, skip=None):
     keep = pred if pred.dtype == torch.bool else pred.to(torch.bool)
     outer = mask_of(variables)
     mask = WriteMask(_combined(variables, keep), skip if outer is None else None)
-    with masked(variables, mask):
+    with masked(variables, mask, cell):
         fn()
 
 
