@@ -111,13 +111,14 @@ def finite_flags(arrays):
     if torch.compiler.is_compiling():
         # The compiler fuses these reductions into the loops that wrote
         # `arrays`; the AMP kernel would be an opaque call on functional
-        # copies of every array.
-        finite = _combine(
-            [
-                torch.stack([torch.isfinite(arrays[i]).all() for i in indices]).all()
-                for _, _, indices in groups(arrays)
-            ]
-        ).all()
+        # copies of every array. Chained with `&`, not stacked: Inductor's
+        # wrapper then allocates one 0-d buffer per array, where a stack
+        # cost two buffer calls per array and one more.
+        finite = None
+        for _, _, indices in groups(arrays):
+            for i in indices:
+                flag = torch.isfinite(arrays[i]).all()
+                finite = flag if finite is None else finite & flag.to(finite.device)
         return finite, (~finite).to(torch.float32)
     skip = None
     for device, _, indices in groups(arrays):
