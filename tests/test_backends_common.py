@@ -87,6 +87,9 @@ def test_an_optimizer_puts_every_variable_it_writes_in_its_own_cell(name):
     # the wrapper's own state is outside: it is written after the gated step
     assert all(v._mask_cell is opt._mask_cell for v in opt._variables)
     assert opt._mask_cell is not inner._mask_cell
+    # The inner build took the model's variables from the wrapper's cell, so
+    # only the inner cell may be trusted without a look (`masked(..., cell)`).
+    assert inner._mask_cell.intact and not opt._mask_cell.intact
 
 
 def test_a_gated_torch_step_stores_no_mask_on_any_variable(monkeypatch):
