@@ -106,6 +106,7 @@ def test_runner_reports_a_failing_worker():
         (["--warmup-seconds", "nan"], "--warmup-seconds must be a number >= 0. Received: nan"),
         (["--retries", "-2"], "--retries must be an integer >= 0. Received: -2"),
         (["--rounds", "0"], "--rounds must be an integer >= 1. Received: 0"),
+        (["--alternate-steps"], "--alternate-steps needs --interleave"),
         (["--workload", "huge"], "invalid choice: 'huge'"),
     ],
 )

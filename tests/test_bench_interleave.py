@@ -8,12 +8,20 @@ from lossscale.bench import interleave, registry, runner, worker
 
 def _args(**overrides):
     values = dict(
-        quick=True, repeats=2, warmup=0, warmup_seconds=0.0, rounds=3, timeout=60.0, retries=0
+        quick=True,
+        repeats=2,
+        warmup=0,
+        warmup_seconds=0.0,
+        rounds=3,
+        timeout=60.0,
+        retries=0,
+        alternate_steps=False,
     )
     return argparse.Namespace(**{**values, **overrides})
 
 
-def test_the_worker_times_every_implementation_in_alternating_rounds(monkeypatch):
+def _spied(monkeypatch, names):
+    """Registers spies of `names` that log each step; returns the log."""
     order = []
     real = registry.load()
 
@@ -28,8 +36,25 @@ def test_the_worker_times_every_implementation_in_alternating_rounds(monkeypatch
 
         return impl.__class__(**{**impl.__dict__, "setup": setup})
 
-    names = ["lossscale-numpy", "lossscale-torch"]
     monkeypatch.setattr(registry, "load", lambda: {n: spy(n) for n in names})
+    return order
+
+
+def test_alternating_steps_takes_turns_within_each_round(monkeypatch):
+    names = ["lossscale-numpy", "lossscale-torch"]
+    order = _spied(monkeypatch, names)
+    job = {"kind": "interleaved", "impls": names, "workload": "tiny", **vars(_args())}
+    job.update(alternate_steps=True, rounds=2)
+    rows = worker.run(job)["rows"]
+    assert all(len(row["round_medians"]) == 2 for row in rows.values())
+    a, b = names
+    # one warm-up step each, then rounds of 2 steps each: A B A B, B A B A
+    assert order[2:] == [a, b, a, b, b, a, b, a]
+
+
+def test_the_worker_times_every_implementation_in_alternating_rounds(monkeypatch):
+    names = ["lossscale-numpy", "lossscale-torch"]
+    order = _spied(monkeypatch, names)
     job = {"kind": "interleaved", "impls": names, "workload": "tiny", **vars(_args())}
     result = worker.run(job)
     rows = result["rows"]

@@ -102,6 +102,16 @@ def build_parser():
         "processes in faster or slower modes, each round then compares them in one mode. "
         "Best for torch rows: XLA programs sharing one process slow each other down.",
     )
+    parser.add_argument(
+        "--alternate-steps",
+        action="store_true",
+        help="With --interleave: alternate the implementations step by step within each "
+        "round (A B A B ..., then B A B A ...), not round by round. Every step then sees "
+        "the same machine state as its neighbours, and finds its buffers evicted by "
+        "theirs, as a training step finds them after the backward pass: a workload that "
+        "fits in cache runs from memory. For rows that slow each other down in one "
+        "process (XLA programs), this still compares them fairly.",
+    )
     return parser
 
 
@@ -251,6 +261,8 @@ def main(argv=None):
         parser.error(f"--retries must be an integer >= 0. Received: {args.retries}")
     if args.rounds < 1:
         parser.error(f"--rounds must be an integer >= 1. Received: {args.rounds}")
+    if args.alternate_steps and not args.interleave:
+        parser.error("--alternate-steps needs --interleave (it alternates within one process)")
     names = _workload_names(args.workload, parser)
     impls = (
         [available[n] for n in dict.fromkeys(args.impl)] if args.impl else list(available.values())
@@ -295,6 +307,7 @@ def report(rows, floors, bandwidths, info, args):
         + (f" and at least {args.warmup_seconds:g} s of warm-up" if args.warmup_seconds else "")
         + (f"; median of {args.rounds} rounds in alternating order" if args.rounds > 1 else "")
         + ("; interleaved: side by side in one process per workload" if args.interleave else "")
+        + (", alternating step by step" if args.alternate_steps else "")
         + (" (--quick: tiny workloads, timings meaningless)" if args.quick else "")
     )
     lines += ["", table.markdown_table(rows, floors), ""]
