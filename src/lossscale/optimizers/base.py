@@ -303,15 +303,23 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
         grads = list(grads)
         if not grads:
             return
-        variables = self._resolve_variables(grads, trainable_variables)
+        variables, known = self._resolve_variables(grads, trainable_variables)
         gradients.validate_gradients(grads, variables)
         if not self.built:
             self.build(variables)
-        self._check_known(variables)
+        elif not known:
+            self._check_known(variables)
         with self._ops.quiet():
             self._apply_validated(grads, variables)
 
     def _resolve_variables(self, grads, trainable_variables):
+        """`(variables, known)`: `known` when all are ones the optimizer was built with.
+
+        Those share the backend `build` checked, so only other variables are
+        checked here (under `torch.compile` every `_ops` read of that check
+        would be a Python-level aliasing guard on each call); `apply` raises
+        for variables it was not built with, once the gradients are checked.
+        """
         if trainable_variables is None:
             if not self.built:
                 raise ValueError(
@@ -319,15 +327,18 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
                     "already be built. Call `optimizer.build(trainable_variables)` first or "
                     "pass `trainable_variables`. Received: trainable_variables=None"
                 )
-            variables = self._trainable_variables
+            variables, known = self._trainable_variables, True
         else:
-            variables = self._as_variables(trainable_variables)
+            variables = [self._as_variable(x) for x in trainable_variables]
+            known = self.built and all(id(v) in self._indices for v in variables)
+            if not known:
+                variables = self._as_variables(variables)  # Variables pass through
         if len(grads) != len(variables):
             raise ValueError(
                 "`grads` must match the trainable variables one to one. Received: "
                 f"{len(grads)} gradients for {len(variables)} variables"
             )
-        return variables
+        return variables, known
 
     def _check_known(self, variables):
         for v in variables:

@@ -32,11 +32,12 @@ class PipelineMixin:
         in torch's AMP form (float32, 1.0 where `keep` is False), if known.
         """
         grads = list(grads)
-        variables = self._resolve_variables(grads, trainable_variables)
+        variables, known = self._resolve_variables(grads, trainable_variables)
         gradients.validate_gradients(grads, variables)
         if not self.built:
             self.build(variables)
-        self._check_known(variables)
+        elif not known:
+            self._check_known(variables)
         with self._ops.quiet():
             self._run_gated(keep, lambda: self._apply_validated(grads, variables), variables, skip)
 

@@ -37,13 +37,7 @@ class SlotsMixin:
         return wrapped
 
     def _as_variables(self, xs, argname="trainable_variables"):
-        xs = list(xs)
         variables = [self._as_variable(x) for x in xs]
-        if self.built and all(id(v) in self._indices for v in variables):
-            # The variables it was built with, whose backend `build` checked.
-            # (Under `torch.compile` each `_ops` read below would add a
-            # Python-level aliasing guard to every call.)
-            return variables
         # One backend module per backend: comparing them is the cheap check;
         # `common_backend` names the two found.
         ops = variables[0]._ops if variables else None
