@@ -102,6 +102,25 @@ def test_multi_tensor_helpers(backend, rng):
     )
 
 
+def test_finite_unscaled(backend, rng):
+    """Every gradient divided by the scale finite: inf, NaN and an overflow by division fail."""
+    ops = get_ops(backend.name)
+    grads = [rng.normal(size=s).astype(np.float32) for s in [(3, 2), (4,)]]
+
+    def check(arrays, scale):
+        native = [backend.array(a) for a in arrays]
+        return bool(backend.numpy(ops.finite_unscaled(native, backend.array(np.float32(scale)))))
+
+    assert check(grads, 1024.0)
+    assert check(grads, 0.5)
+    assert check([], 2.0)
+    for bad in (np.inf, -np.inf, np.nan):
+        assert not check(grads[:1] + [np.array([1.0, bad, 0.0], np.float32)], 1024.0)
+    large = grads[:1] + [np.array([2e38, -1.0], np.float32)]
+    assert check(large, 1.0)
+    assert not check(large, 0.5)  # 4e38 leaves float32
+
+
 def test_assign_primitives_keep_dtype(backend):
     ops = get_ops(backend.name)
     storage = ops.asarray(np.array([1.0, 2.0], np.float16), dtype="float16")

@@ -23,6 +23,7 @@ import lossscale as ls
 from lossscale import backends, optimizers
 from lossscale.backends._common import masked
 from lossscale.backends.jax import fused, kernels
+from lossscale.backends.jax import ops as jax_ops
 from lossscale.optimizers import LossScaleOptimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
@@ -308,6 +309,28 @@ def test_the_compiled_step_has_no_conditional_and_no_scratch_buffer(case):
     # the unscaled gradients out (and more).
     assert generic.memory_analysis().temp_size_in_bytes >= 3 * gradient_bytes
     assert "conditional(" in generic.as_text()
+
+
+@pytest.mark.parametrize("case", ["adam", "sgd_momentum"])
+def test_gradients_checked_by_their_sums_take_the_same_steps(case, monkeypatch):
+    """Above the sum threshold: the same steps bit for bit, and one `cond`, of a scalar."""
+    scale, growth = SCALES["inexact"]
+    weights = make_weights(SHAPES["several"])
+    grads = make_gradients(SHAPES["several"], scale)
+    expected, _, _ = trajectory(CASES[case], weights, grads, scale, growth)
+    monkeypatch.setattr(jax_ops, "_SUMMED", 2)  # every gradient but the (1,) one
+    got, traces, _ = trajectory(CASES[case], weights, grads, scale, growth)
+    assert traces == 1
+    for step, (a, b) in enumerate(zip(got, expected)):
+        assert_bitwise(a, b, (case, step))
+    weights = [np.ones((256, 256), np.float32)] * 3
+    opt = LossScaleOptimizer(CASES[case]())
+    opt.build([jnp.asarray(w) for w in weights])
+    compiled = compiled_step(opt, weights)
+    conditionals = re.findall(r"= (\S+) conditional\(", compiled.as_text())
+    assert [c.strip("()") for c in conditionals] == ["pred[]"], conditionals
+    # Scalars only: the exact branch copies no gradient.
+    assert compiled.memory_analysis().temp_size_in_bytes < weights[0].nbytes // 64
 
 
 def _full_size_loops(hlo_text):

@@ -208,6 +208,38 @@ def test_a_gradient_that_overflows_when_unscaled_is_an_overflow():
     assert float(state.scale) == tiny and int(state.counter) == 0
 
 
+def test_overflow_is_judged_in_the_dtype_a_gradient_is_unscaled_to():
+    """60000 / 0.5 leaves float16's range but not float32's."""
+    tx = lso.dynamic_loss_scale(optax.sgd(1.0), initial_scale=0.5)
+    grads = {"w": jnp.asarray([6e4, 1.0], jnp.float16)}
+    for param_dtype, applied in (("float16", False), ("float32", True)):
+        params = {"w": jnp.zeros(2, param_dtype)}
+        for update in (tx.update, jax.jit(tx.update)):
+            updates, state = update(grads, tx.init(params), params)
+            assert bool(np.all(np.isfinite(np.asarray(updates["w"])))) and (
+                float(state.scale) == (0.5 if applied else 0.25)
+            ), (param_dtype, update)
+
+
+@pytest.mark.parametrize(
+    "values, applied",
+    [([3e38, 3e38], True), ([2.0, np.inf], False), ([np.inf, -np.inf], False)],
+)
+def test_large_gradients_checked_by_their_sums_decide_as_their_peaks(values, applied, monkeypatch):
+    """A sum that overflows is not an overflow of the gradients; inf and NaN are."""
+    from lossscale.backends.jax import ops as jax_ops
+
+    monkeypatch.setattr(jax_ops, "_SUMMED", 4)
+    tx = lso.dynamic_loss_scale(optax.sgd(1e-40), initial_scale=1.0)
+    params = {"w": jnp.zeros(8), "b": jnp.zeros(2)}
+    grads = {"w": jnp.asarray(np.resize(values, 8), jnp.float32), "b": jnp.ones(2)}
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert float(state.scale) == (1.0 if applied else 0.5)
+    jaxpr = str(jax.make_jaxpr(tx.update)(grads, tx.init(params), params))
+    assert "reduce_sum" in jaxpr  # checked by its sum (SGD itself sums nothing)
+    assert int(state.counter) == (1 if applied else 0)
+
+
 def test_headroom_policy_grows_only_with_room():
     tx = lso.dynamic_loss_scale(
         optax.sgd(0.1), initial_scale=2.0**14, dynamic_growth_steps=1, growth_policy="headroom"

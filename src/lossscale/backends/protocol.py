@@ -89,6 +89,14 @@ class BackendOps(Protocol):
         kernel, which stores the values it reads.
         """
 
+    def finite_unscaled(self, arrays: Sequence[Any], scale: Any) -> Any:
+        """Whether every element of `arrays` divided by `scale` is finite, as a boolean scalar.
+
+        `isfinite(max_abs(arrays) / scale)`, the check of a step whose
+        kernel divides as it reads each gradient; JAX settles most steps
+        with a cheaper sum first (see `backends/jax/ops.finite_unscaled`).
+        """
+
     def global_norm(self, arrays: Sequence[Any]) -> Any: ...
     def max_abs(self, arrays: Sequence[Any]) -> Any: ...
     def all_max(self, x: Any, group: Any = None) -> Any: ...

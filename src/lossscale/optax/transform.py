@@ -10,6 +10,7 @@ optax shape of the step (pure `init` / `update` over pytrees) and the skip
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -294,6 +295,18 @@ def _check_updates(updates, params, state):
     return leaves, treedef, dtypes
 
 
+def _finite_in(group, dtype, scale):
+    """Whether every gradient of `group`, divided by `scale` and cast to `dtype`, is finite.
+
+    Cast to float32 or float64, that is the float32 division's flag: the
+    backend's `finite_unscaled`, which settles most steps with sums (see
+    its doc). A narrower dtype's range is checked on the divided peak.
+    """
+    if dtype in (jnp.float32, jnp.float64):
+        return _ops.finite_unscaled(group, scale)
+    return _ops.isfinite((_ops.max_abs(group) / scale).astype(dtype))
+
+
 def _inspect(leaves, dtypes, scale, policy):
     """`(finite, peak, variable_finite)` of the gradients for `next_loss_scale`.
 
@@ -318,6 +331,10 @@ def _inspect(leaves, dtypes, scale, policy):
         groups = {}
         for g, d in zip(leaves, dtypes):
             groups.setdefault(jnp.dtype(d), []).append(g)
+        if policy.growth_policy != "headroom":  # the flag alone
+            flags = [_finite_in(group, dtype, scale) for dtype, group in groups.items()]
+            finite = functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
+            return finite, None, ()
         scaled = [_ops.max_abs(group) for group in groups.values()]
         present = [(p / scale).astype(d) for p, d in zip(scaled, groups)]
     finite = _ops.isfinite(_ops.max_abs(present)) if present else jnp.asarray(True)

@@ -45,7 +45,7 @@ class LossScaleStepMixin:
             # scaled magnitude over the scale is the largest unscaled one, and
             # the check still catches a gradient that overflows when unscaled.
             present = [g for g in grads if g is not None]
-            finite, peak, variable_finite = ops.isfinite(ops.max_abs(present) / scale), None, ()
+            finite, peak, variable_finite = ops.finite_unscaled(present, scale), None, ()
             update = functools.partial(inner._apply_validated, grads, variables, grad_scale=scale)
         else:
             scaled = [

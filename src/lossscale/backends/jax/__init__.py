@@ -36,6 +36,7 @@ from lossscale.backends.jax.ops import (
     dtype_name,
     exp,
     finite_flags,
+    finite_unscaled,
     floor,
     full,
     gated,

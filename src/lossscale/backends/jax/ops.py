@@ -210,9 +210,61 @@ def all_finite(arrays):
     # The largest |x| of an array is inf or NaN exactly when one of its
     # elements is (max propagates NaN). XLA fuses that float reduction into
     # one read of the array, where `all(isfinite(x))` first writes a boolean
-    # copy of it: 19% off a 16M-parameter jitted Adam step on CPU.
-    peaks = _peaks(arrays)
-    return jnp.isfinite(jnp.max(jnp.stack(peaks))) if peaks else jnp.asarray(True)
+    # copy of it: 19% off a 16M-parameter jitted Adam step on CPU. Large
+    # arrays take a cheaper plain sum first (`_finite_large`).
+    return finite_unscaled(arrays, None)
+
+
+def finite_unscaled(arrays, scale):
+    """Whether every element of `arrays`, divided by `scale`, is finite.
+
+    The flag `isfinite(max_abs(arrays) / scale)`, always (`scale=None`:
+    not divided, as `all_finite`), computed in fewer passes where it can be
+    (`_finite_large`).
+    """
+    small, large = [], []
+    for a in map(unwrap, arrays):
+        if a.size:
+            (large if a.size >= _SUMMED else small).append(a)
+    flags = []
+    if small:
+        peak = jnp.max(jnp.stack(_peaks(small)))
+        flags.append(jnp.isfinite(peak if scale is None else peak / unwrap(scale)))
+    if large:
+        flags.append(_finite_large(large, None if scale is None else unwrap(scale)))
+    if not flags:
+        return jnp.asarray(True)
+    return flags[0] if len(flags) == 1 else jnp.logical_and(*flags)
+
+
+# Arrays of at least this many elements are checked by their sums first.
+_SUMMED = 1 << 18
+
+
+def _finite_large(arrays, scale):
+    """`isfinite(max_abs(arrays) / scale)` for large arrays, from their sums where it can.
+
+    A sum is finite only when every element is (inf and NaN propagate
+    through additions in any order), and dividing by a scale of at least 1
+    cannot overflow: finite sums and such a scale settle the flag. A plain
+    sum is one library call on XLA's CPU backend, about twice as fast as
+    the NaN-propagating max of magnitudes (0.63 against 1.35 ms over eight
+    float32 arrays of 1M). Only where a sum is not finite (an overflow of
+    the sum itself included) or the scale is below 1 does `lax.cond` take
+    the exact branch; it returns a scalar, so it copies no array.
+    """
+    # In float32, the dtype the peaks are compared in: a float64 element
+    # beyond float32's range makes both inf.
+    sums = [jnp.sum(a, dtype=jnp.float32) for a in arrays]
+    quick = jnp.all(jnp.stack([jnp.isfinite(s) for s in sums]))
+    if scale is not None:
+        quick = jnp.logical_and(quick, scale >= 1)
+
+    def exact():
+        peak = jnp.max(jnp.stack(_peaks(arrays)))
+        return jnp.isfinite(peak if scale is None else peak / scale)
+
+    return lax.cond(quick, lambda: jnp.asarray(True), exact)
 
 
 # Arrays up to this size are reduced together, concatenated per dtype into

@@ -187,6 +187,16 @@ def max_abs(arrays):
     return parallel.peak_magnitude(arrays)
 
 
+def finite_unscaled(arrays, scale):
+    """Whether every element of `arrays`, divided by `scale`, is finite.
+
+    Division is monotone: the largest magnitude over the scale decides
+    (an overflow there is what it detects, so NumPy does not warn of it).
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.isfinite(max_abs(arrays) / unwrap(scale))
+
+
 def all_max(x, group=None):
     """The maximum of scalar `x` over all participants: one process here."""
     if group is not None:

@@ -34,6 +34,7 @@ from lossscale.backends.tensorflow.kernels import (
     fused_weight_decay,
 )
 from lossscale.backends.tensorflow.multi import (
+    finite_unscaled,
     global_norm,
     max_abs,
 )
@@ -99,6 +100,7 @@ __all__ = [
     "dtype_name",
     "exp",
     "finite_flags",
+    "finite_unscaled",
     "floor",
     "full",
     "fused_scale_update",

@@ -53,6 +53,14 @@ def global_norm(arrays):
     return tf.sqrt(tf.add_n(squares) if len(squares) > 1 else squares[0])
 
 
+def finite_unscaled(arrays, scale):
+    """Whether every element of `arrays`, divided by `scale`, is finite.
+
+    Division is monotone: the largest magnitude over the scale decides.
+    """
+    return tf.math.is_finite(max_abs(arrays) / tf.cast(scale, tf.float32))
+
+
 def max_abs(arrays):
     """Largest |x| over all arrays as a float32 scalar (NaN if any NaN)."""
     arrays = _tensors(arrays)

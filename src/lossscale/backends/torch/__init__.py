@@ -24,6 +24,7 @@ from lossscale.backends.torch.masks import cond, gated
 from lossscale.backends.torch.multi import (
     all_finite,
     finite_flags,
+    finite_unscaled,
     global_norm,
     max_abs,
     unscale,

@@ -281,6 +281,14 @@ def max_abs(arrays):
     return peaks[0] if len(peaks) == 1 else _combine(peaks).max()
 
 
+def finite_unscaled(arrays, scale):
+    """Whether every element of `arrays`, divided by `scale`, is finite.
+
+    Division is monotone: the largest magnitude over the scale decides.
+    """
+    return torch.isfinite(max_abs(arrays) / unwrap(scale))
+
+
 # CPU tensors under this many elements are copied into one buffer and reduced
 # there at once: with hundreds of small gradients, one reduction call per
 # tensor costs several times the bytes it reads (on 400 tensors holding 1M
