@@ -207,6 +207,17 @@ def test_large_arrays_are_reduced_by_a_sum_and_maxed_only_in_the_exact_branch(mo
     assert "cond" not in outer and "reduce_sum" not in outer, outer
 
 
+def test_off_the_cpu_every_array_is_checked_by_its_peak(monkeypatch):
+    """No `cond` where XLA would read its predicate back to the host (a GPU)."""
+    monkeypatch.setattr(jax_ops, "_SUMMED", 8)
+    monkeypatch.setattr(jax_ops, "_SUMS_FIRST_ON", frozenset({"gpu"}))
+    arrays = [jnp.ones(16), jnp.asarray([1.0, np.inf] * 8)]
+    outer, _ = _primitives(jax.make_jaxpr(jax_ops.finite_unscaled)(arrays, 2.0).jaxpr)
+    assert "cond" not in outer and "reduce_sum" not in outer, outer
+    assert not bool(jax_ops.finite_unscaled(arrays, jnp.float32(2.0)))
+    assert bool(jax_ops.finite_unscaled(arrays[:1], jnp.float32(2.0)))
+
+
 def test_global_norm_of_half_precision(rng):
     grads = [rng.normal(size=(3, 2)) * 300, rng.normal(size=4) * 300]
     native = [jnp.asarray(g, jnp.float16) for g in grads]

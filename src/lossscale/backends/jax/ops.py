@@ -222,10 +222,11 @@ def finite_unscaled(arrays, scale):
     not divided, as `all_finite`), computed in fewer passes where it can be
     (`_finite_large`).
     """
+    summed = _SUMMED if jax.default_backend() in _SUMS_FIRST_ON else None
     small, large = [], []
     for a in map(unwrap, arrays):
         if a.size:
-            (large if a.size >= _SUMMED else small).append(a)
+            (large if summed is not None and a.size >= summed else small).append(a)
     flags = []
     if small:
         peak = jnp.max(jnp.stack(_peaks(small)))
@@ -237,8 +238,12 @@ def finite_unscaled(arrays, scale):
     return flags[0] if len(flags) == 1 else jnp.logical_and(*flags)
 
 
-# Arrays of at least this many elements are checked by their sums first.
+# Arrays of at least this many elements are checked by their sums first,
+# where the default backend is one of these. Not on GPUs: there XLA reads a
+# `conditional`'s predicate back to the host, a wait inside every step, and
+# a maximum reads no more bytes than a sum.
 _SUMMED = 1 << 18
+_SUMS_FIRST_ON = frozenset({"cpu"})
 
 
 def _finite_large(arrays, scale):
