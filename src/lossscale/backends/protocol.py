@@ -93,8 +93,8 @@ class BackendOps(Protocol):
         """Whether every element of `arrays` divided by `scale` is finite, as a boolean scalar.
 
         `isfinite(max_abs(arrays) / scale)`, the check of a step whose
-        kernel divides as it reads each gradient; JAX settles most steps
-        with a cheaper sum first (see `backends/jax/ops.finite_unscaled`).
+        kernel divides as it reads each gradient; JAX on CPU settles most
+        steps with a cheaper sum first (see `backends/jax/ops.finite_unscaled`).
         """
 
     def global_norm(self, arrays: Sequence[Any]) -> Any: ...

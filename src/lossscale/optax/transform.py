@@ -298,9 +298,10 @@ def _check_updates(updates, params, state):
 def _finite_in(group, dtype, scale):
     """Whether every gradient of `group`, divided by `scale` and cast to `dtype`, is finite.
 
-    Cast to float32 or float64, that is the float32 division's flag: the
-    backend's `finite_unscaled`, which settles most steps with sums (see
-    its doc). A narrower dtype's range is checked on the divided peak.
+    For float32 and float64 that is whether the float32 division is
+    finite (the peaks are float32): the backend's `finite_unscaled`, which
+    settles most steps with sums (see its doc). A narrower dtype's range
+    is checked on the divided peak, cast to it.
     """
     if dtype in (jnp.float32, jnp.float64):
         return _ops.finite_unscaled(group, scale)
