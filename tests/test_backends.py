@@ -215,7 +215,7 @@ BACKEND_DIR = Path(lossscale.backends.__file__).parent
 LAYERS = {
     "numpy": ["parallel", "ops", "fused", "kernels"],
     "torch": ["masks", "dtensors", "ops", "multi", "plans", "foreach", "fused", "kernels"],
-    "jax": ["ops", "fused", "kernels"],
+    "jax": ["ops", "multi", "fused", "kernels"],
     "tensorflow": ["ops", "control", "multi", "replicas", "fused", "compiled", "kernels"],
 }
 

@@ -23,7 +23,7 @@ import lossscale as ls
 from lossscale import backends, optimizers
 from lossscale.backends._common import masked
 from lossscale.backends.jax import fused, kernels
-from lossscale.backends.jax import ops as jax_ops
+from lossscale.backends.jax import multi as jax_multi
 from lossscale.optimizers import LossScaleOptimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
@@ -318,7 +318,7 @@ def test_gradients_checked_by_their_sums_take_the_same_steps(case, monkeypatch):
     weights = make_weights(SHAPES["several"])
     grads = make_gradients(SHAPES["several"], scale)
     expected, _, _ = trajectory(CASES[case], weights, grads, scale, growth)
-    monkeypatch.setattr(jax_ops, "_SUMMED", 2)  # every gradient but the (1,) one
+    monkeypatch.setattr(jax_multi, "_SUMMED", 2)  # every gradient but the (1,) one
     got, traces, _ = trajectory(CASES[case], weights, grads, scale, growth)
     assert traces == 1
     for step, (a, b) in enumerate(zip(got, expected)):

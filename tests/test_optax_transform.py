@@ -227,9 +227,9 @@ def test_overflow_is_judged_in_the_dtype_a_gradient_is_unscaled_to():
 )
 def test_large_gradients_checked_by_their_sums_decide_as_their_peaks(values, applied, monkeypatch):
     """A sum that overflows is not an overflow of the gradients; inf and NaN are."""
-    from lossscale.backends.jax import ops as jax_ops
+    from lossscale.backends.jax import multi as jax_multi
 
-    monkeypatch.setattr(jax_ops, "_SUMMED", 4)
+    monkeypatch.setattr(jax_multi, "_SUMMED", 4)
     tx = lso.dynamic_loss_scale(optax.sgd(1e-40), initial_scale=1.0)
     params = {"w": jnp.zeros(8), "b": jnp.zeros(2)}
     grads = {"w": jnp.asarray(np.resize(values, 8), jnp.float32), "b": jnp.ones(2)}

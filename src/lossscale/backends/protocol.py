@@ -94,7 +94,7 @@ class BackendOps(Protocol):
 
         `isfinite(max_abs(arrays) / scale)`, the check of a step whose
         kernel divides as it reads each gradient; JAX on CPU settles most
-        steps with a cheaper sum first (see `backends/jax/ops.finite_unscaled`).
+        steps with a cheaper sum first (see `backends/jax/multi.finite_unscaled`).
         """
 
     def global_norm(self, arrays: Sequence[Any]) -> Any: ...

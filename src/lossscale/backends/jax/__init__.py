@@ -5,6 +5,9 @@ from the modules that implement them:
 
 - `ops`: arrays (placed like their neighbours), writes that return the new
   array, elementwise math, reductions, `cond` as `lax.cond`;
+- `multi`: unscale, the finite check and norms over lists of arrays;
+- `fused`: Adam, AdamW and SGD with the loss-scale skip folded into their
+  arithmetic;
 - `kernels`: the registry of fused update rules, by the name an optimizer
   declares.
 
@@ -16,12 +19,20 @@ from lossscale.backends.jax.kernels import (
     fused_update,
     fused_weight_decay,
 )
+from lossscale.backends.jax.multi import (
+    all_finite,
+    finite_flags,
+    finite_unscaled,
+    global_norm,
+    max_abs,
+    unscale,
+    unscale_checked,
+)
 from lossscale.backends.jax.ops import (
     INT_DTYPE,
     MUTABLE,
     NAME,
     abs,
-    all_finite,
     all_max,
     all_true,
     asarray,
@@ -35,18 +46,14 @@ from lossscale.backends.jax.ops import (
     cos,
     dtype_name,
     exp,
-    finite_flags,
-    finite_unscaled,
     floor,
     full,
     gated,
-    global_norm,
     is_native,
     isfinite,
     log,
     logical_and,
     logical_not,
-    max_abs,
     maximum,
     minimum,
     place,
@@ -59,7 +66,5 @@ from lossscale.backends.jax.ops import (
     square,
     sum,
     to_numpy,
-    unscale,
-    unscale_checked,
     where,
 )

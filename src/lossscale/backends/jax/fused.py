@@ -42,7 +42,7 @@ an expression apart, where they no longer contract as `update_step`'s do.
 
 With `grad_scale` (the loss-scale wrapper's scale: `takes_grad_scale`) the
 kernels divide each gradient by it inside the loops that read it, as
-`ops.unscale` divides (`_divided`), so the step writes no unscaled copy of
+`multi.unscale` divides (`_divided`), so the step writes no unscaled copy of
 the gradients.
 
 Two limits of arithmetic folding, neither reachable from finite training:
@@ -60,7 +60,7 @@ Two limits of arithmetic folding, neither reachable from finite training:
 import jax.numpy as jnp
 
 from lossscale.backends._common import masked
-from lossscale.backends.jax import ops
+from lossscale.backends.jax import multi, ops
 
 
 class _Gate:
@@ -121,7 +121,7 @@ def _constant(value, dtype):
 
 
 def _divided(grad, scale, kept, loop):
-    """`ops.unscale([grad], scale)[0]` of a sanitised gradient, inside the loop that reads it.
+    """`multi.unscale([grad], scale)[0]` of a sanitised gradient, inside the loop that reads it.
 
     The same float32 cast and the same division. The divisor is
     `where(kept, scale, 1 + loop)`: `scale` for every gradient the step
@@ -144,7 +144,7 @@ def _mask_of(variables):
 
 
 def _unscaled(grad, grad_scale):
-    return grad if grad_scale is None else ops.unscale([grad], grad_scale)[0]
+    return grad if grad_scale is None else multi.unscale([grad], grad_scale)[0]
 
 
 def _unmasked(variable):

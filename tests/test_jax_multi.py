@@ -1,0 +1,165 @@
+"""The JAX backend's multi-array helpers: unscale, the finite check, norms."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lossscale.backends.jax import multi as jax_multi
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_unscale_in_float32(dtype, rng):
+    grads = [rng.normal(size=(4, 3)) * 1024, rng.normal(size=(5,)) * 1024]
+    native = [jnp.asarray(g, dtype=dtype) for g in grads]
+    out = jax_multi.unscale(native, jnp.asarray(np.float32(1024.0)))
+    for o, n in zip(out, native):
+        assert o.dtype == jnp.float32
+        # Exact: a half-precision value divided by a power of two in float32.
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(n, np.float32) / 1024)
+
+
+def test_unscale_keeps_small_half_gradients_representable():
+    # 1e-3 * 2**-16 underflows float16 (smallest subnormal ~6e-8) but not float32.
+    g = jnp.asarray(np.float16(1e-3))
+    out = jax_multi.unscale([g], jnp.asarray(np.float32(2.0**16)))[0]
+    assert float(out) > 0 and np.float16(float(out)) == 0
+
+
+def test_all_finite(rng):
+    good = [
+        jnp.asarray(rng.normal(size=3), jnp.float16),
+        jnp.asarray(rng.normal(size=(2, 2))),
+        jnp.zeros((0, 3)),
+        jnp.asarray([3, -7], jnp.int32),
+    ]
+    assert bool(jax_multi.all_finite(good))
+    assert bool(jax_multi.all_finite([]))
+    assert bool(jax_multi.all_finite([jnp.zeros(0)]))
+    # Finite values at the edge of the range stay finite.
+    assert bool(jax_multi.all_finite([jnp.asarray([65504.0, -65504.0], jnp.float16)]))
+    for bad in (np.inf, -np.inf, np.nan):
+        arrays = good + [jnp.asarray([0.0, bad], jnp.bfloat16)]
+        assert not bool(jax_multi.all_finite(arrays))
+        assert not bool(jax.jit(jax_multi.all_finite)(arrays))
+
+
+def test_small_arrays_are_reduced_together_and_large_ones_alone(rng, monkeypatch):
+    """Chunks of small arrays per dtype: the same maximum, every element seen."""
+    monkeypatch.setattr(jax_multi, "_SMALL", 8)
+    monkeypatch.setattr(jax_multi, "_CHUNK", 20)
+    arrays = [jnp.asarray(rng.normal(size=n).astype(np.float32)) for n in (3, 8, 5, 9, 7, 6, 1)]
+    arrays += [jnp.asarray(rng.normal(size=4), jnp.float16), jnp.zeros(0)]
+    expected = max(float(np.max(np.abs(np.asarray(a, np.float32)))) for a in arrays if a.size)
+    assert float(jax_multi.max_abs(arrays)) == expected
+    assert float(jax.jit(jax_multi.max_abs)(arrays)) == expected
+    # 2 chunks of float32 (3 + 8 + 5, then 7 + 6 + 1), 1 of float16, the 9 alone.
+    assert len(jax_multi._peaks(arrays)) == 4
+    for i, a in enumerate(arrays):
+        for position in (0, a.size - 1) if a.size else ():
+            bad = list(arrays)
+            bad[i] = a.at[position].set(np.inf)
+            assert not bool(jax.jit(jax_multi.all_finite)(bad)), (i, position)
+            assert float(jax_multi.max_abs(bad)) == np.inf
+
+
+def _exact_flag(arrays, scale):
+    peak = np.max([np.max(np.abs(np.asarray(a, np.float64))) for a in arrays])  # NaN propagates
+    with np.errstate(over="ignore"):
+        return bool(np.isfinite(np.float32(np.float32(peak) / np.float32(scale))))
+
+
+@pytest.mark.parametrize(
+    "case, values, dtype, scale, finite",
+    [
+        ("finite", [1.5, -2.0, 3.0], "float32", 1024.0, True),
+        ("inf", [1.5, np.inf, 3.0], "float32", 1024.0, False),
+        ("nan", [1.5, np.nan, 3.0], "float32", 1024.0, False),
+        ("inf and -inf: the sum is NaN", [np.inf, -np.inf, 0.0], "float32", 2.0, False),
+        ("the sum overflows, every element is finite", [3e38, 3e38, 1.0], "float32", 1.0, True),
+        ("overflows when divided by a scale below 1", [2e38, 1.0, 1.0], "float32", 0.5, False),
+        ("a finite sum, but overflows when divided", [2e38, -2e38, 1.0], "float32", 0.5, False),
+        ("a scale below 1 that does not overflow", [2.0, -1.0, 1.0], "float32", 0.5, True),
+        ("half precision at its largest, summed in float32", [65504.0] * 3, "float16", 1.0, True),
+        ("half precision inf", [65504.0, np.inf, 1.0], "float16", 1.0, False),
+    ],
+)
+@pytest.mark.parametrize("jit", [False, True])
+def test_large_arrays_checked_by_their_sums_get_the_exact_flag(
+    case, values, dtype, scale, finite, jit, rng, monkeypatch
+):
+    """`finite_unscaled` equals `isfinite(max_abs / scale)`, through the sum or the max."""
+    monkeypatch.setattr(jax_multi, "_SUMMED", 8)
+    large = np.resize(np.asarray(values, np.float64), 12)
+    arrays = [
+        jnp.asarray(rng.normal(size=8).astype(np.float32)),  # large, finite
+        jnp.asarray(large.astype(dtype)),
+        jnp.asarray(rng.normal(size=3).astype(np.float32)),  # small: its peak
+    ]
+    scale = jnp.float32(scale)
+    assert _exact_flag(arrays, scale) is finite, case  # the case is what it says
+    check = jax.jit(jax_multi.finite_unscaled) if jit else jax_multi.finite_unscaled
+    assert bool(check(arrays, scale)) is finite, case
+    unscaled_check = jax.jit(jax_multi.all_finite) if jit else jax_multi.all_finite
+    assert bool(unscaled_check(arrays)) is bool(np.all(np.isfinite(large.astype(dtype)))), case
+
+
+def test_a_small_array_is_checked_by_its_peak_beside_large_ones(monkeypatch):
+    monkeypatch.setattr(jax_multi, "_SUMMED", 8)
+    large = jnp.ones(8)
+    for bad in (np.inf, np.nan):
+        small = jnp.asarray([1.0, bad])
+        assert not bool(jax.jit(jax_multi.finite_unscaled)([large, small], jnp.float32(2.0)))
+    # Finite, but not once divided by the scale: the small array's own peak.
+    small = jnp.asarray([1.0, 3e38], jnp.float32)
+    assert not bool(jax_multi.finite_unscaled([large, small], jnp.float32(0.5)))
+    assert bool(jax_multi.finite_unscaled([large, small], jnp.float32(2.0)))
+
+
+def _primitives(jaxpr):
+    """The names of the primitives of `jaxpr`, outside any sub-jaxpr, and those inside."""
+    outer = [e.primitive.name for e in jaxpr.eqns]
+    inner = [
+        e2.primitive.name
+        for e in jaxpr.eqns
+        for param in e.params.values()
+        for sub in (param if isinstance(param, (tuple, list)) else [param])
+        if hasattr(sub, "jaxpr")
+        for e2 in sub.jaxpr.eqns
+    ]
+    return outer, inner
+
+
+def test_large_arrays_are_reduced_by_a_sum_and_maxed_only_in_the_exact_branch(monkeypatch):
+    """A large array is read by one sum per step; its max runs only where the sum is not finite."""
+    monkeypatch.setattr(jax_multi, "_SUMMED", 8)
+    monkeypatch.setattr(jax_multi, "_SMALL", 8)  # each large array's peak on its own
+    arrays = [jnp.ones(16), jnp.ones(9), jnp.ones(3)]
+    jaxpr = jax.make_jaxpr(jax_multi.finite_unscaled)(arrays, jnp.float32(2.0)).jaxpr
+    outer, inner = _primitives(jaxpr)
+    assert outer.count("reduce_sum") == 2 and outer.count("cond") == 1, outer
+    assert outer.count("abs") == 1, outer  # the small array's peak
+    assert inner.count("abs") == 2, inner  # the large ones', in the exact branch
+    # Without large arrays there is nothing to branch on.
+    outer, _ = _primitives(jax.make_jaxpr(jax_multi.all_finite)(arrays[2:]).jaxpr)
+    assert "cond" not in outer and "reduce_sum" not in outer, outer
+
+
+def test_off_the_cpu_every_array_is_checked_by_its_peak(monkeypatch):
+    """No `cond` where XLA would read its predicate back to the host (a GPU)."""
+    monkeypatch.setattr(jax_multi, "_SUMMED", 8)
+    monkeypatch.setattr(jax_multi, "_SUMS_FIRST_ON", frozenset({"gpu"}))
+    arrays = [jnp.ones(16), jnp.asarray([1.0, np.inf] * 8)]
+    outer, _ = _primitives(jax.make_jaxpr(jax_multi.finite_unscaled)(arrays, 2.0).jaxpr)
+    assert "cond" not in outer and "reduce_sum" not in outer, outer
+    assert not bool(jax_multi.finite_unscaled(arrays, jnp.float32(2.0)))
+    assert bool(jax_multi.finite_unscaled(arrays[:1], jnp.float32(2.0)))
+
+
+def test_global_norm_of_half_precision(rng):
+    grads = [rng.normal(size=(3, 2)) * 300, rng.normal(size=4) * 300]
+    native = [jnp.asarray(g, jnp.float16) for g in grads]
+    expected = np.sqrt(sum((np.asarray(n, np.float64) ** 2).sum() for n in native))
+    norm = jax_multi.global_norm(native)
+    assert norm.dtype == jnp.float32  # float16 would overflow at ~65504
+    np.testing.assert_allclose(float(norm), expected, rtol=1e-6)
