@@ -100,7 +100,9 @@ def _finite_large(arrays, scale):
     the NaN-propagating max of magnitudes (0.63 against 1.35 ms over eight
     float32 arrays of 1M). Only where a sum is not finite (an overflow of
     the sum itself included) or the scale is below 1 does `lax.cond` take
-    the exact branch; it returns a scalar, so it copies no array.
+    the exact branch; it returns a scalar, so it copies no array. (Under
+    `jax.vmap` with a flag per member the `cond` becomes a select, and
+    both branches run.)
     """
     # In float32, the dtype the peaks are compared in: a float64 element
     # beyond float32's range makes both inf.
