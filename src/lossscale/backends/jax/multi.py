@@ -72,11 +72,11 @@ def finite_unscaled(arrays, scale):
         if a.size:
             (large if summed is not None and a.size >= summed else small).append(a)
     flags = []
+    scale = None if scale is None else unwrap(scale)
     if small:
-        peak = jnp.max(jnp.stack(_peaks(small)))
-        flags.append(jnp.isfinite(peak if scale is None else peak / unwrap(scale)))
+        flags.append(_peak_finite(small, scale))
     if large:
-        flags.append(_finite_large(large, None if scale is None else unwrap(scale)))
+        flags.append(_finite_large(large, scale))
     if not flags:
         return jnp.asarray(True)
     return flags[0] if len(flags) == 1 else jnp.logical_and(*flags)
@@ -111,11 +111,13 @@ def _finite_large(arrays, scale):
     if scale is not None:
         quick = jnp.logical_and(quick, scale >= 1)
 
-    def exact():
-        peak = jnp.max(jnp.stack(_peaks(arrays)))
-        return jnp.isfinite(peak if scale is None else peak / scale)
+    return lax.cond(quick, lambda: jnp.asarray(True), lambda: _peak_finite(arrays, scale))
 
-    return lax.cond(quick, lambda: jnp.asarray(True), exact)
+
+def _peak_finite(arrays, scale):
+    """`isfinite(max_abs(arrays) / scale)` (not divided where `scale` is None)."""
+    peak = jnp.max(jnp.stack(_peaks(arrays)))
+    return jnp.isfinite(peak if scale is None else peak / scale)
 
 
 # Arrays up to this size are reduced together, concatenated per dtype into
