@@ -14,110 +14,25 @@ import re
 os.environ["KERAS_BACKEND"] = "torch"
 
 import keras  # noqa: E402
+import keras_scenarios  # noqa: E402
 import numpy as np  # noqa: E402
 import optimizer_cases as cases  # noqa: E402
 import pytest  # noqa: E402
 
 import lossscale as ls  # noqa: E402
 
+SCENARIOS, KINDS = keras_scenarios.SCENARIOS, keras_scenarios.KINDS
+
+# SGD and Adam are compared with Keras in their own modules.
 NAMES = ["AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl", "Lamb"]
 
-# Per optimizer: a default-settings scenario and one with its own options,
-# weight decay and a clipping option (the three clipping options rotate).
-SCENARIOS = {
-    "AdamW": [
-        {"learning_rate": 0.01},
-        {"learning_rate": 0.01, "amsgrad": True, "weight_decay": 0.1, "clipnorm": 0.5},
-    ],
-    "RMSprop": [
-        {"learning_rate": 0.01},
-        {
-            "learning_rate": 0.01,
-            "momentum": 0.9,
-            "centered": True,
-            "rho": 0.8,
-            "weight_decay": 0.05,
-            "clipvalue": 0.5,
-        },
-    ],
-    "Adagrad": [
-        {"learning_rate": 0.1},
-        {
-            "learning_rate": 0.1,
-            "initial_accumulator_value": 0.5,
-            "weight_decay": 0.05,
-            "global_clipnorm": 1.5,
-        },
-    ],
-    "Adadelta": [
-        {"learning_rate": 1.0, "epsilon": 1e-3},
-        {"learning_rate": 1.0, "rho": 0.5, "epsilon": 1e-2, "weight_decay": 0.05, "clipnorm": 0.7},
-    ],
-    "Adamax": [
-        {"learning_rate": 0.01},
-        {
-            "learning_rate": 0.01,
-            "beta_1": 0.5,
-            "beta_2": 0.9,
-            "weight_decay": 0.05,
-            "clipvalue": 0.5,
-        },
-    ],
-    "Nadam": [
-        {"learning_rate": 0.01},
-        {"learning_rate": 0.01, "beta_1": 0.8, "weight_decay": 0.05, "global_clipnorm": 1.5},
-    ],
-    "Lion": [
-        {"learning_rate": 0.01},
-        {"learning_rate": 0.01, "beta_1": 0.5, "beta_2": 0.9, "weight_decay": 0.5, "clipnorm": 0.5},
-    ],
-    "Ftrl": [
-        {"learning_rate": 0.1},
-        {
-            "learning_rate": 0.1,
-            "learning_rate_power": -0.7,
-            "initial_accumulator_value": 0.5,
-            "l1_regularization_strength": 0.05,
-            "l2_regularization_strength": 0.1,
-            "l2_shrinkage_regularization_strength": 0.02,
-            "beta": 0.3,
-            "weight_decay": 0.05,
-            "clipvalue": 0.5,
-        },
-    ],
-    "Lamb": [
-        {"learning_rate": 0.01},
-        {"learning_rate": 0.01, "beta_1": 0.8, "weight_decay": 0.05, "global_clipnorm": 1.5},
-    ],
-}
-# A schedule as learning rate: read from the raw iteration count, and no
-# `learning_rate` variable on either side.
-SCHEDULED = {
-    "RMSprop": (
-        "ExponentialDecay",
-        {"initial_learning_rate": 0.02, "decay_steps": 2, "decay_rate": 0.5, "staircase": True},
-    ),
-    "Nadam": (
-        "CosineDecay",
-        {"initial_learning_rate": 0.0, "decay_steps": 4, "warmup_target": 0.02, "warmup_steps": 2},
-    ),
-    "Ftrl": ("PiecewiseConstantDecay", {"boundaries": [1, 3], "values": [0.3, 0.2, 0.1]}),
-    "Lamb": ("CosineDecayRestarts", {"initial_learning_rate": 0.02, "first_decay_steps": 2}),
-}
-for _name, _schedule in SCHEDULED.items():
-    SCENARIOS[_name].append({"learning_rate": _schedule, "weight_decay": 0.05})
 PARAMS = [(name, i) for name in NAMES for i in range(len(SCENARIOS[name]))]
-IDS = [f"{name}-{['defaults', 'options', 'schedule'][i]}" for name, i in PARAMS]
+IDS = [f"{name}-{KINDS[i]}" for name, i in PARAMS]
 
 
 def build(library, name, index):
     """The optimizer of scenario `index` from `library` (keras or lossscale)."""
-    settings = dict(SCENARIOS[name][index])
-    if isinstance(settings["learning_rate"], tuple):
-        schedule, schedule_settings = settings["learning_rate"]
-        schedules = keras.optimizers.schedules if library is keras else ls.schedules
-        settings["learning_rate"] = getattr(schedules, schedule)(**schedule_settings)
-    return getattr(library.optimizers, name)(**settings)
+    return keras_scenarios.build(library, name, SCENARIOS[name][index])
 
 
 def test_keras_runs_on_torch():

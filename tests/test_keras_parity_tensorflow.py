@@ -16,6 +16,7 @@ import pathlib
 import subprocess
 import sys
 
+import keras_scenarios
 import numpy as np
 import optimizer_cases as cases
 import pytest
@@ -29,109 +30,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 WORKER = pathlib.Path(__file__).with_name("keras_tensorflow_worker.py")
 
-# Per optimizer: defaults, then its own options with weight decay and a
-# clipping option (the three rotate); a schedule as learning rate for four.
-FAMILY = {
-    "SGD": [
-        {"learning_rate": 0.05},
-        {"learning_rate": 0.05, "momentum": 0.9, "nesterov": True, "clipnorm": 0.5},
-    ],
-    "Adam": [
-        {"learning_rate": 0.01},
-        {"learning_rate": 0.01, "amsgrad": True, "weight_decay": 0.05, "global_clipnorm": 1.5},
-    ],
-    "AdamW": [
-        {"learning_rate": 0.01},
-        {"learning_rate": 0.01, "amsgrad": True, "weight_decay": 0.1, "clipnorm": 0.5},
-    ],
-    "RMSprop": [
-        {"learning_rate": 0.01},
-        {"learning_rate": 0.01, "momentum": 0.9, "centered": True, "rho": 0.8, "clipvalue": 0.5},
-        {
-            "learning_rate": [
-                "ExponentialDecay",
-                {
-                    "initial_learning_rate": 0.02,
-                    "decay_steps": 2,
-                    "decay_rate": 0.5,
-                    "staircase": True,
-                },
-            ]
-        },
-    ],
-    "Adagrad": [
-        {"learning_rate": 0.1},
-        {
-            "learning_rate": 0.1,
-            "initial_accumulator_value": 0.5,
-            "weight_decay": 0.05,
-            "global_clipnorm": 1.5,
-        },
-    ],
-    "Adadelta": [
-        {"learning_rate": 1.0, "epsilon": 1e-3},
-        {"learning_rate": 1.0, "rho": 0.5, "epsilon": 1e-2, "weight_decay": 0.05, "clipnorm": 0.7},
-    ],
-    "Adamax": [
-        {"learning_rate": 0.01},
-        {
-            "learning_rate": 0.01,
-            "beta_1": 0.5,
-            "beta_2": 0.9,
-            "weight_decay": 0.05,
-            "clipvalue": 0.5,
-        },
-    ],
-    "Nadam": [
-        {"learning_rate": 0.01},
-        {"learning_rate": 0.01, "beta_1": 0.8, "weight_decay": 0.05, "global_clipnorm": 1.5},
-        {
-            "learning_rate": [
-                "CosineDecay",
-                {
-                    "initial_learning_rate": 0.0,
-                    "decay_steps": 4,
-                    "warmup_target": 0.02,
-                    "warmup_steps": 2,
-                },
-            ]
-        },
-    ],
-    "Lion": [
-        {"learning_rate": 0.01},
-        {"learning_rate": 0.01, "beta_1": 0.5, "beta_2": 0.9, "weight_decay": 0.5, "clipnorm": 0.5},
-    ],
-    "Ftrl": [
-        {"learning_rate": 0.1},
-        {
-            "learning_rate": 0.1,
-            "learning_rate_power": -0.7,
-            "initial_accumulator_value": 0.5,
-            "l1_regularization_strength": 0.05,
-            "l2_regularization_strength": 0.1,
-            "l2_shrinkage_regularization_strength": 0.02,
-            "beta": 0.3,
-            "weight_decay": 0.05,
-            "clipvalue": 0.5,
-        },
-        {
-            "learning_rate": [
-                "PiecewiseConstantDecay",
-                {"boundaries": [1, 3], "values": [0.3, 0.2, 0.1]},
-            ]
-        },
-    ],
-    "Lamb": [
-        {"learning_rate": 0.01},
-        {"learning_rate": 0.01, "beta_1": 0.8, "weight_decay": 0.05, "global_clipnorm": 1.5},
-        {
-            "learning_rate": [
-                "CosineDecayRestarts",
-                {"initial_learning_rate": 0.02, "first_decay_steps": 2},
-            ]
-        },
-    ],
-}
+FAMILY = keras_scenarios.SCENARIOS
 # The wrapper: around every optimizer's defaults, and Keras's own
 # interplay cases (accumulation and EMA inside the wrapper, clipping).
 WRAPPED = {f"{name}-defaults": (name, settings[0]) for name, settings in FAMILY.items()}
@@ -212,16 +111,8 @@ def keras_results(tmp_path_factory):
     return json.loads((folder / "out.json").read_text())
 
 
-def _ours(name, settings):
-    settings = dict(settings)
-    if isinstance(settings["learning_rate"], list):
-        schedule, schedule_settings = settings["learning_rate"]
-        settings["learning_rate"] = getattr(ls.schedules, schedule)(**schedule_settings)
-    return getattr(ls.optimizers, name)(**settings)
-
-
 def _run_ours(spec):
-    optimizer = _ours(spec["optimizer"], spec["settings"])
+    optimizer = keras_scenarios.build(ls, spec["optimizer"], spec["settings"])
     if spec.get("wrap"):
         optimizer = ls.LossScaleOptimizer(optimizer, **spec["wrap"])
     variables = [
