@@ -104,3 +104,21 @@ if torch.cuda.is_available():
     test_fast_path_on_cuda_equals_generic_path_on_cpu = pytest.mark.parametrize(
         "name", list(OPTIMIZERS)
     )(fast_path_on_cuda_equals_generic_path_on_cpu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("op", ["mul", "div"])
+def test_products_by_numbers_equal_torchs_bit_for_bit(dtype, op):
+    # float32 lists take the number as a cached 0-d tensor (torch's CPU
+    # kernels wrap a number anew for every tensor); the values must not move.
+    rng = np.random.default_rng(8)
+    tensors = [
+        torch.tensor(rng.normal(size=s) * 10.0 ** rng.integers(-4, 4, size=s), dtype=dtype)
+        for s in [(3,), (1000,), (17, 33), (1,)]
+    ]
+    ours, theirs = getattr(torch_foreach, op), getattr(torch, f"_foreach_{op}")
+    for number in [0.9, 1 - 0.999, 0.0371, 3, -2.5e-3]:
+        for a, b in zip(ours(tensors, number), theirs(tensors, number)):
+            assert a.dtype == dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    operand = torch_foreach._operand(tensors, 0.9)
+    assert isinstance(operand, torch.Tensor) == (dtype == torch.float32)

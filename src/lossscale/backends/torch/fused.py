@@ -177,7 +177,7 @@ def weight_decay(optimizer, variables, weight_decay, learning_rate):
                 lr = torch.where(
                     mask.on(group.device), lr, ops.constant(-0.0, group.dtype, group.device)
                 )
-            decay = torch._foreach_mul(group.params, -weight_decay)
+            decay = foreach.mul(group.params, -weight_decay)
             torch._foreach_mul_(decay, lr)
             torch._foreach_add_(group.params, decay)
 
