@@ -54,7 +54,7 @@ def test_small_arrays_are_reduced_together_and_large_ones_alone(rng, monkeypatch
     assert float(jax_multi.max_abs(arrays)) == expected
     assert float(jax.jit(jax_multi.max_abs)(arrays)) == expected
     # 2 chunks of float32 (3 + 8 + 5, then 7 + 6 + 1), 1 of float16, the 9 alone.
-    assert len(jax_multi._peaks(arrays)) == 4
+    assert len(jax_multi._groups(arrays)) == 4
     for i, a in enumerate(arrays):
         for position in (0, a.size - 1) if a.size else ():
             bad = list(arrays)
@@ -88,13 +88,13 @@ def _exact_flag(arrays, scale):
 def test_large_arrays_checked_by_their_sums_get_the_exact_flag(
     case, values, dtype, scale, finite, jit, rng, monkeypatch
 ):
-    """`finite_unscaled` equals `isfinite(max_abs / scale)`, through the sum or the max."""
+    """`finite_unscaled` equals `isfinite(max_abs / scale)`, through the plain or the exact sum."""
     monkeypatch.setattr(jax_multi, "_SUMMED", 8)
     large = np.resize(np.asarray(values, np.float64), 12)
     arrays = [
         jnp.asarray(rng.normal(size=8).astype(np.float32)),  # large, finite
         jnp.asarray(large.astype(dtype)),
-        jnp.asarray(rng.normal(size=3).astype(np.float32)),  # small: its peak
+        jnp.asarray(rng.normal(size=3).astype(np.float32)),  # small: its exact sum
     ]
     scale = jnp.float32(scale)
     assert _exact_flag(arrays, scale) is finite, case  # the case is what it says
@@ -104,13 +104,13 @@ def test_large_arrays_checked_by_their_sums_get_the_exact_flag(
     assert bool(unscaled_check(arrays)) is bool(np.all(np.isfinite(large.astype(dtype)))), case
 
 
-def test_a_small_array_is_checked_by_its_peak_beside_large_ones(monkeypatch):
+def test_a_small_array_is_checked_exactly_beside_large_ones(monkeypatch):
     monkeypatch.setattr(jax_multi, "_SUMMED", 8)
     large = jnp.ones(8)
     for bad in (np.inf, np.nan):
         small = jnp.asarray([1.0, bad])
         assert not bool(jax.jit(jax_multi.finite_unscaled)([large, small], jnp.float32(2.0)))
-    # Finite, but not once divided by the scale: the small array's own peak.
+    # Finite, but not once divided by the scale.
     small = jnp.asarray([1.0, 3e38], jnp.float32)
     assert not bool(jax_multi.finite_unscaled([large, small], jnp.float32(0.5)))
     assert bool(jax_multi.finite_unscaled([large, small], jnp.float32(2.0)))
@@ -130,28 +130,30 @@ def _primitives(jaxpr):
     return outer, inner
 
 
-def test_large_arrays_are_reduced_by_a_sum_and_maxed_only_in_the_exact_branch(monkeypatch):
-    """A large array is read by one sum per step; its max runs only where the sum is not finite."""
+def test_large_arrays_are_reduced_by_a_sum_and_exactly_only_in_the_exact_branch(monkeypatch):
+    """A large array is read by one plain sum per step; the exact check runs only where it is not finite."""
     monkeypatch.setattr(jax_multi, "_SUMMED", 8)
-    monkeypatch.setattr(jax_multi, "_SMALL", 8)  # each large array's peak on its own
+    monkeypatch.setattr(jax_multi, "_SMALL", 8)  # each large array on its own
     arrays = [jnp.ones(16), jnp.ones(9), jnp.ones(3)]
     jaxpr = jax.make_jaxpr(jax_multi.finite_unscaled)(arrays, jnp.float32(2.0)).jaxpr
     outer, inner = _primitives(jaxpr)
-    assert outer.count("reduce_sum") == 2 and outer.count("cond") == 1, outer
-    assert outer.count("abs") == 1, outer  # the small array's peak
-    assert inner.count("abs") == 2, inner  # the large ones', in the exact branch
+    # The large arrays' plain sums and the small array's exact one.
+    assert outer.count("reduce_sum") == 3 and outer.count("cond") == 1, outer
+    # The small array's `x - x` and its peak, for the quotient.
+    assert outer.count("sub") == 1 and outer.count("abs") == 1, outer
+    assert inner.count("sub") == 2 and inner.count("abs") == 2, inner  # the large ones'
     # Without large arrays there is nothing to branch on.
     outer, _ = _primitives(jax.make_jaxpr(jax_multi.all_finite)(arrays[2:]).jaxpr)
-    assert "cond" not in outer and "reduce_sum" not in outer, outer
+    assert "cond" not in outer and "abs" not in outer, outer  # no quotient to check
 
 
-def test_off_the_cpu_every_array_is_checked_by_its_peak(monkeypatch):
+def test_off_the_cpu_every_array_is_checked_exactly_without_a_branch(monkeypatch):
     """No `cond` where XLA would read its predicate back to the host (a GPU)."""
     monkeypatch.setattr(jax_multi, "_SUMMED", 8)
     monkeypatch.setattr(jax_multi, "_SUMS_FIRST_ON", frozenset({"gpu"}))
     arrays = [jnp.ones(16), jnp.asarray([1.0, np.inf] * 8)]
     outer, _ = _primitives(jax.make_jaxpr(jax_multi.finite_unscaled)(arrays, 2.0).jaxpr)
-    assert "cond" not in outer and "reduce_sum" not in outer, outer
+    assert "cond" not in outer, outer
     assert not bool(jax_multi.finite_unscaled(arrays, jnp.float32(2.0)))
     assert bool(jax_multi.finite_unscaled(arrays[:1], jnp.float32(2.0)))
 

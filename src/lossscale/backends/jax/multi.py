@@ -2,7 +2,8 @@
 
 Every function takes a list of arrays and returns arrays (under `jax.jit`,
 traced values); none reads a value on the host. The finite check reduces
-small arrays together, in chunks, and on the CPU settles large ones with a
+small arrays together, in chunks, exactly (sums of `x - x`, which propagate
+NaN where XLA's CPU max drops it), and on the CPU settles large ones with a
 plain sum first (`finite_unscaled`).
 """
 
@@ -51,20 +52,21 @@ def unscale_checked(grads, scale, in_place=False):
 
 
 def all_finite(arrays):
-    # The largest |x| of an array is inf or NaN exactly when one of its
-    # elements is (max propagates NaN). XLA fuses that float reduction into
-    # one read of the array, where `all(isfinite(x))` first writes a boolean
-    # copy of it: 19% off a 16M-parameter jitted Adam step on CPU. Large
-    # arrays take a cheaper plain sum first (`_finite_large`).
+    """Whether every element of `arrays` is finite (exact at every size)."""
     return finite_unscaled(arrays, None)
 
 
 def finite_unscaled(arrays, scale):
     """Whether every element of `arrays`, divided by `scale`, is finite.
 
-    The flag `isfinite(max_abs(arrays) / scale)`, always (`scale=None`:
-    not divided, as `all_finite`), computed in fewer passes where it can be
-    (`_finite_large`).
+    Exact for every size, position, dtype and sharding. XLA's vectorised
+    CPU max reduction drops NaN (`max([1, nan, 2])` is 2 past a few
+    thousand elements), so non-finite elements are found by a sum of
+    `x - x`: zero where `x` is finite, NaN where not, and addition
+    propagates NaN in any order. Given every element finite, the largest
+    magnitude is exact, and over the scale (division is monotone) it says
+    whether a quotient overflows. On the CPU large arrays take a cheaper
+    plain sum first (`_finite_large`). `scale=None`: not divided.
     """
     summed = _SUMMED if jax.default_backend() in _SUMS_FIRST_ON else None
     small, large = [], []
@@ -74,7 +76,7 @@ def finite_unscaled(arrays, scale):
     flags = []
     scale = None if scale is None else unwrap(scale)
     if small:
-        flags.append(_peak_finite(small, scale))
+        flags.append(_exact_finite(small, scale))
     if large:
         flags.append(_finite_large(large, scale))
     if not flags:
@@ -85,39 +87,60 @@ def finite_unscaled(arrays, scale):
 # Arrays of at least this many elements are checked by their sums first,
 # where the default backend is one of these. Not on GPUs: there XLA reads a
 # `conditional`'s predicate back to the host, a wait inside every step, and
-# a maximum reads no more bytes than a sum.
+# the exact check reads no more bytes than a sum.
 _SUMMED = 1 << 18
 _SUMS_FIRST_ON = frozenset({"cpu"})
 
 
 def _finite_large(arrays, scale):
-    """`isfinite(max_abs(arrays) / scale)` for large arrays, from their sums where it can.
+    """`finite_unscaled` for large arrays, from their plain sums where it can.
 
     A sum is finite only when every element is (inf and NaN propagate
     through additions in any order), and dividing by a scale of at least 1
     cannot overflow: finite sums and such a scale settle the flag. A plain
-    sum is one library call on XLA's CPU backend, about twice as fast as
-    the NaN-propagating max of magnitudes (0.63 against 1.35 ms over eight
-    float32 arrays of 1M). Only where a sum is not finite (an overflow of
-    the sum itself included) or the scale is below 1 does `lax.cond` take
-    the exact branch; it returns a scalar, so it copies no array. (Under
-    `jax.vmap` with a flag per member the `cond` becomes a select, and
-    both branches run.)
+    sum is the cheapest reduction XLA's CPU backend has (about half the
+    time of the largest magnitude, 0.63 against 1.35 ms over eight float32
+    arrays of 1M). Only where a sum is not finite (an overflow of the sum
+    itself included) or the scale is below 1 does `lax.cond` take the
+    exact branch; it returns a scalar, so it copies no array. (Under
+    `jax.vmap` with a flag per member the `cond` becomes a select, and both
+    branches run.)
     """
-    # In float32, the dtype the peaks are compared in: a float64 element
-    # beyond float32's range makes both inf.
     sums = [jnp.sum(a, dtype=jnp.float32) for a in arrays]
     quick = jnp.all(jnp.stack([jnp.isfinite(s) for s in sums]))
     if scale is not None:
         quick = jnp.logical_and(quick, scale >= 1)
+    return lax.cond(quick, lambda: jnp.asarray(True), lambda: _exact_finite(arrays, scale))
 
-    return lax.cond(quick, lambda: jnp.asarray(True), lambda: _peak_finite(arrays, scale))
+
+def _exact_finite(arrays, scale):
+    """`finite_unscaled`, exactly: sums of `x - x`, then (with a scale) the largest magnitude."""
+    groups = _groups(arrays)
+    finite = _groups_finite(groups)
+    if scale is None:
+        return finite
+    # Exact wherever it matters: with an inf or NaN present `finite` is false.
+    return jnp.logical_and(finite, jnp.isfinite(_groups_peak(groups) / scale))
 
 
-def _peak_finite(arrays, scale):
-    """`isfinite(max_abs(arrays) / scale)` (not divided where `scale` is None)."""
-    peak = jnp.max(jnp.stack(_peaks(arrays)))
-    return jnp.isfinite(peak if scale is None else peak / scale)
+def _groups_finite(groups):
+    """Whether every element of `groups` is finite, as a float32 sum of `x - x`."""
+    # In float32, the dtype the peaks are compared in: a float64 element
+    # beyond float32's range counts as an overflow.
+    zeros = [jnp.sum(_zero_or_nan(g.astype(jnp.float32))) for g in groups]
+    return jnp.isfinite(zeros[0] if len(zeros) == 1 else jnp.sum(jnp.stack(zeros)))
+
+
+def _zero_or_nan(x):
+    # `x - x`, not `x * 0`: XLA's CPU backend writes the broadcast zero out
+    # as an array the size of `x` for the reduction to read.
+    return x - x
+
+
+def _groups_peak(groups):
+    """The float32 largest magnitude of `groups`: exact where every element is finite."""
+    peaks = [jnp.max(jnp.abs(g)).astype(jnp.float32) for g in groups]
+    return peaks[0] if len(peaks) == 1 else jnp.max(jnp.stack(peaks))
 
 
 # Arrays up to this size are reduced together, concatenated per dtype into
@@ -128,28 +151,26 @@ def _peak_finite(arrays, scale):
 _SMALL, _CHUNK = 4096, 1 << 16
 
 
-def _peaks(arrays):
-    """Float32 largest magnitudes whose maximum is that of every element of `arrays`."""
-    peaks, chunks = [], {}
+def _groups(arrays):
+    """The non-empty `arrays` as flat groups to reduce: small ones concatenated per dtype."""
+    groups, chunks = [], {}
     for a in map(unwrap, arrays):
         if not a.size:
             continue
         if a.size > _SMALL:
-            peaks.append(jnp.max(jnp.abs(a)).astype(jnp.float32))
+            groups.append(a)
             continue
         chunk = chunks.setdefault(a.dtype, [[], 0])
         if chunk[1] + a.size > _CHUNK:
-            peaks.append(_peak_of(chunk[0]))
+            groups.append(_joined(chunk[0]))
             chunk[:] = [[], 0]
         chunk[0].append(a.ravel())
         chunk[1] += a.size
-    peaks += [_peak_of(parts) for parts, _ in chunks.values() if parts]
-    return peaks
+    return groups + [_joined(parts) for parts, _ in chunks.values() if parts]
 
 
-def _peak_of(parts):
-    joined = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    return jnp.max(jnp.abs(joined)).astype(jnp.float32)
+def _joined(parts):
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def finite_flags(arrays):
@@ -166,6 +187,14 @@ def global_norm(arrays):
 
 
 def max_abs(arrays):
-    """Largest |x| over all arrays as a float32 scalar (NaN if any NaN)."""
-    peaks = _peaks(arrays)
-    return jnp.max(jnp.stack(peaks)) if peaks else jnp.asarray(0.0, jnp.float32)
+    """Largest |x| over all arrays as a float32 scalar: inf if any element is, else NaN if any is NaN.
+
+    The largest magnitude alone can be finite where an element is NaN (see
+    `finite_unscaled`), so the exact finite check decides: where it fails
+    and the peak is not inf, the result is NaN.
+    """
+    groups = _groups(arrays)
+    if not groups:
+        return jnp.asarray(0.0, jnp.float32)
+    peak = _groups_peak(groups)
+    return jnp.where(_groups_finite(groups) | jnp.isinf(peak), peak, jnp.float32(jnp.nan))
