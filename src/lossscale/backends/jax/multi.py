@@ -187,7 +187,7 @@ def global_norm(arrays):
 
 
 def max_abs(arrays):
-    """Largest |x| over all arrays as a float32 scalar: inf if any element is, else NaN if any is NaN.
+    """Largest |x| over all arrays, float32: inf if any element is, else NaN if any is NaN.
 
     The largest magnitude alone can be finite where an element is NaN (see
     `finite_unscaled`), so the exact finite check decides: where it fails
