@@ -434,3 +434,54 @@ def test_one_bad_value_anywhere_skips_the_step(name, dtype, layout):
 
         dtype = ml_dtypes.bfloat16
     run_guarantee(INTERFACES[name][0], np.dtype(dtype), layout)
+
+
+# --- the backends' finite check itself, drawn -------------------------------------
+
+BACKEND_DTYPES = {
+    "numpy": ("float16", "float32", "float64"),
+    "torch": ("float16", "bfloat16", "float32", "float64"),
+    "jax": ("float16", "bfloat16", "float32"),
+    "tensorflow": ("float16", "bfloat16", "float32"),
+}
+
+
+@pytest.mark.parametrize("backend_name", list(BACKEND_DTYPES))
+def test_the_finite_check_of_every_backend_finds_one_drawn_bad_value(backend_name):
+    """`finite_unscaled` over drawn sizes, positions, values and dtypes, among clean arrays."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from lossscale.backends import get_ops
+
+    ops = get_ops(backend_name)
+
+    @settings(max_examples=40, deadline=None)
+    @given(
+        size=st.one_of(
+            st.sampled_from([1, 4095, 4096, 4097, 65536, 65537, 262145]), st.integers(1, 300_000)
+        ),
+        where=st.floats(0, 1),
+        value=st.sampled_from(["nan", "nan", "inf", "-inf", "huge", "finite"]),
+        dtype=st.sampled_from(BACKEND_DTYPES[backend_name]),
+        scale=st.sampled_from([2.0**15, 1.0, 0.5]),
+    )
+    def check(size, where, value, dtype, scale):
+        if value == "huge" and dtype != "float32":
+            value = "finite"  # overflows only float32's range once divided
+        position = min(int(where * size), size - 1)
+        if dtype == "bfloat16":
+            import ml_dtypes
+
+            dtype = ml_dtypes.bfloat16
+        g = (np.random.default_rng(size).uniform(-1, 1, size) * min(scale, 1.0)).astype(dtype)
+        g[position] = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf, "huge": HUGE}.get(
+            value, g[position]
+        )
+        clean = [np.ones(7, np.float32), np.full(5000, 0.5, np.float32)]
+        arrays = [native(backend_name, a) for a in clean + [g]]
+        expected = value in ("nan", "inf", "-inf") or (value == "huge" and scale < 1)
+        finite = ops.finite_unscaled(arrays, native(backend_name, np.float32(scale)))
+        assert bool(np.asarray(ops.to_numpy(finite))) is not expected, (size, position, value)
+
+    check()
