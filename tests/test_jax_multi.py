@@ -137,14 +137,22 @@ def test_large_arrays_are_reduced_by_a_sum_and_exactly_only_in_the_exact_branch(
     arrays = [jnp.ones(16), jnp.ones(9), jnp.ones(3)]
     jaxpr = jax.make_jaxpr(jax_multi.finite_unscaled)(arrays, jnp.float32(2.0)).jaxpr
     outer, inner = _primitives(jaxpr)
-    # The large arrays' plain sums and the small array's exact one.
-    assert outer.count("reduce_sum") == 3 and outer.count("cond") == 1, outer
-    # The small array's `x - x` and its peak, for the quotient.
-    assert outer.count("sub") == 1 and outer.count("abs") == 1, outer
-    assert inner.count("sub") == 2 and inner.count("abs") == 2, inner  # the large ones'
-    # Without large arrays there is nothing to branch on.
+    # The large arrays' plain sums and the small array's `x - x`; two
+    # `cond`s: the large arrays' exact check, the small one's peak.
+    assert outer.count("reduce_sum") == 3 and outer.count("cond") == 2, outer
+    assert outer.count("sub") == 1 and "abs" not in outer, outer
+    assert inner.count("sub") == 2 and inner.count("abs") == 1, inner
+    # Without large arrays nor a scale there is nothing to branch on.
     outer, _ = _primitives(jax.make_jaxpr(jax_multi.all_finite)(arrays[2:]).jaxpr)
-    assert "cond" not in outer and "abs" not in outer, outer  # no quotient to check
+    assert "cond" not in outer and "abs" not in outer, outer
+
+
+@pytest.mark.parametrize("scale, finite", [(2.0, True), (1.0, True), (0.5, False)])
+def test_a_peak_is_taken_only_below_a_scale_of_1(scale, finite):
+    """A finite gradient overflows once unscaled only where the scale is below 1."""
+    for n in (3, 4097, 65537):  # a chunk, an array alone
+        g = jnp.asarray(np.full(n, 3e38, np.float32))
+        assert bool(jax.jit(jax_multi.finite_unscaled)([g], jnp.float32(scale))) is finite
 
 
 def test_off_the_cpu_every_array_is_checked_exactly_without_a_branch(monkeypatch):

@@ -84,10 +84,11 @@ def finite_unscaled(arrays, scale):
     return flags[0] if len(flags) == 1 else jnp.logical_and(*flags)
 
 
-# Arrays of at least this many elements are checked by their sums first,
-# where the default backend is one of these. Not on GPUs: there XLA reads a
-# `conditional`'s predicate back to the host, a wait inside every step, and
-# the exact check reads no more bytes than a sum.
+# Arrays of at least this many elements are checked by their sums first, and
+# the peak of any array is taken under a scalar `lax.cond`, where the default
+# backend is one of these. Not on GPUs: there XLA reads a `conditional`'s
+# predicate back to the host, a wait inside every step, and fuses the
+# reductions that read one array into one pass.
 _SUMMED = 1 << 18
 _SUMS_FIRST_ON = frozenset({"cpu"})
 
@@ -119,8 +120,16 @@ def _exact_finite(arrays, scale):
     finite = _groups_finite(groups)
     if scale is None:
         return finite
-    # Exact wherever it matters: with an inf or NaN present `finite` is false.
-    return jnp.logical_and(finite, jnp.isfinite(_groups_peak(groups) / scale))
+
+    def quotient_finite():
+        # Exact wherever it matters: with an inf or NaN present `finite` is false.
+        return jnp.isfinite(_groups_peak(groups) / scale)
+
+    if jax.default_backend() not in _SUMS_FIRST_ON:
+        return jnp.logical_and(finite, quotient_finite())
+    # A scale of at least 1 cannot make a finite quotient overflow: on the
+    # CPU the peak (a second read of every gradient) is taken only below 1.
+    return jnp.logical_and(finite, lax.cond(scale >= 1, lambda: jnp.asarray(True), quotient_finite))
 
 
 def _groups_finite(groups):
