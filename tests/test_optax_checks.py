@@ -163,3 +163,13 @@ def test_a_skipped_step_gives_the_inner_update_finite_gradients():
     counts = [int(c) for c in iterations]
     assert 0 < counts[0] < LIMIT  # the applied step searched
     assert counts[1:] == [0, 0, 0]  # the skipped ones saw zeros: nothing to search
+
+
+def test_float16_parameters_with_adams_default_eps_overflow_as_the_docs_say():
+    """Adam's eps (1e-8) and small second moments underflow in float16: 1e-3 / 0 is inf."""
+    params = {"w": jnp.full(4, 0.5, jnp.float16)}
+    grads = {"w": jnp.full(4, 1e-3 * 1024, jnp.float16)}
+    for eps, finite in ((1e-8, False), (1e-4, True)):
+        tx = lso.dynamic_loss_scale(optax.adam(1e-3, eps=eps), initial_scale=1024.0)
+        updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+        assert bool(jnp.all(jnp.isfinite(updates["w"]))) is finite

@@ -80,7 +80,13 @@ def dynamic_loss_scale(
 
     Args:
         inner: The `optax.GradientTransformation` to drive, such as
-            `optax.adam(1e-3)` or an `optax.chain`.
+            `optax.adam(1e-3)` or an `optax.chain` (clipping goes in it),
+            or an `optax.MultiSteps`. Every transformation of optax and
+            `optax.contrib` runs inside (docs/jax.md lists the one
+            refused); `optax.lookahead` takes its `LookaheadParams` as
+            `params`, and per-example gradients (`optax.contrib.dpsgd`)
+            may carry leading axes. A `dynamic_loss_scale` inside it is
+            refused.
         initial_scale: Float. The initial loss scale.
         dynamic_growth_steps: Int. After this many consecutive finite
             steps, the scale grows by `growth_factor`.
@@ -103,7 +109,10 @@ def dynamic_loss_scale(
 
     Returns:
         An `optax.GradientTransformationExtraArgs`; extra keyword arguments
-        of `update` go to `inner`.
+        of `update` (a line search's `value`, `grad`, `value_fn`: unscaled)
+        go to `inner`. A skipped step leaves the inner state bit for bit;
+        an applied one matches `inner.update` jitted alone to within a few
+        units in the last place (most bit for bit; see docs/jax.md).
 
     Examples:
         >>> import jax.numpy as jnp, optax, lossscale.optax as lso
