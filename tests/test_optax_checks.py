@@ -109,7 +109,8 @@ def test_lookahead_takes_its_parameter_pairs():
 
 def test_per_example_gradients_reach_a_private_aggregate():
     tx = lso.dynamic_loss_scale(
-        optax.contrib.differentially_private_aggregate(1.0, 0.0, seed=0), initial_scale=4.0
+        optax.contrib.differentially_private_aggregate(1.0, 0.0, key=jax.random.key(0)),
+        initial_scale=4.0,
     )
     per_example = {k: jnp.stack([g, 2 * g, -g]) for k, g in _grads(4.0).items()}
     updates, state = jax.jit(tx.update)(per_example, tx.init(PARAMS), PARAMS)
