@@ -174,3 +174,32 @@ def test_float16_parameters_with_adams_default_eps_overflow_as_the_docs_say():
         tx = lso.dynamic_loss_scale(optax.adam(1e-3, eps=eps), initial_scale=1024.0)
         updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
         assert bool(jnp.all(jnp.isfinite(updates["w"]))) is finite
+
+
+def test_train_state_step_counts_skipped_steps_where_optax_count_does_not():
+    from flax.training import train_state
+
+    tx = lso.dynamic_loss_scale(optax.adam(0.1), initial_scale=4.0)
+    state = train_state.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+    step = jax.jit(lambda s, g: s.apply_gradients(grads=g))
+    state = step(state, _grads(4.0))
+    bad = _grads(4.0)
+    bad["b"] = bad["b"].at[0].set(np.inf)
+    state = step(state, bad)
+    assert int(state.step) == 2  # Flax counts the call
+    assert int(state.opt_state.inner_state[0].count) == 1  # optax counts applied steps
+
+
+def test_nnx_optimizer_step_counts_skipped_steps_too():
+    from flax import nnx
+
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    tx = lso.dynamic_loss_scale(optax.adam(0.1), initial_scale=4.0)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    grads = nnx.state(model, nnx.Param)
+    good = jax.tree_util.tree_map(lambda x: jnp.full_like(x, 4.0), grads)
+    bad = jax.tree_util.tree_map(lambda x: jnp.full_like(x, jnp.inf), grads)
+    optimizer.update(model, good)
+    optimizer.update(model, bad)
+    assert int(optimizer.step[...]) == 2
+    assert int(optimizer.opt_state.inner_state[0].count[...]) == 1
