@@ -96,9 +96,100 @@ def test_errors():
     with pytest.raises(
         ValueError,
         match=r"`summary` reads the state on the host, between steps; it cannot run inside "
-        r"jax.jit or another JAX transformation.*Received: a traced state",
+        r"jax.jit or another JAX transformation.*use `metrics` inside the step. Received: a traced state",
     ):
         jax.jit(lso.summary)(state)
     failing = lso.dynamic_loss_scale(optax.sgd(0.1), min_scale=1.0)
     with pytest.raises(ValueError, match=r"`check` reads the state on the host"):
         jax.jit(lso.check)(failing.init(params))
+
+
+def test_scale_loss_refuses_what_is_not_a_number():
+    state = lso.dynamic_loss_scale(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+    for loss in ("x", None, {"a": "f4"}):
+        with pytest.raises(
+            TypeError,
+            match=r"`loss` must be a number or a numeric array \(or a pytree of them\), such as "
+            r"the float32 scalar a loss function returns. Received: loss=",
+        ):
+            lso.scale_loss(loss, state)
+
+
+SETTINGS = dict(initial_scale=16.0, dynamic_growth_steps=2, max_consecutive_skips=1)
+
+
+def _steps(tx, state, params, bad_steps, n=4):
+    step = jax.jit(lambda g, s: (tx.update(g, s, params)[1], lso.metrics(s)))
+    for k in range(n):
+        grads = {"w": jnp.full(2, 1.0 + k), "b": jnp.ones(3)}
+        if k in bad_steps:
+            grads["w"] = grads["w"].at[0].set(jnp.nan)
+        state, _ = step(grads, state)
+    return state
+
+
+def test_metrics_reads_every_field_inside_jit_as_summary_does_outside():
+    tx = lso.dynamic_loss_scale(optax.adam(0.1), **SETTINGS)
+    params = {"w": jnp.ones(2), "b": jnp.ones(3)}
+    state = _steps(tx, tx.init(params), params, bad_steps={2, 3})
+    got = jax.jit(lso.metrics)(state)
+    expected = lso.summary(state)
+    assert set(got) == set(expected) - {"nonfinite_variables"} | {"nonfinite"}
+    assert float(got["dynamic_scale"]) == expected["dynamic_scale"] == 8.0
+    assert int(got["error"]) == 2 and expected["error"].startswith("more than")
+    assert int(got["error_step"]) == expected["error_step"] == 3
+    assert (
+        got["scale_history"].shape == (8,)
+        and got["scale_history"][-4:].tolist() == (expected["scale_history"])
+    )
+    assert got["nonfinite"].tolist() == [False, True]  # paths ('b', 'w')
+    assert expected["nonfinite_variables"] == ["w"]
+    # Without telemetry: the two Keras fields.
+    plain = lso.dynamic_loss_scale(optax.sgd(0.1)).init(params)
+    assert sorted(jax.jit(lso.metrics)(plain)) == ["dynamic_scale", "step_counter"]
+
+
+def test_a_vmap_stacked_state_is_read_per_member():
+    tx = lso.dynamic_loss_scale(optax.sgd(0.1), **SETTINGS)
+    params = {"w": jnp.ones((2, 2)), "b": jnp.ones((2, 3))}
+    states = jax.vmap(tx.init)(params)
+    grads = {"w": jnp.asarray([[1.0, 2.0], [jnp.nan, 1.0]]), "b": jnp.ones((2, 3))}
+    step = jax.jit(jax.vmap(lambda g, s, p: tx.update(g, s, p)[1]))
+    states = step(grads, states, params)
+    assert lso.loss_scale(states).tolist() == [16.0, 8.0]
+    summaries = lso.summary(states)
+    assert [s["dynamic_scale"] for s in summaries] == [16.0, 8.0]
+    assert summaries[1]["nonfinite_variables"] == ["w"] and summaries[0]["skipped_steps"] == 0
+    lso.check(states)  # one skip is allowed
+    states = step(grads, states, params)
+    with pytest.raises(
+        LossScaleError, match=r"^Member 1 of the stacked state: Loss scaling failed"
+    ):
+        lso.check(states)
+
+
+def test_found_in_train_state_multisteps_and_nnx_split_states():
+    from flax import nnx
+    from flax.training import train_state
+
+    tx = lso.dynamic_loss_scale(optax.adam(1e-3), initial_scale=8.0)
+    params = {"w": jnp.ones(2)}
+    trained = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+    assert float(lso.loss_scale(trained)) == 8.0 and lso.summary(trained)["dynamic_scale"] == 8.0
+    accumulating = optax.MultiSteps(tx, every_k_schedule=2)
+    assert lso.summary(accumulating.init(params)) == {"dynamic_scale": 8.0, "step_counter": 0}
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    graphdef, state = nnx.split(optimizer)
+    assert float(lso.loss_scale(state)) == 8.0  # the bare State: by the fields' names
+    assert float(jax.jit(lambda s: lso.scale_loss(0.5, s))(state)) == 4.0
+    assert float(jax.jit(lso.metrics)(state)["dynamic_scale"]) == 8.0
+    assert lso.summary((graphdef, state)) == {"dynamic_scale": 8.0, "step_counter": 0}
+    lso.check((graphdef, state))
+    with pytest.raises(
+        ValueError,
+        match=r"holding no DynamicLossScaleState \(an nnx.split state holds the arrays but not "
+        r"the settings: pass the \(graphdef, state\) pair, or nnx.merge\(graphdef, state\)\)",
+    ):
+        lso.summary(state)

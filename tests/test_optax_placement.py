@@ -76,6 +76,20 @@ SCRIPT = textwrap.dedent("""
     params, restored = step(params, restored, place(grads[0]))
     out["compiles_after_restore"] = step._cache_size()
 
+    # Gradients sharded otherwise than their parameters: XLA may then give an
+    # output another sharding than its input had, and the second call
+    # compiles again; outputs pinned to the shardings `init` gave compile once.
+    other = lambda g: {"w": jax.device_put(g["w"], NamedSharding(mesh, P("model", None))),
+                       "b": jax.device_put(g["b"], NamedSharding(mesh, P()))}
+    fresh = place(host)
+    shardings = jax.tree_util.tree_map(lambda x: x.sharding, (fresh, tx.init(fresh)))
+    free, pinned = jax.jit(apply), jax.jit(apply, out_shardings=shardings)
+    for run in (free, pinned):
+        p, s = place(host), tx.init(place(host))
+        for g in grads:
+            p, s = run(p, s, other(g))
+    out["other_grads_compiles"] = [free._cache_size(), pinned._cache_size()]
+
     # The adapter: optax's count is a variable placed like lossscale's own scalars.
     opt = ls.LossScaleOptimizer(lso.OptaxOptimizer(optax.adam(0.01)), initial_scale=64.0)
     leaves = [params["b"], params["w"]]
@@ -121,3 +135,4 @@ def test_sharded_parameters_one_global_skip_one_compile():
     assert out["adapter"]["optax_optimizer/0/count"] == replicated
     assert out["adapter"]["optax_optimizer/0/mu/1"] == w
     assert out["adapter_compiles"] == 1
+    assert out["other_grads_compiles"] == [2, 1]

@@ -385,8 +385,8 @@ def test_errors():
         (
             lambda: lso.dynamic_loss_scale("adam"),
             ValueError,
-            r"`inner` must be an optax.GradientTransformation, such as optax.adam\(1e-3\). "
-            r"Received: inner='adam'",
+            r"`inner` must be an optax.GradientTransformation, such as optax.adam\(1e-3\), "
+            r"or an optax.MultiSteps. Received: inner='adam'",
         ),
         (
             lambda: lso.dynamic_loss_scale(optax.adam(0.1), dynamic_growth_steps=0),
@@ -431,8 +431,8 @@ def test_errors():
         (
             lambda: tx.update({"w": jnp.ones(2), "b": jnp.ones(4)}, state, params),
             ValueError,
-            r"The gradient at \['b'\] must have its parameter's shape \(3,\). "
-            r"Received: shape \(4,\)",
+            r"The gradient at \['b'\] must have its parameter's shape \(3,\) \(after any "
+            r"leading per-example axes\). Received: shape \(4,\)",
         ),
     ]
     drifting = lso.dynamic_loss_scale(
@@ -446,7 +446,9 @@ def test_errors():
             lambda: drifting.update(grads, drifting.init(params), params),
             ValueError,
             r"The inner transformation's `update` returned a state of another structure, dtype "
-            r"or shape than it was given, which a skipped step cannot stand in for. "
+            r"or shape than it was given, which a skipped step cannot stand in for. A "
+            r"transformation whose state changes on its first update \(optax.monitor\) can "
+            r"follow dynamic_loss_scale in an optax.chain instead. "
             r"Received: \[\"\['t'\]: int32\[\] -> float32\[\]\"\]",
         )
     )

@@ -13,8 +13,9 @@ params = optax.apply_updates(params, updates)
 - `dynamic_loss_scale(inner, ...)`: an `optax.GradientTransformationExtraArgs`
   around any optax transformation; it drops into `optax.chain`, Flax's
   `TrainState`, `nnx.Optimizer` and an Equinox loop.
-- `loss_scale(state)`, `scale_loss(loss, state)`, `summary(state)`,
-  `check(state)`: find the loss-scale state anywhere in the tree given.
+- `loss_scale(state)`, `scale_loss(loss, state)`, `metrics(state)` (inside
+  `jit`), `summary(state)`, `check(state)` (between steps): find the
+  loss-scale state anywhere in the tree given.
 - `DynamicLossScaleState`: the state (a named pytree).
 - `OptaxOptimizer`: the other direction, an optax transformation as the
   inner optimizer of a lossscale `LossScaleOptimizer`.
@@ -32,7 +33,7 @@ except ImportError as error:
     ) from error
 
 from lossscale.optax.adapter import OptaxOptimizer
-from lossscale.optax.host import check, loss_scale, scale_loss, summary
+from lossscale.optax.host import check, loss_scale, metrics, scale_loss, summary
 from lossscale.optax.state import DynamicLossScaleState
 from lossscale.optax.transform import dynamic_loss_scale
 
@@ -42,6 +43,7 @@ __all__ = [
     "check",
     "dynamic_loss_scale",
     "loss_scale",
+    "metrics",
     "scale_loss",
     "summary",
 ]

@@ -9,32 +9,75 @@ buffer (written, read back, and page-faulted anew each step), which made a
 computed from the *unselected* new moments, so XLA must keep both them and
 the selected copies alive.
 
-`gated_update` runs the inner update's jaxpr one equation at a time and
-passes every value the inner update returns as state through
-`where(applied, value, old)` as soon as it is computed, so that everything
-downstream, the updates included, reads the selected value. On an applied
-step the selected value is the computed one, so every output is bitwise the
-inner update's; on a skipped step the state comes out as it went in and the
-updates, whatever they computed, are replaced by `-0.0`. XLA then sees plain
-optax's dataflow with one select fused into each state write: no scratch
-buffer and no copy.
+`gated_update` traces the inner update once, to a jaxpr, and evaluates it
+one top-level equation at a time, passing every value the inner update
+returns as state through `where(applied, value, old)` as soon as it is
+computed, so that everything downstream, the updates included, reads the
+selected value. Each equation is bound again with its own source
+information and context, as JAX's own evaluator binds it: profiles and
+tracebacks of the inner update's operations point at the user's code. On
+an applied step the selected value is the computed one; on a skipped step
+the state comes out as it went in and the updates, whatever they computed,
+are replaced by `-0.0`. XLA then sees plain optax's dataflow with one
+select fused into each state write: no scratch buffer and no copy.
 
 Values are rerouted where the inner update's top-level jaxpr binds them: a
 nested call (a `jax.jit`-wrapped helper) that computes both the state and
 the updates has its state outputs selected as it returns, so the updates
 inside it read the unselected values. That stays exact, and may cost XLA a
-copy. A state leaf that is an input passed through, or one value returned
-as two leaves, is selected at the output.
+copy. A state leaf that is an input passed through, a constant, or one
+value returned as two leaves is selected at the output.
+
+The evaluation uses JAX internals (`Literal`, an equation's `ctx` and
+`source_info`, `Primitive.get_bind_params`, `source_info_util`), checked
+at import against the JAX releases it is tested on. On another JAX, and
+for any jaxpr holding something it does not recognise (effects, references,
+a primitive outside `jax.extend.core.primitives`, a constant that is not an
+array), the update is evaluated as traced and selected at its outputs:
+the same values, at the cost of the copies described above.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import DropVar, Literal
+import numpy as np
+
+# The JAX releases whose jaxpr internals the equation-by-equation
+# evaluation was written against (and is tested on).
+_TESTED_JAX = (0, 10)
 
 
-def gated_update(update, applied, grads, state, params, extra_args):
+def _load_internals():
+    """The internals the evaluation needs, or `None` where JAX lacks any of them."""
+    version = tuple(getattr(jax, "__version_info__", (0, 0, 0))[:2])
+    if version < _TESTED_JAX:
+        return None
+    try:
+        from jax._src import source_info_util
+        from jax.extend import core
+
+        internals = {
+            "Literal": core.Literal,
+            "Primitive": core.Primitive,
+            "ShapedArray": jax.core.ShapedArray,
+            "known": frozenset(
+                p for p in vars(core.primitives).values() if isinstance(p, core.Primitive)
+            ),
+            "user_context": source_info_util.user_context,
+            "current_name_stack": source_info_util.current_name_stack,
+        }
+    except (ImportError, AttributeError):
+        return None
+    if not hasattr(core.JaxprEqn, "ctx") or not hasattr(core.Primitive, "get_bind_params"):
+        return None
+    return internals
+
+
+_INTERNALS = _load_internals()
+
+
+def gated_update(update, applied, grads, state, params, extra_args, check=None):
     """Returns `update(grads, state, params, **extra_args)`, gated by `applied`.
 
     Args:
@@ -47,6 +90,9 @@ def gated_update(update, applied, grads, state, params, extra_args):
         params: The parameters, or `None`.
         extra_args: Dict of extra keyword arguments for `update`, passed as
             given (a Python value stays a Python value, as in a direct call).
+        check: Optional callable, given the `(updates, new_state)` shapes
+            (leaves with `shape` and `dtype`) before anything is evaluated;
+            it raises to refuse them.
 
     Returns:
         `(updates, new_state)`: the inner update's outputs where `applied`,
@@ -58,56 +104,126 @@ def gated_update(update, applied, grads, state, params, extra_args):
         g, s, p = jax.tree_util.tree_unflatten(in_tree, leaves)
         return update(g, s, p, **extra_args)
 
-    closed, out_shapes = jax.make_jaxpr(flat_update, return_shape=True)(*flat)
-    out_tree = jax.tree_util.tree_structure(out_shapes)
-    n_updates = len(jax.tree_util.tree_leaves(out_shapes[0]))
     old = jax.tree_util.tree_leaves(state)
+    if _INTERNALS is None:
+        outputs = flat_update(*flat)  # traced once, here
+        if check is not None:
+            check(outputs)
+        return _select_outputs(applied, outputs, old)
+    closed, out_shapes = jax.make_jaxpr(flat_update, return_shape=True)(*flat)
+    if check is not None:
+        check(out_shapes)
+    out_tree = jax.tree_util.tree_structure(out_shapes)
+    if unsupported(closed) is not None:
+        outputs = jax.tree_util.tree_unflatten(out_tree, _evaluate(closed, flat, {}))
+        return _select_outputs(applied, outputs, old)
+    n_updates = len(jax.tree_util.tree_leaves(out_shapes[0]))
     jaxpr = closed.jaxpr
     state_vars = jaxpr.outvars[n_updates:]
     reroute = _reroutes(jaxpr, state_vars, old)
     outputs = _evaluate(closed, flat, {v: (applied, o) for v, o in reroute.items()})
-    updates = [jnp.where(applied, u, jnp.asarray(-0.0, u.dtype)) for u in outputs[:n_updates]]
+    updates = [_skipped_to_negative_zero(applied, u) for u in outputs[:n_updates]]
+    rerouted = {id(var) for var in reroute}  # literals are not hashable
     new_state = [
-        value if var in reroute else jnp.where(applied, value, o)
+        value if id(var) in rerouted else jnp.where(applied, value, o)
         for var, value, o in zip(state_vars, outputs[n_updates:], old)
     ]
     return jax.tree_util.tree_unflatten(out_tree, updates + new_state)
 
 
+def unsupported(closed):
+    """Why `closed` is evaluated as traced and selected at its outputs, or `None`.
+
+    Args:
+        closed: The inner update's closed jaxpr.
+
+    Returns:
+        `None`, or a string naming the first thing not recognised:
+        `"jax"` (a JAX release the evaluation is not tested on), `"effects"`,
+        `"references"`, `"primitive <name>"`, `"constant <type>"`.
+    """
+    if _INTERNALS is None:
+        return "jax"
+    jaxpr = closed.jaxpr
+    shaped = _INTERNALS["ShapedArray"]
+    variables = [*jaxpr.constvars, *jaxpr.invars]
+    variables += [v for eqn in jaxpr.eqns for v in eqn.outvars]
+    if any(type(v.aval) is not shaped for v in variables):
+        return "references"
+    if closed.effects or any(eqn.effects for eqn in jaxpr.eqns):
+        return "effects"
+    for eqn in jaxpr.eqns:
+        if eqn.primitive not in _INTERNALS["known"]:
+            return f"primitive {eqn.primitive.name}"
+    for const in closed.consts:
+        if not isinstance(const, (np.ndarray, np.generic, jax.Array)):
+            return f"constant {type(const).__name__}"
+    return None
+
+
+def _skipped_to_negative_zero(applied, update):
+    return jnp.where(applied, update, jnp.asarray(-0.0, update.dtype))
+
+
+def _select_outputs(applied, outputs, old):
+    """`(updates, state)` selected leaf by leaf: `-0.0` updates and `old` where skipped."""
+    updates, new_state = outputs
+    treedef = jax.tree_util.tree_structure(new_state)
+    return (
+        jax.tree_util.tree_map(lambda u: _skipped_to_negative_zero(applied, u), updates),
+        jax.tree_util.tree_unflatten(
+            treedef,
+            [jnp.where(applied, v, o) for v, o in zip(jax.tree_util.tree_leaves(new_state), old)],
+        ),
+    )
+
+
+def _is_literal(var):
+    return isinstance(var, _INTERNALS["Literal"])
+
+
 def _reroutes(jaxpr, state_vars, old):
-    """`{var: old leaf}` for each state output computed by an equation, returned once."""
+    """`{var: old leaf}` for each state output computed by an equation, returned once.
+
+    Literals (a constant state leaf, such as a flag optax keeps `False`) are
+    not hashable, and stay out: they are selected at the output.
+    """
     produced = {v for eqn in jaxpr.eqns for v in eqn.outvars}
+    variables = [v for v in state_vars if not _is_literal(v)]
     seen = {}
-    for var in state_vars:
-        if not isinstance(var, Literal):
-            seen[var] = seen.get(var, 0) + 1
+    for var in variables:
+        seen[var] = seen.get(var, 0) + 1
     return {
         var: leaf
         for var, leaf in zip(state_vars, old)
-        if not isinstance(var, Literal) and var in produced and seen[var] == 1
+        if not _is_literal(var) and var in produced and seen[var] == 1
     }
 
 
 def _evaluate(closed, args, reroute):
-    """Evaluates `closed` on `args`; each var in `reroute` is replaced as it is bound."""
+    """Evaluates `closed` on `args` as JAX's evaluator does, rerouting `reroute`'s vars.
+
+    Each equation is bound inside its own source information and context,
+    so the operations it adds keep pointing at the code that traced them.
+    """
     jaxpr = closed.jaxpr
     env = dict(zip(jaxpr.constvars, closed.consts))
     env.update(zip(jaxpr.invars, args))
+    user_context = _INTERNALS["user_context"]
+    current_name_stack = _INTERNALS["current_name_stack"]
 
     def read(var):
-        return var.val if isinstance(var, Literal) else env[var]
+        return var.val if _is_literal(var) else env[var]
 
     for eqn in jaxpr.eqns:
-        with eqn.ctx.manager:
-            result = eqn.primitive.bind(
-                *map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params)
-            )
+        params = eqn.primitive.get_bind_params(eqn.params)
+        name_stack = current_name_stack() + eqn.source_info.name_stack
+        with user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            result = eqn.primitive.bind(*map(read, eqn.invars), **params)
         results = result if eqn.primitive.multiple_results else [result]
         for var, value in zip(eqn.outvars, results):
-            if isinstance(var, DropVar):
-                continue
             if var in reroute:
                 applied, leaf = reroute[var]
                 value = jnp.where(applied, value, leaf)
-            env[var] = value
+            env[var] = value  # a dropped output's var too: nothing reads it
     return [read(var) for var in jaxpr.outvars]

@@ -12,7 +12,7 @@ always have the same tree structure.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 
@@ -143,7 +143,9 @@ def find(tree, function):
     """The one `DynamicLossScaleState` inside `tree`, wherever it sits.
 
     `tree` may be the state itself, an `optax.chain` state (a tuple), a
-    Flax `TrainState`, `nnx.Optimizer.opt_state`, or any pytree holding it.
+    Flax `TrainState`, an `nnx.Optimizer` or its `opt_state`, an
+    `optax.MultiSteps` state, Flax NNX's `(graphdef, state)` pair from
+    `nnx.split` (merged to find it), or any pytree holding it.
 
     Args:
         tree: A pytree.
@@ -154,17 +156,68 @@ def find(tree, function):
     """
     if is_state(tree):
         return tree
-    found = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_state) if is_state(x)]
+    tree = _merged_nnx_pair(tree)
+    found = _states_in(tree)
     if len(found) == 1:
         return found[0]
     if not found:
+        hint = ""
+        if _fields_by_name(tree) is not None:
+            hint = (
+                " (an nnx.split state holds the arrays but not the settings: pass the "
+                "(graphdef, state) pair, or nnx.merge(graphdef, state))"
+            )
         raise ValueError(
             f"`{function}` needs a state made by `lossscale.optax.dynamic_loss_scale` (the "
             "state itself, or a tree holding it: an optax.chain state, a Flax TrainState, "
             "nnx.Optimizer.opt_state). Received: a value of type "
-            f"{type(tree).__name__} holding no DynamicLossScaleState"
+            f"{type(tree).__name__} holding no DynamicLossScaleState{hint}"
         )
     raise ValueError(
         f"`{function}` found {len(found)} DynamicLossScaleStates in the tree it was given, "
         "and cannot tell which one is meant. Pass that state itself."
     )
+
+
+def find_fields(tree):
+    """`{field name: leaf}` of the one loss-scale state in `tree`, or `None`.
+
+    Works where the state object itself is gone but its fields are kept by
+    name: a Flax NNX `State` from `nnx.split` holds a mapping with `scale`,
+    `counter` and `inner_state` keys.
+    """
+    found = _states_in(_merged_nnx_pair(tree))
+    if len(found) == 1:
+        return {f.name: getattr(found[0], f.name) for f in state_fields(found[0].policy)}
+    return _fields_by_name(tree)
+
+
+def _states_in(tree):
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_state) if is_state(x)]
+
+
+def _fields_by_name(tree):
+    mappings = [tree]
+    while mappings:
+        mapping = mappings.pop()
+        if not isinstance(mapping, Mapping):
+            continue
+        if {"scale", "counter", "inner_state"} <= set(mapping):
+            names = {f.name for f in dataclasses.fields(LossScaleState)}
+            return {k: v for k, v in mapping.items() if k in names}
+        mappings.extend(mapping.values())
+    return None
+
+
+def _merged_nnx_pair(tree):
+    """An `nnx.split` `(graphdef, state)` pair merged back into its object; else `tree`."""
+    if (
+        isinstance(tree, tuple)
+        and len(tree) >= 2
+        and type(tree[0]).__module__.startswith("flax.nnx")
+        and type(tree[0]).__name__.endswith("GraphDef")
+    ):
+        from flax import nnx
+
+        return nnx.merge(*tree)
+    return tree

@@ -26,7 +26,7 @@ from lossscale.mixed_precision.loss_scale import (
     next_loss_scale,
     state_fields,
 )
-from lossscale.optax import gate, placement
+from lossscale.optax import checks, gate, placement
 from lossscale.optax.state import DynamicLossScaleState
 
 _ops = get_ops("jax")
@@ -80,7 +80,13 @@ def dynamic_loss_scale(
 
     Args:
         inner: The `optax.GradientTransformation` to drive, such as
-            `optax.adam(1e-3)` or an `optax.chain`.
+            `optax.adam(1e-3)` or an `optax.chain` (clipping goes in it),
+            or an `optax.MultiSteps`. Every transformation of optax and
+            `optax.contrib` runs inside (docs/jax.md lists the one
+            refused); `optax.lookahead` takes its `LookaheadParams` as
+            `params`, and per-example gradients (`optax.contrib.dpsgd`)
+            may carry leading axes. A `dynamic_loss_scale` inside it is
+            refused.
         initial_scale: Float. The initial loss scale.
         dynamic_growth_steps: Int. After this many consecutive finite
             steps, the scale grows by `growth_factor`.
@@ -103,7 +109,10 @@ def dynamic_loss_scale(
 
     Returns:
         An `optax.GradientTransformationExtraArgs`; extra keyword arguments
-        of `update` go to `inner`.
+        of `update` (a line search's `value`, `grad`, `value_fn`: unscaled)
+        go to `inner`. A skipped step leaves the inner state bit for bit;
+        an applied one matches `inner.update` jitted alone to within a few
+        units in the last place (most bit for bit; see docs/jax.md).
 
     Examples:
         >>> import jax.numpy as jnp, optax, lossscale.optax as lso
@@ -120,11 +129,7 @@ def dynamic_loss_scale(
     """
     arguments = dict(locals())  # first: holds exactly the named arguments
     settings = {f.name: arguments[f.name] for f in dataclasses.fields(LossScalePolicy)}
-    if not isinstance(inner, optax.GradientTransformation):
-        raise ValueError(
-            "`inner` must be an optax.GradientTransformation, such as optax.adam(1e-3). "
-            f"Received: inner={inner!r}"
-        )
+    inner = checks.inner_transformation(inner)
     policy = LossScalePolicy(**settings)
     inner = optax.with_extra_args_support(inner)
     unscale = _unscaler(policy)
@@ -132,32 +137,31 @@ def dynamic_loss_scale(
     def init_fn(params):
         like = placement.anchor(params)
         inner_state = placement.replicate_uncommitted(inner.init(params), like)
-        paths = leaf_paths(params) if policy.tracks("nonfinite") else ()
+        checks.check_inner_init(inner_state)
+        paths = leaf_paths(checks.like_gradients(params)) if policy.tracks("nonfinite") else ()
         return DynamicLossScaleState(
             _initial_state(policy, len(paths), like), inner_state, policy, paths
         )
 
     def update_fn(updates, state, params=None, **extra_args):
-        _check_state(state, policy)
-        leaves, treedef, dtypes = _check_updates(updates, params, state)
+        checks.check_state(state, policy)
+        leaves, treedef, dtypes = checks.check_updates(updates, params, state)
+        checks.check_inner_state_matches(inner, state.inner_state, params)
         scale = state.scale
         finite, peak, variable_finite = _inspect(leaves, dtypes, scale, policy)
         current = state.loss_scale_state
         # A barrier keeps XLA from fusing the reduction behind the decision
         # into each consumer.
         applied = jax.lax.optimization_barrier(may_apply(_ops, current, finite, policy))
-        # Sanitised where the step is skipped, so the inner update only ever
-        # traces finite values (its outputs are discarded then).
-        grads = jax.tree_util.tree_unflatten(
-            treedef,
-            [jnp.where(applied, g, jnp.zeros((), g.dtype)) for g in unscale(leaves, dtypes, scale)],
-        )
-        _check_inner_state(
-            jax.eval_shape(lambda: inner.update(grads, state.inner_state, params, **extra_args)),
-            state.inner_state,
-        )
+        grads = _sanitised(applied, unscale(leaves, dtypes, scale), treedef)
         new_updates, new_inner = gate.gated_update(
-            inner.update, applied, grads, state.inner_state, params, extra_args
+            inner.update,
+            applied,
+            grads,
+            state.inner_state,
+            params,
+            extra_args,
+            check=checks.inner_output_check(state.inner_state),
         )
         new_loss_scale = next_loss_scale(
             _ops, current, finite, policy, peak=peak, variable_finite=variable_finite
@@ -165,6 +169,19 @@ def dynamic_loss_scale(
         return new_updates, DynamicLossScaleState(new_loss_scale, new_inner, policy, state.paths)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _sanitised(applied, unscaled, treedef):
+    """The unscaled gradients as a tree, zeros where the step is skipped.
+
+    The inner update then only ever computes on finite values (its outputs
+    are discarded on a skipped step): an inner transformation with a loop
+    that runs until a value-dependent condition holds (a line search, a
+    `lax.while_loop` on a norm) ends, where inf or NaN could keep it going.
+    """
+    return jax.tree_util.tree_unflatten(
+        treedef, [jnp.where(applied, g, jnp.zeros((), g.dtype)) for g in unscaled]
+    )
 
 
 def _unscaler(policy):
@@ -195,29 +212,6 @@ def _scales_are_powers_of_two(policy):
     return all(math.frexp(f)[0] == 0.5 for f in factors)
 
 
-def _check_inner_state(shapes, inner_state):
-    """Returns `shapes` (what `inner.update` returns) if its state can replace `inner_state`.
-
-    A skipped step returns the old inner state where a taken one returns the
-    new: both must have one structure, shape and dtype per leaf.
-    """
-    new = jax.tree_util.tree_flatten_with_path(shapes[1])
-    old = jax.tree_util.tree_flatten_with_path(inner_state)
-    changed = [
-        f"{jax.tree_util.keystr(path)}: {jnp.result_type(b)}{list(jnp.shape(b))} -> "
-        f"{a.dtype}{list(a.shape)}"
-        for (path, a), (_, b) in zip(new[0], old[0])
-        if (a.dtype, tuple(a.shape)) != (jnp.result_type(b), tuple(jnp.shape(b)))
-    ]
-    if new[1] != old[1] or changed:
-        raise ValueError(
-            "The inner transformation's `update` returned a state of another structure, "
-            "dtype or shape than it was given, which a skipped step cannot stand in for. "
-            f"Received: {changed or f'{old[1]} -> {new[1]}'}"
-        )
-    return shapes
-
-
 def leaf_paths(tree):
     """`/`-joined key paths of the array leaves of `tree`, in leaf order."""
     return tuple(
@@ -236,63 +230,6 @@ def _initial_state(policy, count, like):
         scalars = [_ops.full((), value, meta["dtype"], like=like) for _ in range(number or 1)]
         values[f.name] = scalars[0] if number is None else tuple(scalars)
     return LossScaleState(**values)
-
-
-def _check_state(state, policy):
-    if not isinstance(state, DynamicLossScaleState):
-        raise TypeError(
-            "`state` must be the DynamicLossScaleState returned by this transformation's "
-            f"`init` or `update`. Received: state of type {type(state).__name__}"
-        )
-    if state.policy != policy:
-        raise ValueError(
-            "`state` was made by a dynamic_loss_scale with other settings. "
-            f"Expected: {policy}. Received: {state.policy}"
-        )
-
-
-def _check_updates(updates, params, state):
-    """Returns `(leaves, treedef, unscaled dtypes)`; raises on any bad input."""
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    leaves = [leaf for _, leaf in with_paths]
-    bad = [
-        f"{jax.tree_util.keystr(path)}: {getattr(leaf, 'dtype', type(leaf).__name__)}"
-        for path, leaf in with_paths
-        if not (hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating))
-    ]
-    if bad:
-        raise TypeError(
-            "`updates` must be floating-point gradients (float16, bfloat16, float32, "
-            f"float64 arrays). Received: {', '.join(bad)}"
-        )
-    if state.paths and len(leaves) != len(state.paths):
-        raise ValueError(
-            "`updates` must hold one gradient per parameter the state was made for "
-            f"({len(state.paths)}: {list(state.paths)}). Received: {len(leaves)} gradients"
-        )
-    if params is None:
-        return leaves, treedef, [leaf.dtype for leaf in leaves]
-    param_leaves, param_treedef = jax.tree_util.tree_flatten(params)
-    if param_treedef != treedef:
-        raise ValueError(
-            "`updates` must have the tree structure of `params`. "
-            f"Received: updates={treedef}, params={param_treedef}"
-        )
-    dtypes = []
-    for (path, leaf), param in zip(with_paths, param_leaves):
-        if tuple(leaf.shape) != tuple(jnp.shape(param)):
-            raise ValueError(
-                f"The gradient at {jax.tree_util.keystr(path)} must have its parameter's shape "
-                f"{tuple(jnp.shape(param))}. Received: shape {tuple(leaf.shape)}"
-            )
-        # A half-precision gradient of a float32 parameter is unscaled in
-        # float32, so that small values do not flush to zero.
-        param_dtype = jnp.result_type(param)
-        wider = jnp.issubdtype(param_dtype, jnp.floating) and (
-            jnp.finfo(param_dtype).bits > jnp.finfo(leaf.dtype).bits
-        )
-        dtypes.append(param_dtype if wider else leaf.dtype)
-    return leaves, treedef, dtypes
 
 
 def _finite_in(group, dtype, scale):
