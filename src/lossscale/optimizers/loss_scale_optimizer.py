@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lossscale.mixed_precision.host_state import HostStateMixin
 from lossscale.mixed_precision.loss_scale import HISTORY_LENGTH, LossScalePolicy, state_fields
-from lossscale.mixed_precision.telemetry import UnscaledLossWarning, unscaled_loss_message
+from lossscale.mixed_precision.telemetry import warn_unscaled_loss
 from lossscale.optimizers.base import Optimizer
 from lossscale.optimizers.loss_scale_step import LossScaleStepMixin
 from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
@@ -252,11 +251,7 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMix
         """
         if not self._loss_scaled:
             self._loss_scaled = True  # warn once per optimizer
-            warnings.warn(
-                unscaled_loss_message(self.name, self.initial_scale),
-                UnscaledLossWarning,
-                stacklevel=2,
-            )
+            warn_unscaled_loss(self.name, self.initial_scale)
         super().apply(grads, trainable_variables)
         self.check()
 
