@@ -265,6 +265,22 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMix
         self._loss_scaled = True
         return loss * (self.dynamic_scale.value if self.built else float(self.dynamic_scale))
 
+    @property
+    def param_groups(self):
+        """Not a `torch.optim.Optimizer`: raises an `AttributeError` that says what to use.
+
+        torch's LR schedulers read `optimizer.param_groups`; a lossscale
+        optimizer keeps its learning rate as a variable instead.
+        """
+        raise AttributeError(
+            "'LossScaleOptimizer' object has no attribute 'param_groups': it is not a "
+            "torch.optim.Optimizer, so torch's LR schedulers cannot drive it. To use a torch "
+            "LR scheduler, wrap the rule as a torch optimizer: "
+            "`opt = lossscale.torch.Optimizer(model.parameters(), ls.optimizers.AdamW(...))` "
+            "under a `lossscale.torch.GradScaler`, and schedule `opt`; or give the inner "
+            "optimizer a `lossscale.schedules` schedule as its `learning_rate`."
+        )
+
     # --- delegation to the inner optimizer -----------------------------------
     @property
     def learning_rate(self) -> Array:

@@ -154,7 +154,8 @@ class GradScaler(
         telemetry: bool = False,
         process_group: ProcessGroup | None = None,
     ) -> None:
-        validation.check_bool("enabled", enabled)
+        enabled = _as_enabled(enabled)
+        init_scale = _as_number("init_scale", init_scale)
         check = validation.check_number
         check("init_scale", init_scale, low=0, low_open=True, high=MAX_SCALE)
         check("growth_factor", growth_factor, low=1, low_open=True)
@@ -312,8 +313,11 @@ class GradScaler(
                     f"{tuple(new_scale.shape)}, dtype {new_scale.dtype}, on "
                     f"{new_scale.device}, requires_grad={new_scale.requires_grad}"
                 )
+            # Checked as a float is (one host read: `update(new_scale)` is rare).
+            value = float(new_scale.detach().reshape(()).to(torch.float32))
+            validation.check_number("new_scale", value, low=0, low_open=True, high=MAX_SCALE)
             self._scale.copy_(new_scale.detach().reshape(()))
-            self._scale_bound = 0.0  # unknown until read
+            self._scale_bound = value
         else:
             validation.check_number("new_scale", new_scale, low=0, low_open=True, high=MAX_SCALE)
             self._scale.fill_(float(new_scale))
@@ -326,6 +330,27 @@ class GradScaler(
         if self._enabled and self._scale is not None:
             self._scale_bound = value
         return value
+
+
+def _as_enabled(enabled):
+    """`enabled` as torch takes it: a bool, or an integer used as one (`enabled=1`)."""
+    if isinstance(enabled, (bool, np.bool_)) or (
+        isinstance(enabled, numbers.Integral) and enabled in (0, 1)
+    ):
+        return bool(enabled)
+    raise ValueError(f"`enabled` must be a boolean (or 0 or 1). Received: enabled={enabled!r}")
+
+
+def _as_number(name, value):
+    """A one-element real tensor (`init_scale=torch.tensor(8.0)`, as torch accepts) as a float."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(
+                f"`{name}` must be a positive number or a one-element real tensor. "
+                f"Received: {name}=tensor of shape {tuple(value.shape)}, dtype {value.dtype}"
+            )
+        return float(value.detach().reshape(()).to(torch.float64))
+    return value
 
 
 def _is_real(x):
