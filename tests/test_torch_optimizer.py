@@ -156,7 +156,7 @@ def test_a_scaler_step_leaves_the_unscaled_gradients_in_p_grad(scaler_class):
     set_grads(theirs, grads)
     opt = lt.Optimizer(ours, ls.optimizers.AdamW(1e-2))
     torch_opt = torch.optim.AdamW(theirs, lr=1e-2, fused=True)
-    for params, optimizer in ((ours, opt), (theirs, torch_opt)):
+    for optimizer in (opt, torch_opt):
         scaler = scaler_class("cpu", init_scale=scale)
         scaler.scale(torch.ones(()))
         scaler.step(optimizer)

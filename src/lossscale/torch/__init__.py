@@ -9,11 +9,17 @@
 - `AppliedStepScheduler`: a torch LR scheduler that skipped steps do not move.
 
 Importing this package imports torch; `import lossscale` does not import it.
+It first checks the private parts of torch that `GradScaler` overrides
+(`internals`), and raises `ImportError` on a torch whose internals differ.
 """
 
-from lossscale.torch.grad_scaler import GradScaler
-from lossscale.torch.native import TorchOptimizer
-from lossscale.torch.optimizer import Optimizer
-from lossscale.torch.schedulers import AppliedStepScheduler
+from lossscale.torch import internals
+
+internals.check()
+
+from lossscale.torch.grad_scaler import GradScaler  # noqa: E402
+from lossscale.torch.native import TorchOptimizer  # noqa: E402
+from lossscale.torch.optimizer import Optimizer  # noqa: E402
+from lossscale.torch.schedulers import AppliedStepScheduler  # noqa: E402
 
 __all__ = ["AppliedStepScheduler", "GradScaler", "Optimizer", "TorchOptimizer"]
