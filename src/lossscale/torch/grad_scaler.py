@@ -103,6 +103,13 @@ class GradScaler(
             `ShardedGradScaler` does; pass `torch.distributed.group.WORLD`
             for all ranks. Gradients that are DTensors (FSDP2) already agree
             over their mesh without it, as with torch's scaler.
+        allow_fp16_gradients: Boolean. `False` (torch's behaviour): unscaling
+            float16 gradients (a model whose parameters are float16) raises
+            torch's "Attempting to unscale FP16 gradients." `True`: they are
+            unscaled in float16 by torch's kernel (each multiplied in
+            float32 by the reciprocal of the scale, then rounded) and
+            checked, also after unscaling while the scale is below 1, where
+            a finite float16 gradient can overflow once unscaled.
 
     Examples:
 
@@ -153,8 +160,10 @@ class GradScaler(
         growth_policy: str = "fixed",
         telemetry: bool = False,
         process_group: ProcessGroup | None = None,
+        allow_fp16_gradients: bool = False,
     ) -> None:
         enabled = _as_enabled(enabled)
+        validation.check_bool("allow_fp16_gradients", allow_fp16_gradients)
         init_scale = _as_number("init_scale", init_scale)
         check = validation.check_number
         check("init_scale", init_scale, low=0, low_open=True, high=MAX_SCALE)
@@ -185,6 +194,7 @@ class GradScaler(
         )
         self._policy = policy
         self._process_group = process_group
+        self._allow_fp16_gradients = allow_fp16_gradients
         # The extra state fields: Python values until the scale exists, then
         # 0-d tensors beside it (see `scaler_state`).
         self._extra_start = scaler_state.initial_values(policy)
