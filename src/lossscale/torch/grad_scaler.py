@@ -195,6 +195,7 @@ class GradScaler(
         self._policy = policy
         self._process_group = process_group
         self._allow_fp16_gradients = allow_fp16_gradients
+        self._last_finite = None  # the last update's verdict, a device boolean
         # The extra state fields: Python values until the scale exists, then
         # 0-d tensors beside it (see `scaler_state`).
         self._extra_start = scaler_state.initial_values(policy)
@@ -294,6 +295,7 @@ class GradScaler(
         if self._policy.growth_policy == "headroom":
             peak = torch.stack([s["peak"] for s in states.values() if "peak" in s]).amax()
         new = next_loss_scale(_OPS, self._state(), finite, self._policy, peak=peak)
+        self._last_finite = finite
         self._scale.copy_(new.scale)
         self._growth_tracker.copy_(new.counter)
         self._extras = {name: getattr(new, name) for name in self._extras}
@@ -307,6 +309,20 @@ class GradScaler(
             error, self._scale_bound = torch.stack([code, self._scale]).tolist()
             if error != NO_ERROR:
                 raise LossScaleError(self._failure_message())
+
+    @property
+    def last_step_skipped(self) -> bool | None:
+        """Whether the step before the last `update()` was skipped (an overflow), or None.
+
+        None before any `update()` and after `update(new_scale)`. Known for
+        every optimizer, fused ones included (their kernel is called and
+        skips itself, so wrappers that watch `optimizer.step` calls, such as
+        Accelerate's `step_was_skipped`, cannot see it). Reading it waits
+        for the device: one host read, when asked.
+        """
+        if self._last_finite is None:
+            return None
+        return not bool(self._last_finite)
 
     def _set_scale(self, new_scale):
         if isinstance(new_scale, torch.Tensor):
@@ -333,6 +349,7 @@ class GradScaler(
             self._scale.fill_(float(new_scale))
             self._scale_bound = float(np.float32(new_scale))
         self._per_optimizer_states.clear()
+        self._last_finite = None
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled); reads the device."""
