@@ -1,6 +1,5 @@
 """Inputs torch users pass: bfloat16 parameters, dtype objects, torch LR schedulers (issue 29)."""
 
-
 import numpy as np
 import pytest
 import torch

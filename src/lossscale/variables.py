@@ -93,7 +93,7 @@ class Variable:
         self._shape = self._ops.shape(self._storage)
 
     def _init_storage(self, initializer, shape, dtype, backend, like):
-        if dtype is not None and not isinstance(dtype, str):
+        if dtype is not None and not isinstance(dtype, str) and not _numpy_dtype(dtype):
             raise ValueError(
                 "`dtype` must be a dtype name such as 'float32', 'float16' or 'bfloat16' "
                 f"(a framework's dtype object is not accepted). Received: dtype={dtype!r}"
@@ -296,6 +296,15 @@ class Variable:
             f"<Variable path={self.path}, shape={self.shape}, dtype={self.dtype}, "
             f"backend={self.backend}, value={self.numpy()!r}>"
         )
+
+
+def _numpy_dtype(dtype):
+    """Whether `dtype` is a NumPy dtype (or a type NumPy reads as one)."""
+    try:
+        np.dtype(dtype)
+    except TypeError:
+        return False
+    return True
 
 
 def _native_or_none(x):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from lossscale.mixed_precision.host_state import HostStateMixin
 from lossscale.mixed_precision.loss_scale import HISTORY_LENGTH, LossScalePolicy, state_fields
@@ -266,7 +266,7 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMix
         return loss * (self.dynamic_scale.value if self.built else float(self.dynamic_scale))
 
     @property
-    def param_groups(self):
+    def param_groups(self) -> NoReturn:
         """Not a `torch.optim.Optimizer`: raises an `AttributeError` that says what to use.
 
         torch's LR schedulers read `optimizer.param_groups`; a lossscale

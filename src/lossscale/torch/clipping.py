@@ -10,12 +10,22 @@ true one times the loss scale. `clip_grad_norm_` here does the unscaling
 itself, through the scaler that will step the optimizer, and then clips.
 """
 
+from __future__ import annotations
+
 import sys
+from collections.abc import Iterable
 
 import torch
 
 
-def clip_grad_norm_(parameters, max_norm, *, scaler, optimizer, norm_type=2.0):
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    *,
+    scaler: torch.amp.GradScaler | None,
+    optimizer: torch.optim.Optimizer,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
     """Unscales `optimizer`'s gradients through `scaler`, then clips them by their norm.
 
     Args:
