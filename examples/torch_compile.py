@@ -1,11 +1,14 @@
-"""A `torch.compile`d mixed-precision training step, checkpointed with `state_dict()`.
+"""A float16 training step compiled whole, `fullgraph=True`, checkpointed with `state_dict()`.
 
-The whole step (forward under autocast, scaled backward, `opt.apply`) is
-compiled. `apply` reads no tensor on the host: the finite check, the skip
-and the loss-scale update stay on the device, so the compiler only breaks
-the graph where the optimizer's Python runs, and no step waits for the GPU.
-Halfway, the optimizer state goes through `torch.save` / `torch.load` into a
-fresh optimizer, which carries on exactly where the first left off.
+The whole step (forward under float16 autocast, the scaled backward by
+`torch.autograd.grad`, `opt.apply`) is one graph: `apply` reads no tensor
+on the host (the finite check, the skip and the loss-scale update stay on
+the device), so nothing breaks the graph and no step waits for the GPU.
+What torch needs for it: `torch._dynamo.config.trace_autograd_ops = True`,
+so that Dynamo traces `torch.autograd.grad` into the graph, and the
+optimizer built (`opt.build`) before the first compiled call. Halfway, the
+optimizer state goes through `torch.save` / `torch.load` into a fresh
+optimizer, which carries on exactly where the first left off.
 
     python examples/torch_compile.py [BACKEND]   # default: inductor
 """
@@ -20,7 +23,6 @@ import lossscale as ls
 
 torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
-half = torch.float16 if device == "cuda" else torch.bfloat16
 backend = sys.argv[1] if len(sys.argv) > 1 else "inductor"
 
 x = torch.randn(4096, 32, device=device)
@@ -39,16 +41,17 @@ def make_optimizer():
 
 def make_step(opt):
     def step(xb, yb):
-        with torch.autocast(device_type=device, dtype=half):
+        with torch.autocast(device_type=device, dtype=torch.float16):
             logits = model(xb)
         loss = nn.functional.cross_entropy(logits.float(), yb)
         grads = torch.autograd.grad(opt.scale_loss(loss), params)
         opt.apply(grads, params)
         return loss.detach()
 
-    return torch.compile(step, backend=backend)
+    return torch.compile(step, backend=backend, fullgraph=True)
 
 
+torch._dynamo.config.trace_autograd_ops = True  # autograd.grad inside the graph
 opt = make_optimizer()
 step = make_step(opt)
 for i in range(300):

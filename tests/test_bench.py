@@ -172,12 +172,14 @@ def test_all_runs_only_cpu_workloads_without_cuda(monkeypatch, capsys):
         ("lossscale-numpy", "tiny", {}),
         ("keras-jax", "many_small", {"KERAS_BACKEND": "jax"}),
         ("lossscale-numpy", "many_small", {}),
+        ("keras-jax", "gpt", {"KERAS_BACKEND": "jax"}),
+        ("lossscale-numpy", "gpt", {}),
         ("keras-jax", "large", {"KERAS_BACKEND": "jax"}),
         ("lossscale-numpy", "large", {}),
     ]
     assert [job["device"] for job, _ in calls if job["kind"] == "floor"] == ["cpu"]
     out = capsys.readouterr().out
-    assert len(_table_rows(out)) == 6
+    assert len(_table_rows(out)) == 8
     assert "Workload tiny: 28 tensors, 2,018 float32 parameters, cpu; floor" in out
 
 

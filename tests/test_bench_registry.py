@@ -14,8 +14,11 @@ def test_every_requested_implementation_is_registered():
         "ours": [
             "lossscale-numpy",
             "lossscale-torch",
+            "lossscale-torch-adamw",
+            "lossscale-torch-optimizer-adamw",
             "lossscale-jax",
             "lossscale-torch-compiled",
+            "lossscale-gradscaler-adamw-fused",
             "lossscale-optax",
             "lossscale-tensorflow",
             "lossscale-tensorflow-graph",
@@ -24,6 +27,7 @@ def test_every_requested_implementation_is_registered():
         "peer": [
             "torch-gradscaler-fused",
             "torch-gradscaler-foreach",
+            "torch-gradscaler-adamw-fused",
             "keras-torch",
             "keras-jax",
             "optax-jmp",

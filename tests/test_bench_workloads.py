@@ -11,6 +11,7 @@ from lossscale.bench import workloads
     [
         ("tiny", 28, 117_002, 117_002, "cpu"),
         ("many_small", 400, 0.9e6, 1.1e6, "cpu"),
+        ("gpt", 29, 986_624, 986_624, "cpu"),
         ("large", 16, 16e6, 17e6, "cpu"),
         ("gpu_tiny", 28, 117_002, 117_002, "cuda"),
         ("gpu_many_small", 400, 0.9e6, 1.1e6, "cuda"),
@@ -56,7 +57,7 @@ def test_arrays_are_float32_random_never_zero_and_reproducible():
 def test_unknown_workload():
     with pytest.raises(
         ValueError,
-        match=r"`workload` must be one of \('tiny', 'many_small', 'large', "
+        match=r"`workload` must be one of \('tiny', 'many_small', 'gpt', 'large', "
         r"'gpu_tiny', 'gpu_many_small', 'gpu_large'\). Received: "
         r"workload='huge'",
     ):
@@ -87,3 +88,30 @@ def test_tiny_is_a_small_transformers_parameters():
     quick = workloads.get("tiny", quick=True).shapes
     assert [len(s) for s in quick] == [len(s) for s in expected]
     assert quick[:3] == ((16, 8), (16, 8), (24, 8)) and quick[-2:] == ((2, 8), (2,))
+
+
+def test_gpt_is_a_small_gpts_parameters():
+    import torch
+
+    d = 128
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1 = torch.nn.LayerNorm(d)
+            self.c_attn = torch.nn.Linear(d, 3 * d)
+            self.attn_proj = torch.nn.Linear(d, d)
+            self.ln_2 = torch.nn.LayerNorm(d)
+            self.c_fc = torch.nn.Linear(d, 4 * d)
+            self.mlp_proj = torch.nn.Linear(4 * d, d)
+
+    gpt = torch.nn.ModuleList(
+        [torch.nn.Embedding(2048, d), torch.nn.Embedding(512, d), Block(), Block()]
+        + [torch.nn.LayerNorm(d), torch.nn.Linear(d, 2048, bias=False)]
+    )
+    expected = [tuple(p.shape) for p in gpt.parameters()]
+    assert list(workloads.get("gpt").shapes) == expected
+    assert len(expected) == 29 and sum(p.numel() for p in gpt.parameters()) == 986_624
+    quick = workloads.get("gpt", quick=True).shapes
+    assert [len(s) for s in quick] == [len(s) for s in expected]
+    assert quick[0] == (256, 16)

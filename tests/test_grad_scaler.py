@@ -531,7 +531,10 @@ def test_update_without_a_step_is_a_clear_error():
         (dict(backoff_factor=1.0), "`backoff_factor` must be a finite number > 0 and < 1"),
         (dict(growth_interval=0), "`growth_interval` must be an integer >= 1"),
         (dict(growth_interval=2.5), "`growth_interval` must be an integer >= 1"),
-        (dict(enabled="yes"), "`enabled` must be a boolean. Received: enabled='yes'"),
+        (
+            dict(enabled="yes"),
+            "`enabled` must be a boolean \\(or 0 or 1\\). Received: enabled='yes'",
+        ),
         (dict(hysteresis=0), "`hysteresis` must be an integer >= 1"),
         (dict(min_scale=2.0**20), "`init_scale` must lie between `min_scale` and `max_scale`"),
         (dict(max_scale=1.0), "`init_scale` must lie between `min_scale` and `max_scale`"),

@@ -97,6 +97,23 @@ def test_a_step_compiles_into_one_graph_that_never_recompiles(name):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_the_unscaled_loss_warning_is_given_once_without_breaking_the_graph():
+    # `scale_loss` never called: the warning is given while tracing (a
+    # constant to the compiler), not replayed by the compiled step.
+    torch.compiler.reset()
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3)]
+    opt = ls.LossScaleOptimizer(ls.optimizers.Adam(1e-3), initial_scale=8.0)
+    opt.build(params)
+    step = torch.compile(lambda grads: opt.apply(grads, params), fullgraph=True, backend="eager")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            step([torch.randn(4, 3) for _ in range(3)])
+    torch.compiler.reset()
+    assert [type(w.message) for w in seen] == [ls.mixed_precision.UnscaledLossWarning]
+    assert int(opt.inner_optimizer.iterations) == 3
+
+
 def test_the_compiled_check_is_left_to_the_compiler():
     """No AMP check kernel in the traced step: it would run on functional copies.
 

@@ -1,7 +1,5 @@
 """torch_fused: Adam, AdamW and SGD on torch's fused kernels equal `update_step`."""
 
-import functools
-
 import numpy as np
 import pytest
 import torch
@@ -187,37 +185,3 @@ def test_adam_step_size_equals_update_steps_bit_for_bit(dtype):
         expected = lr * ops.sqrt(1 - b2) / (1 - b1)
         got = torch_fused._adam_step_size(opt, group, lr)
         assert got.dtype == dtype and torch.equal(got, expected), iterations
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("skipped", [False, True], ids=["applied", "skipped"])
-def test_weight_decay_equals_the_generic_loop_bit_for_bit(monkeypatch, dtype, skipped):
-    # Magnitudes across the float range, odd sizes (the kernels' scalar
-    # tails) and zeros of both signs. The rates are not powers of two, and
-    # the decay is a third of each value: a decay off by an ulp then shows
-    # in the sum, in half precision too.
-    from lossscale.optimizers.weight_decay import WeightDecayExclusions, apply_weight_decay
-
-    rng = np.random.default_rng(11)
-    start = [
-        rng.normal(size=s) * 10.0 ** rng.integers(-3, 3, size=s)
-        for s in [(3,), (5, 7), (1000,), (17, 33), (64,), (1,)]
-    ]
-    start[0][:2] = [-0.0, 0.0]
-    lr = torch.tensor(0.923, dtype=dtype)
-    results = []
-    for fused in (True, False):
-        params = [ls.Variable(torch.tensor(x, dtype=dtype)) for x in start]
-        opt = AdamW(0.923, weight_decay=0.371)
-        opt.build(params)
-        ops = params[0]._ops
-        if not fused:  # the backend without its multi-tensor weight decay
-            monkeypatch.setattr(ops, "fused_weight_decay", lambda: None)
-        decay = functools.partial(
-            apply_weight_decay, opt, ops, params, 0.371, lr, WeightDecayExclusions()
-        )
-        ops.gated(torch.tensor(not skipped), decay, params)
-        results.append([p.value.clone() for p in params])
-    for x, fast, generic in zip(start, *results):
-        assert torch.equal(bits(fast), bits(generic))
-        assert torch.equal(bits(fast), bits(torch.tensor(x, dtype=dtype))) == skipped

@@ -144,6 +144,28 @@ def test_under_a_grad_scaler_a_skipped_step_changes_nothing(scaler_class, unscal
     assert int(opt.rules[0].iterations) == 8 - skipped
 
 
+@pytest.mark.parametrize("scaler_class", [torch.amp.GradScaler, lt.GradScaler])
+def test_a_scaler_step_leaves_the_unscaled_gradients_in_p_grad(scaler_class):
+    # Handed `grad_scale`, the optimizer unscales `p.grad` in place, as
+    # torch's fused AdamW does: after the step `.grad` holds the unscaled
+    # gradient, bit for bit torch's (a power-of-two scale).
+    scale = 2.0**11
+    grads = [g * scale for g in grads_for(0)]
+    ours, theirs = make_params(), make_params()
+    set_grads(ours, grads)
+    set_grads(theirs, grads)
+    opt = lt.Optimizer(ours, ls.optimizers.AdamW(1e-2))
+    torch_opt = torch.optim.AdamW(theirs, lr=1e-2, fused=True)
+    for optimizer in (opt, torch_opt):
+        scaler = scaler_class("cpu", init_scale=scale)
+        scaler.scale(torch.ones(()))
+        scaler.step(optimizer)
+        scaler.update()
+    for p, q, g in zip(ours, theirs, grads_for(0)):
+        assert torch.equal(p.grad, q.grad)
+        assert torch.equal(p.grad, g)  # exactly: times 2**11, divided by 2**11
+
+
 def test_the_same_loop_as_torch_adamw_under_torch_grad_scaler():
     # Not the same rule (Keras's AdamW decays by lr, torch's by lr as well but
     # multiplies; epsilon sits elsewhere), so the same skips and scales.

@@ -93,6 +93,11 @@ class Variable:
         self._shape = self._ops.shape(self._storage)
 
     def _init_storage(self, initializer, shape, dtype, backend, like):
+        if dtype is not None and not isinstance(dtype, str) and not _numpy_dtype(dtype):
+            raise ValueError(
+                "`dtype` must be a dtype name such as 'float32', 'float16' or 'bfloat16' "
+                f"(a framework's dtype object is not accepted). Received: dtype={dtype!r}"
+            )
         native = _native_or_none(initializer)
         if native is not None:
             if backend is not None and backend != backend_of(native):
@@ -124,7 +129,11 @@ class Variable:
             )
         shape = tuple(int(s) for s in shape)
         dtype = dtype or "float32"
-        value = np.asarray(initializers.get(initializer)(shape, dtype), dtype=dtype)
+        # NumPy has no bfloat16: such state starts as float32 on the host
+        # (zeros, ones and the numbers of the initializers round to it as
+        # the backend's own cast rounds them) and is cast by the backend.
+        host = "float32" if dtype == "bfloat16" else dtype
+        value = np.asarray(initializers.get(initializer)(shape, host), dtype=host)
         if value.shape != shape:
             raise ValueError(
                 f"The initializer returned shape {value.shape}, expected {shape}. "
@@ -287,6 +296,15 @@ class Variable:
             f"<Variable path={self.path}, shape={self.shape}, dtype={self.dtype}, "
             f"backend={self.backend}, value={self.numpy()!r}>"
         )
+
+
+def _numpy_dtype(dtype):
+    """Whether `dtype` is a NumPy dtype (or a type NumPy reads as one)."""
+    try:
+        np.dtype(dtype)
+    except TypeError:
+        return False
+    return True
 
 
 def _native_or_none(x):

@@ -1,15 +1,19 @@
-"""Ours: `lossscale.LossScaleOptimizer(Adam)` on NumPy, torch and JAX arrays."""
+"""Ours: `lossscale.LossScaleOptimizer(Adam)` on NumPy, torch and JAX arrays; AdamW on torch."""
 
 from lossscale.bench import frameworks, workloads
 from lossscale.bench.registry import implementation
 from lossscale.bench.timing import Stepper
 
 
-def _optimizer():
+def _optimizer(adamw=False):
     import lossscale as ls
 
+    if adamw:  # the weight decay of the torch AdamW rows (Keras's default)
+        inner = ls.optimizers.AdamW(learning_rate=1e-3, weight_decay=0.004)
+    else:
+        inner = ls.optimizers.Adam(learning_rate=1e-3)
     opt = ls.LossScaleOptimizer(
-        ls.optimizers.Adam(learning_rate=1e-3),
+        inner,
         initial_scale=workloads.LOSS_SCALE,
         dynamic_growth_steps=workloads.GROWTH_STEPS,
     )
@@ -33,14 +37,60 @@ def numpy_adam(workload):
     requires=("torch",),
     devices=("cpu", "cuda"),
 )
-def torch_adam(workload):
+def torch_adam(workload, adamw=False):
     torch, device, params, grads = frameworks.torch_tensors(workload)
-    opt = _optimizer()
+    opt = _optimizer(adamw)
     # Fused Adam unscales the gradients in place (as GradScaler does); give
     # every step the scaled gradients, untimed, as the GradScaler peers get.
     live = [g.clone() for g in grads]
     return Stepper(
         step=lambda: opt.apply(live, params),
+        sync=frameworks.torch_sync(torch, device),
+        prepare=lambda: torch._foreach_copy_(live, grads),
+    )
+
+
+@implementation(
+    "lossscale-torch-adamw",
+    "ours",
+    "lossscale LossScaleOptimizer(AdamW), opt.apply on torch tensors",
+    requires=("torch",),
+    devices=("cpu", "cuda"),
+)
+def torch_adamw(workload):
+    return torch_adam(workload, adamw=True)
+
+
+@implementation(
+    "lossscale-torch-optimizer-adamw",
+    "ours",
+    "torch.amp.GradScaler + lossscale.torch.Optimizer(AdamW)",
+    requires=("torch",),
+    devices=("cpu", "cuda"),
+)
+def torch_optimizer_adamw(workload):
+    import lossscale as ls
+    import lossscale.torch
+
+    torch, device, params, grads = frameworks.torch_tensors(workload)
+    params = [torch.nn.Parameter(p) for p in params]
+    live = [g.clone() for g in grads]
+    for p, g in zip(params, live):
+        p.grad = g
+    opt = lossscale.torch.Optimizer(
+        params, ls.optimizers.AdamW(learning_rate=1e-3, weight_decay=0.004)
+    )
+    scaler = torch.amp.GradScaler(
+        device.type, init_scale=workloads.LOSS_SCALE, growth_interval=workloads.GROWTH_STEPS
+    )
+    scaler.scale(torch.ones((), device=device))  # creates the scale, as a forward pass does
+
+    def step():
+        scaler.step(opt)
+        scaler.update()
+
+    return Stepper(
+        step=step,
         sync=frameworks.torch_sync(torch, device),
         prepare=lambda: torch._foreach_copy_(live, grads),
     )

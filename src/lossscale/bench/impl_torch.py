@@ -1,22 +1,39 @@
-"""PyTorch peers: `torch.amp.GradScaler` with `torch.optim.Adam`, and plain Adam."""
+"""PyTorch peers: `torch.amp.GradScaler` with `torch.optim.Adam` / `AdamW`, and plain Adam.
+
+Also ours on the same path: `lossscale.torch.GradScaler` with torch's fused
+AdamW, the drop-in against the scaler it replaces.
+"""
 
 from lossscale.bench import frameworks, workloads
 from lossscale.bench.registry import implementation
 from lossscale.bench.timing import Stepper
 
+# Keras's AdamW default; the lossscale AdamW rows use the same.
+WEIGHT_DECAY = 0.004
 
-def _adam(torch, params, grads, **kwargs):
+
+def _adam(torch, params, grads, adamw=False, **kwargs):
     params = [torch.nn.Parameter(p) for p in params]
     for p, g in zip(params, grads):
         p.grad = g.clone()
     # Keras's epsilon, so every implementation runs the same arithmetic.
+    if adamw:
+        return params, torch.optim.AdamW(
+            params, lr=1e-3, eps=1e-7, weight_decay=WEIGHT_DECAY, **kwargs
+        )
     return params, torch.optim.Adam(params, lr=1e-3, eps=1e-7, **kwargs)
 
 
-def _grad_scaler_adam(workload, **kwargs):
+def _grad_scaler_adam(workload, adamw=False, ours=False, **kwargs):
     torch, device, params, grads = frameworks.torch_tensors(workload)
-    params, opt = _adam(torch, params, grads, **kwargs)
-    scaler = torch.amp.GradScaler(
+    params, opt = _adam(torch, params, grads, adamw=adamw, **kwargs)
+    if ours:
+        import lossscale.torch
+
+        scaler_class = lossscale.torch.GradScaler
+    else:
+        scaler_class = torch.amp.GradScaler
+    scaler = scaler_class(
         device.type, init_scale=workloads.LOSS_SCALE, growth_interval=workloads.GROWTH_STEPS
     )
     scaler.scale(torch.ones((), device=device))  # creates the scale, as a forward pass does
@@ -54,6 +71,28 @@ def grad_scaler_fused(workload):
 )
 def grad_scaler_foreach(workload):
     return _grad_scaler_adam(workload, foreach=True)
+
+
+@implementation(
+    "torch-gradscaler-adamw-fused",
+    "peer",
+    "torch.amp.GradScaler + torch.optim.AdamW(fused=True)",
+    requires=("torch",),
+    devices=("cpu", "cuda"),
+)
+def grad_scaler_adamw_fused(workload):
+    return _grad_scaler_adam(workload, adamw=True, fused=True)
+
+
+@implementation(
+    "lossscale-gradscaler-adamw-fused",
+    "ours",
+    "lossscale.torch.GradScaler + torch.optim.AdamW(fused=True)",
+    requires=("torch",),
+    devices=("cpu", "cuda"),
+)
+def lossscale_grad_scaler_adamw_fused(workload):
+    return _grad_scaler_adam(workload, adamw=True, ours=True, fused=True)
 
 
 @implementation(

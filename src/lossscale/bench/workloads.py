@@ -7,6 +7,9 @@
 - `many_small`: 400 tensors, about 1M parameters, shaped like a small
   convolutional network (3x3 kernels, dense matrices, biases and norm
   parameters), so per-tensor overhead dominates.
+- `gpt`: 29 tensors, 986,624 parameters, the parameters of a small GPT
+  (`GPT`: token and position embeddings, two decoder blocks with d_model
+  128 and biases, a final norm and an untied head), the AdamW workload.
 - `large`: 16 tensors of 1024x1024, about 16M parameters, so memory
   bandwidth dominates.
 - `gpu_tiny`: `tiny` on CUDA.
@@ -97,11 +100,43 @@ TRANSFORMER = (
 )
 
 
+# `gpt`: a GPT-2-style decoder in torch's (out, in) layout: vocabulary 2048,
+# context 512, d_model 128, two blocks (pre-norm, fused q/k/v projection, a
+# 4x feed-forward, every linear with a bias), a final norm and an untied
+# head. 29 tensors, 986,624 parameters.
+_D = 128
+_GPT_BLOCK = (
+    (_D,),  # ln_1.weight
+    (_D,),  # ln_1.bias
+    (3 * _D, _D),  # attn.c_attn.weight (q, k and v packed)
+    (3 * _D,),  # attn.c_attn.bias
+    (_D, _D),  # attn.c_proj.weight
+    (_D,),  # attn.c_proj.bias
+    (_D,),  # ln_2.weight
+    (_D,),  # ln_2.bias
+    (4 * _D, _D),  # mlp.c_fc.weight
+    (4 * _D,),  # mlp.c_fc.bias
+    (_D, 4 * _D),  # mlp.c_proj.weight
+    (_D,),  # mlp.c_proj.bias
+)
+GPT = (
+    ((2048, _D), (512, _D))  # wte, wpe
+    + _GPT_BLOCK * 2
+    + ((_D,), (_D,), (2048, _D))  # ln_f.weight, ln_f.bias, lm_head.weight
+)
+
+
+def _eighths(shapes):
+    return tuple(tuple(-(-d // 8) for d in s) for s in shapes)
+
+
 def _build(name, quick):
     if name == "tiny":
         if quick:  # the same 28 tensors, every dimension an eighth
-            return Workload(name, tuple(tuple(-(-d // 8) for d in s) for s in TRANSFORMER), "cpu")
+            return Workload(name, _eighths(TRANSFORMER), "cpu")
         return Workload(name, TRANSFORMER, "cpu")
+    if name == "gpt":  # quick: the same 29 tensors, every dimension an eighth
+        return Workload(name, _eighths(GPT) if quick else GPT, "cpu")
     if name == "many_small":
         if quick:
             return Workload(name, _small_network((4, 6, 8), 24), "cpu")
@@ -115,7 +150,7 @@ def _build(name, quick):
     raise ValueError(f"`workload` must be one of {NAMES}. Received: workload={name!r}")
 
 
-CPU_NAMES = ("tiny", "many_small", "large")
+CPU_NAMES = ("tiny", "many_small", "gpt", "large")
 GPU_NAMES = ("gpu_tiny", "gpu_many_small", "gpu_large")
 NAMES = CPU_NAMES + GPU_NAMES
 

@@ -5,6 +5,8 @@ only when asked (`LossScaleOptimizer.summary()` / `check()`), never inside a
 training step.
 """
 
+import warnings
+
 import numpy as np
 
 from lossscale.mixed_precision import loss_scale
@@ -100,6 +102,18 @@ def failure_message(summary, policy):
         "them, and every later step is skipped until the state is restored.",
     ]
     return "\n".join(lines)
+
+
+def warn_unscaled_loss(name, initial_scale):
+    """Warns (`UnscaledLossWarning`) that optimizer `name` applies gradients of an unscaled loss.
+
+    Returns True. The torch backend marks this function a constant result
+    for `torch.compile` (`torch.compiler.assume_constant_result`): in a
+    traced step the compiler runs it once, while tracing, instead of
+    breaking the graph at `warnings.warn`, which it cannot trace.
+    """
+    warnings.warn(unscaled_loss_message(name, initial_scale), UnscaledLossWarning, stacklevel=3)
+    return True
 
 
 def unscaled_loss_message(name, initial_scale):

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from lossscale.mixed_precision.host_state import HostStateMixin
 from lossscale.mixed_precision.loss_scale import HISTORY_LENGTH, LossScalePolicy, state_fields
-from lossscale.mixed_precision.telemetry import UnscaledLossWarning, unscaled_loss_message
+from lossscale.mixed_precision.telemetry import warn_unscaled_loss
 from lossscale.optimizers.base import Optimizer
 from lossscale.optimizers.loss_scale_step import LossScaleStepMixin
 from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
@@ -252,11 +251,7 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMix
         """
         if not self._loss_scaled:
             self._loss_scaled = True  # warn once per optimizer
-            warnings.warn(
-                unscaled_loss_message(self.name, self.initial_scale),
-                UnscaledLossWarning,
-                stacklevel=2,
-            )
+            warn_unscaled_loss(self.name, self.initial_scale)
         super().apply(grads, trainable_variables)
         self.check()
 
@@ -269,6 +264,22 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMix
         """
         self._loss_scaled = True
         return loss * (self.dynamic_scale.value if self.built else float(self.dynamic_scale))
+
+    @property
+    def param_groups(self) -> NoReturn:
+        """Not a `torch.optim.Optimizer`: raises an `AttributeError` that says what to use.
+
+        torch's LR schedulers read `optimizer.param_groups`; a lossscale
+        optimizer keeps its learning rate as a variable instead.
+        """
+        raise AttributeError(
+            "'LossScaleOptimizer' object has no attribute 'param_groups': it is not a "
+            "torch.optim.Optimizer, so torch's LR schedulers cannot drive it. To use a torch "
+            "LR scheduler, wrap the rule as a torch optimizer: "
+            "`opt = lossscale.torch.Optimizer(model.parameters(), ls.optimizers.AdamW(...))` "
+            "under a `lossscale.torch.GradScaler`, and schedule `opt`; or give the inner "
+            "optimizer a `lossscale.schedules` schedule as its `learning_rate`."
+        )
 
     # --- delegation to the inner optimizer -----------------------------------
     @property

@@ -38,7 +38,9 @@ def apply_weight_decay(optimizer, ops, variables, weight_decay, learning_rate, e
 
     A backend may decay them all in a few multi-tensor kernels
     (`ops.fused_weight_decay()`, given the `optimizer` to cache its tensor
-    lists on), equal bit for bit to the loop below.
+    lists on), rounded as Keras 3 rounds the decay on that backend: the
+    loop below is Keras's generic rule; torch's kernel is Keras-on-torch's
+    `v * (1 - weight_decay * learning_rate)` (`backends/torch/adamw.py`).
     """
     decayed = [v for v in variables if exclusions.uses_weight_decay(v)]
     kernel = ops.fused_weight_decay()

@@ -7,13 +7,22 @@
 - `TorchOptimizer`: a `torch.optim.Optimizer` as a lossscale optimizer (the
   inner optimizer of a `LossScaleOptimizer`, say).
 - `AppliedStepScheduler`: a torch LR scheduler that skipped steps do not move.
+- `clip_grad_norm_`: clipping of the unscaled gradients through the scaler
+  that steps the optimizer (Accelerate's clips scaled ones off its fp16 path).
 
 Importing this package imports torch; `import lossscale` does not import it.
+It first checks the private parts of torch that `GradScaler` overrides
+(`internals`), and raises `ImportError` on a torch whose internals differ.
 """
 
-from lossscale.torch.grad_scaler import GradScaler
-from lossscale.torch.native import TorchOptimizer
-from lossscale.torch.optimizer import Optimizer
-from lossscale.torch.schedulers import AppliedStepScheduler
+from lossscale.torch import internals
 
-__all__ = ["AppliedStepScheduler", "GradScaler", "Optimizer", "TorchOptimizer"]
+internals.check()
+
+from lossscale.torch.clipping import clip_grad_norm_  # noqa: E402
+from lossscale.torch.grad_scaler import GradScaler  # noqa: E402
+from lossscale.torch.native import TorchOptimizer  # noqa: E402
+from lossscale.torch.optimizer import Optimizer  # noqa: E402
+from lossscale.torch.schedulers import AppliedStepScheduler  # noqa: E402
+
+__all__ = ["AppliedStepScheduler", "GradScaler", "Optimizer", "TorchOptimizer", "clip_grad_norm_"]

@@ -103,6 +103,13 @@ class GradScaler(
             `ShardedGradScaler` does; pass `torch.distributed.group.WORLD`
             for all ranks. Gradients that are DTensors (FSDP2) already agree
             over their mesh without it, as with torch's scaler.
+        allow_fp16_gradients: Boolean. `False` (torch's behaviour): unscaling
+            float16 gradients (a model whose parameters are float16) raises
+            torch's "Attempting to unscale FP16 gradients." `True`: they are
+            unscaled in float16 by torch's kernel (each multiplied in
+            float32 by the reciprocal of the scale, then rounded) and
+            checked, also after unscaling while the scale is below 1, where
+            a finite float16 gradient can overflow once unscaled.
 
     Examples:
 
@@ -153,8 +160,11 @@ class GradScaler(
         growth_policy: str = "fixed",
         telemetry: bool = False,
         process_group: ProcessGroup | None = None,
+        allow_fp16_gradients: bool = False,
     ) -> None:
-        validation.check_bool("enabled", enabled)
+        enabled = _as_enabled(enabled)
+        validation.check_bool("allow_fp16_gradients", allow_fp16_gradients)
+        init_scale = _as_number("init_scale", init_scale)
         check = validation.check_number
         check("init_scale", init_scale, low=0, low_open=True, high=MAX_SCALE)
         check("growth_factor", growth_factor, low=1, low_open=True)
@@ -184,6 +194,8 @@ class GradScaler(
         )
         self._policy = policy
         self._process_group = process_group
+        self._allow_fp16_gradients = allow_fp16_gradients
+        self._last_finite = None  # the last update's verdict, a device boolean
         # The extra state fields: Python values until the scale exists, then
         # 0-d tensors beside it (see `scaler_state`).
         self._extra_start = scaler_state.initial_values(policy)
@@ -283,6 +295,7 @@ class GradScaler(
         if self._policy.growth_policy == "headroom":
             peak = torch.stack([s["peak"] for s in states.values() if "peak" in s]).amax()
         new = next_loss_scale(_OPS, self._state(), finite, self._policy, peak=peak)
+        self._last_finite = finite
         self._scale.copy_(new.scale)
         self._growth_tracker.copy_(new.counter)
         self._extras = {name: getattr(new, name) for name in self._extras}
@@ -296,6 +309,20 @@ class GradScaler(
             error, self._scale_bound = torch.stack([code, self._scale]).tolist()
             if error != NO_ERROR:
                 raise LossScaleError(self._failure_message())
+
+    @property
+    def last_step_skipped(self) -> bool | None:
+        """Whether the step before the last `update()` was skipped (an overflow), or None.
+
+        None before any `update()` and after `update(new_scale)`. Known for
+        every optimizer, fused ones included (their kernel is called and
+        skips itself, so wrappers that watch `optimizer.step` calls, such as
+        Accelerate's `step_was_skipped`, cannot see it). Reading it waits
+        for the device: one host read, when asked.
+        """
+        if self._last_finite is None:
+            return None
+        return not bool(self._last_finite)
 
     def _set_scale(self, new_scale):
         if isinstance(new_scale, torch.Tensor):
@@ -312,13 +339,17 @@ class GradScaler(
                     f"{tuple(new_scale.shape)}, dtype {new_scale.dtype}, on "
                     f"{new_scale.device}, requires_grad={new_scale.requires_grad}"
                 )
+            # Checked as a float is (one host read: `update(new_scale)` is rare).
+            value = float(new_scale.detach().reshape(()).to(torch.float32))
+            validation.check_number("new_scale", value, low=0, low_open=True, high=MAX_SCALE)
             self._scale.copy_(new_scale.detach().reshape(()))
-            self._scale_bound = 0.0  # unknown until read
+            self._scale_bound = value
         else:
             validation.check_number("new_scale", new_scale, low=0, low_open=True, high=MAX_SCALE)
             self._scale.fill_(float(new_scale))
             self._scale_bound = float(np.float32(new_scale))
         self._per_optimizer_states.clear()
+        self._last_finite = None
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled); reads the device."""
@@ -326,6 +357,27 @@ class GradScaler(
         if self._enabled and self._scale is not None:
             self._scale_bound = value
         return value
+
+
+def _as_enabled(enabled):
+    """`enabled` as torch takes it: a bool, or an integer used as one (`enabled=1`)."""
+    if isinstance(enabled, (bool, np.bool_)) or (
+        isinstance(enabled, numbers.Integral) and enabled in (0, 1)
+    ):
+        return bool(enabled)
+    raise ValueError(f"`enabled` must be a boolean (or 0 or 1). Received: enabled={enabled!r}")
+
+
+def _as_number(name, value):
+    """A one-element real tensor (`init_scale=torch.tensor(8.0)`, as torch accepts) as a float."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(
+                f"`{name}` must be a positive number or a one-element real tensor. "
+                f"Received: {name}=tensor of shape {tuple(value.shape)}, dtype {value.dtype}"
+            )
+        return float(value.detach().reshape(()).to(torch.float64))
+    return value
 
 
 def _is_real(x):

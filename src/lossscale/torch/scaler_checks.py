@@ -22,7 +22,10 @@ class ScalerChecksMixin:
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         # `unscale_` (inherited: its stage checks and errors are torch's)
-        # calls this with the float32 reciprocal of the scale.
+        # calls this with the float32 reciprocal of the scale. Called
+        # directly before any `scale()`, there is no scale to check against.
+        self._check_scale_growth_tracker("_unscale_grads_")
+        allow_fp16 = allow_fp16 or self._allow_fp16_gradients
         return self._unscale_and_check(
             optimizer, inv_scale, found_inf, allow_fp16, self._unscaling_may_overflow()
         )

@@ -8,12 +8,15 @@ from the modules that implement them:
 - `multi`: multi-tensor unscale, finite check and norms, by (device, dtype);
 - `plans`: an optimizer's tensor lists per (device, dtype), cached between steps;
 - `foreach`: `torch._foreach_*` versions of the update rules;
+- `adamw`: decoupled weight decay as Keras 3's torch backend rounds it;
 - `fused`: Adam, AdamW and SGD on torch's fused kernels, and the loss-scale
   update on `torch._amp_update_scale_`;
 - `kernels`: the registry of those kernels, by the name an optimizer declares.
 
 Each module imports only those above it in this list.
 """
+
+import torch
 
 from lossscale.backends.torch.kernels import (
     fused_scale_update,
@@ -68,3 +71,9 @@ from lossscale.backends.torch.ops import (
     to_numpy,
     where,
 )
+
+# `warnings.warn` cannot be traced: in a compiled step the unscaled-loss
+# warning is run once, at trace time, as a constant (see `telemetry`).
+from lossscale.mixed_precision import telemetry  # noqa: E402
+
+torch.compiler.assume_constant_result(telemetry.warn_unscaled_loss)

@@ -41,6 +41,16 @@ def seen(x):
     return x
 
 
+def plain(x):
+    """`x` as a plain tensor: a DTensor's global value (its `full_tensor()`), else `x`.
+
+    For a value DTensor's own reductions made (the finite flag over sharded
+    gradients, a norm, a peak) that is the value every rank agrees on; the
+    process-group collectives take only plain tensors.
+    """
+    return x.full_tensor() if is_dtensor(x) else x
+
+
 def shard_like(tensor, like):
     """`tensor` (a plain tensor of `like`'s global shape) as a DTensor sharded like `like`.
 

@@ -159,29 +159,6 @@ def sgd(optimizer, grads, variables, learning_rate):
 sgd.folds_gate = True
 
 
-def weight_decay(optimizer, variables, weight_decay, learning_rate):
-    """`v -= v * weight_decay * learning_rate` for every variable, a few kernels per group.
-
-    Rounded as the generic path rounds it: `v + (v * -wd) * lr` is
-    `v - (v * wd) * lr` bit for bit (negation is exact). Under a
-    `WriteMask` the last factor is `-0.0` where the step is skipped: `(v *
-    -wd) * -0.0` is a zero of `v`'s own sign, and `v` plus it is `v`, bit for
-    bit (-0.0 included), so no select is needed. (A parameter that is
-    already infinite would become NaN there.)
-    """
-    mask = masks.mask_of(variables)
-    with torch.no_grad():
-        for group in plans.plan(optimizer, variables, purpose="weight_decay").groups:
-            lr = foreach.scalar(learning_rate, group)
-            if mask is not None:
-                lr = torch.where(
-                    mask.on(group.device), lr, ops.constant(-0.0, group.dtype, group.device)
-                )
-            decay = foreach.mul(group.params, -weight_decay)
-            torch._foreach_mul_(decay, lr)
-            torch._foreach_add_(group.params, decay)
-
-
 def update_scale(
     scale,
     counter,

@@ -9,7 +9,7 @@ equals `update_step` (tests/test_torch_fused.py, tests/test_torch_foreach.py).
 Nothing here knows an optimizer class: the names are the whole contract.
 """
 
-from lossscale.backends.torch import foreach, fused
+from lossscale.backends.torch import adamw, foreach, fused
 
 
 def _slots(*attrs):
@@ -46,8 +46,8 @@ def fused_update(name):
 
 
 def fused_weight_decay():
-    """Decoupled weight decay on many tensors at once (see `fused.weight_decay`)."""
-    return fused.weight_decay
+    """Decoupled weight decay, Keras-on-torch's, one kernel per group (see `adamw`)."""
+    return adamw.weight_decay
 
 
 def fused_scale_update():

@@ -97,6 +97,10 @@ def read(storage):
 
 def assign(storage, value, mask=None):
     value = unwrap(value)
+    if dtensors.is_dtensor(value) and not dtensors.is_dtensor(storage):
+        # A replicated result of DTensor reductions (FSDP2's sharded
+        # gradients) stored in plain state: the loss-scale telemetry.
+        value = dtensors.plain(value)
     with torch.no_grad():
         if mask is not None:
             masks.select_into(storage, mask, value)
@@ -245,6 +249,7 @@ def all_max(x, group=None):
     x = unwrap(x)
     if not _several_ranks(group):
         return x
+    x = dtensors.plain(x)  # torch.distributed's collectives refuse DTensors
     reduced = x.detach().to(torch.float32).clone()
     torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, group=group)
     return reduced.to(x.dtype)
@@ -255,6 +260,7 @@ def all_true(flag, group=None):
     flag = unwrap(flag)
     if not _several_ranks(group):
         return flag
+    flag = dtensors.plain(flag)  # torch.distributed's collectives refuse DTensors
     reduced = flag.detach().to(torch.float32).clone()
     torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MIN, group=group)
     return reduced > 0

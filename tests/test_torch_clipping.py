@@ -1,0 +1,107 @@
+"""lossscale/torch/clipping.py and the Accelerate recipe: clipping sees unscaled gradients,
+skipped steps are visible, fused optimizers included."""
+
+import pytest
+import torch
+
+import lossscale.torch as lt
+
+SCALE = 2.0**10
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _run(fused, clip):
+    """The recipe of docs/torch.md on CPU: five steps, an inf loss at step 1."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    scaler = accelerator.scaler = lt.GradScaler("cpu", init_scale=SCALE, growth_interval=100)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+    norms, true_norms, skipped, accelerate_skipped = [], [], [], []
+    for step in range(5):
+        loss = model(x).square().mean() * 10.0 * (float("inf") if step == 1 else 1.0)
+        accelerator.backward(loss)  # scaler.scale(loss).backward()
+        unscaled = [p.grad / scaler.get_scale() for p in model.parameters()]
+        true_norms.append(
+            float(torch.linalg.vector_norm(torch.cat([g.view(-1) for g in unscaled])))
+        )
+        if clip == "helper":
+            norm = lt.clip_grad_norm_(model.parameters(), 1.0, scaler=scaler, optimizer=optimizer)
+            norms.append(float(norm))
+        else:  # by hand: unscale the optimizer Accelerate's step hands the scaler
+            scaler.unscale_(optimizer.optimizer)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        optimizer.step()  # scaler.step(optimizer); scaler.update()
+        optimizer.zero_grad()
+        skipped.append(scaler.last_step_skipped)
+        accelerate_skipped.append(optimizer.step_was_skipped)
+    return norms, true_norms, skipped, accelerate_skipped, list(model.parameters())
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_the_accelerate_recipe_clips_unscaled_gradients_and_sees_skipped_steps(fused):
+    norms, true_norms, skipped, accelerate_skipped, params = _run(fused, clip="helper")
+    # The norm clipped is the unscaled gradients' (scaled it would be 1024x).
+    finite = [k for k in range(5) if k != 1]
+    for k in finite:
+        assert norms[k] == pytest.approx(true_norms[k], rel=1e-6)
+        assert 1.0 < true_norms[k] < 100.0
+    assert skipped == [False, True, False, False, False]
+    # Accelerate's own flag watches `optimizer.step` calls; a fused
+    # optimizer is always called (its kernel skips itself): Accelerate's
+    # flag misses the skip there, the scaler's does not.
+    assert accelerate_skipped == ([False] * 5 if fused else skipped)
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    by_hand = _run(fused, clip="by hand")
+    assert torch.equal(
+        torch.tensor(by_hand[0]).nan_to_num(-1.0), torch.tensor(norms).nan_to_num(-1.0)
+    )
+    assert all(torch.equal(p, q) for p, q in zip(params, by_hand[4]))
+
+
+def test_without_the_helper_accelerate_on_cpu_clips_the_scaled_gradients(fresh_accelerate_state):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.scaler = lt.GradScaler("cpu", init_scale=SCALE)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.backward(model(torch.ones(8, 4)).square().mean())
+    scaled = torch.linalg.vector_norm(torch.cat([p.grad.view(-1) for p in model.parameters()]))
+    norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    assert float(norm) == pytest.approx(float(scaled))  # Accelerate's behaviour, not ours
+
+
+def test_helper_without_a_scaler_only_clips():
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 3.0)
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    assert float(lt.clip_grad_norm_([p], 1.0, scaler=None, optimizer=optimizer)) == 6.0
+    assert float(torch.linalg.vector_norm(p.grad)) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_last_step_skipped_is_none_before_an_update_and_after_a_new_scale():
+    scaler = lt.GradScaler("cpu", init_scale=8.0)
+    assert scaler.last_step_skipped is None
+    scaler.scale(torch.ones(()))
+    scaler.update(4.0)
+    assert scaler.last_step_skipped is None
