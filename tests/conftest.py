@@ -8,11 +8,12 @@ skipped there; a missing one fails the test instead of hiding it.
 
 import os
 
+import floors
 import numpy as np
 import pytest
 from hypothesis import settings
 
-BACKENDS = ("numpy", "torch", "jax", "tensorflow")
+BACKENDS = floors.backends()
 
 
 def force_numpy_threads(monkeypatch, workers=3):
@@ -75,3 +76,50 @@ def backend(request):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+# The minimum-versions leg (see tests/floors.py): modules and functions that
+# import a package that leg does not install are left out, by name.
+_LEFT_OUT = []
+
+
+def pytest_ignore_collect(collection_path, config):
+    if not floors.restricted() or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    missing = floors.module_needs_missing(collection_path)
+    if missing is None:
+        return None
+    _LEFT_OUT.append(f"{collection_path.name} (imports {missing})")
+    return True
+
+
+def pytest_collection_modifyitems(config, items):
+    if not floors.restricted():
+        return
+    kept, dropped = [], []
+    for item in items:
+        function = getattr(item, "function", None)
+        missing = floors.params_need_missing(item) or (
+            floors.function_needs_missing(function) if function else None
+        )
+        (dropped if missing else kept).append(item)
+        if missing:
+            _LEFT_OUT.append(f"{item.nodeid} (imports {missing})")
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+def pytest_report_header(config):
+    if floors.restricted():
+        return f"backends: {', '.join(BACKENDS)} (LOSSSCALE_TEST_BACKENDS)"
+    return None
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _LEFT_OUT:
+        terminalreporter.write_sep("-", f"left out: {len(_LEFT_OUT)} (tests/floors.py)")
+        for line in _LEFT_OUT:
+            terminalreporter.write_line(line)

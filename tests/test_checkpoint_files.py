@@ -65,3 +65,53 @@ def test_a_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
 def test_saving_raises_the_same_error_class():
     assert saving.CheckpointError is files.CheckpointError
     assert json.loads(files.metadata(files.FORMAT, {"a": 1}, [])["config"]) == {"a": 1}
+
+
+def test_an_extra_unlisted_array_is_refused(tmp_path):
+    # The metadata lists two arrays; the file holds a third ("2"), which no entry
+    # describes and no digest covers.
+    arrays = [np.arange(3, dtype=np.float32), np.array(5, np.int32)]
+    entries = [files.entry(f"v{i}", a) for i, a in enumerate(arrays)]
+    path = tmp_path / "c.safetensors"
+    files.write(
+        path,
+        arrays + [np.ones(4, np.float32)],
+        files.metadata(files.FORMAT, {"class_name": "SGD"}, entries),
+    )
+    with pytest.raises(
+        files.CheckpointError,
+        match=r"it lists 2 variables but holds arrays \['0', '1', '2'\]",
+    ):
+        files.read(os.fspath(path))
+
+
+def test_a_missing_listed_array_is_refused(tmp_path):
+    arrays = [np.arange(3, dtype=np.float32), np.array(5, np.int32)]
+    entries = [files.entry(f"v{i}", a) for i, a in enumerate(arrays)]
+    path = tmp_path / "c.safetensors"
+    files.write(path, arrays[:1], files.metadata(files.FORMAT, {"class_name": "SGD"}, entries))
+    with pytest.raises(
+        files.CheckpointError, match=r"it lists 2 variables but holds arrays \['0'\]"
+    ):
+        files.read(os.fspath(path))
+
+
+def test_restore_of_a_file_with_an_extra_array_writes_nothing(tmp_path):
+    import lossscale as ls
+
+    w = ls.Variable(np.ones(2, np.float32), name="w")
+    opt = ls.LossScaleOptimizer(ls.optimizers.SGD(0.1), initial_scale=4.0)
+    opt.build([w])
+    path = tmp_path / "opt.safetensors"
+    saving.save(opt, path)
+    checkpoint = files.read(os.fspath(path))
+    arrays = [np.asarray(np.asarray(a) * 2) for a in checkpoint.arrays]
+    entries = [files.entry(e["path"], a) for e, a in zip(checkpoint.entries, arrays)]
+    files.write(
+        path,
+        arrays + [np.zeros(3, np.float32)],
+        files.metadata(files.FORMAT, checkpoint.config, entries),
+    )
+    with pytest.raises(files.CheckpointError, match="but holds arrays"):
+        saving.restore(opt, path)
+    assert float(opt.dynamic_scale) == 4.0 and int(opt.step_counter) == 0

@@ -203,3 +203,16 @@ def test_the_command_line_imports_neither_torch_nor_jax():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "[]", proc.stderr
+
+
+def test_version_prints_the_package_version(capsys):
+    import importlib.metadata
+
+    import lossscale
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"lossscale {lossscale.__version__}\n"
+    # One version: pyproject.toml reads it from lossscale.__version__.
+    assert importlib.metadata.version("lossscale") == lossscale.__version__

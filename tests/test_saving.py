@@ -204,7 +204,7 @@ BAD_FILES = {
     ),
     "truncated": (
         lambda tmp, opt, b, r: written(tmp, opt, lambda p: p.write_bytes(p.read_bytes()[:-5])),
-        r"not a readable safetensors file \(truncated or corrupt\): .*incomplete",
+        r"not a readable safetensors file \(truncated or corrupt\): .*(?i:incomplete)",
     ),
     "header cut": (
         lambda tmp, opt, b, r: written(tmp, opt, lambda p: p.write_bytes(p.read_bytes()[:40])),

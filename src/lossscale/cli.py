@@ -15,6 +15,7 @@ import math
 import re
 import sys
 
+from lossscale import __version__
 from lossscale.demo.config import (
     BACKENDS,
     DEFAULT_LOSS_WEIGHT,
@@ -59,6 +60,7 @@ def build_parser():
         prog="lossscale",
         description="Dynamic loss scaling for mixed-precision training on NumPy, PyTorch and JAX.",
     )
+    parser.add_argument("--version", action="version", version=f"lossscale {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     defaults = DemoConfig()
     demo = commands.add_parser(

@@ -262,5 +262,24 @@ def _assign(optimizer, checkpoint):
                 f"variable {i} ({entry['path']!r}) holds {array.dtype.name} values "
                 f"but this optimizer's ({variable.path!r}) is {variable.dtype}",
             )
+    _check_loss_scale_values(optimizer, checkpoint)
     for variable, array in zip(variables, checkpoint.arrays):
         variable.assign(array)
+
+
+def _check_loss_scale_values(optimizer, checkpoint):
+    """Refuses a loss-scale field the step could never have reached (a NaN scale, say)."""
+    from lossscale.mixed_precision import restored
+    from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    arrays = dict(zip((v.path for v in optimizer.variables), checkpoint.arrays))
+    while optimizer is not None:
+        if isinstance(optimizer, LossScaleOptimizer):
+            own = optimizer.variables[: -len(optimizer.inner_optimizer.variables) or None]
+            fields = restored.variable_fields([v.path.rsplit("/", 1)[-1] for v in own])
+            for v in own:
+                field = fields.get(v.path.rsplit("/", 1)[-1])
+                found = field and restored.problem(field, v.path, arrays[v.path])
+                if found:
+                    checkpoint_files.fail(checkpoint.path, found)
+        optimizer = getattr(optimizer, "inner_optimizer", None)

@@ -7,6 +7,7 @@ variable as it was.
 import warnings
 
 from lossscale.backends import common_backend
+from lossscale.validation import dtype_kind
 
 
 def drop_missing(grads, variables):
@@ -25,13 +26,19 @@ def validate_gradients(grads, variables):
     """Checks gradients against variables before anything is written.
 
     Runs on every step, so the common case (a native array of the right
-    shape) costs one type check and one shape comparison per gradient.
+    shape and kind) costs one type check, one shape comparison and two dtype
+    reads per gradient.
+
+    A float variable takes only a floating-point gradient, on every backend:
+    an integer or boolean one is refused rather than cast (NumPy and
+    TensorFlow would cast it, torch's kernels would fail half-way through a
+    step), since it almost always means the wrong array was passed.
     """
     if all(g is None for g in grads):
         raise ValueError(
             "No gradients provided for any variable. Received: grads=" + repr([None] * len(grads))
         )
-    is_native = variables[0]._ops.is_native
+    is_native, dtype_name = variables[0]._ops.is_native, variables[0]._ops.dtype_name
     for g, v in zip(grads, variables):
         if g is None:
             continue
@@ -46,6 +53,13 @@ def validate_gradients(grads, variables):
             raise ValueError(
                 f"The gradient for variable {v.path!r} must have the variable's shape "
                 f"{v.shape}. Received: gradient shape {tuple(g.shape)}"
+            )
+        got = dtype_name(g)
+        if dtype_kind(got) != "float" and dtype_kind(v.dtype) == "float":
+            raise ValueError(
+                f"The gradient for variable {v.path!r} must have a floating-point dtype, as "
+                f"the variable does ({v.dtype}); integer and boolean gradients are not cast. "
+                f"Received: gradient dtype {got}"
             )
 
 

@@ -26,6 +26,7 @@ import sys
 import numpy as np
 
 from lossscale.backends import backend_of, get_ops
+from lossscale.mixed_precision import restored
 from lossscale.pytree._state import OptimizerState
 
 TRANSFORM = "lossscale.pytree"
@@ -112,7 +113,42 @@ def restore(tx, checkpoint, target, fail, kind_of):
             )
         if kind_of(array.dtype.name) != kind_of(dtype):
             fail(path, f"{name!r} holds {array.dtype.name} values but the target's is {dtype}")
+    for name, field in _loss_scale_fields(kind, tx, target, names).items():
+        found = restored.problem(field, name, saved[name][1])
+        if found:
+            fail(path, found)
     return rebuild([_like(saved[name][1], leaf) for name, leaf in zip(names, leaves)])
+
+
+def _loss_scale_fields(kind, tx, target, names):
+    """`{name: LossScaleState field}` for the state's loss-scale arrays among `names`."""
+    if kind == TRANSFORM:
+        fields, optimizer = {}, tx._blueprint
+        while optimizer is not None:
+            inner = getattr(optimizer, "inner_optimizer", None)
+            if inner is not None:  # a LossScaleOptimizer: its own variables are named by it
+                prefix = f"{optimizer.name}/"
+                own = {n.removeprefix(prefix): n for n in names if n.startswith(prefix)}
+                fields.update({own[v]: f for v, f in restored.variable_fields(own).items()})
+            optimizer = inner
+        return fields
+    from lossscale.optax.state import DynamicLossScaleState
+
+    tree_util = sys.modules["jax"].tree_util
+    nodes, _ = tree_util.tree_flatten_with_path(
+        target, is_leaf=lambda x: isinstance(x, DynamicLossScaleState)
+    )
+    fields = {}
+    for key_path, node in nodes:
+        if isinstance(node, DynamicLossScaleState):
+            prefix = tree_util.keystr(key_path)
+            for name in names:
+                suffix = name[len(prefix) :]
+                if name.startswith(prefix) and not suffix.startswith(".inner_state"):
+                    field = restored.key_path_field(suffix)
+                    if field is not None:
+                        fields[name] = field
+    return fields
 
 
 def _what(kind, structure):

@@ -1,0 +1,82 @@
+"""The values a loss-scale field may hold when a checkpoint restores it.
+
+A file whose digests were recomputed after an edit passes every check of
+the format; what it holds must still be a state the loss-scale step can
+have reached. `lossscale.saving.restore` (and `load`) checks each
+`LossScaleState` field it is about to write against `RULES` and raises
+`CheckpointError`, before anything is written, for a scale that is not a
+finite number > 0 (a NaN scale would skip every step), a negative counter
+and the like.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from lossscale.mixed_precision.state import NO_ERROR, TOO_MANY_SKIPS, LossScaleState
+
+# field -> (accepts(value), what is accepted). `nonfinite` is a boolean:
+# every value is one it can hold.
+RULES = {
+    "scale": (lambda x: math.isfinite(x) and x > 0, "a finite number > 0"),
+    "counter": (lambda x: x >= 0, "an integer >= 0"),
+    "consecutive_skips": (lambda x: x >= 0, "an integer >= 0"),
+    "steps": (lambda x: x >= 0, "an integer >= 0"),
+    "skipped": (lambda x: x >= 0, "an integer >= 0"),
+    "last_overflow_step": (lambda x: x >= -1, "an integer >= -1"),
+    "scale_history": (
+        lambda x: math.isfinite(x) and x >= 0,
+        "a finite number >= 0 (0 before the first step)",
+    ),
+    "error": (
+        lambda x: NO_ERROR <= x <= TOO_MANY_SKIPS,
+        f"one of {NO_ERROR}, ..., {TOO_MANY_SKIPS}",
+    ),
+    "error_step": (lambda x: x >= -1, "an integer >= -1"),
+}
+
+# A wrapper's variable name -> its field (`dynamic_scale` -> `scale`).
+_BY_VARIABLE = {
+    f.metadata["variable"] or f.name: f.name
+    for f in dataclasses.fields(LossScaleState)
+    if f.metadata["per"] == "step"
+}
+
+
+def problem(field, name, array):
+    """What is wrong with `array`, saved as `name`, as field `field`'s value; None if valid."""
+    rule = RULES.get(field)
+    if rule is None:
+        return None
+    accepts, accepted = rule
+    value = np.asarray(array).item()
+    if accepts(value):
+        return None
+    return (
+        f"{name!r} holds {value!r}, but the loss scale's `{field}` must be {accepted}; the "
+        "file was changed after it was saved. Nothing was restored"
+    )
+
+
+def variable_fields(variable_names):
+    """`{variable name: field}` for the variables a `LossScaleOptimizer` makes.
+
+    Args:
+        variable_names: The names (last path component) of the wrapper's own
+            variables, such as `dynamic_scale`, `step_counter`,
+            `scale_history_3`, `dense_kernel_nonfinite`.
+    """
+    fields = {}
+    for name in variable_names:
+        if name in _BY_VARIABLE:
+            fields[name] = _BY_VARIABLE[name]
+        elif name.startswith("scale_history_") and name.removeprefix("scale_history_").isdigit():
+            fields[name] = "scale_history"
+    return fields
+
+
+def key_path_field(suffix):
+    """The field a key path below a `DynamicLossScaleState` names (`.scale_history[3]`)."""
+    name = suffix.removeprefix(".").split("[")[0]
+    return name if name in RULES else None
