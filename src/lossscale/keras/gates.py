@@ -35,7 +35,9 @@ def run_stateful(backend: str, take, step: Callable[[], None], variables: Sequen
         tf.cond(take, applied, lambda: tf.constant(False))
         return
     if backend != "torch":
-        raise ValueError(f"`backend` must be 'tensorflow' or 'torch'. Received: backend={backend!r}")
+        raise ValueError(
+            f"`backend` must be 'tensorflow' or 'torch'. Received: backend={backend!r}"
+        )
     import torch
 
     values = [v.value for v in variables]

@@ -153,7 +153,9 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
 
     def _read_state(self, values=None):
         """The `LossScaleState` of the variables, or of `values` ({variable id: value})."""
-        return step.state_of(self._state, (lambda v: v.value) if values is None else (lambda v: values[id(v)]))
+        return step.state_of(
+            self._state, (lambda v: v.value) if values is None else (lambda v: values[id(v)])
+        )
 
     # --- one step -----------------------------------------------------------
     def apply(
@@ -247,9 +249,7 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
         new_trainable, new_inner = gates.run_stateless(
             ops.NAME, take, applied, lambda: (trainable, inner_values)
         )
-        written = {
-            id(self._state_item(key)): value for key, value in step.flat_items(new)
-        }
+        written = {id(self._state_item(key)): value for key, value in step.flat_items(new)}
         mine = [
             ops.cast(written[id(v)], v.dtype) if id(v) in written else values[id(v)]
             for v in self._variables

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 
 from lossscale.mixed_precision.loss_scale import (
-    HISTORY_LENGTH,
     LossScaleState,
     may_apply,
     next_loss_scale,
@@ -139,8 +138,7 @@ def extra_fields(policy):
         if f.name in ("scale", "counter"):
             continue
         meta = f.metadata
-        out.append((f.name, meta["variable"] or f.name, meta["dtype"], meta["initial"], meta["per"]))
+        out.append(
+            (f.name, meta["variable"] or f.name, meta["dtype"], meta["initial"], meta["per"])
+        )
     return out
-
-
-__all__ = ["HISTORY_LENGTH", "decide", "extra_fields", "flat_items", "inspect", "state_of", "unscale"]
