@@ -200,7 +200,8 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
         gates.run_stateful(
             ops.NAME,
             take,
-            lambda: inner.apply(unscaled, trainable_variables=trainable_variables),
+            lambda grads: inner.apply(grads, trainable_variables=trainable_variables),
+            unscaled,
             [*inner.variables, *variables],
         )
         targets = dict(step.flat_items(self._state))
@@ -285,6 +286,11 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
         config = super().get_config()
         config.update(self.policy.non_default_settings())
         return config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: dict | None = None):
+        """Rebuilds the wrapper and its inner optimizer; leaves `config` as it was."""
+        return super().from_config(dict(config), custom_objects=custom_objects)
 
 
 def _policy_property(field):
