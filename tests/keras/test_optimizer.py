@@ -169,3 +169,12 @@ def test_import_lossscale_imports_no_keras():
     code = "import sys, lossscale; print('keras' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", ["lossscale.keras.optimizer", "lossscale.keras.callback"])
+def test_docstring_examples(name):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
