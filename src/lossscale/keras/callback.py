@@ -66,6 +66,8 @@ class LossScaleLogger(keras.callbacks.Callback):
 
 
 def _values(optimizer):
+    if not optimizer.built:  # no step taken yet
+        return {"loss_scale": float(optimizer.initial_scale)}
     summary = optimizer.summary()
     values = {"loss_scale": summary["dynamic_scale"]}
     if "skipped_steps" in summary:
