@@ -143,3 +143,26 @@ def test_fsdp2_example_on_two_ranks(tmp_path):
     assert last.startswith("ranks 2") and float(re.search(r"loss (\S+)", last).group(1)) < 0.05
     # One shard overflowed at step 100: both ranks skipped it.
     assert "steps 199" in last and "parameters 321" in last
+
+
+@pytest.mark.parametrize("backend", ["jax"])
+def test_keras_fit_example_learns_in_mixed_float16(backend, tmp_path):
+    code = (EXAMPLES / "keras_fit.py").read_text()
+    assert len(code.splitlines()) <= 20
+    # Printed verbatim in the README's Keras quickstart.
+    assert f"```python\n{code}```" in README.read_text()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KERAS_BACKEND": backend}
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "keras_fit.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert float(re.search(r"accuracy (\S+)", last).group(1)) > 0.95
+    # 160 finite steps at the default 2000 growth steps: the scale stays at 2**15.
+    assert float(re.search(r"loss scale (\S+)", last).group(1)) == 2.0**15
+    assert "steps 160" in last

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -24,7 +25,8 @@ class Variable:
 
     Args:
         initializer: A native array (NumPy `ndarray`, `torch.Tensor`,
-            `jax.Array`) to wrap, a Python number or nested list (converted
+            `jax.Array`, `tf.Variable`) or a Keras 3 `keras.Variable` to wrap
+            (its name, path and constraint are taken too), a Python number or nested list (converted
             to a NumPy array), or an initializer (`"zeros"`, `"ones"`,
             `"random_normal"`, `"random_uniform"`, a callable
             `(shape, dtype)`) used with `shape`.
@@ -69,6 +71,13 @@ class Variable:
         backend: str | None = None,
         like: Array | None = None,
     ) -> None:
+        source = _keras_variable_or_none(initializer)
+        if source is not None:
+            # A Keras 3 variable: its own array is wrapped (updated in place on
+            # TensorFlow and torch; written back after each step on JAX).
+            initializer, name = source.value, name or source.name
+            constraint = constraint if constraint is not None else source.constraint
+            overwrite_with_gradient = overwrite_with_gradient or source.overwrite_with_gradient
         if name is not None and not isinstance(name, str):
             raise ValueError(f"`name` must be a string. Received: name={name!r}")
         if aggregation not in AGGREGATIONS:
@@ -79,7 +88,8 @@ class Variable:
         if constraint is not None and not callable(constraint):
             raise ValueError(f"`constraint` must be callable. Received: constraint={constraint!r}")
         self.name = name or "variable"
-        self.path = self.name
+        self.path = source.path if source is not None else self.name
+        self._source = source
         self.trainable = bool(trainable)
         self.aggregation = aggregation
         self.overwrite_with_gradient = bool(overwrite_with_gradient)
@@ -161,6 +171,27 @@ class Variable:
         if dtype is None and ops.is_native(value):
             return value  # wrapped without copying
         return ops.asarray(value, dtype=dtype, like=like)
+
+    # --- a wrapped keras.Variable ------------------------------------------
+    @property
+    def source(self):
+        """The `keras.Variable` this variable wraps, or None."""
+        return self._source
+
+    def sync_to_source(self) -> None:
+        """Makes the wrapped `keras.Variable` hold this value, where a write rebound it (JAX).
+
+        On TensorFlow and torch both share one buffer and this does nothing.
+        """
+        source = self._source
+        if source is not None and self._storage is not source.value:
+            source.assign(self._storage)
+
+    def sync_from_source(self) -> None:
+        """Takes the wrapped `keras.Variable`'s value, where it was rebound (JAX)."""
+        source = self._source
+        if source is not None and self._storage is not source.value:
+            self._storage = source.value
 
     # --- reading ---------------------------------------------------------
     @property
@@ -305,6 +336,16 @@ def _numpy_dtype(dtype):
     except TypeError:
         return False
     return True
+
+
+def is_keras_variable(x) -> bool:
+    """Whether `x` is a Keras 3 `keras.Variable` (Keras is not imported to tell)."""
+    keras = sys.modules.get("keras")
+    return keras is not None and isinstance(x, keras.Variable)
+
+
+def _keras_variable_or_none(x):
+    return x if is_keras_variable(x) else None
 
 
 def _native_or_none(x):

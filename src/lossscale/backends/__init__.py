@@ -20,7 +20,7 @@ def backend_of(x):
     """Returns `"numpy"`, `"torch"`, `"jax"` or `"tensorflow"` for a native array or Variable.
 
     TensorFlow's arrays are `tf.Tensor`s and `tf.Variable`s (mirrored ones
-    included).
+    included). A Keras 3 `keras.Variable` counts as its value's backend.
 
     Python scalars and NumPy scalars count as NumPy. Raises `TypeError` for
     anything else.
@@ -29,6 +29,11 @@ def backend_of(x):
         return x.backend
     if isinstance(x, (np.ndarray, np.generic, int, float, bool)):
         return "numpy"
+    keras = sys.modules.get("keras")
+    if keras is not None and isinstance(x, keras.Variable):
+        # A Keras 3 variable: the backend of the array it holds (not a
+        # tf.Variable subclass on TensorFlow).
+        return backend_of(x.value)
     # Only consult libraries the caller has already imported: an array of a
     # library that was never imported cannot exist.
     torch = sys.modules.get("torch")

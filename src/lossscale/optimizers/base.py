@@ -311,6 +311,10 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
             self._check_known(variables)
         with self._ops.quiet():
             self._apply_validated(grads, variables)
+        if not self._ops.MUTABLE:
+            # JAX rebinds: a wrapped keras.Variable takes its new value.
+            for v in variables:
+                v.sync_to_source()
 
     def _resolve_variables(self, grads, trainable_variables):
         """`(variables, known)`: `known` when all are ones the optimizer was built with.

@@ -15,7 +15,7 @@ from lossscale.backends import common_backend, get_ops
 from lossscale.backends._common import share_mask_cell
 from lossscale.optimizers.weight_decay import WeightDecayExclusions
 from lossscale.typing import Array, Initializer, Shape
-from lossscale.variables import Variable
+from lossscale.variables import Variable, is_keras_variable
 
 
 class SlotsMixin:
@@ -31,8 +31,12 @@ class SlotsMixin:
         if isinstance(x, Variable):
             return x
         wrapped = self._wrappers.get(id(x))
-        if wrapped is None or wrapped._storage is not x:
-            wrapped = Variable(x, name=f"param_{len(self._wrappers)}")
+        if wrapped is not None and wrapped.source is x:
+            wrapped.sync_from_source()  # a keras.Variable, maybe assigned since (JAX)
+        elif wrapped is None or wrapped._storage is not x:
+            # A keras.Variable keeps its own name and path; a raw array gets one.
+            name = None if is_keras_variable(x) else f"param_{len(self._wrappers)}"
+            wrapped = Variable(x, name=name)
             self._wrappers[id(x)] = wrapped
         return wrapped
 

@@ -1,0 +1,349 @@
+"""`lossscale.keras.LossScaleOptimizer`: Keras's wrapper, on lossscale's state machine."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+
+from lossscale.backends import get_ops
+from lossscale.keras import gates, step
+from lossscale.mixed_precision.host_state import HostStateMixin
+from lossscale.mixed_precision.loss_scale import HISTORY_LENGTH, LossScalePolicy
+
+BACKENDS = ("tensorflow", "jax", "torch")
+# The settings Keras's own wrapper has (the others are lossscale's extras).
+_KERAS_SETTINGS = ("initial_scale", "dynamic_growth_steps")
+
+
+@keras.saving.register_keras_serializable(package="lossscale")
+class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
+    """A `keras.optimizers.LossScaleOptimizer` whose scale follows lossscale's state machine.
+
+    Keras takes it wherever it takes its own wrapper: in `model.compile`
+    (also under the `"mixed_float16"` policy, which then does not wrap the
+    optimizer again), `keras.optimizers.get` / `serialize` / `deserialize`
+    and `.keras` files. With the settings at their defaults each step gives,
+    bit for bit, the weights, scale and counter of Keras's wrapper, wherever
+    Keras's scale stays finite and positive:
+
+    ```
+    grads = grads / scale                 # overwrite-with-gradient ones untouched
+    if all(isfinite(grads)):              # checked after unscaling
+        inner_optimizer.apply(grads)
+        counter += 1; every dynamic_growth_steps finite steps:
+            scale *= growth_factor        # not taken if it overflows float32
+    else:                                 # skipped: no variable changes
+        counter = 0
+        scale = max(scale * backoff_factor, float32 tiny)  # never 0
+    ```
+
+    Where Keras's wrapper lets the scale reach `inf` (every later step
+    skipped) or `0` (unscaled gradients `inf`, applied), this one keeps
+    training. The skip takes no host read on any backend (Keras's wrapper
+    takes one per step on torch): `tf.cond` on TensorFlow, `lax.cond` in
+    the stateless step `fit` runs on JAX, and an in-place select on torch.
+    Under `tf.distribute` every replica takes the same decision. The
+    stateful `apply` works on JAX too.
+
+    The beyond-Keras settings are those of `lossscale.LossScaleOptimizer`
+    (all off by default). With `min_scale` or `max_consecutive_skips` set, a
+    crossed limit freezes the state (every later step skipped) and
+    `check()` raises `LossScaleError`: an eager `apply` calls it after each
+    step; in a compiled `fit`, pass `lossscale.keras.LossScaleLogger()` to
+    the callbacks, which calls it after each batch.
+
+    Args:
+        inner_optimizer: The `keras.optimizers.Optimizer` instance to wrap.
+        initial_scale: Float. The initial loss scale.
+        dynamic_growth_steps: Int. After this many consecutive steps with
+            finite gradients, the scale grows by `growth_factor`.
+        name: String. The name of the optimizer.
+        growth_factor: Float > 1. Defaults to 2.
+        backoff_factor: Float in (0, 1). Defaults to 0.5.
+        hysteresis: Int >= 1. Overflowing steps in a row, each skipped,
+            before the scale backs off. Defaults to 1.
+        min_scale: Float or `None`. A backoff below it records an error.
+        max_scale: Float or `None`. Growth stops here.
+        max_consecutive_skips: Int or `None`. More skipped steps in a row
+            record an error.
+        growth_policy: `"fixed"` (default) or `"headroom"`.
+        telemetry: Boolean. Record skip counters, the last scales and
+            which variables had non-finite gradients (`summary()`).
+        **kwargs: Base optimizer arguments, accepted only at their defaults
+            (as by Keras's wrapper): set them on the `inner_optimizer`.
+
+    Examples:
+        >>> import keras, lossscale.keras as lsk
+        >>> optimizer = lsk.LossScaleOptimizer(keras.optimizers.SGD(0.1), telemetry=True)
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer=optimizer, loss="mse")
+        >>> model.optimizer is optimizer
+        True
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        initial_scale: float = 2.0**15,
+        dynamic_growth_steps: int = 2000,
+        name: str | None = None,
+        *,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        max_consecutive_skips: int | None = None,
+        growth_policy: str = "fixed",
+        telemetry: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        arguments = dict(locals())  # first: holds exactly the named arguments
+        settings = {f.name: arguments[f.name] for f in dataclasses.fields(LossScalePolicy)}
+        backend = keras.backend.backend()
+        if backend not in BACKENDS:
+            raise ValueError(
+                f"lossscale.keras runs on Keras's {', '.join(BACKENDS)} backends. "
+                f"Received: keras.backend.backend()={backend!r}"
+            )
+        _check_inner(inner_optimizer)
+        # Checked before Keras makes any variable: bad input builds nothing.
+        policy = LossScalePolicy(**settings)
+        super().__init__(inner_optimizer, initial_scale, dynamic_growth_steps, name=name, **kwargs)
+        self.policy = policy
+        self._ops = get_ops(backend)
+
+    # --- state ------------------------------------------------------------
+    def build(self, var_list: Sequence[keras.Variable]) -> None:
+        """Keras's `step_counter` and `dynamic_scale`, the extras' state, the inner optimizer."""
+        if self.built:
+            return
+        super().build(var_list)
+        state = {"scale": self.dynamic_scale, "counter": self.step_counter}
+        for field, name, dtype, initial, per in step.extra_fields(self.policy):
+            if dtype.startswith("int"):
+                # Keras's "int" (int64 on TensorFlow, int32 elsewhere): the
+                # state machine combines these with the counter.
+                dtype = self.step_counter.dtype
+            if per == "step":
+                state[field] = self._state_variable(name, dtype, initial)
+            elif per == "history":
+                state[field] = tuple(
+                    self._state_variable(f"{name}_{i}", dtype, initial)
+                    for i in range(HISTORY_LENGTH)
+                )
+            else:
+                state[field] = tuple(
+                    self._state_variable(f"{v.path.replace('/', '_')}_{name}", dtype, initial)
+                    for v in var_list
+                )
+        self._state = state
+
+    def _state_variable(self, name, dtype, initial):
+        return self.add_variable(
+            shape=(),
+            dtype=dtype,
+            initializer=keras.initializers.Constant(initial),
+            aggregation="none",
+            name=name,
+        )
+
+    def _read_state(self, values=None):
+        """The `LossScaleState` of the variables, or of `values` ({variable id: value})."""
+        return step.state_of(
+            self._state, (lambda v: v.value) if values is None else (lambda v: values[id(v)])
+        )
+
+    # --- one step -----------------------------------------------------------
+    def apply(
+        self,
+        grads: Sequence[Any],
+        trainable_variables: Sequence[keras.Variable] | None = None,
+    ) -> None:
+        """Applies the unscaled gradients unless they overflow; adapts the scale.
+
+        With `min_scale` or `max_consecutive_skips` set, an eager call raises
+        `LossScaleError` when the state records a failure (see `check`).
+        """
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        grads = list(grads)
+        variables = list(
+            trainable_variables if trainable_variables is not None else self._trainable_variables
+        )
+        if self._ops.NAME == "jax":
+            # JAX arrays are immutable: the stateless step, then its values written.
+            new_trainable, new_optimizer = self.stateless_apply(
+                [v.value for v in self.variables], grads, [v.value for v in variables]
+            )
+            for v, x in zip(variables, new_trainable):
+                v.assign(x)
+            for v, x in zip(self.variables, new_optimizer):
+                v.assign(x)
+        else:
+            self._stateful_step(grads, variables, trainable_variables)
+        if _executing_eagerly(self._ops.NAME, self.dynamic_scale.value):
+            self.check()
+
+    def _stateful_step(self, grads, variables, trainable_variables):
+        ops = self._ops
+        scale = self.dynamic_scale.value
+        unscaled, _ = step.unscale(ops, grads, self._overwrites(variables), scale)
+        state = self._read_state()
+        take, new = self._decide(state, unscaled, scale, variables)
+        inner = self.inner_optimizer
+        gates.run_stateful(
+            ops.NAME,
+            take,
+            lambda grads: inner.apply(grads, trainable_variables=trainable_variables),
+            unscaled,
+            [*inner.variables, *variables],
+        )
+        targets = dict(step.flat_items(self._state))
+        for key, value in step.flat_items(new):
+            targets[key].assign(value)
+
+    def stateless_apply(
+        self,
+        optimizer_variables: Sequence[Any],
+        grads: Sequence[Any],
+        trainable_variables: Sequence[Any],
+    ) -> tuple[list, list]:
+        """The step on values: returns `(new trainable values, new optimizer values)`.
+
+        Mutates nothing (the step `fit` runs on JAX, under `jax.jit`).
+        Never raises for a crossed limit: call `check(optimizer_variables)`.
+        """
+        if not self.built:
+            raise ValueError(
+                f"To call `stateless_apply`, {type(self).__name__} must be built (its "
+                "variables created): call `optimizer.build(trainable_variables)` first."
+            )
+        ops = self._ops
+        own = self.variables
+        optimizer_variables = list(optimizer_variables)
+        if len(optimizer_variables) != len(own):
+            raise ValueError(
+                "`optimizer_variables` must hold one value per optimizer variable "
+                f"({len(own)}). Received: {len(optimizer_variables)} values"
+            )
+        values = {id(v): x for v, x in zip(own, optimizer_variables)}
+        state = self._read_state(values)
+        variables = self._trainable_variables
+        unscaled, _ = step.unscale(ops, list(grads), self._overwrites(variables), state.scale)
+        take, new = self._decide(state, unscaled, state.scale, variables)
+        count = len(self._variables)
+        inner_values = optimizer_variables[count:]
+        trainable = list(trainable_variables)
+
+        def applied():
+            new_trainable, new_inner = self.inner_optimizer.stateless_apply(
+                inner_values, unscaled, trainable
+            )
+            return list(new_trainable), list(new_inner)
+
+        new_trainable, new_inner = gates.run_stateless(
+            ops.NAME, take, applied, lambda: (trainable, inner_values)
+        )
+        written = {id(self._state_item(key)): value for key, value in step.flat_items(new)}
+        mine = [
+            ops.cast(written[id(v)], v.dtype) if id(v) in written else values[id(v)]
+            for v in self._variables
+        ]
+        return list(new_trainable), mine + list(new_inner)
+
+    def _state_item(self, key):
+        name, index = key
+        target = self._state[name]
+        return target if index is None else target[index]
+
+    def _overwrites(self, variables):
+        return [self._overwrite_variable_with_gradient(v) for v in variables]
+
+    def _decide(self, state, unscaled, scale, variables):
+        ops = self._ops
+        index = [self._get_variable_index(v) for v in variables]
+        return step.decide(
+            ops,
+            state,
+            unscaled,
+            scale,
+            self.policy,
+            index,
+            len(self._trainable_variables),
+            (lambda flag: ops.all_true(flag, None), lambda peak: ops.all_max(peak, None)),
+        )
+
+    # --- configuration ----------------------------------------------------------
+    def get_config(self) -> dict[str, Any]:
+        """Keras's keys (`name`, `inner_optimizer`, `initial_scale`,
+        `dynamic_growth_steps`), plus each extra that differs from its default."""
+        config = super().get_config()
+        config.update(self.policy.non_default_settings())
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: dict | None = None):
+        """Rebuilds the wrapper and its inner optimizer; leaves `config` as it was."""
+        return super().from_config(dict(config), custom_objects=custom_objects)
+
+
+def _policy_property(field):
+    def read(self):
+        return getattr(self.policy, field.name)
+
+    def write(self, value):
+        if "policy" not in vars(self):
+            return  # Keras's constructor, before the policy (holding this value) is set
+        self.policy = dataclasses.replace(self.policy, **{field.name: value})
+
+    return property(
+        read,
+        write if field.name in _KERAS_SETTINGS else None,
+        doc=f"The `{field.name}` setting (see the class docstring).",
+    )
+
+
+for _field in dataclasses.fields(LossScalePolicy):
+    setattr(LossScaleOptimizer, _field.name, _policy_property(_field))
+del _field
+
+
+def _check_inner(inner):
+    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "`inner_optimizer` is already a LossScaleOptimizer: wrapping it again would scale "
+            "the loss twice. Pass its inner optimizer, or use it as it is. Received: "
+            f"inner_optimizer={inner!r}"
+        )
+    if type(inner).__module__.startswith("lossscale."):
+        raise ValueError(
+            "`inner_optimizer` must be a Keras optimizer; lossscale's own optimizers run "
+            "outside `model.fit` (use keras.optimizers.Adam and the like here). Received: "
+            f"inner_optimizer={inner!r}"
+        )
+    if not isinstance(inner, keras.optimizers.Optimizer):
+        raise ValueError(
+            "`inner_optimizer` must be a keras.optimizers.Optimizer instance, such as "
+            f"keras.optimizers.Adam(). Received: inner_optimizer={inner!r}"
+        )
+
+
+def _executing_eagerly(backend, value):
+    """Whether a host read may run here: not in a graph, a compiled region or a trace."""
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.executing_eagerly()
+    if backend == "torch":
+        import torch
+
+        return not torch.compiler.is_compiling()
+    import jax
+
+    return not isinstance(value, jax.core.Tracer)

@@ -1,0 +1,144 @@
+"""The loss-scale part of one Keras step: unscale, check, next state.
+
+Pure functions of backend arrays (the Keras variables' values), run with the
+lossscale backend module of Keras's backend (`lossscale.backends.get_ops`):
+the same `unscale`, finite checks and `next_loss_scale` every other
+lossscale interface runs. What the wrapper adds around them is only where
+the values come from and go to (`optimizer.py`) and how the inner step is
+skipped (`gates.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from lossscale.mixed_precision.loss_scale import (
+    LossScaleState,
+    may_apply,
+    next_loss_scale,
+    state_fields,
+)
+
+
+def unscale(ops, grads, overwrite, scale):
+    """`grads` divided by `scale`, except `None`s and overwrite-with-gradient ones.
+
+    Args:
+        ops: The lossscale backend module.
+        grads: The scaled gradients (`None` entries allowed).
+        overwrite: For each gradient, whether its variable takes it as is.
+        scale: The loss scale (float32 scalar).
+
+    Returns:
+        `(unscaled, divided)`: the list of gradients, and the indices divided.
+    """
+    divided = [i for i, (g, o) in enumerate(zip(grads, overwrite)) if g is not None and not o]
+    unscaled = list(grads)
+    for i, g in zip(divided, ops.unscale([grads[i] for i in divided], scale)):
+        unscaled[i] = g
+    return unscaled, divided
+
+
+def inspect(ops, unscaled, scale, policy, variable_index, variable_count):
+    """`(finite, peak, variable_finite)` of the unscaled gradients for `next_loss_scale`.
+
+    Checking after unscaling catches a finite gradient that overflows when
+    divided by a tiny scale. `peak` (the largest scaled magnitude) only with
+    the headroom policy; `variable_finite` only when telemetry is recorded.
+
+    Args:
+        ops: The lossscale backend module.
+        unscaled: The unscaled gradients (`None` entries allowed).
+        scale: The loss scale.
+        policy: The `LossScalePolicy`.
+        variable_index: For each gradient, the index of its variable in the
+            optimizer's build order.
+        variable_count: How many variables the optimizer was built with.
+    """
+    present = [(i, g) for i, g in enumerate(unscaled) if g is not None]
+    nonempty = [(i, g) for i, g in present if 0 not in ops.shape(g)]
+    if not policy.records_details and policy.growth_policy != "headroom":
+        return ops.all_finite([g for _, g in present]), None, ()
+    if not policy.records_details:
+        peak = ops.max_abs([g for _, g in nonempty]) if nonempty else scale * 0
+        return ops.isfinite(peak), peak * scale, ()
+    # One reduction per gradient: its largest magnitude gives its own flag
+    # and, reduced, the global flag and peak.
+    peaks = {i: ops.max_abs([g]) for i, g in nonempty}
+    largest = functools.reduce(ops.maximum, peaks.values()) if peaks else scale * 0
+    variable_finite = [None] * variable_count
+    for i, p in peaks.items():
+        variable_finite[variable_index[i]] = ops.isfinite(p)
+    peak = largest * scale if policy.growth_policy == "headroom" else None
+    return ops.isfinite(largest), peak, tuple(variable_finite)
+
+
+def decide(ops, state, unscaled, scale, policy, variable_index, variable_count, agree):
+    """`(take, new_state)`: whether the inner step is applied, and the next loss-scale state.
+
+    Args:
+        ops: The lossscale backend module.
+        state: The current `LossScaleState` (backend scalars).
+        unscaled: The unscaled gradients.
+        scale: The loss scale they were divided by.
+        policy: The `LossScalePolicy`.
+        variable_index: See `inspect`.
+        variable_count: See `inspect`.
+        agree: `(flag) -> flag` and `(peak) -> peak` reductions over the
+            replicas that must take one decision, as a pair of callables.
+    """
+    finite, peak, variable_finite = inspect(
+        ops, unscaled, scale, policy, variable_index, variable_count
+    )
+    all_true, all_max = agree
+    finite = all_true(finite)
+    if peak is not None:
+        peak = all_max(peak)
+    take = may_apply(ops, state, finite, policy)
+    new = next_loss_scale(
+        ops, state, finite, policy, peak=peak, variable_finite=variable_finite, in_place=False
+    )
+    return take, new
+
+
+def state_of(variables_by_field, read):
+    """The `LossScaleState` held by `{field: variable or tuple of them}`, each read by `read`."""
+    return LossScaleState(
+        **{
+            name: tuple(map(read, target)) if isinstance(target, tuple) else read(target)
+            for name, target in variables_by_field.items()
+        }
+    )
+
+
+def flat_items(state_or_variables):
+    """`(field, index)` -> value pairs of a state or of `{field: variable(s)}`, in field order."""
+    items = (
+        state_or_variables.items()
+        if isinstance(state_or_variables, dict)
+        else ((f, getattr(state_or_variables, f)) for f in LossScaleState.__dataclass_fields__)
+    )
+    for name, value in items:
+        if isinstance(value, tuple):
+            yield from (((name, i), x) for i, x in enumerate(value))
+        elif value is not None:
+            yield (name, None), value
+
+
+def extra_fields(policy):
+    """`(field, variable name, dtype, initial, per)` of the state Keras's wrapper lacks.
+
+    Keras's wrapper holds `scale` (`dynamic_scale`) and `counter`
+    (`step_counter`); hysteresis, telemetry and the fail-fast limits add the
+    fields they track. `per` is `"step"`, `"history"` (`HISTORY_LENGTH`
+    scalars) or `"variable"` (one per model variable).
+    """
+    out = []
+    for f in state_fields(policy):
+        if f.name in ("scale", "counter"):
+            continue
+        meta = f.metadata
+        out.append(
+            (f.name, meta["variable"] or f.name, meta["dtype"], meta["initial"], meta["per"])
+        )
+    return out

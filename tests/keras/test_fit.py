@@ -1,0 +1,168 @@
+"""`model.fit` with `lossscale.keras.LossScaleOptimizer` on Keras's TensorFlow, JAX and torch backends.
+
+Each backend runs `fit_worker.py` once, in a subprocess with `KERAS_BACKEND`
+set (Keras reads it at import); the tests read what it wrote. Against
+Keras's own wrapper, in `mixed_float16`, with inf and NaN batches: the
+weights, the inner optimizer's state and the scale / counter / iterations
+after every batch are compared exactly.
+"""
+
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+WORKER = pathlib.Path(__file__).with_name("fit_worker.py")
+BACKENDS = ("tensorflow", "jax", "torch")
+
+
+# One group per backend: under xdist every test of a backend runs in the
+# worker that ran its subprocess, so each backend's worker runs once.
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(b, marks=pytest.mark.xdist_group(f"keras_fit_{b}")) for b in BACKENDS],
+)
+def run(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"keras_{request.param}") / "out.json"
+    env = {**os.environ, "KERAS_BACKEND": request.param, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return request.param, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("jit", ["jit=False", "jit=True"])
+def test_fit_matches_keras_bit_for_bit_with_overflows(run, jit):
+    _, results = run
+    runs = results["parity"][jit]
+    keras_run, ours = runs["keras"], runs["ours"]
+    assert ours["type"] == "lossscale.keras.optimizer"  # compile kept it as it is
+    assert ours["steps"] == keras_run["steps"]
+    assert ours["weights"] == keras_run["weights"]
+    assert ours["inner"] == keras_run["inner"]
+    scales = [s for s, _, _ in ours["steps"]]
+    # Both the injected inf batch and the NaN batch were skipped, and the
+    # scale also grew: the trajectory exercises every branch.
+    skips = [i for i in range(1, len(scales)) if scales[i] < scales[i - 1]]
+    assert len(skips) >= 2 and any(b > a for a, b in zip(scales, scales[1:]))
+    iterations = [it for _, _, it in ours["steps"]]
+    assert iterations[-1] < len(iterations)
+
+
+def test_keras_scale_reaches_inf_ours_keeps_training(run):
+    _, results = run
+    keras_run, ours = results["guards"]["inf"]["keras"], results["guards"]["inf"]["ours"]
+    steps = len(ours["steps"])
+    # Keras: 2**127 doubles to inf after the first step; every later step skipped.
+    assert keras_run["steps"][-1][0] == math.inf and keras_run["steps"][-1][2] == 1
+    # Ours: the growth is not taken, every step is applied.
+    assert ours["steps"][-1] == [2.0**127, 0, steps]
+    assert all(np.isfinite(np.asarray(w)).all() for w in ours["weights"])
+
+
+def test_keras_scale_reaches_zero_ours_keeps_training(run):
+    _, results = run
+    keras_run, ours = results["guards"]["zero"]["keras"], results["guards"]["zero"]["ours"]
+    steps = len(ours["steps"])
+    # The first batch is NaN: Keras halves 2**-149 to 0.0, then applies 0/0.
+    assert keras_run["steps"][-1][0] == 0.0
+    assert any(np.isnan(np.asarray(w)).any() for w in keras_run["weights"])
+    # Ours stops at the smallest normal float32 and trains on.
+    assert ours["steps"][0] == [float(np.finfo(np.float32).tiny), 0, 0]
+    assert ours["steps"][-1][2] == steps - 1
+    assert all(np.isfinite(np.asarray(w)).all() for w in ours["weights"])
+
+
+@pytest.mark.parametrize("every_batch", [False, True])
+def test_history_has_loss_scale_and_skipped_steps(run, every_batch):
+    _, results = run
+    got = results["telemetry"][f"every_batch={every_batch}"]
+    history, steps, summary = got["history"], got["steps"], got["summary"]
+    per_epoch = len(steps) // 2
+    assert history["loss_scale"] == [steps[per_epoch - 1][0], steps[-1][0]]
+    assert history["loss_scale"][-1] == summary["dynamic_scale"]
+    assert history["skipped_steps"][-1] == summary["skipped_steps"] == len(steps) - steps[-1][2]
+    assert 0 < history["skipped_steps"][0] < history["skipped_steps"][1]
+    logged = {"loss", "loss_scale", "skipped_steps"}
+    assert all(set(keys) == (logged if every_batch else {"loss"}) for keys in got["batch_keys"])
+
+
+def test_keras_file_round_trip_and_bit_for_bit_resume(run):
+    _, results = run
+    saving = results["saving"]
+    assert saving["type"] == "lossscale.keras.optimizer.LossScaleOptimizer"
+    assert saving["loaded_config"] == saving["config"]
+    assert {"hysteresis": 2, "telemetry": True, "max_scale": 2.0**20}.items() <= saving[
+        "config"
+    ].items()
+    assert saving["loaded_values"] == saving["saved_values"]
+    original, loaded = saving["resumed"]
+    assert loaded == original
+
+
+def test_fail_fast_raises_out_of_fit(run):
+    backend, results = run
+    messages = results["fail_fast"]
+    assert set(messages) == ({"jit=False"} if backend == "torch" else {"jit=False", "jit=True"})
+    for message in messages.values():
+        assert message is not None
+        assert message.startswith(
+            "Loss scaling failed at step 2: more than `max_consecutive_skips`"
+        )
+        assert "Steps skipped in a row: 3; in total: 3 of 3." in message
+        assert "/dense" in message  # variables named by their Keras paths
+
+
+def test_keras_takes_it_as_its_own(run):
+    _, results = run
+    got = results["serialization"]
+    assert got["registered"] == "lossscale>LossScaleOptimizer"
+    assert got["deserialized"] == ["LossScaleOptimizer", True]
+    assert got["get"] == ["lossscale.keras.optimizer", 3]
+    assert got["compiled_is_ours"]  # mixed_float16 did not wrap it again
+    assert got["auto_wrapped"] == "keras.src.optimizers.loss_scale_optimizer"
+    assert got["our_keys"] == got["keras_keys"]
+
+
+def test_mirrored_strategy_matches_keras_and_replicas_agree(run):
+    backend, results = run
+    if backend != "tensorflow":
+        assert "mirrored" not in results
+        return
+    got = results["mirrored"]
+    assert got["replicas"] == 2
+    assert got["ours"] == got["keras"]
+    assert got["ours"]["steps"][2][0] < got["ours"]["steps"][1][0]  # the inf batch: skipped
+    # One replica's half overflowed: both skipped it (the scale halved once,
+    # iterations did not move), and training went on.
+    steps = got["one_replica"]["steps"]
+    assert steps[2][0] == steps[1][0] / 2 and steps[2][2] == steps[1][2]
+    assert steps[-1][2] == len(steps) - 1
+
+
+def test_keras_variables_work_with_lossscale_optimizers(run):
+    _, results = run
+    got = results["variables"]
+    # The model's own variables were updated in place, exactly as plain
+    # arrays of the same values are; the inf step was skipped.
+    assert got["after"] != got["before"]
+    assert got["after"] == got["reference"]
+    assert got["iterations"] == 3
+    assert re.fullmatch(r"sequential\w*/dense\w*/kernel", got["paths"][0])
+    # Named by their Keras paths in telemetry and errors.
+    assert got["summary"]["nonfinite_variables"] == [got["paths"][1]]
+    assert got["error"] == (
+        f"The gradient for variable '{got['paths'][0]}' must have the variable's shape (4, 8). "
+        "Received: gradient shape (3, 3)"
+    )

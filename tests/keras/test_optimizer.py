@@ -1,0 +1,180 @@
+"""`lossscale.keras.LossScaleOptimizer` in this process (Keras on torch): construction and config.
+
+What needs `fit` on every backend is in `test_fit.py`.
+"""
+
+import os
+
+os.environ["KERAS_BACKEND"] = "torch"
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import lossscale as ls  # noqa: E402
+import lossscale.keras as lsk  # noqa: E402
+
+
+def test_it_is_keras_s_wrapper():
+    opt = lsk.LossScaleOptimizer(keras.optimizers.Adam(), hysteresis=2)
+    assert isinstance(opt, keras.optimizers.LossScaleOptimizer)
+    assert isinstance(opt, keras.optimizers.Optimizer)
+    assert keras.optimizers.get(opt) is opt
+    assert opt.hysteresis == 2 and opt.initial_scale == 2.0**15
+
+
+def test_config_holds_keras_keys_then_changed_extras():
+    inner = keras.optimizers.SGD(0.5, name="sgd")
+    ours = lsk.LossScaleOptimizer(inner, 128.0, 10, name="ls", min_scale=1.0, telemetry=True)
+    theirs = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.5, name="sgd"), 128.0, 10, name="ls"
+    )
+    config = ours.get_config()
+    assert config == {**theirs.get_config(), "min_scale": 1.0, "telemetry": True}
+    again = lsk.LossScaleOptimizer.from_config(config)
+    assert again.get_config() == config and config["min_scale"] == 1.0  # not consumed
+    # Keras's own wrapper reads a default config of ours.
+    plain = lsk.LossScaleOptimizer(keras.optimizers.SGD(0.5)).get_config()
+    # (a copy: Keras's from_config consumes the dict it is given)
+    assert keras.optimizers.LossScaleOptimizer.from_config(dict(plain)).get_config() == plain
+
+
+def test_stateless_apply_equals_apply():
+    rng = np.random.default_rng(0)
+    values = [rng.normal(size=s).astype("float32") for s in [(3, 2), (2,)]]
+    runs = []
+    for stateless in (False, True):
+        rng = np.random.default_rng(1)  # the same gradients for both
+        variables = [keras.Variable(v.copy(), name=f"w{i}") for i, v in enumerate(values)]
+        opt = lsk.LossScaleOptimizer(keras.optimizers.Adam(0.1), 8.0, 2, telemetry=True)
+        opt.build(variables)
+        for i in range(5):
+            grads = [
+                torch.from_numpy(rng.normal(size=v.shape).astype("float32") * 8) for v in values
+            ]
+            if i == 2:
+                grads[0][1, 1] = torch.nan
+            if stateless:
+                new_vars, new_opt = opt.stateless_apply(
+                    [v.value for v in opt.variables], grads, [v.value for v in variables]
+                )
+                for v, x in zip(variables, new_vars):
+                    v.assign(x)
+                for v, x in zip(opt.variables, new_opt):
+                    v.assign(x)
+            else:
+                opt.apply(grads, variables)
+        runs.append(([keras.ops.convert_to_numpy(v) for v in variables], opt.summary()))
+    (a, summary_a), (b, summary_b) = runs
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert summary_a == summary_b and summary_a["skipped_steps"] == 1
+
+
+class _NoHostRead:
+    """Makes every read of a torch tensor's value on the host raise, while active."""
+
+    NAMES = ("__bool__", "item", "tolist", "__int__", "__float__", "numpy")
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("host read")
+
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, refuse)
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+@pytest.mark.parametrize("inject", [False, True])
+def test_torch_step_reads_nothing_on_the_host(inject):
+    variables = [keras.Variable(np.ones((4, 3), "float32")), keras.Variable(np.zeros(3, "float32"))]
+    grads = [torch.full((4, 3), 64.0), torch.full((3,), 64.0)]
+    if inject:
+        grads[1][0] = torch.inf
+    ours = lsk.LossScaleOptimizer(keras.optimizers.Adam(0.1), 64.0, 2)
+    theirs = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.1), 64.0, 2)
+    for opt in (ours, theirs):
+        opt.build(variables)
+    with _NoHostRead():
+        ours.apply(grads, variables)
+        with pytest.raises(AssertionError, match="host read"):  # Keras's `if` on the flag
+            theirs.apply(grads, variables)
+    expected = 32.0 if inject else 64.0
+    assert float(keras.ops.convert_to_numpy(ours.dynamic_scale)) == expected
+    assert int(keras.ops.convert_to_numpy(ours.iterations)) == (0 if inject else 1)
+
+
+BAD = [
+    (lambda: lsk.LossScaleOptimizer(ls.optimizers.Adam()), "must be a Keras optimizer"),
+    (lambda: lsk.LossScaleOptimizer("adam"), "must be a keras.optimizers.Optimizer instance"),
+    (
+        lambda: lsk.LossScaleOptimizer(
+            keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
+        ),
+        "already a LossScaleOptimizer",
+    ),
+    (
+        lambda: lsk.LossScaleOptimizer(lsk.LossScaleOptimizer(keras.optimizers.Adam())),
+        "already a LossScaleOptimizer",
+    ),
+    (
+        lambda: lsk.LossScaleOptimizer(keras.optimizers.Adam(), dynamic_growth_steps=0),
+        r"`dynamic_growth_steps` must be an integer >= 1. Received: dynamic_growth_steps=0",
+    ),
+    (
+        lambda: lsk.LossScaleOptimizer(keras.optimizers.Adam(), initial_scale=float("inf")),
+        r"`initial_scale` must be a finite number > 0 .* Received: initial_scale=inf",
+    ),
+    (
+        lambda: lsk.LossScaleOptimizer(keras.optimizers.Adam(), hysteresis=0),
+        r"`hysteresis` must be an integer >= 1. Received: hysteresis=0",
+    ),
+    (
+        lambda: lsk.LossScaleOptimizer(keras.optimizers.Adam(), growth_policy="up"),
+        r"`growth_policy` must be one of .* Received: growth_policy='up'",
+    ),
+    (
+        lambda: lsk.LossScaleOptimizer(keras.optimizers.Adam(), clipnorm=1.0),
+        "does not support `clipnorm`. Instead, set `clipnorm` on the `inner_optimizer`",
+    ),
+    (lambda: lsk.LossScaleLogger(every_batch=1), r"`every_batch` must be a boolean"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD)))
+def test_bad_input_is_refused_before_anything_is_built(case):
+    make, message = BAD[case]
+    inner_before = keras.optimizers.Adam()
+    with pytest.raises(ValueError, match=message):
+        make()
+    assert inner_before.loss_scale_factor is None and not inner_before.built
+
+
+def test_logger_needs_our_optimizer():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(), loss="mse")
+    with pytest.raises(ValueError, match="compiled with lossscale.keras.LossScaleOptimizer"):
+        model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0, callbacks=[lsk.LossScaleLogger()])
+
+
+def test_import_lossscale_imports_no_keras():
+    import subprocess
+    import sys
+
+    code = "import sys, lossscale; print('keras' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", ["lossscale.keras.optimizer", "lossscale.keras.callback"])
+def test_docstring_examples(name):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
