@@ -214,7 +214,17 @@ BACKEND_DIR = Path(lossscale.backends.__file__).parent
 # a module may import only those before it, so the seam reads top-down.
 LAYERS = {
     "numpy": ["parallel", "ops", "fused", "kernels"],
-    "torch": ["masks", "dtensors", "ops", "multi", "plans", "foreach", "adamw", "fused", "kernels"],
+    "torch": [
+        "control",
+        "dtensors",
+        "ops",
+        "multi",
+        "plans",
+        "foreach",
+        "adamw",
+        "fused",
+        "kernels",
+    ],
     "jax": ["ops", "multi", "fused", "kernels"],
     "tensorflow": ["ops", "control", "multi", "replicas", "fused", "compiled", "kernels"],
 }

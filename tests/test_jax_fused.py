@@ -12,6 +12,7 @@ buffer at all.
 """
 
 import contextlib
+import functools
 import re
 
 import jax
@@ -21,9 +22,9 @@ import pytest
 
 import lossscale as ls
 from lossscale import backends, optimizers
-from lossscale.backends._common import masked
 from lossscale.backends.jax import fused, kernels
 from lossscale.backends.jax import multi as jax_multi
+from lossscale.backends.kernel import Kernel
 from lossscale.optimizers import LossScaleOptimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
@@ -270,7 +271,7 @@ def test_the_step_holds_no_cond_and_no_select_of_state(case):
 
 
 def test_the_checker_sees_a_cond_and_a_select_of_state():
-    """The checks above can fail: the generic step has a cond, masked writes have selects."""
+    """The checks above can fail: the generic step has a cond, selected writes have selects."""
     weights = make_weights(SHAPES["several"])
     opt = LossScaleOptimizer(optimizers.Adam(0.05))
     opt.build([jnp.asarray(w) for w in weights])
@@ -278,13 +279,17 @@ def test_the_checker_sees_a_cond_and_a_select_of_state():
         names, _ = _full_size_selects(*step_jaxpr(opt, weights))
     assert "cond" in names
 
-    def select_writes(optimizer, grads, variables, learning_rate):
-        for g, v in zip(grads, variables):
-            optimizer.update_step(g, v, learning_rate)  # masked writes: selects
+    def select_writes(params, grads, slots, hyper, *, update_step, keep, lr, **_):
+        # `keep` honoured by a select of every state the rule writes.
+        targets = list(params) + [s for lst in slots.values() for s in lst]
+        old = [t.value for t in targets]
+        for g, v in zip(grads, params):
+            update_step(g, v, lr)
+        for t, o in zip(targets, old):
+            t._storage = jnp.where(keep, t._storage, o)
 
-    select_writes.folds_gate = True
     with generic_path():
-        kernels.KERNELS["adam"] = select_writes
+        kernels.KERNELS["adam"] = Kernel(select_writes, folds_keep=True)
         names, selects = _full_size_selects(*step_jaxpr(opt, weights))
     assert "cond" not in names
     assert sum(reads_state for _, reads_state in selects) == 3 * sum(w.size > 1 for w in weights)
@@ -442,7 +447,7 @@ def _eager_variables(weights):
 
 @pytest.mark.parametrize("case", ["adam", "adam_amsgrad", "sgd", "sgd_nesterov"])
 @pytest.mark.parametrize("grad_scale", [None, 1000.0])
-def test_without_a_mask_the_kernels_run_update_step(case, grad_scale):
+def test_without_a_flag_the_kernels_run_update_step(case, grad_scale):
     weights = make_weights(SHAPES["several"])
     grads = [jnp.asarray(g) for g in make_gradients(SHAPES["several"], 1000.0)[1]]
     results = []
@@ -458,19 +463,28 @@ def test_without_a_mask_the_kernels_run_update_step(case, grad_scale):
                 opt.update_step(g, v, opt.learning_rate)
         else:
             scale = None if grad_scale is None else jnp.float32(grad_scale)
-            kernel(opt, grads, variables, opt.learning_rate, grad_scale=scale)
+            assert opt._fused_kernel().fn is kernel
+            opt._update_variables(grads, variables, opt.learning_rate, grad_scale=scale)
         results.append([np.asarray(v.value) for v in variables + opt.variables])
     assert_bitwise(results[0], results[1], case)
+
+
+def _decayed(variables, values, flag):
+    with backends._common.bound(variables, values):
+        fused.weight_decay(variables, 0.1, jnp.float32(0.05), cache={}, keep=flag)
+        return [v._storage for v in variables]
 
 
 def test_weight_decay_kernel_is_the_generic_rule():
     weights = make_weights(SHAPES["several"])
     for keep in (None, True, False):
         variables = _eager_variables(weights)
-        with contextlib.ExitStack() as stack:
-            if keep is not None:
-                stack.enter_context(masked(variables, jnp.asarray(keep)))
-            fused.weight_decay(None, variables, 0.1, jnp.float32(0.05))
+        flag = None if keep is None else jnp.asarray(keep)
+        # Traced, as under `jax.jit` (a concrete flag is a plain `if`).
+        step = jax.jit(functools.partial(_decayed, variables))
+        values = step([v.value for v in variables], flag)
+        for v, value in zip(variables, values):
+            v._storage = value
         expected = [w - w * np.float32(0.1) * np.float32(0.05) for w in weights]
         if keep is False:
             expected = weights

@@ -19,6 +19,7 @@ import pytest
 from conftest import force_numpy_threads
 
 import lossscale as ls
+from lossscale.backends.kernel import Kernel
 from lossscale.backends.numpy import fused as numpy_fused
 from lossscale.backends.numpy import kernels as numpy_kernels
 from lossscale.backends.numpy import ops as numpy_ops
@@ -84,8 +85,11 @@ def _run(monkeypatch, cls, make, weights, grads, fused):
                 calls.append(kwargs.get("grad_scale"))
                 return kernel(*args, **kwargs)
 
-            counting.takes_grad_scale = kernel.takes_grad_scale
-            m.setitem(numpy_kernels.KERNELS, cls.update_kernel, counting)
+            m.setitem(
+                numpy_kernels.KERNELS,
+                cls.update_kernel,
+                Kernel(counting, takes_grad_scale=kernel.takes_grad_scale),
+            )
         else:
             m.delitem(numpy_kernels.KERNELS, cls.update_kernel)
         opt = make()
@@ -110,10 +114,13 @@ def _assert_same(monkeypatch, cls, make, weights, grads):
 
 
 def test_registered_for_exact_classes_only():
-    assert numpy_kernels.KERNELS == {"adam": numpy_fused.adam, "sgd": numpy_fused.sgd}
-    assert Adam()._fused_kernel() is numpy_fused.adam
-    assert AdamW()._fused_kernel() is numpy_fused.adam  # the same rule, declared again
-    assert SGD()._fused_kernel() is numpy_fused.sgd
+    assert numpy_kernels.KERNELS == {
+        "adam": Kernel(numpy_fused.adam, takes_grad_scale=True),
+        "sgd": Kernel(numpy_fused.sgd, takes_grad_scale=True),
+    }
+    assert Adam()._fused_kernel().fn is numpy_fused.adam
+    assert AdamW()._fused_kernel().fn is numpy_fused.adam  # the same rule, declared again
+    assert SGD()._fused_kernel().fn is numpy_fused.sgd
 
     class Changed(Adam):  # a subclass may change the rule: it gets the generic path
         pass
@@ -232,12 +239,12 @@ def test_grad_scale_equals_unscaling_first(blocks, cls, config):
         opt = cls(**config)
         variables = [ls.Variable(w.copy(order="K")) for w in weights]
         opt.build(variables)
-        kernel = opt._fused_kernel()
+        assert opt._fused_kernel().takes_grad_scale
         for _ in range(2):
             if fused_scale:
-                kernel(opt, grads, variables, opt.learning_rate, grad_scale=scale)
+                opt._update_variables(grads, variables, opt.learning_rate, grad_scale=scale)
             else:
-                kernel(opt, numpy_ops.unscale(grads, scale), variables, opt.learning_rate)
+                opt._update_variables(numpy_ops.unscale(grads, scale), variables, opt.learning_rate)
             opt.iterations.assign_add(1)
         results.append([v.numpy() for v in variables + opt.variables])
     for x, y in zip(*results):
@@ -287,7 +294,7 @@ def test_kernel_allocates_no_full_size_temporaries():
         variables = opt._trainable_variables
         tracemalloc.start()
         try:
-            opt._fused_kernel()(opt, grads, variables, opt.learning_rate)
+            opt._update_variables(grads, variables, opt.learning_rate)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -299,18 +306,18 @@ def test_scratch_belongs_to_the_optimizer(monkeypatch):
     weights, grads = _data([(5, 5)], steps=1)
     opt = Adam()
     opt.apply(grads[0], weights)
-    buffers = numpy_fused._SCRATCH[opt]
+    buffers = opt._kernel_cache[numpy_fused.SCRATCH_KEY]
     assert {key[1] for key in buffers} == {np.dtype("float32")}
     for group in buffers.values():
         assert [t.shape for t in group] == [(numpy_fused.BLOCK,)] * 3 + [
             (numpy_fused.PACK_CAPACITY,)
         ] * (1 + numpy_fused.MAX_ARRAYS)
     opt.apply(grads[0], weights)
-    assert numpy_fused._SCRATCH[opt] is buffers
-    alive, count = weakref.ref(opt), len(numpy_fused._SCRATCH)
-    del opt, buffers
+    assert opt._kernel_cache[numpy_fused.SCRATCH_KEY] is buffers
+    alive, kept = weakref.ref(opt), weakref.ref(buffers[0, np.dtype("float32")][0])
+    del opt, buffers, group
     gc.collect()
-    assert alive() is None and len(numpy_fused._SCRATCH) == count - 1
+    assert alive() is None and kept() is None  # the buffers die with their optimizer
 
 
 def test_blocks_split_large_jobs_and_pack_small_ones(monkeypatch):
@@ -379,9 +386,9 @@ def test_small_variables_are_packed_with_and_without_grad_scale(monkeypatch):
     opt = Adam()
     opt.build(weights)
     variables = opt._trainable_variables
-    numpy_fused.adam(opt, grads, variables, opt.learning_rate)
-    numpy_fused.adam(
-        opt, grads, variables, opt.learning_rate, grad_scale=np.asarray(np.float32(8.0))
+    opt._update_variables(grads, variables, opt.learning_rate)
+    opt._update_variables(
+        grads, variables, opt.learning_rate, grad_scale=np.asarray(np.float32(8.0))
     )
     assert gathered == [5, 5]  # one pack of all five, both times
 
@@ -474,8 +481,9 @@ def test_skipped_step_leaves_every_variable_unchanged(monkeypatch, blocks, cls, 
         calls.append(1)
         return kernel(*args, **kwargs)
 
-    counting.takes_grad_scale = True
-    monkeypatch.setitem(numpy_kernels.KERNELS, cls.update_kernel, counting)
+    monkeypatch.setitem(
+        numpy_kernels.KERNELS, cls.update_kernel, Kernel(counting, takes_grad_scale=True)
+    )
     opt = ls.LossScaleOptimizer(cls(**config), initial_scale=scale)
     opt.scale_loss(np.float32(1.0))
     opt.apply(grads[0], weights)  # an applied step: moments are not zero

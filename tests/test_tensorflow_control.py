@@ -33,15 +33,30 @@ def test_eager_cond_writes_only_the_taken_branch(pred):
     )
     expected = [2.0, 1.0] if pred else [np.nan, np.nan]
     np.testing.assert_array_equal(v.numpy(), expected)
-    assert v._write_mask is None
+    assert v.numpy().tobytes() != np.array([1.0, -0.0], np.float32).tobytes()
 
 
-def test_nested_eager_branches_combine_their_masks():
+def test_the_eager_branch_not_taken_leaves_every_bit():
+    old = np.array([-0.0, 0.0, 1.5], np.float32)
+    v = _variable(old)
+    for write in ("assign", "assign_add", "assign_sub"):
+        control.cond(
+            tf.constant(False),
+            lambda write=write: getattr(v, write)(tf.constant([np.nan, 0.0, np.inf])),
+            None,
+            [v],
+        )
+    assert v.numpy().tobytes() == old.tobytes()  # -0.0 stays -0.0
+
+
+def test_nested_eager_branches():
     v = _variable([0.0])
     for outer, inner, expected in [(True, True, 1), (True, False, 1), (False, True, 1)]:
         control.cond(
             tf.constant(outer),
-            lambda inner=inner: control.gated(tf.constant(inner), lambda: v.assign_add(1.0), [v]),
+            lambda inner=inner: control.cond(
+                tf.constant(inner), lambda: v.assign_add(1.0), None, [v]
+            ),
             None,
             [v],
         )
@@ -51,8 +66,8 @@ def test_nested_eager_branches_combine_their_masks():
 def test_python_predicates_take_a_plain_if():
     v = _variable([0.0])
     control.cond(True, lambda: v.assign(5.0), lambda: v.assign(7.0), [v])
-    control.gated(np.bool_(False), lambda: v.assign(9.0), [v])
-    assert v.numpy().tolist() == [5.0] and v._write_mask is None
+    control.cond(np.bool_(False), lambda: v.assign(9.0), None, [v])
+    assert v.numpy().tolist() == [5.0]
 
 
 @pytest.mark.parametrize("name", ["Adam", "SGD", "RMSprop"])
@@ -108,7 +123,7 @@ def test_graph_cond_runs_only_the_branch_taken():
             ran.assign_add(1)
             v.assign(v.value * 3.0)
 
-        control.gated(flag, expensive, [v])
+        control.cond(flag, expensive, None, [v])
 
     step(tf.constant(False))
     step(tf.constant(True))

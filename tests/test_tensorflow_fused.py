@@ -5,7 +5,6 @@ import pytest
 import tensorflow as tf
 
 import lossscale as ls
-from lossscale.backends._common import masked
 from lossscale.backends.tensorflow import fused
 
 SETTINGS = [{}, {"momentum": 0.9}, {"momentum": 0.9, "nesterov": True}]
@@ -24,7 +23,9 @@ def _steps(settings, dtype, rule, graph=False, steps=4):
 
     def step(grads):
         if rule == "fused":
-            fused.sgd(opt, grads, variables, lr)
+            hyper = opt._hyper_type(*(getattr(opt, k) for k in opt._hyper_type._fields))
+            slots = opt._kernel_slots(variables)
+            fused.sgd(opt.update_step, variables, slots, hyper, grads, lr)
         else:
             for g, v in zip(grads, variables):
                 opt.update_step(g, v, lr)
@@ -46,15 +47,15 @@ def test_fused_sgd_equals_update_step(settings, dtype, graph):
         np.testing.assert_array_equal(got, want)
 
 
-def test_half_precision_and_masked_variables_take_update_step():
+def test_half_precision_and_tensor_bound_variables_take_update_step():
     reference = _steps(SETTINGS[1], np.float16, "update_step")
     for got, want in zip(_steps(SETTINGS[1], np.float16, "fused"), reference):
         np.testing.assert_array_equal(got, want)
     v = ls.Variable(tf.Variable(np.ones(2, np.float32)))
     opt = ls.optimizers.SGD(0.1, momentum=0.9)
     opt.build([v])
-    assert fused._fusable(opt, [v])
-    with masked([v], tf.constant(False)):
-        assert not fused._fusable(opt, [v])
-        fused.sgd(opt, [tf.ones(2)], [v], tf.constant(0.1))
-    np.testing.assert_array_equal(v.numpy(), [1.0, 1.0])
+    slots = opt._kernel_slots([v])
+    assert fused._fusable([v], slots)
+    # `stateless_apply` binds plain tensors: no handle for the fused kernels.
+    with ls.backends._common.bound([v], [tf.constant([1.0, 1.0])]):
+        assert not fused._fusable([v], slots)

@@ -94,17 +94,6 @@ def test_writes_to_a_tensor_return_a_new_tensor():
     np.testing.assert_array_equal(storage.numpy(), [1.0, 2.0])
 
 
-@pytest.mark.parametrize("write", ["assign", "assign_add", "assign_sub"])
-def test_a_masked_write_keeps_every_old_bit(write):
-    old = np.array([-0.0, 0.0, 1.5], np.float32)
-    storage = tf.Variable(old)
-    getattr(ops, write)(storage, tf.constant([np.nan, 0.0, np.inf]), tf.constant(False))
-    assert storage.numpy().tobytes() == old.tobytes()  # -0.0 stays -0.0
-    getattr(ops, write)(storage, tf.constant([1.0, 1.0, 1.0]), tf.constant(True))
-    expected = {"assign": [1, 1, 1], "assign_add": [1, 1, 2.5], "assign_sub": [-1, -1, 0.5]}
-    np.testing.assert_array_equal(storage.numpy(), expected[write])
-
-
 def test_mixing_tensorflow_with_another_backend_names_both():
     with pytest.raises(ValueError, match="found both 'tensorflow' and 'torch'"):
         ls.optimizers.Adam().build([tf.Variable([1.0]), torch.ones(1)])

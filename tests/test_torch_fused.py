@@ -25,9 +25,10 @@ FUSED = ["sgd", "sgd_momentum", "sgd_nesterov", "adam", "adam_amsgrad", "adamw"]
 
 def test_table_entries():
     kernel = torch_kernels.fused_update
-    assert kernel(Adam.update_kernel) is torch_fused.adam
-    assert kernel(AdamW.update_kernel) is torch_fused.adam
-    assert kernel(SGD.update_kernel) is torch_fused.sgd
+    assert kernel(Adam.update_kernel).fn is torch_fused.adam
+    assert kernel(AdamW.update_kernel).fn is torch_fused.adam
+    assert kernel(SGD.update_kernel).fn is torch_fused.sgd
+    assert kernel("adam").folds_keep and not kernel("adam").takes_grad_scale
     assert torch_kernels.fused_scale_update() is torch_fused.update_scale
 
 
@@ -176,12 +177,13 @@ def test_adam_step_size_equals_update_steps_bit_for_bit(dtype):
     params = [ls.Variable(torch.ones(3, dtype=dtype))]
     opt = Adam(0.003, beta_1=0.87, beta_2=0.9999999)  # beta_2**t still moves at 2**24
     opt.build(params)
-    group = plans.plan(opt, params, ()).groups[0]
+    group = plans.plan(params, {}, {}).groups[0]
     ops = get_ops("torch")
     for iterations in [0, 1, 2, 9, 100, 12345, 2**24 + 1]:
         opt.iterations.assign(iterations)
         lr = ops.cast(opt.learning_rate, str(dtype).removeprefix("torch."))
         b1, b2 = moments.powers_at_step(opt, str(dtype).removeprefix("torch."), 0.87, 0.9999999)
         expected = lr * ops.sqrt(1 - b2) / (1 - b1)
-        got = torch_fused._adam_step_size(opt, group, lr)
+        hyper = opt._hyper_type(*(getattr(opt, k) for k in opt._hyper_type._fields))
+        got = torch_fused._adam_step_size(hyper, group, lr, opt.iterations)
         assert got.dtype == dtype and torch.equal(got, expected), iterations

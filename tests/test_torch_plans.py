@@ -1,4 +1,4 @@
-"""torch_groups: cached per-(device, dtype) plans and mask-aware multi-tensor writes."""
+"""backends/torch/plans.py: cached per-(device, dtype) plans and `keep`-aware multi-tensor writes."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,6 @@ import torch
 from torch_cases import SHAPES, count_ops, random_grads
 
 import lossscale as ls
-from lossscale.backends.torch import masks
 from lossscale.backends.torch import plans as torch_plans
 from lossscale.optimizers import Adam, RMSprop
 
@@ -25,7 +24,8 @@ def built(opt, dtypes=None):
 def test_plan_groups_by_dtype_and_keeps_slots_aligned():
     opt = Adam()
     params = built(opt, [torch.float32, torch.float16, torch.float32, torch.float16])
-    plan = torch_plans.plan(opt, params, ("_momentums", "_velocities"))
+    slots = {"momentums": opt._momentums, "velocities": opt._velocities}
+    plan = torch_plans.plan(params, slots, {})
     assert [(g.dtype, g.indices) for g in plan.groups] == [
         (torch.float32, [0, 2]),
         (torch.float16, [1, 3]),
@@ -33,7 +33,7 @@ def test_plan_groups_by_dtype_and_keeps_slots_aligned():
     for group in plan.groups:
         for k, i in enumerate(group.indices):
             assert group.params[k].data_ptr() == params[i].value.data_ptr()
-            assert group.slots["_momentums"][k].data_ptr() == opt._momentums[i].value.data_ptr()
+            assert group.slots["momentums"][k].data_ptr() == opt._momentums[i].value.data_ptr()
     grads = [torch.ones(s) for s in SHAPES]
     half = plan.groups[1].grads(grads)
     assert [g.dtype for g in half] == [torch.float16] * 2
@@ -43,16 +43,21 @@ def test_plan_groups_by_dtype_and_keeps_slots_aligned():
 def test_plan_is_reused_while_nothing_is_rebound():
     opt = Adam()
     params = built(opt)
-    plan = torch_plans.plan(opt, params, ("_momentums",))
-    assert torch_plans.plan(opt, params, ("_momentums",)) is plan
-    assert torch_plans.plan(opt, list(params), ("_momentums",)) is plan
+    cache = {}
+    m = {"momentums": opt._momentums}
+    both = {"momentums": opt._momentums, "velocities": opt._velocities}
+    plan = torch_plans.plan(params, m, cache)
+    assert torch_plans.plan(params, m, cache) is plan
+    assert torch_plans.plan(list(params), dict(m), cache) is plan
     # Another subset, another slot list, a rebound storage: a new plan.
-    assert torch_plans.plan(opt, params[:2], ("_momentums",)) is not plan
-    other = torch_plans.plan(opt, params, ("_momentums", "_velocities"))
-    assert other is not plan and torch_plans.plan(opt, params, ("_momentums",)) is not plan
-    plan = torch_plans.plan(opt, params, ("_momentums",))
+    assert torch_plans.plan(params[:2], {"momentums": opt._momentums[:2]}, cache) is not plan
+    other = torch_plans.plan(params, both, cache)
+    assert other is not plan and torch_plans.plan(params, both, cache) is other
+    plan = torch_plans.plan(params, m, cache)
     opt._momentums[2]._storage = opt._momentums[2]._storage.clone()
-    assert torch_plans.plan(opt, params, ("_momentums",)) is not plan
+    assert torch_plans.plan(params, m, cache) is not plan
+    # Another cache (another optimizer's): plans of its own.
+    assert torch_plans.plan(params, m, {}) is not torch_plans.plan(params, m, cache)
 
 
 def test_stateless_apply_between_steps_uses_its_own_values():
@@ -101,11 +106,12 @@ def test_plan_follows_loaded_values():
 )
 @pytest.mark.parametrize("mask", [None, True, False])
 def test_writer(mask, method, expected):
+    # `mask`: the step's `keep` flag (None: no flag).
     targets = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
     values = [torch.tensor([10.0, 20.0]), torch.tensor([np.nan])]
     keep = [t.clone() for t in targets]
-    write_mask = None if mask is None else masks.WriteMask(torch.tensor(mask))
-    write = torch_plans.Writer(write_mask, torch.device("cpu"))
+    flag = None if mask is None else torch.tensor(mask)
+    write = torch_plans.Writer(flag, torch.device("cpu"))
     written = getattr(write, method)(targets, values)
     found = write.found_inf()
     if mask is False:
@@ -130,7 +136,7 @@ def test_masked_writes_of_many_small_tensors_are_packed(monkeypatch, taken):
         out[0][0, 0], out[1][0, 1] = -0.0, np.nan
         return out
 
-    write = torch_plans.Writer(masks.WriteMask(torch.tensor(taken)), torch.device("cpu"))
+    write = torch_plans.Writer(torch.tensor(taken), torch.device("cpu"))
     counts = []
     for n in (4, 9):
         write.set(tensors(n), tensors(n))  # makes the packing buffers for these shapes

@@ -96,9 +96,6 @@ class Variable:
         self.constraint = constraint
         self._storage = None
         self._shape = None
-        # Where this variable's write mask lives (`backends._common.MaskCell`,
-        # shared with the other variables of its optimizer), or None.
-        self._mask_cell = None
         self._init_storage(initializer, shape, dtype, backend, like)
         self._shape = self._ops.shape(self._storage)
 
@@ -255,34 +252,23 @@ class Variable:
                 f"(path={self.path!r}), Received: value.shape={value_shape}"
             )
 
-    @property
-    def _write_mask(self):
-        """The mask a backend's masked branch has set on this variable, or None.
-
-        Set (`backends._common.masked`) on every variable a branch on a
-        device value may write: writes then take effect only where the mask
-        holds.
-        """
-        cell = self._mask_cell
-        return None if cell is None else cell.mask
-
     def assign(self, value: Array) -> None:
         """Assigns `value` (same shape) to the variable, in place where possible."""
         value = self._coerce(value, "assign")
         self._check_shape(value, "assign", exact=not isinstance(value, (int, float, bool)))
-        self._storage = self._ops.assign(self._storage, value, self._write_mask)
+        self._storage = self._ops.assign(self._storage, value)
 
     def assign_add(self, value: Array) -> None:
         """Adds `value` (broadcastable to the variable's shape) in place."""
         value = self._coerce(value, "assign_add")
         self._check_shape(value, "assign_add", exact=False)
-        self._storage = self._ops.assign_add(self._storage, value, self._write_mask)
+        self._storage = self._ops.assign_add(self._storage, value)
 
     def assign_sub(self, value: Array) -> None:
         """Subtracts `value` (broadcastable to the variable's shape) in place."""
         value = self._coerce(value, "assign_sub")
         self._check_shape(value, "assign_sub", exact=False)
-        self._storage = self._ops.assign_sub(self._storage, value, self._write_mask)
+        self._storage = self._ops.assign_sub(self._storage, value)
 
     def _move_to(self, like):
         """Re-creates this variable on `like`'s backend and device (before use)."""

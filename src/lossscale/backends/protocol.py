@@ -39,12 +39,10 @@ class BackendOps(Protocol):
     def place(self, x: Any, like: Any) -> Any: ...
 
     # --- variable storage ------------------------------------------------
-    # `mask`: None, or the write mask a masked branch (`gated`, torch's
-    # `cond`) set on the variable: the write takes effect only where it holds.
     def read(self, storage: Any) -> Any: ...
-    def assign(self, storage: Any, value: Any, mask: Any = None) -> Any: ...
-    def assign_add(self, storage: Any, value: Any, mask: Any = None) -> Any: ...
-    def assign_sub(self, storage: Any, value: Any, mask: Any = None) -> Any: ...
+    def assign(self, storage: Any, value: Any) -> Any: ...
+    def assign_add(self, storage: Any, value: Any) -> Any: ...
+    def assign_sub(self, storage: Any, value: Any) -> Any: ...
 
     # --- elementwise and reductions -------------------------------------
     def cast(self, x: Any, dtype: str) -> Any: ...
@@ -102,20 +100,21 @@ class BackendOps(Protocol):
     def all_max(self, x: Any, group: Any = None) -> Any: ...
     def all_true(self, flag: Any, group: Any = None) -> Any: ...
 
-    def fused_update(self, name: str) -> Callable | None:
-        """The kernel `(optimizer, grads, variables, lr)` named `name`, or None.
+    def fused_update(self, name: str) -> Any:
+        """The `lossscale.backends.kernel.Kernel` named `name`, or None.
 
         `name` is an optimizer class's `update_kernel`: the kernel reproduces
-        that class's `update_step` exactly.
+        that class's `update_step` exactly, from the state it is given as
+        arguments (see `lossscale.backends.kernel`).
         """
 
     def fused_weight_decay(self) -> Callable | None:
-        """A kernel `(optimizer, variables, weight_decay, learning_rate)` decaying them all.
+        """A kernel `(params, weight_decay, lr, *, cache, keep=None)` decaying them all.
 
         Or None.
 
         Equal, bit for bit, to `v.assign_sub(v * weight_decay * lr)` per
-        variable, masks honoured.
+        variable, taking effect only where `keep` holds.
         """
 
     def fused_scale_update(self) -> Callable | None:
@@ -141,24 +140,6 @@ class BackendOps(Protocol):
         """Runs `true_fn` where `pred` holds, else `false_fn` (None: nothing).
 
         `variables`: every variable either branch may write.
-        """
-
-    def gated(
-        self,
-        pred: Any,
-        fn: Callable[[], None],
-        variables: Sequence[Any],
-        skip: Any = None,
-        cell: Any = None,
-    ) -> None:
-        """Runs `fn` so that its writes to `variables` take effect only where `pred` holds.
-
-        On a device value: torch and JAX run `fn` once with `pred` as every
-        variable's write mask (writes select; a kernel with `folds_gate`
-        folds the mask into its own arithmetic), with no host read and, on
-        JAX, no `lax.cond`. `skip`: the same flag as `finite_flags` gives
-        it, when the caller has it. `cell`: the `MaskCell` every one of
-        `variables` was pointed at, if the caller knows one (`masked`).
         """
 
     def quiet(self) -> ContextManager: ...

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale import validation
+from lossscale import adapters, validation
 from lossscale.optax import placement
 from lossscale.optimizers.base import Optimizer
 from lossscale.schedules.base import LearningRateSchedule
@@ -188,7 +188,7 @@ class OptaxOptimizer(Optimizer):
             self._learning_rate_variable = self._state_leaves[learning_rate]
 
     # --- one step -----------------------------------------------------------
-    def _apply_validated(self, grads, variables):
+    def _apply_validated(self, grads, variables, grad_scale=None, keep=None):
         given = {id(v) for g, v in zip(grads, variables) if g is not None}
         absent = [v.path for v in self._trainable_variables if id(v) not in given]
         if absent:
@@ -198,9 +198,9 @@ class OptaxOptimizer(Optimizer):
                 "variable without a gradient, or freeze it inside the transformation "
                 f"(optax.masked, optax.set_to_zero). Received: no gradient for {absent}"
             )
-        super()._apply_validated(grads, variables)
+        super()._apply_validated(grads, variables, grad_scale, keep)
 
-    def _update(self, ops, grads, variables):
+    def _update(self, ops, grads, variables, grad_scale=None, keep=None):
         params = [v.value for v in self._trainable_variables]
         ordered = [None] * len(params)
         for g, v in zip(grads, variables):
@@ -281,3 +281,10 @@ def _injected_learning_rate_index(state, paths):
             "rate once (e.g. around the whole chain)."
         )
     return keys.index(found[0]) if found else None
+
+
+def _is_transformation(optimizer):
+    return isinstance(optimizer, optax.GradientTransformation)
+
+
+adapters.register(_is_transformation, OptaxOptimizer)

@@ -47,6 +47,8 @@ class Adadelta(Optimizer):
 
     update_kernel = "adadelta"
 
+    kernel_slots = ("_accumulated_grads", "_accumulated_delta_vars")
+
     def __init__(
         self,
         learning_rate: LearningRate = 0.001,

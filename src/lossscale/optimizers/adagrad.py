@@ -43,6 +43,8 @@ class Adagrad(Optimizer):
 
     update_kernel = "adagrad"
 
+    kernel_slots = ("_accumulators",)
+
     def __init__(
         self,
         learning_rate: LearningRate = 0.001,

@@ -48,6 +48,8 @@ class Adam(Optimizer):
 
     update_kernel = "adam"
 
+    kernel_slots = ("_momentums", "_velocities", "_velocity_hats")
+
     def __init__(
         self,
         learning_rate: LearningRate = 0.001,

@@ -48,6 +48,8 @@ class Adamax(Optimizer):
 
     update_kernel = "adamax"
 
+    kernel_slots = ("_m", "_u")
+
     def __init__(
         self,
         learning_rate: LearningRate = 0.001,

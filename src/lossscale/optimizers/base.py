@@ -18,10 +18,9 @@ from typing import Any
 
 from lossscale import validation
 from lossscale.backends import get_ops
-from lossscale.backends._common import MaskCell, share_mask_cell
 from lossscale.optimizers import ema, gradients
 from lossscale.optimizers.config import ConfigMixin
-from lossscale.optimizers.pipeline import PipelineMixin
+from lossscale.optimizers.pipeline import PipelineMixin, hyper_type
 from lossscale.optimizers.slots import SlotsMixin
 from lossscale.optimizers.state import StateMixin
 from lossscale.optimizers.stateless import StatelessMixin
@@ -41,6 +40,10 @@ _BASE_BOUNDS = {
     "loss_scale_factor": dict(low=0, low_open=True, allow_none=True),
     "gradient_accumulation_steps": dict(low=2, integer=True, allow_none=True),
 }
+
+
+# The base keyword arguments (not a rule's hyperparameters).
+_BASE_KEYS = frozenset(_BASE_BOUNDS) | {"learning_rate", "use_ema", "name"}
 
 
 def _snake_case(name):
@@ -163,9 +166,13 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
         # The class's own `update_kernel` (not an inherited one), read once:
         # a compiled step reads a plain attribute, not the class namespace.
         self._kernel_name = type(self).__dict__.get("update_kernel")
-        # One write-mask cell for every variable this optimizer creates or is
-        # built with: a gated step masks them all with one store.
-        self._mask_cell = MaskCell()
+        # What the kernel reads besides the step's arrays: the class's own
+        # hyperparameters, as a frozen named tuple made each step, and a
+        # dict the backend's kernels keep derived data in between steps
+        # (tensor lists, scratch buffers, traced functions), which lives and
+        # dies with this optimizer.
+        self._hyper_type = hyper_type(type(self), _BASE_KEYS)
+        self._kernel_cache = {}
         self._variables = []
         self._trainable_variables = []
         self._indices = {}
@@ -256,7 +263,6 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
                     f"train integers or booleans. Received: variable {v.path!r} of dtype {v.dtype}"
                 )
         self._trainable_variables = var_list
-        share_mask_cell(var_list, self._mask_cell)
         self._indices = {id(v): i for i, v in enumerate(var_list)}
         self._exclusions.decide(var_list)
         # Scalars made before the backend was known follow the model there.
@@ -303,18 +309,27 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMix
         grads = list(grads)
         if not grads:
             return
-        variables, known = self._resolve_variables(grads, trainable_variables)
-        gradients.validate_gradients(grads, variables)
-        if not self.built:
-            self.build(variables)
-        elif not known:
-            self._check_known(variables)
+        variables = self._prepare(grads, trainable_variables)
         with self._ops.quiet():
             self._apply_validated(grads, variables)
         if not self._ops.MUTABLE:
             # JAX rebinds: a wrapped keras.Variable takes its new value.
             for v in variables:
                 v.sync_to_source()
+
+    def _prepare(self, grads, trainable_variables):
+        """`apply`'s checks: returns the variables, built and checked, before any write.
+
+        A wrapper deciding on a device value whether to step (see `_step`)
+        calls `_step(grads, self._prepare(grads, variables), keep=...)`.
+        """
+        variables, known = self._resolve_variables(grads, trainable_variables)
+        gradients.validate_gradients(grads, variables)
+        if not self.built:
+            self.build(variables)
+        elif not known:
+            self._check_known(variables)
+        return variables
 
     def _resolve_variables(self, grads, trainable_variables):
         """`(variables, known)`: `known` when all are ones the optimizer was built with.

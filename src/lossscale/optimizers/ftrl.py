@@ -65,6 +65,8 @@ class Ftrl(Optimizer):
 
     update_kernel = "ftrl"
 
+    kernel_slots = ("_accumulators", "_linears")
+
     def __init__(
         self,
         learning_rate: LearningRate = 0.001,

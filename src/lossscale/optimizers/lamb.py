@@ -50,6 +50,8 @@ class Lamb(Optimizer):
 
     update_kernel = "lamb"
 
+    kernel_slots = ("_momentums", "_velocities")
+
     def __init__(
         self,
         learning_rate: LearningRate = 0.001,

@@ -46,6 +46,8 @@ class Lion(Optimizer):
 
     update_kernel = "lion"
 
+    kernel_slots = ("_momentums",)
+
     def __init__(
         self,
         learning_rate: LearningRate = 0.001,

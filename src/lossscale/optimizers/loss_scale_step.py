@@ -4,15 +4,15 @@
 grads = grads / scale                     # overwrite-with-gradient ones untouched
 finite = all(isfinite(grads))             # after unscaling: catches an overflow it causes
 finite = all ranks agree                  # torch.distributed: one small all-reduce
-gated(finite, inner optimizer's step)     # a skipped step writes nothing
+inner._step(grads, keep=finite)           # a skipped step writes nothing
 state = next_loss_scale(state, finite)    # the one state machine
 ```
 
-`gated` keeps the decision on the device: torch and JAX run the inner step
-once with the flag as every variable's write mask, and the fused kernels of
-Adam, AdamW and SGD fold it into their own arithmetic (no select, no
-`lax.cond`); an inner optimizer whose step cannot fold it runs under
-`ops.cond`. Nothing reads the flag on the host.
+The decision stays on the device: it is the `keep` argument of the inner
+optimizer's `_step`, whose kernels fold it into their own arithmetic or
+writes where they can (torch's fused and multi-tensor kernels, JAX's Adam,
+AdamW and SGD: no select of untouched state, no `lax.cond`); any other
+inner step runs under `ops.cond`. Nothing reads the flag on the host.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class LossScaleStepMixin:
             # the check still catches a gradient that overflows when unscaled.
             present = [g for g in grads if g is not None]
             finite, peak, variable_finite = ops.finite_unscaled(present, scale), None, ()
-            update = functools.partial(inner._apply_validated, grads, variables, grad_scale=scale)
+            grad_scale = scale
         else:
             scaled = [
                 i
@@ -67,21 +67,23 @@ class LossScaleStepMixin:
             finite, skip, peak, variable_finite = self._inspect(
                 ops, grads, variables, scaled, unscaled, scale, flags
             )
-            update = functools.partial(inner._apply_validated, grads, variables)
+            grad_scale = None
         # Every process must take the same decision (sharded gradients differ
         # per rank): one small all-reduce where torch.distributed runs.
         agreed = ops.all_true(finite, self.process_group)
         if peak is not None:
             peak = ops.all_max(peak, self.process_group)
         state = self._read_state()
-        take = may_apply(ops, state, agreed, self.policy)
-        if agreed is not finite or take is not finite:
-            skip = None  # `skip` described the local check only
+        keep = may_apply(ops, state, agreed, self.policy)
+        if agreed is not finite or self.policy.fails_fast:
+            # `skip` described the local check only (`all_true` returns its
+            # flag itself where there is nothing to agree with).
+            skip = None
         # The inner optimizer's validated entry: `apply` has checked the
         # gradients and variables already.
-        inner._run_gated(take, update, variables, skip=skip)
+        inner._step(grads, variables, keep=keep, grad_scale=grad_scale)
         if not self._stateless:  # never keep a traced value
-            self._last_applied = take
+            self._last_applied = keep
         new = next_loss_scale(
             ops,
             state,

@@ -53,6 +53,9 @@ class Nadam(Optimizer):
     """
 
     update_kernel = "nadam"
+
+    kernel_slots = ("_momentums", "_velocities")
+    kernel_hyperparameters = ("schedule_decay",)
     # Dozat's momentum schedule, u_t = beta_1 * (1 - 0.5 * schedule_decay**t),
     # with Keras's fixed decay (a kernel reads it here).
     schedule_decay = 0.96
@@ -81,7 +84,13 @@ class Nadam(Optimizer):
             (), initializer=1.0, dtype=self._trainable_variables[0].dtype, name="u_product"
         )
 
-    def _update_variables(self, grads, variables, learning_rate):
+    def _kernel_slot_lists(self):
+        # The product is one scalar shared by every variable's update.
+        lists = super()._kernel_slot_lists()
+        lists["u_product"] = [self._u_product] * len(self._trainable_variables)
+        return lists
+
+    def _update_variables(self, grads, variables, learning_rate, grad_scale=None, keep=None):
         # The product advances once per optimizer step, before any variable
         # is updated, and only on steps that update (not on accumulation-only
         # or skipped steps), which keeps it in step with `iterations`.
@@ -89,8 +98,9 @@ class Nadam(Optimizer):
         u_product = self._u_product
         step = ops.cast(self.iterations + 1, u_product.dtype)
         u_t = self.beta_1 * (1.0 - 0.5 * ops.power(self.schedule_decay, step))
-        self.assign(u_product, u_product.value * u_t)
-        super()._update_variables(grads, variables, learning_rate)
+        new = u_product.value * u_t
+        self.assign(u_product, new if keep is None else ops.where(keep, new, u_product.value))
+        super()._update_variables(grads, variables, learning_rate, grad_scale, keep)
 
     def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
         ops = self._ops

@@ -1,19 +1,17 @@
 """Native optimizers in lossscale wrappers.
 
-`wrap_native` gives a torch or optax optimizer its adapter;
+`wrap_native` (from `lossscale.adapters`, where the adapter packages
+register themselves) gives a torch or optax optimizer its adapter;
 `NativeInnerStateMixin` lets a wrapper checkpoint an inner optimizer whose
-state lives outside lossscale variables. Neither torch nor optax is
-imported here: an object can only be a
-`torch.optim.Optimizer` (or an `optax.GradientTransformation`) if its
-library is already loaded, so only loaded libraries are consulted.
+state lives outside lossscale variables.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+from lossscale import adapters
 from lossscale.typing import Array
 
 
@@ -21,9 +19,10 @@ def wrap_native(optimizer: Any) -> Any:
     """Returns `optimizer` wrapped in its adapter, or unchanged if it needs none.
 
     A `torch.optim.Optimizer` becomes a `TorchOptimizer` and an
-    `optax.GradientTransformation` an `OptaxOptimizer`; anything else
-    (a lossscale optimizer, or a value the caller will reject) is returned
-    as it is.
+    `optax.GradientTransformation` an `OptaxOptimizer` (the adapters their
+    packages register in `lossscale.adapters`); anything else (a lossscale
+    optimizer, or a value the caller will reject) is returned as it is.
+    Only the adapter packages of libraries already loaded are imported.
 
     Args:
         optimizer: Any object.
@@ -38,17 +37,7 @@ def wrap_native(optimizer: Any) -> Any:
         >>> wrap_native(torch.optim.SGD([w], lr=0.1))
         <TorchOptimizer name='torch_optimizer' built=False>
     """
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(optimizer, torch.optim.Optimizer):
-        from lossscale.torch.native import TorchOptimizer
-
-        return TorchOptimizer(optimizer)
-    optax = sys.modules.get("optax")
-    if optax is not None and isinstance(optimizer, optax.GradientTransformation):
-        from lossscale.optax.adapter import OptaxOptimizer
-
-        return OptaxOptimizer(optimizer)
-    return optimizer
+    return adapters.adapt(optimizer)
 
 
 class NativeInnerStateMixin:

@@ -13,52 +13,73 @@ iterations += 1
 ```
 
 `Optimizer.apply` validates everything first and then runs
-`_apply_validated`; a loss-scale wrapper runs it under a device flag with
-`_run_gated` (or `_apply_where`), so that a skipped step writes nothing.
+`_apply_validated`. A wrapper that decides on a device value whether the
+step is taken (the loss-scale wrapper, the torch optimizer a GradScaler steps) calls
+the one contract `_step(grads, variables, keep=..., grad_scale=...)`: a
+kernel that folds `keep` gets it as an argument; any other step runs under
+the backend's `cond(keep, ...)`. Either way a skipped step writes nothing.
 """
+
+import collections
+import operator
 
 from lossscale.optimizers import accumulation, clipping, ema, gradients, overwrite
 from lossscale.optimizers.weight_decay import apply_weight_decay
+
+# Optimizer class -> the named tuple type of its hyperparameters.
+_HYPER_TYPES = {}
+
+
+def hyper_type(cls, base_keys):
+    """The frozen named tuple of `cls`'s hyperparameters.
+
+    Its own constructor arguments (not the base ones), then the attributes
+    it names in `kernel_hyperparameters`.
+    """
+    made = _HYPER_TYPES.get(cls)
+    if made is None:
+        names = [k for k in cls._config_keys() if k not in base_keys]
+        names += [k for k in cls.kernel_hyperparameters if k not in names]
+        made = _HYPER_TYPES[cls] = collections.namedtuple(f"{cls.__name__}Hyper", names)
+    return made
 
 
 class PipelineMixin:
     """The step of `Optimizer`: `_apply_validated` and the kernels it picks."""
 
-    def _apply_where(self, keep, grads, trainable_variables, skip=None):
-        """`apply`, taking effect only where the device flag `keep` holds.
+    # Attribute names of the slot lists `update_kernel` reads, e.g.
+    # `("_momentums", "_velocities")`. A kernel gets them as `slots`, keyed by
+    # the name without its leading underscore; an empty or missing list is
+    # left out (a setting the optimizer was built without).
+    kernel_slots: tuple = ()
+    # Attributes besides the constructor arguments that the kernel reads
+    # as hyperparameters (fixed numbers of the rule).
+    kernel_hyperparameters: tuple = ()
 
-        A step where it does not writes nothing (not even `iterations`) and
-        nothing is read on the host: see `_run_gated`. `skip`: the same flag
-        in torch's AMP form (float32, 1.0 where `keep` is False), if known.
+    def _step(self, grads, variables, keep=None, grad_scale=None):
+        """One step on validated input: the contract wrappers call.
+
+        Args:
+            grads: The gradients, one per variable (`None` for none).
+            variables: The `Variable`s they update, all of this optimizer's.
+            keep: None (the step is taken), or a boolean scalar of the
+                backend: the step takes effect only where it holds, and
+                nothing reads it on the host. A step whose kernel folds it
+                (`_folds_keep`) gets it as an argument; any other runs under
+                the backend's `cond(keep, ...)`.
+            grad_scale: None, or a scale still multiplied into `grads`, for
+                an optimizer whose `_takes_grad_scale(variables)` is True
+                (its kernel divides it out as it reads each gradient).
         """
-        grads = list(grads)
-        variables, known = self._resolve_variables(grads, trainable_variables)
-        gradients.validate_gradients(grads, variables)
-        if not self.built:
-            self.build(variables)
-        elif not known:
-            self._check_known(variables)
-        with self._ops.quiet():
-            self._run_gated(keep, lambda: self._apply_validated(grads, variables), variables, skip)
-
-    def _run_gated(self, keep, update, variables, skip=None):
-        """Runs `update`, one step of this optimizer, only where `keep` holds.
-
-        With a kernel that folds the flag into its arithmetic
-        (`_folds_gate`), `ops.gated`: no select, no `lax.cond`; otherwise
-        `ops.cond`, whose writes select (torch) or branch (JAX).
-        """
-        ops = self._ops
-        targets = self._trainable_variables + self.variables
-        if self._folds_gate(variables):
-            # Every target was pointed at this optimizer's cell when it was
-            # built or created; `masked` trusts the cell while it is intact.
-            # (A wrapper's `variables` also holds its inner optimizer's, but
-            # the inner optimizer's build takes the model's variables into its
-            # own cell, so the wrapper's is never intact once built.)
-            ops.gated(keep, update, targets, skip=skip, cell=self._mask_cell)
-        else:
-            ops.cond(keep, update, None, targets)
+        if keep is not None and not self._folds_keep(variables):
+            self._ops.cond(
+                keep,
+                lambda: self._apply_validated(grads, variables, grad_scale),
+                None,
+                self._state_variables(),
+            )
+            return
+        self._apply_validated(grads, variables, grad_scale, keep)
 
     def _takes_grad_scale(self, variables):
         """Whether `_apply_validated` can divide a loss scale out inside its kernel.
@@ -69,7 +90,8 @@ class PipelineMixin:
         """
         kernel = self._fused_kernel()
         return (
-            getattr(kernel, "takes_grad_scale", False)
+            kernel is not None
+            and kernel.takes_grad_scale
             and self.loss_scale_factor is None
             and not self.gradient_accumulation_steps
             and self.clipnorm is None
@@ -78,30 +100,30 @@ class PipelineMixin:
             and not any(v.overwrite_with_gradient for v in variables)
         )
 
-    def _folds_gate(self, variables):
-        """Whether a step gated by a device flag (`ops.gated`) needs no select.
+    def _folds_keep(self, variables):
+        """Whether `_step` can pass `keep` down instead of running under `ops.cond`.
 
-        True when this exact class's kernel folds the flag into its own
-        arithmetic (`folds_gate`), weight decay (if any) has such a kernel
-        too, and nothing else in the pipeline writes (no accumulation, EMA,
-        constraints or overwrite-with-gradient variables). Else a gated step
-        is better taken as `ops.cond` (on JAX a `lax.cond`).
+        True when this exact class's kernel honours `keep` itself
+        (`folds_keep`: in its arithmetic or its writes), weight decay (if
+        any) has a kernel too, and nothing else in the pipeline writes (no
+        accumulation, EMA, constraints or overwrite-with-gradient
+        variables): the step then needs no `cond` (on JAX no `lax.cond`).
         """
         ops = self._ops
+        kernel = self._fused_kernel()
         return (
-            getattr(self._fused_kernel(), "folds_gate", False)
+            kernel is not None
+            and kernel.folds_keep
             and (self.weight_decay is None or ops.fused_weight_decay() is not None)
             and not self.gradient_accumulation_steps
             and not self.use_ema
             and not any(v.overwrite_with_gradient or v.constraint for v in variables)
         )
 
-    def _apply_validated(self, grads, variables, grad_scale=None):
+    def _apply_validated(self, grads, variables, grad_scale=None, keep=None):
         """Runs one step on validated input.
 
-        `grad_scale`: the loss-scale wrapper's scale, still multiplied into
-        `grads`, for an optimizer whose `_takes_grad_scale` is True (the
-        fused kernel divides it out as it reads each gradient).
+        `grad_scale`, `keep`: see `_step` (`keep` only where `_folds_keep`).
         """
         ops = self._ops
         grads, variables = overwrite.take_gradients(self, ops, grads, variables)
@@ -111,44 +133,81 @@ class PipelineMixin:
                 grads = [g / self.loss_scale_factor for g in grads]
             if self.gradient_accumulation_steps:
                 self._accumulate_or_update(ops, grads, variables)
-            elif grad_scale is None:
-                self._update(ops, grads, variables)
-            else:  # only optimizers whose `_takes_grad_scale` is True get here
-                self._update(ops, grads, variables, grad_scale)
+            else:  # `grad_scale` only where `_takes_grad_scale`, `keep` where `_folds_keep`
+                self._update(ops, grads, variables, grad_scale, keep)
             for v in variables:
                 if v.constraint is not None:
                     v.assign(v.constraint(v.value))
             if self.use_ema:
                 self._update_ema(ops)
-        self._iterations.assign_add(1)
+        # + 1 where the step is taken, + 0 where it is not (a boolean adds as
+        # an integer: on torch one kernel).
+        self._iterations.assign_add(1 if keep is None else keep)
 
-    def _update(self, ops, grads, variables, grad_scale=None):
+    def _update(self, ops, grads, variables, grad_scale=None, keep=None):
         grads = clipping.clip_gradients(
             ops, grads, self.clipnorm, self.clipvalue, self.global_clipnorm
         )
         learning_rate = self.learning_rate
         if self.weight_decay is not None:
             apply_weight_decay(
-                self, ops, variables, self.weight_decay, learning_rate, self._exclusions
+                ops,
+                variables,
+                self.weight_decay,
+                learning_rate,
+                self._exclusions,
+                self._kernel_cache,
+                keep,
             )
-        if grad_scale is None:
-            self._update_variables(grads, variables, learning_rate)
-        else:
-            self._fused_kernel()(self, grads, variables, learning_rate, grad_scale=grad_scale)
+        self._update_variables(grads, variables, learning_rate, grad_scale, keep)
 
-    def _update_variables(self, grads, variables, learning_rate):
+    def _update_variables(self, grads, variables, learning_rate, grad_scale=None, keep=None):
         """Runs the update rule on every variable.
 
         A backend may hold a fused (multi-tensor) kernel for this exact
         optimizer class; it must equal the per-variable `update_step`, which
-        its tests check.
+        its tests check. It gets the step's state as arguments
+        (`backends/kernel.py`).
         """
         kernel = self._fused_kernel()
-        if kernel is not None:
-            kernel(self, grads, variables, learning_rate)
+        if kernel is None:  # then `grad_scale` and `keep` are None (see `_step`)
+            for grad, variable in zip(grads, variables):
+                self.update_step(grad, variable, learning_rate)
             return
-        for grad, variable in zip(grads, variables):
-            self.update_step(grad, variable, learning_rate)
+        options = {}
+        if keep is not None:
+            options["keep"] = keep
+        if grad_scale is not None:
+            options["grad_scale"] = grad_scale
+        kernel(
+            variables,
+            grads,
+            self._kernel_slots(variables),
+            self._hyper_type(*(getattr(self, k) for k in self._hyper_type._fields)),
+            iterations=self.iterations,
+            lr=learning_rate,
+            update_step=self.update_step,
+            cache=self._kernel_cache,
+            **options,
+        )
+
+    def _kernel_slot_lists(self):
+        """`{slot name: list aligned with the trainable variables}` for the kernel."""
+        lists = {}
+        for attr in self.kernel_slots:
+            slots = getattr(self, attr, None)
+            if slots:
+                lists[attr.lstrip("_")] = slots
+        return lists
+
+    def _kernel_slots(self, variables):
+        """The slot lists, aligned with `variables` (all of them, or some in any order)."""
+        lists = self._kernel_slot_lists()
+        every = self._trainable_variables
+        if len(variables) == len(every) and all(map(operator.is_, variables, every)):
+            return lists
+        positions = [self._get_variable_index(v) for v in variables]
+        return {name: [slots[i] for i in positions] for name, slots in lists.items()}
 
     def _fused_kernel(self):
         """The backend's kernel for this exact class's `update_kernel`, or None."""

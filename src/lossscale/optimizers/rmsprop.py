@@ -56,6 +56,8 @@ class RMSprop(Optimizer):
 
     update_kernel = "rmsprop"
 
+    kernel_slots = ("_velocities", "_momentums", "_average_gradients")
+
     def __init__(
         self,
         learning_rate: LearningRate = 0.001,

@@ -41,6 +41,8 @@ class SGD(Optimizer):
 
     update_kernel = "sgd"
 
+    kernel_slots = ("momentums",)
+
     def __init__(
         self,
         learning_rate: LearningRate = 0.01,

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from typing import Any, overload
 
 from lossscale.backends import common_backend, get_ops
-from lossscale.backends._common import share_mask_cell
 from lossscale.optimizers.weight_decay import WeightDecayExclusions
 from lossscale.typing import Array, Initializer, Shape
 from lossscale.variables import Variable, is_keras_variable
@@ -89,7 +88,6 @@ class SlotsMixin:
         variable.path = f"{self.name}/{variable.name}"
         variable.layout = layout
         self._variables.append(variable)
-        share_mask_cell([variable], self._mask_cell)
         return variable
 
     def add_variable_from_reference(
@@ -118,7 +116,6 @@ class SlotsMixin:
         )
         variable.path = f"{self.name}/{full_name}"
         self._variables.append(variable)
-        share_mask_cell([variable], self._mask_cell)
         return variable
 
     @overload

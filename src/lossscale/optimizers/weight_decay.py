@@ -33,19 +33,27 @@ class WeightDecayExclusions:
         )
 
 
-def apply_weight_decay(optimizer, ops, variables, weight_decay, learning_rate, exclusions):
+def apply_weight_decay(ops, variables, weight_decay, learning_rate, exclusions, cache, keep=None):
     """Decays each non-excluded variable in place (or rebinds on JAX).
 
     A backend may decay them all in a few multi-tensor kernels
-    (`ops.fused_weight_decay()`, given the `optimizer` to cache its tensor
-    lists on), rounded as Keras 3 rounds the decay on that backend: the
-    loop below is Keras's generic rule; torch's kernel is Keras-on-torch's
-    `v * (1 - weight_decay * learning_rate)` (`backends/torch/adamw.py`).
+    (`ops.fused_weight_decay()`, which may keep its tensor lists in the
+    optimizer's kernel `cache`), rounded as Keras 3 rounds the decay on that
+    backend: the loop below is Keras's generic rule; torch's kernel is
+    Keras-on-torch's `v * (1 - weight_decay * learning_rate)`
+    (`backends/torch/adamw.py`). `keep`: None, or a boolean scalar; the
+    decay takes effect only where it holds (only the kernels are given one:
+    see `Optimizer._folds_keep`).
     """
     decayed = [v for v in variables if exclusions.uses_weight_decay(v)]
+    if not decayed:
+        return
     kernel = ops.fused_weight_decay()
-    if kernel is not None and decayed:
-        kernel(optimizer, decayed, weight_decay, learning_rate)
+    if kernel is not None:
+        if keep is None:
+            kernel(decayed, weight_decay, learning_rate, cache=cache)
+        else:
+            kernel(decayed, weight_decay, learning_rate, cache=cache, keep=keep)
         return
     for variable in decayed:
         lr = ops.cast(learning_rate, variable.dtype)

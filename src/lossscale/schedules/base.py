@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from lossscale.typing import Array, Config
+if TYPE_CHECKING:  # `lossscale.typing` imports this module (the alias of a schedule)
+    from lossscale.typing import Array, Config
 
 # `from_config` returns an instance of the class it is called on.
 _ScheduleT = TypeVar("_ScheduleT", bound="LearningRateSchedule")

@@ -7,14 +7,14 @@ parameters' own `.grad` back. The native optimizer keeps its state (moments,
 per-parameter step counts) in its `state`, outside lossscale variables.
 
 A `LossScaleOptimizer` skips an overflowing step on torch without reading
-anything on the host: the inner update runs with a device-side mask on
-every variable it may write (`lossscale.backends.torch.masks.WriteMask`),
-which every lossscale write honours. A native `step()` writes on its own, so under a mask:
+anything on the host: it calls the inner `_step(grads, variables,
+keep=flag)` with the step's device flag, which the adapter takes itself
+(`_folds_keep`). A native `step()` writes on its own, so:
 - an optimizer that takes PyTorch's AMP `found_inf` protocol (fused Adam,
   AdamW, SGD and Adagrad: `_step_supports_amp_scaling`) gets
-  `found_inf = ~mask` as a device tensor, exactly as `torch.amp.GradScaler`
+  `found_inf = ~keep` as a device tensor, exactly as `torch.amp.GradScaler`
   passes it, and skips the update in its kernel: no synchronisation;
-- any other optimizer is stepped only if the mask, read on the host, is
+- any other optimizer is stepped only if the flag, read on the host, is
   true: one device synchronisation per step, which is what `GradScaler`
   does for such optimizers too.
 
@@ -27,7 +27,7 @@ import inspect
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lossscale import validation
+from lossscale import adapters, validation
 from lossscale.optimizers import clipping
 from lossscale.optimizers.base import Optimizer
 from lossscale.schedules.base import LearningRateSchedule
@@ -239,7 +239,13 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
         return matched
 
     # --- one step -----------------------------------------------------------
-    def _update(self, ops, grads, variables):
+    def _folds_keep(self, variables):
+        # The native step takes `keep` itself (`_native_step`): torch's
+        # `found_inf`, or one host read; its state is not in `variables`,
+        # so no `ops.cond` over them could skip it.
+        return True
+
+    def _update(self, ops, grads, variables, grad_scale=None, keep=None):
         grads = clipping.clip_gradients(
             ops, grads, self.clipnorm, self.clipvalue, self.global_clipnorm
         )
@@ -251,7 +257,7 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
                 p.grad = None
             for p, g in zip(params, grads):
                 p.grad = g.detach().to(dtype=p.dtype)
-            self._step(variables[0]._write_mask)
+            self._native_step(keep)
         finally:
             for p, g in zip(everything, saved):
                 p.grad = g
@@ -263,13 +269,13 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
             raise NotImplementedError(STATELESS_MESSAGE)
         return p
 
-    def _step(self, mask):
-        """Steps the native optimizer; under a `WriteMask`, only where it holds."""
-        if mask is None:
+    def _native_step(self, keep):
+        """Steps the native optimizer; only where `keep` holds, if it is given."""
+        if keep is None:
             self.optimizer.step()
         elif self._uses_found_inf and self._fused_momentum_ready():
-            self._step_with_found_inf(mask.skip(mask.keep.device))
-        elif bool(mask.keep):  # the one host read of the mask (see the module doc)
+            self._step_with_found_inf((~keep).to(_torch().float32))
+        elif bool(keep):  # the one host read of the flag (see the module doc)
             self.optimizer.step()
 
     def _step_with_found_inf(self, found_inf):
@@ -293,7 +299,7 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
         torch's fused SGD makes momentum buffers with `empty_like` on its
         first step and fills them in the kernel; a first step skipped
         through `found_inf` stores them uninitialised (`GradScaler` has the
-        same flaw). Until every buffer exists the mask is read on the host.
+        same flaw). Until every buffer exists the flag is read on the host.
         """
         if self._momentum_ready:
             return True
@@ -357,3 +363,10 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
 
 
 _ABSENT = object()
+
+
+def _is_torch_optimizer(optimizer):
+    return isinstance(optimizer, _torch().optim.Optimizer)
+
+
+adapters.register(_is_torch_optimizer, TorchOptimizer)

@@ -160,7 +160,7 @@ class Optimizer(optimizer_state.OptimizerStateMixin, torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)  # set by a GradScaler's `step`
         found_inf = getattr(self, "found_inf", None)
-        keep = skip = None
+        keep = None
         for group, rule in zip(self.param_groups, self._rules):
             pairs = [
                 (p.grad, v)
@@ -170,7 +170,7 @@ class Optimizer(optimizer_state.OptimizerStateMixin, torch.optim.Optimizer):
             if not pairs:
                 continue
             if found_inf is not None and keep is None:
-                keep, skip = _flags(found_inf, pairs[0][1].value.device)
+                keep = _keep(found_inf, pairs[0][1].value.device)
             self._sync(group, rule)
             grads = [g for g, _ in pairs]
             if grad_scale is not None:  # still scaled: unscale in place, as fused kernels do
@@ -179,7 +179,9 @@ class Optimizer(optimizer_state.OptimizerStateMixin, torch.optim.Optimizer):
             if keep is None:
                 rule.apply(grads, variables)
             else:
-                rule._apply_where(keep, grads, variables, skip=skip)
+                variables = rule._prepare(grads, variables)
+                with rule._ops.quiet():
+                    rule._step(grads, variables, keep=keep)
         self.last_step_applied = True if found_inf is None else keep
         return loss
 
@@ -231,8 +233,8 @@ def _rule_settings(group, tunable):
     return settings
 
 
-def _flags(found_inf, device):
-    """`(keep, skip)` from a scaler's `found_inf` (1.0: skip), checked and on `device`."""
+def _keep(found_inf, device):
+    """The step's `keep` flag from a scaler's `found_inf` (1.0: skip), checked and on `device`."""
     if (
         not torch.is_tensor(found_inf)
         or found_inf.numel() != 1
@@ -247,5 +249,4 @@ def _flags(found_inf, device):
             f"`found_inf` must be on the parameters' device {device}, where the step runs "
             f"without a host read. Received: found_inf on {found_inf.device}"
         )
-    skip = found_inf.reshape(()).to(torch.float32)
-    return skip == 0, skip
+    return found_inf.reshape(()) == 0

@@ -108,7 +108,7 @@ def keras_on_torch_decay(value, weight_decay, lr):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
 @pytest.mark.parametrize("skipped", [False, True], ids=["applied", "skipped"])
-def test_weight_decay_under_a_mask_is_the_factor_or_nothing(dtype, skipped):
+def test_weight_decay_under_keep_is_the_factor_or_nothing(dtype, skipped):
     # The rates are not powers of two, and the decay is a third of each
     # value: a factor off by an ulp shows in the product.
     start = [torch.from_numpy(v).to(dtype) for v in start_values("float64")]
@@ -118,17 +118,15 @@ def test_weight_decay_under_a_mask_is_the_factor_or_nothing(dtype, skipped):
     optimizer = ls.optimizers.AdamW(0.923, weight_decay=0.371)
     optimizer.build(params)
     ops = params[0]._ops
-    decay = functools.partial(
-        apply_weight_decay, optimizer, ops, params, 0.371, lr, WeightDecayExclusions()
-    )
-    ops.gated(torch.tensor(not skipped), decay, params)
+    keep = torch.tensor(not skipped)
+    apply_weight_decay(ops, params, 0.371, lr, WeightDecayExclusions(), {}, keep=keep)
     for x, got in zip(start, params):
         want = x if skipped else keras_on_torch_decay(x, 0.371, lr)
         assert got.value.dtype == dtype
         assert torch.equal(bits(got.value), bits(want))
 
 
-def test_weight_decay_without_a_mask_uses_one_kernel_per_group():
+def test_weight_decay_without_keep_uses_one_kernel_per_group():
     from torch_cases import count_ops
 
     params = [ls.Variable(torch.randn(4, 3)) for _ in range(16)]
@@ -137,9 +135,7 @@ def test_weight_decay_without_a_mask_uses_one_kernel_per_group():
     optimizer.build(params)
     lr = torch.tensor(0.01)
     ops = params[0]._ops
-    run = functools.partial(
-        apply_weight_decay, optimizer, ops, params, 0.004, lr, WeightDecayExclusions()
-    )
+    run = functools.partial(apply_weight_decay, ops, params, 0.004, lr, WeightDecayExclusions(), {})
     run()  # builds the plan
     with count_ops() as seen:
         run()

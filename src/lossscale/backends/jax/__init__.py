@@ -48,7 +48,6 @@ from lossscale.backends.jax.ops import (
     exp,
     floor,
     full,
-    gated,
     is_native,
     isfinite,
     log,

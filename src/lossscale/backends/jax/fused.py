@@ -1,12 +1,12 @@
 """Adam, AdamW and SGD with the loss-scale skip folded into their arithmetic.
 
-Under `LossScaleOptimizer` the inner step runs inside `ops.gated`: every
-variable it may write carries the step's finite flag as its write mask. A
-plain masked write is a select of the new value against the old one; these
-kernels instead fold the flag into the rule's own coefficients, so the
-compiled step holds neither a `lax.cond` nor a select of any parameter or
-slot. With no mask (an optimizer on its own, or an eager step whose flag is
-a concrete value) they run `update_step` itself.
+Under `LossScaleOptimizer` the inner step gets the step's finite flag as
+its `keep` argument. A select of every new value against the old one (or a
+`lax.cond`) would honour it; these kernels instead fold the flag into the
+rule's own coefficients, so the compiled step holds neither a `lax.cond`
+nor a select of any parameter or slot. With no flag (an optimizer on its
+own), or a concrete one (an eager step: a plain `if`), they run
+`update_step` itself.
 
 Exactness. An applied step computes each rule with `update_step`'s own
 operations in `update_step`'s order: the folded coefficients equal the
@@ -57,9 +57,9 @@ Two limits of arithmetic folding, neither reachable from finite training:
   computed never holds one.
 """
 
+import jax
 import jax.numpy as jnp
 
-from lossscale.backends._common import masked
 from lossscale.backends.jax import multi, ops
 
 
@@ -139,21 +139,19 @@ def _divided(grad, scale, kept, loop):
     return grad / jnp.where(kept, scale, jnp.asarray(1 + loop, grad.dtype))
 
 
-def _mask_of(variables):
-    return variables[0]._write_mask if variables else None
+def _traced(keep):
+    """`keep` if it is a traced flag; None for no flag or a concrete True; False to skip."""
+    if keep is None or isinstance(keep, jax.core.Tracer):
+        return keep
+    return None if bool(keep) else False
 
 
 def _unscaled(grad, grad_scale):
     return grad if grad_scale is None else multi.unscale([grad], grad_scale)[0]
 
 
-def _unmasked(variable):
-    # For a rule run with the skip folded into its inputs already.
-    return masked([variable], None)
-
-
 def _write(variable, value):
-    # Unmasked: the value has the skip folded in already.
+    # The value has the skip folded in already.
     variable._storage = ops.assign(variable._storage, value)
 
 
@@ -166,38 +164,42 @@ def _per_dtype(variables, make):
     return made
 
 
-def adam(optimizer, grads, variables, learning_rate, grad_scale=None):
+def adam(
+    params, grads, slots, hyper, *, iterations, lr, update_step, cache, keep=None, grad_scale=None
+):
     """`Adam.update_step` (and `AdamW`'s, the same) on every variable, amsgrad included.
 
-    Under a write mask, the folded rule (see the module doc); else
+    Under a traced `keep`, the folded rule (see the module doc); else
     `update_step` itself.
     """
-    keep = _mask_of(variables)
+    del cache  # nothing kept between steps
+    keep = _traced(keep)
+    if keep is False:
+        return
     if keep is None:
-        for grad, variable in zip(grads, variables):
-            optimizer.update_step(_unscaled(grad, grad_scale), variable, learning_rate)
+        for grad, variable in zip(grads, params):
+            update_step(_unscaled(grad, grad_scale), variable, lr)
         return
     gates = _per_dtype(
-        variables, lambda dtype: _adam_gate(optimizer, learning_rate, keep, dtype, grad_scale)
+        params, lambda dtype: _adam_gate(hyper, iterations, lr, keep, dtype, grad_scale)
     )
-    index = optimizer._get_variable_index
-    for grad, variable in zip(grads, variables):
+    velocity_hats = slots.get("velocity_hats")
+    for i, (grad, variable) in enumerate(zip(grads, params)):
         gate, alpha = gates[variable.dtype]
-        i = index(variable)
-        m, v = optimizer._momentums[i], optimizer._velocities[i]
+        m, v = slots["momentums"][i], slots["velocities"][i]
         g = gate.gradient(grad, variable.dtype)
         _write(m, m.value + (g - m.value) * gate.rate_1)
         g = gate.gradient(grad, variable.dtype, loop=1)
         _write(v, v.value + (ops.square(g) - v.value) * gate.rate_2)
-        if optimizer.amsgrad:
-            v_hat = optimizer._velocity_hats[i]
+        if hyper.amsgrad:
+            v_hat = velocity_hats[i]
             _write(v_hat, ops.maximum(v_hat.value, v.value + gate.floor))
             v = v_hat
-        step = (m.value * alpha) / (ops.sqrt(v.value) + optimizer.epsilon)
+        step = (m.value * alpha) / (ops.sqrt(v.value) + hyper.epsilon)
         _write(variable, gate.subtract(variable.value, step))
 
 
-def _adam_gate(optimizer, learning_rate, keep, dtype, grad_scale):
+def _adam_gate(hyper, iterations, learning_rate, keep, dtype, grad_scale):
     """`(gate, alpha)`: Adam's folded scalars for one dtype, and its step size.
 
     `alpha` is `Adam.update_step`'s, computed as it computes it. The rates
@@ -206,60 +208,55 @@ def _adam_gate(optimizer, learning_rate, keep, dtype, grad_scale):
     identity) and -inf where skipped (the maximum keeps `v_hat`).
     """
     lr = ops.cast(learning_rate, dtype)
-    step = ops.cast(optimizer.iterations + 1, dtype)
-    beta_1_power = ops.power(ops.cast(optimizer.beta_1, dtype), step)
-    beta_2_power = ops.power(ops.cast(optimizer.beta_2, dtype), step)
+    step = ops.cast(iterations + 1, dtype)
+    beta_1_power = ops.power(ops.cast(hyper.beta_1, dtype), step)
+    beta_2_power = ops.power(ops.cast(hyper.beta_2, dtype), step)
     alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
     values = {
-        "rate_1": (1 - optimizer.beta_1, -0.0),
-        "rate_2": (1 - optimizer.beta_2, -0.0),
+        "rate_1": (1 - hyper.beta_1, -0.0),
+        "rate_2": (1 - hyper.beta_2, -0.0),
         "floor": (-0.0, -jnp.inf),
     }
     return _Gate(keep, dtype, values, grad_scale), alpha
 
 
-# `Optimizer._folds_gate` looks for this: under `ops.gated` the kernel folds
-# the mask into its arithmetic, so the wrapper need not take `ops.cond`.
-adam.folds_gate = True
-# `Optimizer._takes_grad_scale` looks for this: the loss-scale wrapper may
-# pass its scale in instead of writing unscaled gradients first.
-adam.takes_grad_scale = True
-
-
-def sgd(optimizer, grads, variables, learning_rate, grad_scale=None):
+def sgd(
+    params, grads, slots, hyper, *, iterations, lr, update_step, cache, keep=None, grad_scale=None
+):
     """`SGD.update_step` (plain, momentum, Nesterov) on every variable.
 
-    Under a write mask, the folded rule (see the module doc); plain SGD is
-    then `update_step` itself, run on the sanitised gradient with the
+    Under a traced `keep`, the folded rule (see the module doc); plain SGD
+    is then `update_step` itself, run on the sanitised gradient with the
     learning rate folded (`+0.0` where skipped: `w - 0.0 * 0.0` is `w`).
-    Without a mask, `update_step`.
+    Else `update_step`.
     """
-    keep = _mask_of(variables)
+    del iterations, cache  # SGD's rule does not read the step; nothing kept
+    keep = _traced(keep)
+    if keep is False:
+        return
     if keep is None:
-        for grad, variable in zip(grads, variables):
-            optimizer.update_step(_unscaled(grad, grad_scale), variable, learning_rate)
+        for grad, variable in zip(grads, params):
+            update_step(_unscaled(grad, grad_scale), variable, lr)
         return
 
     def gate(dtype):
         values = {
-            "lr": (ops.cast(learning_rate, dtype), 0.0),
-            "momentum": (ops.cast(optimizer.momentum, dtype), 1.0),
+            "lr": (ops.cast(lr, dtype), 0.0),
+            "momentum": (ops.cast(hyper.momentum, dtype), 1.0),
         }
         return _Gate(keep, dtype, values, grad_scale)
 
-    gates = _per_dtype(variables, gate)
-    index = optimizer._get_variable_index
-    for grad, variable in zip(grads, variables):
+    gates = _per_dtype(params, gate)
+    for i, (grad, variable) in enumerate(zip(grads, params)):
         gate = gates[variable.dtype]
         g = gate.gradient(grad, variable.dtype)
-        if optimizer.momentum == 0:
-            with _unmasked(variable):
-                optimizer.update_step(g, variable, gate.lr)
+        if hyper.momentum == 0:
+            update_step(g, variable, gate.lr)
             continue
-        m = optimizer.momentums[index(variable)]
+        m = slots["momentums"][i]
         _write(m, m.value * gate.momentum - g * gate.lr)
-        if optimizer.nesterov:
-            momentum = ops.cast(optimizer.momentum, variable.dtype)
+        if hyper.nesterov:
+            momentum = ops.cast(hyper.momentum, variable.dtype)
             g = gate.gradient(grad, variable.dtype, loop=1)
             step = m.value * momentum - g * gate.lr
         else:
@@ -267,25 +264,23 @@ def sgd(optimizer, grads, variables, learning_rate, grad_scale=None):
         _write(variable, gate.add(variable.value, step))
 
 
-sgd.folds_gate = True
-sgd.takes_grad_scale = True
+def weight_decay(params, weight_decay, lr, *, cache, keep=None):
+    """`v -= v * weight_decay * lr` for every variable.
 
-
-def weight_decay(optimizer, variables, weight_decay, learning_rate):
-    """`v -= v * weight_decay * learning_rate` for every variable.
-
-    Under a write mask the learning rate is -0.0 where the step is skipped:
-    `(v * wd) * -0.0` is a zero of the opposite sign to `v`, and `v` minus it
-    is `v`, bit for bit (-0.0 included).
+    Under a traced `keep` the learning rate is -0.0 where the step is
+    skipped: `(v * wd) * -0.0` is a zero of the opposite sign to `v`, and `v`
+    minus it is `v`, bit for bit (-0.0 included).
     """
-    del optimizer  # no state of its own
-    keep = _mask_of(variables)
+    del cache  # nothing kept between steps
+    keep = _traced(keep)
+    if keep is False:
+        return
 
     def rate(dtype):
-        lr = ops.cast(learning_rate, dtype)
-        return lr if keep is None else _Gate(keep, dtype, {"lr": (lr, -0.0)}).lr
+        rate = ops.cast(lr, dtype)
+        return rate if keep is None else _Gate(keep, dtype, {"lr": (rate, -0.0)}).lr
 
-    rates = _per_dtype(variables, rate)
-    for variable in variables:
+    rates = _per_dtype(params, rate)
+    for variable in params:
         value = variable.value
         _write(variable, value - value * weight_decay * rates[variable.dtype])

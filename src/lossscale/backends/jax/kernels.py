@@ -5,17 +5,21 @@ An optimizer class names the kernel that reproduces its `update_step`
 None, in which case the per-variable `update_step` runs (XLA fuses it).
 Adam, AdamW and SGD fold a loss-scale skip into their arithmetic (`fused`);
 each kernel has a test proving it equals `update_step`
-(tests/test_jax_fused.py). Nothing here knows an optimizer class: the names
-are the whole contract.
+(tests/test_jax_fused.py). Nothing here knows an optimizer class: a kernel
+gets its state as arguments (`lossscale.backends.kernel`).
 """
 
 from lossscale.backends.jax import fused
+from lossscale.backends.kernel import Kernel
 
-KERNELS = {"adam": fused.adam, "sgd": fused.sgd}
+KERNELS = {
+    "adam": Kernel(fused.adam, folds_keep=True, takes_grad_scale=True),
+    "sgd": Kernel(fused.sgd, folds_keep=True, takes_grad_scale=True),
+}
 
 
 def fused_update(name):
-    """The kernel `(optimizer, grads, variables, learning_rate)` named `name`, or None."""
+    """The `Kernel` named `name`, or None."""
     return KERNELS.get(name)
 
 

@@ -5,7 +5,7 @@ rebinds to it. Branches on traced values become `lax.cond` over the values
 of the variables they may write, so the same optimizer code traces under
 `jax.jit`.
 
-Two invariants keep `jax.jit(optimizer.stateless_apply)` from retracing:
+Two invariants keep `jax.jit(opt.stateless_apply)` from retracing:
 every write returns exactly the dtype *and weak type* of the value it
 replaces, and `cond` returns what it was given, branch for branch. Arrays
 created next to a sharded array (`like=`) are placed with its sharding, so
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lossscale.backends._common import bound, masked, unwrap
+from lossscale.backends._common import bound, unwrap
 
 NAME = "jax"
 MUTABLE = False
@@ -109,24 +109,16 @@ def _same_dtype(storage, value):
     return value
 
 
-# `mask`: a boolean scalar set by `gated` (or None); where it is False the
-# write is dropped. XLA fuses the select into the computation of the value.
-def assign(storage, value, mask=None):
-    return _masked(storage, jnp.broadcast_to(unwrap(value), storage.shape), mask)
+def assign(storage, value):
+    return _same_dtype(storage, jnp.broadcast_to(unwrap(value), storage.shape))
 
 
-def assign_add(storage, value, mask=None):
-    return _masked(storage, storage + unwrap(value), mask)
+def assign_add(storage, value):
+    return _same_dtype(storage, storage + unwrap(value))
 
 
-def assign_sub(storage, value, mask=None):
-    return _masked(storage, storage - unwrap(value), mask)
-
-
-def _masked(storage, value, mask):
-    if mask is not None:
-        value = jnp.where(mask, value, storage)
-    return _same_dtype(storage, value)
+def assign_sub(storage, value):
+    return _same_dtype(storage, storage - unwrap(value))
 
 
 def cast(x, dtype):
@@ -209,29 +201,6 @@ def cond(pred, true_fn, false_fn, variables):
     new = lax.cond(pred, branch(true_fn), branch(false_fn), [v._storage for v in variables])
     for v, s in zip(variables, new):
         v._storage = s
-
-
-def gated(pred, fn, variables, skip=None, cell=None):
-    """Runs `fn` so that its writes to `variables` take effect only where `pred` holds.
-
-    A concrete `pred` takes a plain `if`. A traced one runs `fn` once with
-    `pred` set as every variable's write mask (combined with an enclosing
-    one): each plain write becomes a select, which XLA fuses into the
-    computation of the value, and a fused kernel that folds the mask into
-    its arithmetic (`kernels`) reads it there. No `lax.cond`, so no
-    full-size copies of the branch's buffers; for a branch whose writes
-    cannot be folded, `cond` is the cheaper choice. `skip` is torch's and
-    ignored here; `cell`, the variables' cell if known, goes to `masked`.
-    """
-    pred = unwrap(pred)
-    if not isinstance(pred, jax.core.Tracer):
-        if bool(pred):
-            fn()
-        return
-    variables = list(variables)
-    outer = variables[0]._write_mask if variables else None
-    with masked(variables, pred if outer is None else jnp.logical_and(outer, pred), cell):
-        fn()
 
 
 def quiet():

@@ -39,7 +39,6 @@ from lossscale.backends.numpy.ops import (
     finite_unscaled,
     floor,
     full,
-    gated,
     global_norm,
     is_native,
     isfinite,

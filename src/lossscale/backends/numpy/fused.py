@@ -15,12 +15,9 @@ as the optimizer's `update_step`, so the results are identical bit for bit
 (`tests/test_numpy_fused.py` checks it). A variable whose arrays are not
 C-contiguous floats takes `update_step` instead.
 
-Scratch buffers belong to one optimizer (a `WeakKeyDictionary` keyed by the
-optimizer object), so they are allocated on its first step and reused
-afterwards.
+Scratch buffers belong to one optimizer (kept in its kernel `cache`), so
+they are allocated on its first step and reused afterwards.
 """
-
-import weakref
 
 import numpy as np
 
@@ -51,51 +48,44 @@ MAX_ARRAYS = 4
 # --- kernels -------------------------------------------------------------
 
 
-def adam(optimizer, grads, variables, learning_rate, grad_scale=None):
+def adam(params, grads, slots, hyper, *, iterations, lr, update_step, cache, grad_scale=None):
     """Fused `Adam.update_step` over every variable (amsgrad included).
 
     `grad_scale`: see `_job`.
     """
-    index = optimizer._get_variable_index
-    slots = [optimizer._momentums, optimizer._velocities]
-    if optimizer.amsgrad:
-        slots.append(optimizer._velocity_hats)
+    lists = [slots["momentums"], slots["velocities"]]
+    if "velocity_hats" in slots:
+        lists.append(slots["velocity_hats"])
     constants, unscalers = {}, {}
     jobs = []
-    for grad, variable in zip(grads, variables):
-        i = index(variable)
-        arrays = _fusable([variable.value] + [s[i].value for s in slots])
+    for i, (grad, variable) in enumerate(zip(grads, params)):
+        arrays = _fusable([variable.value] + [s[i].value for s in lists])
         if arrays is None:
-            optimizer.update_step(_unscaled(grad, grad_scale), variable, learning_rate)
+            update_step(_unscaled(grad, grad_scale), variable, lr)
             continue
         dtype = arrays[0].dtype
         if dtype not in constants:
-            constants[dtype] = _adam_constants(optimizer, learning_rate, dtype.name)
+            constants[dtype] = _adam_constants(hyper, iterations, lr, dtype.name)
         jobs.append(_job(grad, arrays, constants[dtype], grad_scale, unscalers))
-    _run(optimizer, jobs, _adam_block)
+    _run(cache, jobs, _adam_block)
 
 
-# `Optimizer._takes_grad_scale` looks for this: the loss-scale wrapper may
-# pass its scale in instead of unscaling the gradients first.
-adam.takes_grad_scale = True
-
-
-def _adam_constants(optimizer, learning_rate, dtype):
+def _adam_constants(hyper, iterations, learning_rate, dtype):
     # The same scalar expressions as `Adam.update_step`, evaluated once per
     # dtype instead of once per variable. The Python numbers `update_step`
     # mixes in (1 - beta, epsilon) become 0-d arrays of the variable's dtype:
     # the same values (NumPy casts a Python float to the array's dtype), and
     # a ufunc call with one takes a third of the time it takes with a float.
     lr = ops.cast(learning_rate, dtype)
-    step = ops.cast(optimizer.iterations + 1, dtype)
-    beta_1_power = ops.power(ops.cast(optimizer.beta_1, dtype), step)
-    beta_2_power = ops.power(ops.cast(optimizer.beta_2, dtype), step)
+    step = ops.cast(iterations + 1, dtype)
+    beta_1_power = ops.power(ops.cast(hyper.beta_1, dtype), step)
+    beta_2_power = ops.power(ops.cast(hyper.beta_2, dtype), step)
     alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
     return (
         alpha,
-        np.asarray(1 - optimizer.beta_1, dtype),
-        np.asarray(1 - optimizer.beta_2, dtype),
-        np.asarray(optimizer.epsilon, dtype),
+        np.asarray(1 - hyper.beta_1, dtype),
+        np.asarray(1 - hyper.beta_2, dtype),
+        np.asarray(hyper.epsilon, dtype),
     )
 
 
@@ -129,33 +119,32 @@ def _adam_block(g, arrays, constants, t, u):
     _sub(p, u, p)
 
 
-def sgd(optimizer, grads, variables, learning_rate, grad_scale=None):
+def sgd(params, grads, slots, hyper, *, iterations, lr, update_step, cache, grad_scale=None):
     """Fused `SGD.update_step` over every variable (plain, momentum, Nesterov).
 
     `grad_scale`: see `_job`.
     """
+    del iterations  # SGD's rule does not read it
+    momentums = slots.get("momentums")
     constants, unscalers = {}, {}
     jobs = []
-    for grad, variable in zip(grads, variables):
+    for i, (grad, variable) in enumerate(zip(grads, params)):
         arrays = [variable.value]
-        if optimizer.momentum != 0:
-            arrays.append(optimizer.momentums[optimizer._get_variable_index(variable)].value)
+        if hyper.momentum != 0:
+            arrays.append(momentums[i].value)
         arrays = _fusable(arrays)
         if arrays is None:
-            optimizer.update_step(_unscaled(grad, grad_scale), variable, learning_rate)
+            update_step(_unscaled(grad, grad_scale), variable, lr)
             continue
         dtype = arrays[0].dtype
         if dtype not in constants:
             constants[dtype] = (
-                ops.cast(learning_rate, dtype.name),
-                ops.cast(optimizer.momentum, dtype.name),
-                optimizer.nesterov,
+                ops.cast(lr, dtype.name),
+                ops.cast(hyper.momentum, dtype.name),
+                hyper.nesterov,
             )
         jobs.append(_job(grad, arrays, constants[dtype], grad_scale, unscalers))
-    _run(optimizer, jobs, _sgd_block)
-
-
-sgd.takes_grad_scale = True
+    _run(cache, jobs, _sgd_block)
 
 
 def _sgd_block(g, arrays, constants, t, u):
@@ -248,16 +237,16 @@ def _unscaled(grad, grad_scale):
 
 # --- scheduling ----------------------------------------------------------
 
-# Block-sized scratch buffers per (worker, dtype), per optimizer: two for the
-# update rule, one for an unscaled gradient block, and a packed block's
-# gradient and arrays.
-_SCRATCH = weakref.WeakKeyDictionary()
+# Block-sized scratch buffers per (worker, dtype), in the optimizer's kernel
+# cache under this key: two for the update rule, one for an unscaled
+# gradient block, and a packed block's gradient and arrays.
+SCRATCH_KEY = "numpy scratch"
 
 
-def _scratch(optimizer, workers, dtypes):
-    buffers = _SCRATCH.get(optimizer)
+def _scratch(cache, workers, dtypes):
+    buffers = cache.get(SCRATCH_KEY)
     if buffers is None:
-        buffers = _SCRATCH[optimizer] = {}
+        buffers = cache[SCRATCH_KEY] = {}
     for worker in range(workers):
         for dtype in dtypes:
             if (worker, dtype) not in buffers:
@@ -308,12 +297,12 @@ def _blocks(jobs):
     return blocks
 
 
-def _run(optimizer, jobs, block_fn):
+def _run(cache, jobs, block_fn):
     if not jobs:
         return
     blocks = _blocks(jobs)
     count = parallel.workers(blocks)
-    scratch = _scratch(optimizer, count, {job[0].dtype for job in jobs})
+    scratch = _scratch(cache, count, {job[0].dtype for job in jobs})
     # errstate is per thread: carry the caller's (quiet during a skipped
     # step's arithmetic) into the workers.
     errors = np.geterr()

@@ -61,25 +61,19 @@ def read(storage):
     return storage
 
 
-# `mask`: a NumPy bool (or None); where it is False the write is dropped.
-# NumPy's own `cond` and `gated` branch in Python and never set one.
-def assign(storage, value, mask=None):
-    np.copyto(storage, unwrap(value), casting="same_kind", where=_where(mask))
+def assign(storage, value):
+    np.copyto(storage, unwrap(value), casting="same_kind")
     return storage
 
 
-def assign_add(storage, value, mask=None):
-    np.add(storage, unwrap(value), out=storage, casting="same_kind", where=_where(mask))
+def assign_add(storage, value):
+    np.add(storage, unwrap(value), out=storage, casting="same_kind")
     return storage
 
 
-def assign_sub(storage, value, mask=None):
-    np.subtract(storage, unwrap(value), out=storage, casting="same_kind", where=_where(mask))
+def assign_sub(storage, value):
+    np.subtract(storage, unwrap(value), out=storage, casting="same_kind")
     return storage
-
-
-def _where(mask):
-    return True if mask is None else np.asarray(unwrap(mask), dtype=bool)
 
 
 def cast(x, dtype):
@@ -216,11 +210,6 @@ def cond(pred, true_fn, false_fn, variables):
     branch = true_fn if bool(unwrap(pred)) else false_fn
     if branch is not None:
         branch()
-
-
-def gated(pred, fn, variables, skip=None, cell=None):
-    if bool(unwrap(pred)):
-        fn()
 
 
 def quiet():

@@ -5,7 +5,7 @@ from the modules that implement them:
 
 - `ops`: tensors and `tf.Variable` storage, writes (in place on a
   `tf.Variable`, a new tensor under `stateless_apply`), elementwise math;
-- `control`: branches on device values (`cond`, `gated`): masked writes in
+- `control`: branches on device values (`cond`): undone writes in
   eager mode, `tf.cond` inside a `tf.function`;
 - `multi`: unscale, finite check and norms over lists of tensors;
 - `replicas`: the skip decision agreed across `tf.distribute` replicas;
@@ -26,7 +26,6 @@ from lossscale.backends.tensorflow.compiled import (
 )
 from lossscale.backends.tensorflow.control import (
     cond,
-    gated,
 )
 from lossscale.backends.tensorflow.kernels import (
     fused_scale_update,
@@ -106,7 +105,6 @@ __all__ = [
     "fused_scale_update",
     "fused_update",
     "fused_weight_decay",
-    "gated",
     "global_norm",
     "is_native",
     "isfinite",

@@ -4,12 +4,12 @@ In eager mode every TensorFlow op is a Python dispatch of tens of
 microseconds. Adam's `update_step` is about thirty ops per variable, twelve
 thousand for a 400-tensor model; the same ops traced into a graph run in
 one call. So, when an optimizer steps eagerly on `tf.Variable`s, the
-kernels of `kernels` trace their rule once (per optimizer, its variables
-and settings) and call the traced function at every step after that. The
-rule is the same Python code either way: the per-variable `update_step`,
-or a `fused` kernel.
+kernels of `kernels` trace their rule once (per optimizer, kept in its
+kernel cache, for its variables and hyperparameters) and call the traced
+function at every step after that. The rule is the same Python code either
+way: the per-variable `update_step`, or a `fused` kernel.
 
-An eager masked branch (`control`) hands its mask over as an argument, and
+A skipped loss-scale step hands its `keep` flag over as an argument, and
 the traced rule runs under `tf.cond` on it: a skipped step writes nothing.
 
 Variables bound to plain tensors (`stateless_apply`) pass their values
@@ -32,61 +32,55 @@ call (shorter ones cost less op by op).
 """
 
 import contextlib
-import weakref
 
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
 
-from lossscale.backends._common import bound, masked, unscale_then_check
-from lossscale.backends.tensorflow import multi, ops
+from lossscale.backends._common import bound, unscale_then_check
+from lossscale.backends.tensorflow import control, multi, ops
 
 # Below this many tensors an eager helper runs op by op: a traced call
 # costs about as much as ten eager ops.
 MIN_TENSORS = 8
 
-# optimizer -> {key: traced function}. Weak, so the functions die with it.
-_TRACED = weakref.WeakKeyDictionary()
-
 _PLAIN = (bool, int, float, str, type(None))
 
 
-def _settings(optimizer):
-    """The optimizer's plain attributes: a changed hyperparameter traces again."""
-    return tuple(sorted((k, v) for k, v in vars(optimizer).items() if isinstance(v, _PLAIN)))
-
-
-def run(optimizer, rule, variables, inputs, extra=()):
-    """Runs `rule(optimizer, variables, *inputs)`, traced once when eager.
+def run(rule, static, targets, inputs, cache, extra=(), keep=None):
+    """Runs `rule(*static, *inputs)`, traced once when eager; only where `keep` holds.
 
     Args:
-        optimizer: The optimizer whose variables `rule` may write.
-        rule: A function writing `variables` and `optimizer.variables`.
-        variables: The model variables of this step (`Variable`s).
+        rule: A module-level function writing only `targets`.
+        static: Python objects the rule takes (variables, the reference
+            `update_step`, hyperparameters), fixed for one trace.
+        targets: Every `Variable` the rule may read or write.
         inputs: Tensors (or lists of tensors) that change between steps.
+        cache: The optimizer's kernel cache, where the traced functions live.
         extra: Python values the rule depends on (part of the cache key).
+        keep: None, or the step's boolean flag.
     """
     if not tf.executing_eagerly():
-        rule(optimizer, variables, *inputs)
+        if keep is None:
+            rule(*static, *inputs)
+        else:
+            control.cond(keep, lambda: rule(*static, *inputs), None, targets)
         return
-    targets = list(variables) + optimizer.variables
     # tf.Variables are captured by the traced function and written there;
     # variables bound to tensors (`stateless_apply`) pass in and out.
     held = [ops.is_variable(v._storage) for v in targets]
     carried = [v for v, is_held in zip(targets, held) if not is_held]
     key = (
+        "tensorflow traced",
         rule,
         tuple(map(id, targets)),
         tuple(id(v._storage) if is_held else None for v, is_held in zip(targets, held)),
-        extra,
-        _settings(optimizer),
+        tuple(x for x in extra if isinstance(x, _PLAIN)),
     )
-    traced = _TRACED.setdefault(optimizer, {})
-    function = traced.get(key)
+    function = cache.get(key)
     if function is None:
-        function = traced[key] = _trace(weakref.ref(optimizer), rule, variables, targets, carried)
-    mask = variables[0]._write_mask if variables else None
-    keep = tf.constant(True) if mask is None else mask
+        function = cache[key] = _trace(rule, static, carried)
+    keep = tf.constant(True) if keep is None else tf.cast(ops.read(keep), tf.bool)
     with _exact_arithmetic():
         new = function(list(inputs), [v._storage for v in carried], keep)
     for v, value in zip(carried, new):
@@ -122,25 +116,17 @@ def _exact_arithmetic():
         eager.function_call_options = saved
 
 
-def _trace(optimizer_ref, rule, variables, targets, carried):
+def _trace(rule, static, carried):
     def step(inputs, values, keep):
-        optimizer = optimizer_ref()
-        # The eager masks are the outer branch's; in here `keep` decides.
-        with masked(targets, None):
+        def branch(write):
+            def run_branch():
+                with bound(carried, values):
+                    write()
+                    return [v._storage for v in carried]
 
-            def branch(write):
-                def run_branch():
-                    with bound(carried, values):
-                        write()
-                        return [v._storage for v in carried]
+            return run_branch
 
-                return run_branch
-
-            return tf.cond(
-                keep,
-                branch(lambda: rule(optimizer, variables, *inputs)),
-                branch(lambda: None),
-            )
+        return tf.cond(keep, branch(lambda: rule(*static, *inputs)), branch(lambda: None))
 
     return tf.function(step)
 

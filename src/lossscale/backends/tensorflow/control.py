@@ -1,24 +1,21 @@
-"""Branches on device values: masked writes in eager mode, `tf.cond` in a graph.
+"""Branches on device values: undone writes in eager mode, `tf.cond` in a graph.
 
-Eager: `cond(pred, true_fn, false_fn, variables)` runs both branches, each
-with its boolean mask set on every variable it may write
-(`variable._write_mask`, combined with an enclosing branch's), and every
-write of a marked variable stores `where(mask, new, old)`. The predicate is
-never read on the host, so a step does not wait for the device (eager
-`tf.cond` would read it), and a value computed in the branch not taken (a
-NaN from an overflowing gradient) is never stored.
+Eager: `cond(pred, true_fn, false_fn, variables)` runs both branches; after
+each, every variable it may write takes `where(keep, value written, value
+before)`. The predicate is never read on the host, so a step does not wait
+for the device (eager `tf.cond` would read it), and a value computed in the
+branch not taken (a NaN from an overflowing gradient) is never kept.
 
 Inside a `tf.function` (with or without `jit_compile=True`): `tf.cond`, so
 only the branch taken runs. Writes to `tf.Variable`s are the branches' side
 effects; variables bound to plain tensors (`stateless_apply`) pass their
-values in and out of the branches, as JAX's `lax.cond` does. `gated` is the
-true branch alone (no kernel on this backend folds the flag into its own
-arithmetic, so there is nothing to gain from masks inside a graph).
+values in and out of the branches, as JAX's `lax.cond` does. A skipped
+loss-scale step does not come here: the kernels take its flag (`compiled`).
 """
 
 import tensorflow as tf
 
-from lossscale.backends._common import bound, masked, unwrap
+from lossscale.backends._common import bound, unwrap
 from lossscale.backends.tensorflow import ops
 
 
@@ -48,27 +45,19 @@ def cond(pred, true_fn, false_fn, variables):
     pred = tf.cast(ops.read(unwrap(pred)), tf.bool)
     variables = list(variables)
     if tf.executing_eagerly():
-        with masked(variables, _combined(variables, pred)):
-            true_fn()
+        _where(pred, true_fn, variables)
         if false_fn is not None:
-            with masked(variables, _combined(variables, tf.logical_not(pred))):
-                false_fn()
+            _where(tf.logical_not(pred), false_fn, variables)
         return
     _graph_cond(pred, true_fn, false_fn or (lambda: None), variables)
 
 
-def gated(pred, fn, variables, skip=None, cell=None):
-    """Runs `fn` so that its writes to `variables` take effect only where `pred` holds.
-
-    `skip` is torch's form of the flag and unused here; `cond` finds the
-    variables' cell itself (`cell` is a hint for `masked`).
-    """
-    cond(pred, fn, None, variables)
-
-
-def _combined(variables, keep):
-    outer = variables[0]._write_mask if variables else None
-    return keep if outer is None else tf.logical_and(outer, keep)
+def _where(keep, fn, variables):
+    """Runs `fn`, then keeps its writes to `variables` only where `keep` holds."""
+    saved = [tf.identity(ops.read(v._storage)) for v in variables]
+    fn()
+    for v, old in zip(variables, saved):
+        v._storage = ops.assign(v._storage, tf.where(keep, ops.read(v._storage), old))
 
 
 def _graph_cond(pred, true_fn, false_fn, variables):

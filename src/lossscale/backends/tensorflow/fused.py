@@ -22,39 +22,32 @@ from lossscale.backends.tensorflow import ops
 _FUSED_DTYPES = (tf.float32, tf.float64)
 
 
-def _fusable(optimizer, variables):
-    """Whether every variable (and its slots) is an unmasked `tf.Variable` of a fused dtype.
-
-    A masked write (an eager branch, see `control`) needs a select the
-    kernels do not make; `compiled` runs them under `tf.cond` instead.
-    """
-    targets = list(variables) + [m for m in optimizer.momentums if m is not None]
-    return all(
-        v._write_mask is None and ops.is_variable(v._storage) and v._storage.dtype in _FUSED_DTYPES
-        for v in targets
-    )
+def _fusable(params, slots):
+    """Whether every variable (and its slots) is a `tf.Variable` of a fused dtype."""
+    targets = list(params) + list(slots.get("momentums", ()))
+    return all(ops.is_variable(v._storage) and v._storage.dtype in _FUSED_DTYPES for v in targets)
 
 
-def sgd(optimizer, grads, variables, learning_rate):
+def sgd(update_step, params, slots, hyper, grads, learning_rate):
     """`SGD.update_step` for every variable, one fused kernel each."""
-    if not _fusable(optimizer, variables):
-        for grad, variable in zip(grads, variables):
-            optimizer.update_step(grad, variable, learning_rate)
+    if not _fusable(params, slots):
+        for grad, variable in zip(grads, params):
+            update_step(grad, variable, learning_rate)
         return
-    nesterov = bool(optimizer.nesterov)
-    for grad, variable in zip(grads, variables):
+    nesterov = bool(hyper.nesterov)
+    for i, (grad, variable) in enumerate(zip(grads, params)):
         storage = variable._storage
         lr = ops.cast(learning_rate, storage.dtype)
         grad = ops.cast(grad, storage.dtype)
-        if optimizer.momentum == 0:
+        if hyper.momentum == 0:
             tf.raw_ops.ResourceApplyGradientDescent(var=storage.handle, alpha=lr, delta=grad)
             continue
-        m = optimizer.momentums[optimizer._get_variable_index(variable)]._storage
+        m = slots["momentums"][i]._storage
         tf.raw_ops.ResourceApplyKerasMomentum(
             var=storage.handle,
             accum=m.handle,
             lr=lr,
             grad=grad,
-            momentum=ops.cast(optimizer.momentum, storage.dtype),
+            momentum=ops.cast(hyper.momentum, storage.dtype),
             use_nesterov=nesterov,
         )

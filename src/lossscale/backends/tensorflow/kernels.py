@@ -7,26 +7,25 @@ kernels (`fused.sgd`) and every other rule is the optimizer's own
 rule once and replays it (`compiled.run`), and inside a `tf.function` the
 rule joins the caller's graph. Each entry has a test proving it equals
 `update_step` bit for bit (tests/test_tensorflow_kernels.py). Nothing here
-knows an optimizer class: the names are the whole contract.
+knows an optimizer class: a kernel gets its state as arguments
+(`lossscale.backends.kernel`).
 """
 
 import tensorflow as tf
 
-from lossscale.backends.tensorflow import compiled, fused, ops
+from lossscale.backends.kernel import Kernel
+from lossscale.backends.tensorflow import compiled, control, fused, ops
 
 
-def _per_variable(optimizer, variables, grads, learning_rate):
-    for grad, variable in zip(grads, variables):
-        optimizer.update_step(grad, variable, learning_rate)
+def _per_variable(update_step, params, slots, hyper, grads, learning_rate):
+    del slots, hyper  # `update_step` reads the optimizer's own
+    for grad, variable in zip(grads, params):
+        update_step(grad, variable, learning_rate)
 
 
-def _sgd(optimizer, variables, grads, learning_rate):
-    fused.sgd(optimizer, grads, variables, learning_rate)
-
-
-def _decay(optimizer, variables, learning_rate, weight_decay):
+def _decay(params, weight_decay, learning_rate):
     # `weight_decay.apply_weight_decay`'s loop, exactly.
-    for variable in variables:
+    for variable in params:
         lr = ops.cast(learning_rate, variable.dtype)
         variable.assign_sub(variable.value * weight_decay * lr)
 
@@ -40,17 +39,42 @@ def _as_tensor(learning_rate):
     return tf.constant(learning_rate, tf.float64)
 
 
+def _targets(params, slots, iterations):
+    """Every `Variable` a rule may read or write: parameters, slots, the step count."""
+    targets, seen = [], set()
+    for v in [*params, *(v for lst in slots.values() for v in lst), iterations]:
+        if getattr(v, "_is_lossscale_variable", False) and id(v) not in seen:
+            seen.add(id(v))
+            targets.append(v)
+    return targets
+
+
 def _traced(rule):
-    def kernel(optimizer, grads, variables, learning_rate):
-        compiled.run(optimizer, rule, variables, (list(grads), _as_tensor(learning_rate)))
+    def kernel(params, grads, slots, hyper, *, iterations, lr, update_step, cache, keep=None):
+        static = (update_step, params, slots, hyper)
+        targets = _targets(params, slots, iterations)
+        inputs = (list(grads), _as_tensor(lr))
+        if not getattr(iterations, "_is_lossscale_variable", False) and not all(
+            ops.is_variable(v._storage) for v in targets
+        ):
+            # `update_step` reads a step count derived from a variable bound
+            # to a tensor (gradient accumulation under `stateless_apply`):
+            # no trace could take it as an input, so the rule runs op by op.
+            if keep is None:
+                rule(*static, *inputs)
+            else:
+                control.cond(keep, lambda: rule(*static, *inputs), None, targets)
+            return
+        compiled.run(rule, static, targets, inputs, cache, tuple(hyper), keep)
 
     return kernel
 
 
-_UPDATE = _traced(_per_variable)
+_UPDATE = Kernel(_traced(_per_variable), folds_keep=True)
 
+# Every kernel traces its rule under `tf.cond` on the step's `keep` flag.
 KERNELS = {
-    "sgd": _traced(_sgd),
+    "sgd": Kernel(_traced(fused.sgd), folds_keep=True),
     **{
         name: _UPDATE
         for name in (
@@ -69,15 +93,14 @@ KERNELS = {
 
 
 def fused_update(name):
-    """The kernel `(optimizer, grads, variables, learning_rate)` named `name`, or None."""
+    """The `Kernel` named `name`, or None."""
     return KERNELS.get(name)
 
 
-def weight_decay(optimizer, variables, weight_decay, learning_rate):
-    """Decoupled weight decay of `variables`, traced once when eager (see `compiled`)."""
-    compiled.run(
-        optimizer, _decay, variables, (_as_tensor(learning_rate), weight_decay), (weight_decay,)
-    )
+def weight_decay(params, weight_decay, lr, *, cache, keep=None):
+    """Decoupled weight decay of `params`, traced once when eager (see `compiled`)."""
+    inputs = (_as_tensor(lr),)
+    compiled.run(_decay, (params, weight_decay), list(params), inputs, cache, (weight_decay,), keep)
 
 
 def fused_weight_decay():

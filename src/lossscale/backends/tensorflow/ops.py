@@ -175,37 +175,32 @@ def _value_for(storage, value):
     return value
 
 
-def _write(storage, new, mask):
-    """Stores `new` (already `storage`'s dtype and shape); under `mask`, only where it holds."""
-    if mask is not None:
-        new = tf.where(mask, new, read(storage))
+def _write(storage, new):
+    """Stores `new` (already `storage`'s dtype and shape)."""
     if isinstance(storage, tf.Variable):
         storage.assign(new, read_value=False)
         return storage
     return new
 
 
-# `mask`: a boolean scalar tensor set on the variable by an eager masked
-# branch (`control`), or None. A masked write stores `where(mask, new, old)`:
-# a skipped step leaves every bit as it was (zeros keep their sign).
-def assign(storage, value, mask=None):
-    return _write(storage, _value_for(storage, value), mask)
+def assign(storage, value):
+    return _write(storage, _value_for(storage, value))
 
 
-def assign_add(storage, value, mask=None):
+def assign_add(storage, value):
     value = _value_for(storage, value)
-    if mask is None and isinstance(storage, tf.Variable):
+    if isinstance(storage, tf.Variable):
         storage.assign_add(value, read_value=False)
         return storage
-    return _write(storage, read(storage) + value, mask)
+    return _write(storage, read(storage) + value)
 
 
-def assign_sub(storage, value, mask=None):
+def assign_sub(storage, value):
     value = _value_for(storage, value)
-    if mask is None and isinstance(storage, tf.Variable):
+    if isinstance(storage, tf.Variable):
         storage.assign_sub(value, read_value=False)
         return storage
-    return _write(storage, read(storage) - value, mask)
+    return _write(storage, read(storage) - value)
 
 
 # --- elementwise and reductions -------------------------------------------------

@@ -1,10 +1,10 @@
-"""PyTorch backend: in-place writes, device-resident scalars, masked branches.
+"""PyTorch backend: in-place writes, device-resident scalars, branches on device values.
 
 The seam's primitives (`lossscale.backends.protocol.BackendOps`), gathered
 from the modules that implement them:
 
-- `masks`: branches on device values (`cond`, `gated`) as masked writes;
-- `ops`: tensors, in-place writes (selecting under a mask), elementwise math;
+- `control`: branches on device values (`cond`), undone where not taken;
+- `ops`: tensors, in-place writes, elementwise math;
 - `multi`: multi-tensor unscale, finite check and norms, by (device, dtype);
 - `plans`: an optimizer's tensor lists per (device, dtype), cached between steps;
 - `foreach`: `torch._foreach_*` versions of the update rules;
@@ -18,12 +18,12 @@ Each module imports only those above it in this list.
 
 import torch
 
+from lossscale.backends.torch.control import cond
 from lossscale.backends.torch.kernels import (
     fused_scale_update,
     fused_update,
     fused_weight_decay,
 )
-from lossscale.backends.torch.masks import cond, gated
 from lossscale.backends.torch.multi import (
     all_finite,
     finite_flags,

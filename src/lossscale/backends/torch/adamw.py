@@ -18,14 +18,14 @@ is not (the Adam kernel is given `alpha` as its rate, see `fused.adam`):
 the decay is therefore its own kernel before the fused Adam update, one
 pass over the parameters in place, no new tensors.
 
-Under a loss-scale wrapper's `WriteMask` the factor is `1.0` where the step
+Under a loss-scale wrapper's `keep` flag the factor is `1.0` where the step
 is skipped, and `v * 1.0` is `v` bit for bit (-0.0, inf and NaN included):
 no select of the parameters.
 """
 
 import torch
 
-from lossscale.backends.torch import masks, ops, plans
+from lossscale.backends.torch import ops, plans
 
 
 def decay_factor(weight_decay, learning_rate):
@@ -37,24 +37,25 @@ def decay_factor(weight_decay, learning_rate):
     return 1 - weight_decay * learning_rate
 
 
-def weight_decay(optimizer, variables, weight_decay, learning_rate):
+def weight_decay(params, weight_decay, learning_rate, *, cache, keep=None):
     """`v *= 1 - weight_decay * learning_rate` for every variable, one kernel per group.
 
     Args:
-        optimizer: The optimizer; the groups' tensor lists are cached on it.
-        variables: The `Variable`s to decay (exclusions already applied).
+        params: The `Variable`s to decay (exclusions already applied).
         weight_decay: Python float, the decay rate.
         learning_rate: The step's learning rate (a 0-d tensor, or a number).
+        cache: The optimizer's kernel cache (the groups' tensor lists).
+        keep: None, or a boolean scalar: where it is False the factor is 1.0.
     """
-    mask = masks.mask_of(variables)
     with torch.no_grad():
         factor = decay_factor(weight_decay, ops.unwrap(learning_rate))
-        if mask is not None:
+        if keep is not None:
+            writer = plans.Writer(keep, ops.unwrap(keep).device)
             if not isinstance(factor, torch.Tensor):
-                factor = ops.constant(factor, torch.float32, mask.keep.device)
+                factor = ops.constant(factor, torch.float32, ops.unwrap(keep).device)
             one = ops.constant(1.0, factor.dtype, factor.device)
-            factor = torch.where(mask.on(factor.device), factor, one)
-        for group in plans.plan(optimizer, variables, purpose="weight_decay").groups:
+            factor = torch.where(writer.keep, factor, one)
+        for group in plans.plan(params, {}, cache, purpose="weight_decay").groups:
             on_device = factor
             if isinstance(factor, torch.Tensor) and factor.device != group.device:
                 on_device = factor.to(group.device)

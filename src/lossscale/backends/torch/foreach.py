@@ -4,19 +4,21 @@ Each rule below is its optimizer's `update_step`, operation for operation in
 the same order and dtype, applied to a whole group of same-device,
 same-dtype tensors at once (see `plans`): a handful of multi-tensor
 kernel launches per step instead of a dozen small ones per variable. Writes
-go through `plans.Writer`, which selects on the device under the
-variables' `masks.WriteMask`, so a skipped step changes nothing and reads nothing
-on the host.
+go through `plans.Writer`, which selects on the device under the step's
+`keep` flag, so a skipped step changes nothing and reads nothing on the
+host.
 
-A rule is `rule(optimizer, group, grads, lr, writer)`; `SLOTS` names the
-slot lists it reads. Adding an optimizer is one rule and one entry in
-`kernels.KERNELS`. `tests/test_torch_foreach.py` checks every entry against the
-generic path.
+A rule is `rule(hyper, group, grads, lr, write, iterations)`: the
+optimizer's hyperparameters, one `plans.Group` (its parameters and the
+slots the optimizer class declares, by name), the group's gradients and
+learning rate, the `Writer` and the steps taken so far. Adding an optimizer
+is one rule and one entry in `kernels.KERNELS`. `tests/test_torch_foreach.py`
+checks every entry against the generic path.
 """
 
 import torch
 
-from lossscale.backends.torch import dtensors, masks, ops, plans
+from lossscale.backends.torch import dtensors, ops, plans
 
 _add, _sub = torch._foreach_add, torch._foreach_sub
 
@@ -68,39 +70,37 @@ def scalar(value, group):
     return value if value.device == group.device else value.to(group.device)
 
 
-def step_count(optimizer, group):
-    """`ops.cast(optimizer.iterations + 1, dtype)`: the step being taken.
+def step_count(iterations, group):
+    """`ops.cast(iterations + 1, dtype)`: the step being taken.
 
     The integer sum is cast as it is stored into the group's step buffer:
     one kernel, and exact (adding 1.0 to a float32 copy of the count would
     round twice past 2**24 steps).
     """
-    steps = ops.unwrap(optimizer.iterations)
+    steps = ops.unwrap(iterations)
     if not isinstance(steps, torch.Tensor) or torch.compiler.is_compiling():
         return scalar(steps + 1, group)
     return torch.add(steps.to(group.device), 1, out=group.step_buffer())
 
 
-def make_kernel(rule, slot_attrs):
-    """Wraps a per-group rule into a `kernels.KERNELS` entry.
+def make_kernel(rule):
+    """Wraps a per-group rule into a kernel (see `lossscale.backends.kernel`).
 
     Args:
-        rule: `rule(optimizer, group, grads, lr, writer)`.
-        slot_attrs: `slot_attrs(optimizer)` -> names of the slot lists the
-            rule needs (they may depend on the optimizer's settings).
+        rule: `rule(hyper, group, grads, lr, write, iterations)`.
     """
 
-    def kernel(optimizer, grads, variables, learning_rate):
-        mask = masks.mask_of(variables)
+    def kernel(params, grads, slots, hyper, *, iterations, lr, cache, update_step=None, keep=None):
+        del update_step  # every variable takes the rule
         with torch.no_grad():
-            groups = plans.plan(optimizer, variables, slot_attrs(optimizer)).groups
-            for group in groups:
+            for group in plans.plan(params, slots, cache).groups:
                 rule(
-                    optimizer,
+                    hyper,
                     group,
                     group.grads(grads),
-                    scalar(learning_rate, group),
-                    plans.Writer(mask, group.device),
+                    scalar(lr, group),
+                    plans.Writer(keep, group.device),
+                    iterations,
                 )
 
     kernel.rule = rule
@@ -110,31 +110,31 @@ def make_kernel(rule, slot_attrs):
 # --- rules -------------------------------------------------------------------
 
 
-def sgd(opt, group, grads, lr, write):
-    if opt.momentum == 0:
+def sgd(hp, group, grads, lr, write, iterations):
+    if hp.momentum == 0:
         write.sub(group.params, mul(grads, lr))
         return
-    momentum = scalar(opt.momentum, group)
+    momentum = scalar(hp.momentum, group)
     scaled = mul(grads, lr)
     m = write.set(group.slots["momentums"], _sub(mul(group.slots["momentums"], momentum), scaled))
-    if opt.nesterov:
+    if hp.nesterov:
         write.add(group.params, _sub(mul(m, momentum), scaled))
     else:
         write.add(group.params, m)
 
 
-def adam(opt, group, grads, lr, write):
-    step = step_count(opt, group)
-    beta_1_power = ops.power(scalar(opt.beta_1, group), step)
-    beta_2_power = ops.power(scalar(opt.beta_2, group), step)
+def adam(hp, group, grads, lr, write, iterations):
+    step = step_count(iterations, group)
+    beta_1_power = ops.power(scalar(hp.beta_1, group), step)
+    beta_2_power = ops.power(scalar(hp.beta_2, group), step)
     alpha = lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-    m = _moment(write, group.slots["_momentums"], grads, 1 - opt.beta_1)
-    v = _moment(write, group.slots["_velocities"], mul(grads, grads), 1 - opt.beta_2)
-    if opt.amsgrad:
+    m = _moment(write, group.slots["momentums"], grads, 1 - hp.beta_1)
+    v = _moment(write, group.slots["velocities"], mul(grads, grads), 1 - hp.beta_2)
+    if hp.amsgrad:
         v = write.set(
-            group.slots["_velocity_hats"], torch._foreach_maximum(group.slots["_velocity_hats"], v)
+            group.slots["velocity_hats"], torch._foreach_maximum(group.slots["velocity_hats"], v)
         )
-    write.sub(group.params, div(mul(m, alpha), _add(torch._foreach_sqrt(v), opt.epsilon)))
+    write.sub(group.params, div(mul(m, alpha), _add(torch._foreach_sqrt(v), hp.epsilon)))
 
 
 def _moment(write, slots, values, rate):
@@ -151,40 +151,40 @@ def _decay_average(slots, values, rho):
     return out
 
 
-def rmsprop(opt, group, grads, lr, write):
+def rmsprop(hp, group, grads, lr, write, iterations):
     slots = group.slots
     velocity = write.set(
-        slots["_velocities"], _decay_average(slots["_velocities"], mul(grads, grads), opt.rho)
+        slots["velocities"], _decay_average(slots["velocities"], mul(grads, grads), hp.rho)
     )
-    if opt.centered:
+    if hp.centered:
         average = write.set(
-            slots["_average_gradients"], _decay_average(slots["_average_gradients"], grads, opt.rho)
+            slots["average_gradients"], _decay_average(slots["average_gradients"], grads, hp.rho)
         )
         denominator = _sub(velocity, mul(average, average))
-        torch._foreach_add_(denominator, opt.epsilon)
+        torch._foreach_add_(denominator, hp.epsilon)
     else:
-        denominator = _add(velocity, opt.epsilon)
+        denominator = _add(velocity, hp.epsilon)
     increment = div(mul(grads, lr), torch._foreach_sqrt(denominator))
-    if opt.momentum > 0:
-        momentum = mul(slots["_momentums"], opt.momentum)
+    if hp.momentum > 0:
+        momentum = mul(slots["momentums"], hp.momentum)
         torch._foreach_add_(momentum, increment)
-        increment = write.set(slots["_momentums"], momentum)
+        increment = write.set(slots["momentums"], momentum)
     write.sub(group.params, increment)
 
 
-def adagrad(opt, group, grads, lr, write):
-    accumulator = write.add(group.slots["_accumulators"], mul(grads, grads))
-    denominator = torch._foreach_sqrt(_add(accumulator, opt.epsilon))
+def adagrad(hp, group, grads, lr, write, iterations):
+    accumulator = write.add(group.slots["accumulators"], mul(grads, grads))
+    denominator = torch._foreach_sqrt(_add(accumulator, hp.epsilon))
     write.sub(group.params, div(mul(grads, lr), denominator))
 
 
-def adadelta(opt, group, grads, lr, write):
-    rho, epsilon = opt.rho, opt.epsilon
+def adadelta(hp, group, grads, lr, write, iterations):
+    rho, epsilon = hp.rho, hp.epsilon
     grad_acc = write.set(
-        group.slots["_accumulated_grads"],
-        _decay_average(group.slots["_accumulated_grads"], mul(grads, grads), rho),
+        group.slots["accumulated_grads"],
+        _decay_average(group.slots["accumulated_grads"], mul(grads, grads), rho),
     )
-    delta_acc = group.slots["_accumulated_delta_vars"]
+    delta_acc = group.slots["accumulated_delta_vars"]
     delta = mul(torch._foreach_sqrt(_add(delta_acc, epsilon)), grads)
     torch._foreach_div_(delta, torch._foreach_sqrt(_add(grad_acc, epsilon)))
     torch._foreach_neg_(delta)
@@ -192,39 +192,39 @@ def adadelta(opt, group, grads, lr, write):
     write.add(group.params, mul(delta, lr))
 
 
-def adamax(opt, group, grads, lr, write):
-    beta_1_power = ops.power(scalar(opt.beta_1, group), step_count(opt, group))
-    m = _moment(write, group.slots["_m"], grads, 1 - opt.beta_1)
+def adamax(hp, group, grads, lr, write, iterations):
+    beta_1_power = ops.power(scalar(hp.beta_1, group), step_count(iterations, group))
+    m = _moment(write, group.slots["m"], grads, 1 - hp.beta_1)
     u = write.set(
-        group.slots["_u"],
-        torch._foreach_maximum(mul(group.slots["_u"], opt.beta_2), torch._foreach_abs(grads)),
+        group.slots["u"],
+        torch._foreach_maximum(mul(group.slots["u"], hp.beta_2), torch._foreach_abs(grads)),
     )
-    denominator = _add(u, opt.epsilon)
+    denominator = _add(u, hp.epsilon)
     torch._foreach_mul_(denominator, 1 - beta_1_power)
     write.sub(group.params, div(mul(m, lr), denominator))
 
 
-def nadam(opt, group, grads, lr, write):
-    step = step_count(opt, group)
-    decay = scalar(opt.schedule_decay, group)
-    beta_1 = scalar(opt.beta_1, group)
+def nadam(hp, group, grads, lr, write, iterations):
+    step = step_count(iterations, group)
+    decay = scalar(hp.schedule_decay, group)
+    beta_1 = scalar(hp.beta_1, group)
     u_t = beta_1 * (1.0 - 0.5 * ops.power(decay, step))
     u_next = beta_1 * (1.0 - 0.5 * ops.power(decay, step + 1))
-    u_product = scalar(opt._u_product.value, group)
+    u_product = scalar(group.slots["u_product"][0], group)
     u_product_next = u_product * u_next
-    beta_2_power = ops.power(scalar(opt.beta_2, group), step)
-    m = _moment(write, group.slots["_momentums"], grads, 1 - opt.beta_1)
-    v = _moment(write, group.slots["_velocities"], mul(grads, grads), 1 - opt.beta_2)
+    beta_2_power = ops.power(scalar(hp.beta_2, group), step)
+    m = _moment(write, group.slots["momentums"], grads, 1 - hp.beta_1)
+    v = _moment(write, group.slots["velocities"], mul(grads, grads), 1 - hp.beta_2)
     m_hat = div(mul(m, u_next), 1 - u_product_next)
     torch._foreach_add_(m_hat, div(mul(grads, 1 - u_t), 1 - u_product))
     denominator = torch._foreach_sqrt(div(v, 1 - beta_2_power))
-    torch._foreach_add_(denominator, opt.epsilon)
+    torch._foreach_add_(denominator, hp.epsilon)
     write.sub(group.params, div(mul(m_hat, lr), denominator))
 
 
-def lion(opt, group, grads, lr, write):
-    beta_1, beta_2 = scalar(opt.beta_1, group), scalar(opt.beta_2, group)
-    momentums = group.slots["_momentums"]
+def lion(hp, group, grads, lr, write, iterations):
+    beta_1, beta_2 = scalar(hp.beta_1, group), scalar(hp.beta_2, group)
+    momentums = group.slots["momentums"]
     direction = mul(momentums, beta_1)
     torch._foreach_add_(direction, mul(grads, 1.0 - beta_1))
     write.sub(group.params, mul(torch._foreach_sign(direction), lr))
@@ -233,36 +233,36 @@ def lion(opt, group, grads, lr, write):
     write.set(momentums, average)
 
 
-def ftrl(opt, group, grads, lr, write):
+def ftrl(hp, group, grads, lr, write, iterations):
     accumulators, linears, params = (
-        group.slots["_accumulators"],
-        group.slots["_linears"],
+        group.slots["accumulators"],
+        group.slots["linears"],
         group.params,
     )
     # `ops.power(x, p)` raises to a 0-d tensor of x's dtype; so do these.
-    power = [scalar(-opt.learning_rate_power, group)] * len(params)
-    l2 = opt.l2_regularization_strength + opt.beta / (2.0 * lr)
-    shrunk = _add(grads, mul(params, 2 * opt.l2_shrinkage_regularization_strength))
+    power = [scalar(-hp.learning_rate_power, group)] * len(params)
+    l2 = hp.l2_regularization_strength + hp.beta / (2.0 * lr)
+    shrunk = _add(grads, mul(params, 2 * hp.l2_shrinkage_regularization_strength))
     new_accumulator = _add(accumulators, mul(grads, grads))
     new_root = torch._foreach_pow(new_accumulator, power)
     sigma = div(_sub(new_root, torch._foreach_pow(accumulators, power)), lr)
     z = write.add(linears, _sub(shrunk, mul(sigma, params)))
     quadratic = div(new_root, lr)
     torch._foreach_add_(quadratic, 2 * l2)
-    l1 = opt.l1_regularization_strength
+    l1 = hp.l1_regularization_strength
     clipped = torch._foreach_clamp_max(torch._foreach_clamp_min(z, -l1), l1)
     write.set(params, div(_sub(clipped, z), quadratic))
     write.set(accumulators, new_accumulator)
 
 
-def lamb(opt, group, grads, lr, write):
-    step = step_count(opt, group)
-    beta_1_power = ops.power(scalar(opt.beta_1, group), step)
-    beta_2_power = ops.power(scalar(opt.beta_2, group), step)
-    m = _moment(write, group.slots["_momentums"], grads, 1 - opt.beta_1)
-    v = _moment(write, group.slots["_velocities"], mul(grads, grads), 1 - opt.beta_2)
+def lamb(hp, group, grads, lr, write, iterations):
+    step = step_count(iterations, group)
+    beta_1_power = ops.power(scalar(hp.beta_1, group), step)
+    beta_2_power = ops.power(scalar(hp.beta_2, group), step)
+    m = _moment(write, group.slots["momentums"], grads, 1 - hp.beta_1)
+    v = _moment(write, group.slots["velocities"], mul(grads, grads), 1 - hp.beta_2)
     denominator = torch._foreach_sqrt(div(v, 1.0 - beta_2_power))
-    torch._foreach_add_(denominator, opt.epsilon)
+    torch._foreach_add_(denominator, hp.epsilon)
     update = div(div(m, 1.0 - beta_1_power), denominator)
     # The trust ratio is 1 unless both norms are positive, with a divisor
     # kept nonzero, as in `Lamb.update_step`.
@@ -280,11 +280,3 @@ def _norms(tensors):
     rounds them, so half-precision norms match the generic path.
     """
     return torch.sqrt(torch.stack(torch._foreach_norm(mul(tensors, tensors), 1)))
-
-
-def sgd_slots(optimizer):
-    return ("momentums",) if optimizer.momentum != 0 else ()
-
-
-def adam_slots(optimizer):
-    return ("_momentums", "_velocities") + (("_velocity_hats",) if optimizer.amsgrad else ())

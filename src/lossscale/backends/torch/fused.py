@@ -14,7 +14,7 @@ Keras's own step size `alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)`,
 computed on the device as `Adam.update_step` computes it. The moments are
 the optimizer's own slot tensors; amsgrad's running maximum is
 `velocity_hat`. Weight decay is 0 here: AdamW's decoupled decay is applied by
-the base pipeline before the update, as for every optimizer.
+the base pipeline before the update, as for every other rule.
 
 SGD. Keras keeps `m = momentum * m - lr * g` and adds `m` to the weights;
 torch keeps `buf = momentum * buf + g` and subtracts `lr * buf`. Given the
@@ -34,7 +34,7 @@ dtype.
 
 import torch
 
-from lossscale.backends.torch import foreach, masks, ops, plans
+from lossscale.backends.torch import foreach, ops, plans
 
 _FUSED_DTYPES = (torch.float32, torch.float64)
 _INFINITE_STEPS = {}
@@ -60,79 +60,72 @@ def _infinite_steps(group):
     return steps
 
 
-def adam(optimizer, grads, variables, learning_rate):
+def adam(params, grads, slots, hyper, *, iterations, lr, cache, update_step=None, keep=None):
     """`Adam.update_step` (and `AdamW`'s, which is the same) on every variable.
 
-    Under a `WriteMask` the kernel itself skips the update where the mask
-    is False (`found_inf`): no select afterwards, no host read.
+    Under `keep` the kernel itself skips the update where it is False
+    (`found_inf`): no select afterwards, no host read.
     """
-    mask = masks.mask_of(variables)
+    del update_step  # every variable takes a kernel
     with torch.no_grad():
-        plan = plans.plan(optimizer, variables, foreach.adam_slots(optimizer))
-        for group in plan.groups:
-            lr = foreach.scalar(learning_rate, group)
-            write = plans.Writer(mask, group.device)
+        for group in plans.plan(params, slots, cache).groups:
+            group_lr = foreach.scalar(lr, group)
+            write = plans.Writer(keep, group.device)
             group_grads = group.grads(grads)
             if not _fusable(group):
-                foreach.adam(optimizer, group, group_grads, lr, write)
+                foreach.adam(hyper, group, group_grads, group_lr, write, iterations)
                 continue
-            slots = group.slots
+            group_slots = group.slots
             torch._fused_adam_(
                 group.params,
                 group_grads,
-                slots["_momentums"],
-                slots["_velocities"],
-                slots.get("_velocity_hats", []),
+                group_slots["momentums"],
+                group_slots["velocities"],
+                group_slots.get("velocity_hats", []),
                 _infinite_steps(group),
-                lr=_adam_step_size(optimizer, group, lr),
-                beta1=optimizer.beta_1,
-                beta2=optimizer.beta_2,
+                lr=_adam_step_size(hyper, group, group_lr, iterations),
+                beta1=hyper.beta_1,
+                beta2=hyper.beta_2,
                 weight_decay=0.0,
-                eps=optimizer.epsilon,
-                amsgrad=optimizer.amsgrad,
+                eps=hyper.epsilon,
+                amsgrad=hyper.amsgrad,
                 maximize=False,
                 grad_scale=None,
                 found_inf=write.found_inf(),
             )
 
 
-def _adam_step_size(optimizer, group, lr):
+def _adam_step_size(hyper, group, lr, iterations):
     """Keras's `alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)`, in few kernels.
 
     Both powers in one `pow` of the pair `(beta_1, beta_2)`: on a two-element
     tensor torch computes each element as it computes a 0-d one (bit for
     bit, which tests/test_torch_fused.py checks against `update_step`).
     """
-    betas = ops.constant((optimizer.beta_1, optimizer.beta_2), group.dtype, group.device)
-    bias_1, bias_2 = torch.unbind(1 - torch.pow(betas, foreach.step_count(optimizer, group)))
+    betas = ops.constant((hyper.beta_1, hyper.beta_2), group.dtype, group.device)
+    bias_1, bias_2 = torch.unbind(1 - torch.pow(betas, foreach.step_count(iterations, group)))
     return lr * torch.sqrt(bias_2) / bias_1
 
 
-# The fused kernels skip a masked-out step themselves (`found_inf`): under a
-# loss-scale wrapper's `gated` they need no select.
-adam.folds_gate = True
-
-
-def sgd(optimizer, grads, variables, learning_rate):
+def sgd(params, grads, slots, hyper, *, iterations, lr, cache, update_step=None, keep=None):
     """`SGD.update_step` (plain, momentum, Nesterov) on every variable."""
-    mask = masks.mask_of(variables)
+    del update_step  # every variable takes a kernel
     with torch.no_grad():
-        plan = plans.plan(optimizer, variables, foreach.sgd_slots(optimizer))
-        for group in plan.groups:
-            lr = foreach.scalar(learning_rate, group)
-            write = plans.Writer(mask, group.device)
+        for group in plans.plan(params, slots, cache).groups:
+            group_lr = foreach.scalar(lr, group)
+            write = plans.Writer(keep, group.device)
             group_grads = group.grads(grads)
             if not _fusable(group):
-                foreach.sgd(optimizer, group, group_grads, lr, write)
+                foreach.sgd(hyper, group, group_grads, group_lr, write, iterations)
                 continue
-            if optimizer.momentum == 0:
+            if hyper.momentum == 0:
                 torch._fused_sgd_(
                     group.params,
                     group_grads,
                     [],
                     weight_decay=0.0,
                     momentum=0.0,
-                    lr=lr,
+                    lr=group_lr,
                     dampening=0.0,
                     nesterov=False,
                     maximize=False,
@@ -143,20 +136,17 @@ def sgd(optimizer, grads, variables, learning_rate):
             # `g * (-lr)` is `-(g * lr)` exactly, the term Keras subtracts.
             torch._fused_sgd_(
                 group.params,
-                torch._foreach_mul(group_grads, -lr),
+                torch._foreach_mul(group_grads, -group_lr),
                 group.slots["momentums"],
                 weight_decay=0.0,
-                momentum=float(optimizer.momentum),
+                momentum=float(hyper.momentum),
                 lr=-1.0,
                 dampening=0.0,
-                nesterov=optimizer.nesterov,
+                nesterov=hyper.nesterov,
                 maximize=False,
                 is_first_step=False,
                 found_inf=write.found_inf(),
             )
-
-
-sgd.folds_gate = True
 
 
 def update_scale(

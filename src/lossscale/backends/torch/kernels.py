@@ -6,42 +6,28 @@ None when there is none and the per-variable `update_step` runs. Adam,
 AdamW and SGD run on torch's fused kernels (`fused`), the others on
 `torch._foreach_*` rules (`foreach`). Each entry has a test proving it
 equals `update_step` (tests/test_torch_fused.py, tests/test_torch_foreach.py).
-Nothing here knows an optimizer class: the names are the whole contract.
+Nothing here knows an optimizer class: a kernel gets its state as arguments
+(`lossscale.backends.kernel`), and the name, the slot names the class
+declares and its hyperparameters' names are the whole contract.
 """
 
+from lossscale.backends.kernel import Kernel
 from lossscale.backends.torch import adamw, foreach, fused
 
-
-def _slots(*attrs):
-    return lambda optimizer: attrs
-
-
-def _rmsprop_slots(optimizer):
-    return (
-        ("_velocities",)
-        + (("_momentums",) if optimizer.momentum > 0 else ())
-        + (("_average_gradients",) if optimizer.centered else ())
-    )
-
-
+# Every kernel here honours the step's `keep` flag itself: torch's fused
+# kernels as `found_inf`, the others in `plans.Writer`'s selects.
 KERNELS = {
-    "adam": fused.adam,
-    "sgd": fused.sgd,
-    "rmsprop": foreach.make_kernel(foreach.rmsprop, _rmsprop_slots),
-    "adagrad": foreach.make_kernel(foreach.adagrad, _slots("_accumulators")),
-    "adadelta": foreach.make_kernel(
-        foreach.adadelta, _slots("_accumulated_grads", "_accumulated_delta_vars")
-    ),
-    "adamax": foreach.make_kernel(foreach.adamax, _slots("_m", "_u")),
-    "nadam": foreach.make_kernel(foreach.nadam, _slots("_momentums", "_velocities")),
-    "lion": foreach.make_kernel(foreach.lion, _slots("_momentums")),
-    "ftrl": foreach.make_kernel(foreach.ftrl, _slots("_accumulators", "_linears")),
-    "lamb": foreach.make_kernel(foreach.lamb, _slots("_momentums", "_velocities")),
+    "adam": Kernel(fused.adam, folds_keep=True),
+    "sgd": Kernel(fused.sgd, folds_keep=True),
+    **{
+        name: Kernel(foreach.make_kernel(getattr(foreach, name)), folds_keep=True)
+        for name in ("rmsprop", "adagrad", "adadelta", "adamax", "nadam", "lion", "ftrl", "lamb")
+    },
 }
 
 
 def fused_update(name):
-    """The kernel `(optimizer, grads, variables, learning_rate)` named `name`, or None."""
+    """The `Kernel` named `name`, or None."""
     return KERNELS.get(name)
 
 

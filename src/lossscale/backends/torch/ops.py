@@ -3,7 +3,7 @@
 A `Variable` wraps a user's tensor or `nn.Parameter` without copying; reads
 of a parameter go through `.detach()` so optimizer arithmetic never records
 autograd history, and writes are in place so the user's module sees every
-update (under a `WriteMask` they select, see `masks`).
+update.
 
 Scalars an optimizer creates (learning rate, iterations, loss scale) live on
 the device of the first variable it was built with, so a step needs no
@@ -15,7 +15,7 @@ import numbers
 import torch
 
 from lossscale.backends._common import unwrap
-from lossscale.backends.torch import dtensors, masks
+from lossscale.backends.torch import dtensors
 
 NAME = "torch"
 MUTABLE = True
@@ -95,42 +95,31 @@ def read(storage):
     return storage.detach() if storage.requires_grad else storage
 
 
-def assign(storage, value, mask=None):
+def assign(storage, value):
     value = unwrap(value)
     if dtensors.is_dtensor(value) and not dtensors.is_dtensor(storage):
         # A replicated result of DTensor reductions (FSDP2's sharded
         # gradients) stored in plain state: the loss-scale telemetry.
         value = dtensors.plain(value)
     with torch.no_grad():
-        if mask is not None:
-            masks.select_into(storage, mask, value)
-        elif isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor):
             storage.copy_(value)
         else:
             storage.fill_(value)
     return storage
 
 
-def assign_add(storage, value, mask=None):
+def assign_add(storage, value):
     value = unwrap(value)
     with torch.no_grad():
-        if mask is None:
-            storage.add_(value)
-        elif type(value) is int and value == 1 and not storage.is_floating_point():
-            # A counter's `+= 1` under a mask adds the mask itself: one kernel.
-            storage.add_(mask.on(storage.device))
-        else:
-            masks.select_into(storage, mask, storage + value)
+        storage.add_(value)
     return storage
 
 
-def assign_sub(storage, value, mask=None):
+def assign_sub(storage, value):
     value = unwrap(value)
     with torch.no_grad():
-        if mask is not None:
-            masks.select_into(storage, mask, storage - value)
-        else:
-            storage.sub_(value)
+        storage.sub_(value)
     return storage
 
 

@@ -1,37 +1,32 @@
-"""What torch's multi-tensor kernels need from an optimizer, cached per step.
+"""The tensor lists torch's multi-tensor kernels take, kept between steps.
 
 torch's `_foreach_*` and `_fused_*` kernels take lists of tensors on one
-device and of one dtype. `plan(optimizer, variables, slot_attrs)` splits the
-variables of one `apply` into such groups, each holding the parameter
-storages and the matching slot storages (`optimizer.<slot_attr>[index]`).
+device and of one dtype. `plan(params, slots, cache)` splits the variables
+of one step into such groups, each holding the parameter storages and the
+matching slot storages (`slots[name][i]` beside `params[i]`).
 
 Building the lists costs a Python loop over every variable; a model with
-hundreds of small tensors would pay it on every step. So a plan is kept per
-optimizer and reused while it still describes the optimizer: the same
-variables in the same order, each variable and slot still bound to the same
-tensor. `stateless_apply` binds copies for the length of one call, a load or
+hundreds of small tensors would pay it on every step. So a plan is kept in
+the optimizer's kernel `cache` and reused while it still describes the
+step: the same variables in the same order, each variable and slot still
+bound to the same tensor. `stateless_apply` binds copies for the length of one call, a load or
 a device move may replace a storage; the identity check (a C-level `is`
 over every storage, tens of microseconds for hundreds of tensors) sees
 every such rebinding and the plan is rebuilt.
 
-`Writer` performs a kernel's writes: in place when the variables carry no
-mask, and as `where(mask, new, old)` into the same storage under a
-`masks.WriteMask`, so a skipped step leaves every tensor bit for bit as it
-was.
+`Writer` performs a kernel's writes: in place when the step has no `keep`
+flag, and as `where(keep, new, old)` into the same storage when it has one,
+so a skipped step leaves every tensor bit for bit as it was.
 """
 
 import operator
 import threading
-import weakref
 
 import torch
 
 from lossscale.backends.torch import dtensors, ops
 
 _storage_of = operator.attrgetter("_storage")
-
-# optimizer -> {slot_attrs: Plan}. Weak, so a plan dies with its optimizer.
-_PLANS = weakref.WeakKeyDictionary()
 
 
 class Group:
@@ -42,7 +37,7 @@ class Group:
         indices: Positions of the group's variables in the `variables` (and
             `grads`) list the plan was made for.
         params: The parameters' storages.
-        slots: `{slot_attr: [storage, ...]}`, aligned with `params`.
+        slots: `{slot name: [storage, ...]}`, aligned with `params`.
     """
 
     __slots__ = ("device", "dtype", "indices", "params", "slots", "_whole", "_step")
@@ -88,47 +83,38 @@ class Plan:
         )
 
 
-def plan(optimizer, variables, slot_attrs=(), purpose="update"):
-    """Returns the (cached) `Plan` of `variables` for `optimizer`.
+def plan(params, slots, cache, purpose="update"):
+    """Returns the (cached) `Plan` of `params` and their `slots`.
 
     Args:
-        optimizer: The optimizer; `optimizer._get_variable_index(v)` indexes
-            its slot lists.
-        variables: The `Variable`s of this `apply`, in order.
-        slot_attrs: Names of the optimizer's slot lists to gather, e.g.
-            `("_momentums", "_velocities")`.
+        params: The `Variable`s of this step, in order.
+        slots: `{slot name: [Variable, ...]}`, each list aligned with `params`.
+        cache: The optimizer's kernel cache (a dict kept between steps).
         purpose: Which kernel the plan is for: plans for other lists of
             variables (weight decay's, say) are kept apart.
     """
-    slot_attrs = tuple(slot_attrs)
     if torch.compiler.is_compiling():
         # A compiled step builds its lists once, at trace time; the cache
-        # (weak references, identity checks) is for eager steps.
-        return _make(optimizer, variables, slot_attrs)
-    cache = _PLANS.get(optimizer)
-    if cache is None:
-        cache = _PLANS[optimizer] = {}
-    key = (purpose, slot_attrs)
+        # (identity checks) is for eager steps.
+        return _make(params, slots)
+    key = ("torch plan", purpose, tuple(slots))
     cached = cache.get(key)
-    if cached is not None and cached.matches(variables):
+    if cached is not None and cached.matches(params):
         return cached
-    cache[key] = made = _make(optimizer, variables, slot_attrs)
+    cache[key] = made = _make(params, slots)
     return made
 
 
-def _make(optimizer, variables, slot_attrs):
-    slot_lists = [getattr(optimizer, attr) for attr in slot_attrs]
+def _make(variables, slots):
+    slot_names = tuple(slots)
+    slot_lists = [slots[name] for name in slot_names]
     watched = list(variables)
     members = {}
     for position, variable in enumerate(variables):
-        if slot_lists:
-            index = optimizer._get_variable_index(variable)
-            slots = [slot_list[index] for slot_list in slot_lists]
-        else:
-            slots = []
-        watched.extend(slots)
+        own = [slot_list[position] for slot_list in slot_lists]
+        watched.extend(own)
         storage = variable._storage
-        members.setdefault((storage.device, storage.dtype), []).append((position, storage, slots))
+        members.setdefault((storage.device, storage.dtype), []).append((position, storage, own))
     whole = len(members) == 1
     groups = []
     for (device, dtype), entries in members.items():
@@ -137,15 +123,15 @@ def _make(optimizer, variables, slot_attrs):
         # storages; torch's kernels take them several times faster than
         # `nn.Parameter`s, whose in-place updates go through autograd checks.
         params = [storage.detach() for _, storage, _ in entries]
-        slots = {
-            attr: [slots[k]._storage.detach() for _, _, slots in entries]
-            for k, attr in enumerate(slot_attrs)
+        group_slots = {
+            name: [own[k]._storage.detach() for _, _, own in entries]
+            for k, name in enumerate(slot_names)
         }
-        groups.append(Group(device, dtype, indices, params, slots, whole))
+        groups.append(Group(device, dtype, indices, params, group_slots, whole))
     return Plan(variables, watched, groups)
 
 
-# Under a mask, the small tensors of a write are gathered into one flat
+# Under a `keep` flag, the small tensors of a write are gathered into one flat
 # buffer pair and selected there at once: four kernels whatever their number
 # (a launch per tensor would make a step of many small tensors launch-bound).
 # A tensor this large takes its own `where`, which is then memory-bound;
@@ -158,35 +144,40 @@ _BUFFERS_KEPT = 4
 
 
 class Writer:
-    """In-place multi-tensor writes that honour a `WriteMask`.
+    """In-place multi-tensor writes that take effect only where `keep` holds.
 
     Each method writes into `targets` and returns the values written (what a
     later read of the targets would see if the step is taken), so the rest
     of a kernel can go on computing from them.
 
     Args:
-        mask: The `masks.WriteMask` of the variables written (None: write).
+        keep: None (write), or the step's boolean 0-d tensor.
         device: The device of the tensors written.
     """
 
-    def __init__(self, mask, device):
-        self.mask = mask
+    def __init__(self, keep, device):
+        if keep is not None:
+            if keep.dtype != torch.bool:
+                keep = keep.to(torch.bool)
+            if keep.device != device:
+                keep = keep.to(device)
+        self.keep = keep
         self.device = device
 
     def add(self, targets, values):
-        if self.mask is None:
+        if self.keep is None:
             torch._foreach_add_(targets, values)
             return targets
         return self._select(targets, torch._foreach_add(targets, values))
 
     def sub(self, targets, values):
-        if self.mask is None:
+        if self.keep is None:
             torch._foreach_sub_(targets, values)
             return targets
         return self._select(targets, torch._foreach_sub(targets, values))
 
     def set(self, targets, values):
-        if self.mask is None:
+        if self.keep is None:
             torch._foreach_copy_(targets, values)
             return targets
         return self._select(targets, values)
@@ -194,7 +185,7 @@ class Writer:
     def _select(self, targets, values):
         # torch has no multi-tensor select: small tensors are selected in a
         # packed copy, large ones each in its own memory.
-        keep = self.mask.on(self.device)
+        keep = self.keep
         small, large = _split(targets)
         # Packing copies into plain buffers: not for DTensors (sharded state),
         # nor while torch.compile traces (the compiler fuses the selects).
@@ -212,8 +203,19 @@ class Writer:
         return values
 
     def found_inf(self):
-        """`1.0` where the step is skipped, for kernels taking a `found_inf` flag."""
-        return None if self.mask is None else self.mask.skip(self.device)
+        """`1.0` where the step is skipped, for kernels taking a `found_inf` flag.
+
+        What torch's fused optimizer kernels take (they skip the update where
+        it is exactly 1.0), as `torch.amp.GradScaler` passes it.
+        """
+        if self.keep is None:
+            return None
+        # One kernel: a select between two cached constants.
+        return torch.where(
+            self.keep,
+            ops.constant(0.0, torch.float32, self.device),
+            ops.constant(1.0, torch.float32, self.device),
+        )
 
 
 def _split(targets):
