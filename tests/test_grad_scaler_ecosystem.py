@@ -26,7 +26,9 @@ WORKER = Path(__file__).with_name("grad_scaler_worker.py")
 # -- torch.distributed ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: set up once per test process, however the tests of other
+# modules interleave with these in it (a module fixture is set up again then).
+@pytest.fixture(scope="session")
 def ranks(tmp_path_factory):
     import grad_scaler_worker as worker
     from test_distributed import free_port, launch  # retries once after a gloo teardown abort

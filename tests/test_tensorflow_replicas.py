@@ -20,6 +20,8 @@ import tensorflow as tf
 from lossscale.backends.tensorflow import replicas
 
 WORKER = pathlib.Path(__file__).with_name("tensorflow_mirrored_worker.py")
+# One test process runs the strategy scenarios (one subprocess).
+pytestmark = pytest.mark.xdist_group("tensorflow_mirrored")
 PATTERN = [None, 1, None, 0, None, None, 1, None]
 TRAINED = ["adam", "sgd", "adam-headroom", "eager"]
 
@@ -39,7 +41,9 @@ def _run_worker(*scenarios):
     return json.loads(line.removeprefix("RESULT "))
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: set up once per test process, however the tests of other
+# modules interleave with these in it (a module fixture is set up again then).
+@pytest.fixture(scope="session")
 def results():
     return _run_worker(*TRAINED, "xla_one_device", "xla_two_devices", "lazy_build")
 

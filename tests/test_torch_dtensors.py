@@ -23,7 +23,9 @@ from lossscale.backends.torch import dtensors
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: set up once per test process, however the tests of other
+# modules interleave with these in it (a module fixture is set up again then).
+@pytest.fixture(scope="session")
 def ranks(tmp_path_factory):
     from test_distributed import free_port, launch
 

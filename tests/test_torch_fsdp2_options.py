@@ -29,7 +29,9 @@ EXPECTED = {
 }
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: set up once per test process, however the tests of other
+# modules interleave with these in it (a module fixture is set up again then).
+@pytest.fixture(scope="session")
 def ranks(tmp_path_factory):
     from test_distributed import free_port, launch
 

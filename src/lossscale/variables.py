@@ -171,7 +171,7 @@ class Variable:
 
     # --- a wrapped keras.Variable ------------------------------------------
     @property
-    def source(self):
+    def source(self) -> object | None:
         """The `keras.Variable` this variable wraps, or None."""
         return self._source
 

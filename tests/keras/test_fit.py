@@ -22,15 +22,25 @@ WORKER = pathlib.Path(__file__).with_name("fit_worker.py")
 BACKENDS = ("tensorflow", "jax", "torch")
 
 
-# One group per backend: under xdist every test of a backend runs in the
-# worker that ran its subprocess, so each backend's worker runs once.
-@pytest.fixture(
-    scope="module",
-    params=[pytest.param(b, marks=pytest.mark.xdist_group(f"keras_fit_{b}")) for b in BACKENDS],
-)
+# One test process runs this module (xdist's marks on fixture parameters do
+# not group), and each backend's subprocess once there, however pytest
+# orders the tests of the three parameters.
+pytestmark = pytest.mark.xdist_group("keras_fit")
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
 def run(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"keras_{request.param}") / "out.json"
-    env = {**os.environ, "KERAS_BACKEND": request.param, "OMP_NUM_THREADS": "1"}
+    if request.param not in _RESULTS:
+        _RESULTS[request.param] = _run_worker(request.param, tmp_path_factory)
+    return request.param, _RESULTS[request.param]
+
+
+_RESULTS = {}
+
+
+def _run_worker(backend, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"keras_{backend}") / "out.json"
+    env = {**os.environ, "KERAS_BACKEND": backend, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(WORKER), str(out)],
         capture_output=True,
@@ -39,7 +49,7 @@ def run(request, tmp_path_factory):
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return request.param, json.loads(out.read_text())
+    return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("jit", ["jit=False", "jit=True"])
