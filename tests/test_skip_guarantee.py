@@ -394,7 +394,6 @@ INTERFACES = {
     "torch": (
         lambda: Wrapper("torch"),
         [
-            ("float32", "contiguous"),
             ("float32", "strided"),
             ("float16", "strided"),
             ("bfloat16", "contiguous"),
@@ -413,7 +412,7 @@ INTERFACES = {
     ),
     "GradScaler": (
         lambda: TorchScaler(ours=False),
-        [("float32", "contiguous"), ("float32", "strided")],
+        [("float32", "strided")],
     ),
     "lossscale.torch.Optimizer": (lambda: TorchScaler(ours=True), [("float32", "strided")]),
     "optax": (Optax, [("float32", "contiguous"), ("bfloat16", "contiguous")] + HALF),
