@@ -326,8 +326,10 @@ def _numpy_dtype(dtype):
 
 def is_keras_variable(x) -> bool:
     """Whether `x` is a Keras 3 `keras.Variable` (Keras is not imported to tell)."""
-    keras = sys.modules.get("keras")
-    return keras is not None and isinstance(x, keras.Variable)
+    # getattr: a module named keras need not be Keras (a namespace package
+    # of the same name, where Keras is not installed).
+    keras_variable = getattr(sys.modules.get("keras"), "Variable", None)
+    return keras_variable is not None and isinstance(x, keras_variable)
 
 
 def _keras_variable_or_none(x):

@@ -29,8 +29,10 @@ def backend_of(x):
         return x.backend
     if isinstance(x, (np.ndarray, np.generic, int, float, bool)):
         return "numpy"
-    keras = sys.modules.get("keras")
-    if keras is not None and isinstance(x, keras.Variable):
+    # getattr: a module named keras need not be Keras (a namespace package
+    # of the same name, where Keras is not installed).
+    keras_variable = getattr(sys.modules.get("keras"), "Variable", None)
+    if keras_variable is not None and isinstance(x, keras_variable):
         # A Keras 3 variable: the backend of the array it holds (not a
         # tf.Variable subclass on TensorFlow).
         return backend_of(x.value)
