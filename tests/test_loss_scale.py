@@ -479,7 +479,8 @@ def test_tracked_fields_follow_the_policy():
     assert names(LossScalePolicy(min_scale=1.0)) == failing
     measured = ["range_zero", "range_subnormal", "range_near_max", "range_max_abs", "range_step"]
     assert names(LossScalePolicy(diagnostics_every=5)) == ["scale", "counter", "steps"] + measured
-    assert not LossScalePolicy(diagnostics_every=5).is_plain
+    assert LossScalePolicy(diagnostics_every=5).is_plain  # the step count beside the kernel
+    assert not LossScalePolicy(diagnostics_every=5, growth_policy="statistics").is_plain
 
 
 def test_non_default_settings():

@@ -137,7 +137,8 @@ def next_loss_scale(
             skip=skip,
             in_place=in_place,
         )
-        return replaced(state, scale=scale, counter=counter)
+        counted = _counted(ops, state, policy, measured)
+        return replaced(state, scale=scale, counter=counter, **counted)
     scale, counter = state.scale, state.counter
     overflow = ops.logical_not(finite)
     new = {}
@@ -181,12 +182,7 @@ def next_loss_scale(
     new["counter"] = ops.where(counts, counter + 1, _zero(counter))
 
     step = state.steps
-    if policy.tracks("steps"):
-        new["steps"] = step + 1
-    if policy.diagnoses and measured is not None and measured is not False:
-        new["range_step"] = (
-            step if measured is True else ops.where(measured, step, state.range_step)
-        )
+    new.update(_counted(ops, state, policy, measured))
     if policy.records_details:
         new["skipped"] = ops.where(finite, state.skipped, state.skipped + 1)
         new["last_overflow_step"] = ops.where(finite, state.last_overflow_step, step)
@@ -221,6 +217,19 @@ def next_loss_scale(
             name: _select(ops, frozen, getattr(state, name), value) for name, value in new.items()
         }
     return replaced(state, **new)
+
+
+def _counted(ops, state, policy, measured):
+    """The step count and the step of the last measurement, as tracked."""
+    new = {}
+    step = state.steps
+    if policy.tracks("steps"):
+        new["steps"] = step + 1
+    if policy.diagnoses and measured is not None and measured is not False:
+        new["range_step"] = (
+            step if measured is True else ops.where(measured, step, state.range_step)
+        )
+    return new
 
 
 def _statistics_decision(ops, state, finite, policy, measured):

@@ -169,15 +169,15 @@ class LossScalePolicy:
     def _compute_is_plain(self):
         """Whether the update is Keras's own, with other factors at most.
 
-        No hysteresis, limits, headroom, telemetry or diagnostics, and factors that are
+        No hysteresis, limits, headroom or telemetry, and factors that are
         float32 numbers (so every kernel multiplies by the same value): the
-        state is the scale and the counter, and a backend may update them
-        in one kernel (`fused_scale_update`).
+        scale and the counter follow Keras's rule, and a backend may update
+        them in one kernel (`fused_scale_update`). Diagnostics (with the
+        fixed growth policy) only add the step count beside them.
         """
         return (
             self.hysteresis == 1
             and not self.records_details
-            and not self.diagnoses
             and self.max_scale is None
             and self.growth_policy == "fixed"
             and all(float(np.float32(f)) == f for f in (self.growth_factor, self.backoff_factor))
