@@ -478,3 +478,68 @@ def test_import_lossscale_imports_no_optax_and_lossscale_optax_does():
     assert out.returncode == 1
     assert "ImportError: lossscale.optax needs JAX and optax (" in out.stderr
     assert "pip install jax optax" in out.stderr
+
+
+# --- diagnostics: the float16 range and the overflow window in the state --------
+
+
+def _diagnosed_run(jit, steps=7):
+    """A `dynamic_loss_scale` with every diagnostic on; returns the state and the gradients."""
+    rng = np.random.default_rng(8)
+    params = {"big": jnp.zeros((300, 250)), "mid": jnp.zeros(4097), "small": jnp.zeros(7)}
+    tx = lso.dynamic_loss_scale(
+        optax.adam(1e-3), 2.0**12, telemetry=True, diagnostics_every=3, history_length=4
+    )
+    state = tx.init(params)
+    update = jax.jit(tx.update) if jit else tx.update
+    sent = []
+    for k in range(steps):
+        grads = {
+            name: (rng.uniform(-1, 1, p.shape) * 10.0 ** rng.uniform(-9, 1, p.shape)).astype(
+                np.float32
+            )
+            * float(lso.loss_scale(state))
+            for name, p in params.items()
+        }
+        if k == 4:
+            grads["mid"][4096] = np.nan
+        loss = jnp.float32(np.inf if k == 5 else 1.0)
+        if k == 5:
+            grads["small"][:] = np.inf
+        sent.append(grads)
+        _, state = update(jax.tree_util.tree_map(jnp.asarray, grads), state, params, value=loss)
+    return state, sent
+
+
+def test_the_float16_range_and_window_under_jit_equal_the_eager_ones():
+    jitted, sent = _diagnosed_run(jit=True)
+    eager, _ = _diagnosed_run(jit=False)
+    summary = lso.summary(jitted)
+    assert summary == lso.summary(eager)
+    assert summary["float16_range_step"] == 6
+    assert summary["overflows"] == [
+        {"step": 4, "variables": ["mid"], "module": None, "loss_finite": True},
+        {"step": 5, "variables": ["small"], "module": None, "loss_finite": False},
+    ]
+    # The last measured step's scaled gradients, counted in float64.
+    for name, got in summary["float16_range"].items():
+        a = np.abs(sent[6][name].astype(np.float64))
+        assert got["zero"] == pytest.approx(np.mean(a == 0), abs=1e-7)
+        assert got["subnormal"] == pytest.approx(np.mean((a > 0) & (a < 2.0**-14)), rel=1e-6)
+        assert got["near_max"] == pytest.approx(np.mean(a >= 65504.0 / 2), abs=1e-7)
+        assert got["max_abs"] == np.float32(a.max())
+
+
+def test_a_step_that_is_not_due_measures_nothing():
+    # Under jit the measurement sits in a `lax.cond`: the compiled step holds
+    # one conditional, whose untaken branch keeps the last measurement.
+    params = {"w": jnp.zeros(5000)}
+    tx = lso.dynamic_loss_scale(optax.sgd(0.1), diagnostics_every=2)
+    state = tx.init(params)
+    text = jax.jit(tx.update).lower({"w": jnp.ones(5000)}, state, params).as_text()
+    assert text.count("stablehlo.case") + text.count("mhlo.case") >= 1
+    for k in range(3):
+        _, state = jax.jit(tx.update)({"w": jnp.full(5000, 2.0**16 * (k + 1))}, state, params)
+    summary = lso.summary(state)
+    assert summary["float16_range_step"] == 2
+    assert summary["float16_range"]["w"]["near_max"] == 1.0  # 3 * 2^16 >= 65504 / 2
