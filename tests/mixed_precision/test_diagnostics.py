@@ -326,3 +326,29 @@ def test_no_host_read_in_a_torch_step_with_diagnostics_and_telemetry():
     plain = reads()
     assert reads(diagnostics_every=2) == plain
     assert reads(diagnostics_every=1, telemetry=True) == reads(telemetry=True)
+
+
+def test_a_compiled_torch_step_decides_on_the_device_and_never_recompiles():
+    # A host count would be a guard of the compiled step, which changes
+    # every step: under torch.compile the cadence is the device's.
+    import torch
+
+    torch.compiler.reset()
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    eager = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    settings = dict(initial_scale=8.0, diagnostics_every=2, telemetry=True)
+    compiled_opt = ls.LossScaleOptimizer(ls.optimizers.SGD(1e-3), **settings)
+    eager_opt = ls.LossScaleOptimizer(ls.optimizers.SGD(1e-3), **settings)
+    for opt, ps in ((compiled_opt, params), (eager_opt, eager)):
+        opt.scale_loss(1.0)
+        opt.build(ps)
+    step = torch.compile(lambda g: compiled_opt.apply(g, params), fullgraph=True, backend="eager")
+    rng = np.random.default_rng(9)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(5):
+            grads = [torch.from_numpy(g) for g in scaled_grads(rng, 8.0)]
+            step([g.clone() for g in grads])
+            eager_opt.apply([g.clone() for g in grads], eager)
+    torch.compiler.reset()
+    assert compiled_opt.summary() == eager_opt.summary()
+    assert compiled_opt.summary()["float16_range_step"] == 4

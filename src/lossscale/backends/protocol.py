@@ -27,15 +27,18 @@ class BackendOps(Protocol):
     # The dtype of integer optimizer state (`iterations`, `step_counter`):
     # int32 on every backend, as in Keras 3 (and as JAX has without x64).
     INT_DTYPE: str
-    # True when a Python branch inside a step is taken again at every call
-    # (NumPy, torch eager): a step may decide there, on a count it keeps on
-    # the host, with no device read. False where a step is traced once and
-    # replayed (JAX's `jit`, TensorFlow's `tf.function`): it decides on the
-    # device (`cond`).
-    HOST_CONTROL: bool
 
     # --- recognising and creating arrays -------------------------------
     def is_native(self, x: Any) -> bool: ...
+    def host_control(self) -> bool:
+        """Whether a Python branch inside a step is taken again at every call.
+
+        True on NumPy and eager torch: a step may decide there, on a count
+        kept on the host, with no device read. False where a step is traced
+        once and replayed (JAX's `jit`, TensorFlow's `tf.function`,
+        `torch.compile`): it decides on the device (`cond`).
+        """
+
     def asarray(self, x: Any, dtype: str | None = None, like: Any = None) -> Any: ...
     def full(self, shape: tuple, value: Any, dtype: str, like: Any = None) -> Any: ...
     def copy(self, x: Any) -> Any: ...

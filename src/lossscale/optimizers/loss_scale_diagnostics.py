@@ -9,7 +9,7 @@
   overflow started.
 
 Nothing here reads a device value on the host during a step: the cadence is
-a host count where the backend re-runs Python each step (`HOST_CONTROL`),
+a host count where the backend re-runs Python each step (`host_control()`),
 else a branch on the device.
 """
 
@@ -65,7 +65,7 @@ class LossScaleDiagnosticsMixin:
                 for field, value in zip(fields, diagnostics.measure(ops, g, policy.growth_factor)):
                     field[i].assign(value)
 
-        if ops.HOST_CONTROL and not self._stateless:
+        if ops.host_control() and not self._stateless:
             due = self._host_steps % policy.diagnostics_every == 0
             self._host_steps += 1
             if due:

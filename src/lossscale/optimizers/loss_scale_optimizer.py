@@ -125,8 +125,9 @@ class LossScaleOptimizer(
         diagnostics_every: Int or `None`. Every this many steps, measure
             each variable's scaled gradient against float16's range
             (`summary()["float16_range"]`). The decision costs no device
-            read: NumPy and torch count steps on the host, JAX and
-            TensorFlow branch on the device.
+            read: NumPy and eager torch count steps on the host; JAX,
+            TensorFlow and `torch.compile` branch on the device (a compiled
+            torch step then measures every step and keeps the due ones).
         history_length: Int in [1, 30]. Scales and overflows kept.
         process_group: torch only. The `torch.distributed` group whose ranks
             must agree on every skip (their gradients may be sharded); None

@@ -29,7 +29,6 @@ from lossscale.backends.jax.multi import (
     unscale_checked,
 )
 from lossscale.backends.jax.ops import (
-    HOST_CONTROL,
     INT_DTYPE,
     MUTABLE,
     NAME,
@@ -49,6 +48,7 @@ from lossscale.backends.jax.ops import (
     exp,
     floor,
     full,
+    host_control,
     is_native,
     is_traced,
     isfinite,

@@ -23,11 +23,15 @@ from lossscale.backends._common import bound, unwrap
 NAME = "jax"
 MUTABLE = False
 INT_DTYPE = "int32"
-HOST_CONTROL = False
 
 
 def is_native(x):
     return isinstance(x, jax.Array)
+
+
+def host_control():
+    """Whether a Python branch in a step is taken anew at each call: never (steps are traced)."""
+    return False
 
 
 def is_traced(x):

@@ -17,7 +17,6 @@ from lossscale.backends.numpy.kernels import (
     fused_weight_decay,
 )
 from lossscale.backends.numpy.ops import (
-    HOST_CONTROL,
     INT_DTYPE,
     MUTABLE,
     NAME,
@@ -41,6 +40,7 @@ from lossscale.backends.numpy.ops import (
     floor,
     full,
     global_norm,
+    host_control,
     is_native,
     isfinite,
     log,

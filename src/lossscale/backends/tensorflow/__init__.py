@@ -38,7 +38,6 @@ from lossscale.backends.tensorflow.multi import (
     max_abs,
 )
 from lossscale.backends.tensorflow.ops import (
-    HOST_CONTROL,
     INT_DTYPE,
     MUTABLE,
     NAME,
@@ -55,6 +54,7 @@ from lossscale.backends.tensorflow.ops import (
     exp,
     floor,
     full,
+    host_control,
     is_native,
     isfinite,
     log,
@@ -81,7 +81,6 @@ from lossscale.backends.tensorflow.replicas import (
 )
 
 __all__ = [
-    "HOST_CONTROL",
     "INT_DTYPE",
     "MUTABLE",
     "NAME",
@@ -108,6 +107,7 @@ __all__ = [
     "fused_update",
     "fused_weight_decay",
     "global_norm",
+    "host_control",
     "is_native",
     "isfinite",
     "log",

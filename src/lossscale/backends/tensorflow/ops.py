@@ -29,11 +29,15 @@ from lossscale.backends._common import unwrap
 NAME = "tensorflow"
 MUTABLE = True
 INT_DTYPE = "int32"
-HOST_CONTROL = False
 
 
 def is_native(x):
     return isinstance(x, (tf.Tensor, tf.Variable))
+
+
+def host_control():
+    """Whether a Python branch in a step is taken anew at each call: never (steps are traced)."""
+    return False
 
 
 def is_variable(x):

@@ -34,7 +34,6 @@ from lossscale.backends.torch.multi import (
     unscale_checked,
 )
 from lossscale.backends.torch.ops import (
-    HOST_CONTROL,
     INT_DTYPE,
     MUTABLE,
     NAME,
@@ -53,6 +52,7 @@ from lossscale.backends.torch.ops import (
     exp,
     floor,
     full,
+    host_control,
     is_native,
     isfinite,
     log,

@@ -20,7 +20,6 @@ from lossscale.backends.torch import dtensors
 NAME = "torch"
 MUTABLE = True
 INT_DTYPE = "int32"
-HOST_CONTROL = True
 
 
 def _dtype(name):
@@ -34,6 +33,15 @@ def _device(like):
 
 def is_native(x):
     return isinstance(x, torch.Tensor)
+
+
+def host_control():
+    """Whether a Python branch in a step is taken anew at each call: eager, not compiling.
+
+    Under `torch.compile` a branch on a host count would be a guard that
+    recompiles the step whenever the count changes.
+    """
+    return not torch.compiler.is_compiling()
 
 
 def asarray(x, dtype=None, like=None):
