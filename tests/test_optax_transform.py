@@ -403,7 +403,7 @@ def test_errors():
             lambda: lso.dynamic_loss_scale(optax.adam(0.1)).update(grads, state, params),
             ValueError,
             r"`state` was made by a dynamic_loss_scale with other settings. Expected: "
-            r"LossScalePolicy\(.*telemetry=False\). Received: LossScalePolicy\(.*telemetry=True",
+            r"LossScalePolicy\(.*telemetry=False, .*\). Received: LossScalePolicy\(.*telemetry=True",
         ),
         (
             lambda: tx.update({"w": jnp.ones(2, jnp.int32), "b": jnp.ones(3)}, state, params),

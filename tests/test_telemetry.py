@@ -26,6 +26,11 @@ def values(**overrides):
         nonfinite=[np.bool_(False), np.bool_(True), np.bool_(True)],
         error=np.int64(loss_scale.BELOW_MIN_SCALE),
         error_step=np.int64(4),
+        loss_finite=np.int64(-1),
+        # Two overflows in the window: step 2 (the loss NaN), step 4 (a, c).
+        overflow_steps=[np.int64(-1)] * 6 + [np.int64(2), np.int64(4)],
+        overflow_loss=[np.int64(-1)] * 6 + [np.int64(0), np.int64(1)],
+        overflow_bits=[np.int64(1), np.int64(2), np.int64(3)],
     )
     base.update(overrides)
     return base
@@ -50,6 +55,10 @@ def test_summary_with_every_field():
         "nonfinite_variables": ["b", "c"],
         "error": "the loss scale would fall below `min_scale`",
         "error_step": 4,
+        "overflows": [
+            {"step": 2, "variables": ["b", "c"], "module": None, "loss_finite": False},
+            {"step": 4, "variables": ["a", "c"], "module": None, "loss_finite": True},
+        ],
     }
 
 
@@ -62,6 +71,8 @@ def test_summary_before_any_overflow():
             error=np.int64(0),
             error_step=np.int64(-1),
             nonfinite=[],
+            overflow_steps=[np.int64(-1)] * 8,
+            overflow_bits=[],
         ),
         policy,
         [],
