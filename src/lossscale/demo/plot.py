@@ -35,9 +35,16 @@ def save_plot(results, path, title):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(9, 6.5), layout="constrained")
+    # Fixed margins: a constrained layout cost as much as the drawing itself.
+    fig = Figure(figsize=(9, 6.5))
     FigureCanvasAgg(fig)
-    loss_ax, scale_ax = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    loss_ax, scale_ax = fig.subplots(
+        2,
+        1,
+        sharex=True,
+        height_ratios=(3, 2),
+        gridspec_kw={"left": 0.12, "right": 0.98, "top": 0.94, "bottom": 0.08, "hspace": 0.06},
+    )
     for result, color, style in zip(results, COLORS, STYLES):
         steps = np.arange(len(result.losses))
         loss_ax.plot(steps, result.losses, color=color, alpha=0.2, linewidth=0.7)
