@@ -27,6 +27,10 @@ def _error(capsys, argv):
             ["demo", "--growth-steps", "0"],
             "argument --growth-steps: must be an integer >= 1. Received: '0'",
         ),
+        (
+            ["demo", "--diagnostics-every", "0"],
+            "argument --diagnostics-every: must be an integer >= 1. Received: '0'",
+        ),
         (["demo", "--initial-scale", "0"], "argument --initial-scale: must be a finite number > 0"),
         (["demo", "--initial-scale", "nan"], "Received: 'nan'"),
         (["demo", "--initial-scale", "inf"], "Received: 'inf'"),
@@ -60,6 +64,7 @@ def test_demo_option_errors_name_the_subcommand(capsys):
                 "out": "lossscale-demo",
                 "initial_scale": 2.0**15,
                 "growth_steps": 50,
+                "diagnostics_every": 50,
                 "backend": "torch",
                 "loss_weight": 2.0**-16,
                 "quick": False,
@@ -78,6 +83,8 @@ def test_demo_option_errors_name_the_subcommand(capsys):
                 "2**20",
                 "--growth-steps",
                 "9",
+                "--diagnostics-every",
+                "4",
                 "--backend",
                 "jax",
                 "--loss-weight",
@@ -91,6 +98,7 @@ def test_demo_option_errors_name_the_subcommand(capsys):
                 "out": "d",
                 "initial_scale": 2.0**20,
                 "growth_steps": 9,
+                "diagnostics_every": 4,
                 "backend": "jax",
                 "loss_weight": 0.125,
                 "quick": True,
@@ -111,7 +119,8 @@ def test_demo_options_parse(argv, expected):
 def test_defaults_match_the_demo_config():
     args = cli.build_parser().parse_args(["demo"])
     defaults = demo_config.DemoConfig()
-    for name in ("seed", "out", "initial_scale", "growth_steps", "backend", "loss_weight"):
+    names = ("seed", "out", "initial_scale", "growth_steps", "diagnostics_every", "backend")
+    for name in names + ("loss_weight",):
         assert getattr(args, name) == getattr(defaults, name)
     assert defaults.steps == demo_config.DEFAULT_STEPS
 
@@ -132,6 +141,7 @@ def test_help_lists_commands_and_options(capsys):
         "--out",
         "--initial-scale",
         "--growth-steps",
+        "--diagnostics-every",
         "--backend",
         "--quick",
         "--loss-weight",

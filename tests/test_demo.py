@@ -11,7 +11,12 @@ import pytest
 import lossscale.demo
 from lossscale.demo.report import COLUMNS
 
-LABELS = ("float32", "float16, no loss scaling", "float16 + LossScaleOptimizer")
+LABELS = (
+    "float32",
+    "float16, no loss scaling",
+    "float16 + LossScaleOptimizer",
+    "float16 + LossScaleOptimizer, statistics",
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +44,31 @@ def test_prints_the_table(quick_run):
     assert results["summary"] in proc.stdout
 
 
-def test_writes_the_png_and_prints_its_path(quick_run):
+def test_writes_the_pngs_and_prints_their_paths(quick_run):
     proc, out, _ = quick_run
-    png = out / "demo.png"
-    assert f"Plot: {png}" in proc.stdout
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert png.stat().st_size > 20_000
+    for name, line in (("demo.png", "Plot"), ("demo_float16_range.png", "Float16 range")):
+        png = out / name
+        assert f"{line}: {png}" in proc.stdout
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert png.stat().st_size > 20_000
+
+
+def test_saves_each_layers_float16_range_at_the_measured_steps(quick_run):
+    _, _, results = quick_run
+    every = results["config"]["diagnostics_every"]
+    assert every == 50
+    for run in results["runs"]:
+        if not run["spec"]["loss_scaling"]:
+            assert run["float16_range"] == []
+            continue
+        # 300 steps, one measurement in 50: the heatmap's 6 columns.
+        assert [e["step"] for e in run["float16_range"]] == list(range(0, 300, every))
+        for entry in run["float16_range"]:
+            assert list(entry["range"]) == ["w1", "b1", "w2", "b2"]
+            for measured in entry["range"].values():
+                assert set(measured) == {"zero", "subnormal", "near_max", "max_abs"}
+    policies = [r["spec"]["growth_policy"] for r in results["runs"] if r["spec"]["loss_scaling"]]
+    assert policies == ["fixed", "statistics"]
 
 
 def test_shows_a_progress_bar_per_run(quick_run):
@@ -57,7 +81,7 @@ def test_shows_a_progress_bar_per_run(quick_run):
 
 def test_loss_scaling_matches_float32_and_unscaled_float16_loses_gradients(quick_run):
     _, _, results = quick_run
-    reference, unscaled, scaled = results["runs"]
+    reference, unscaled, scaled, statistics = results["runs"]
     assert [r["spec"]["label"] for r in results["runs"]] == list(LABELS)
     assert abs(scaled["test_accuracy"] - reference["test_accuracy"]) <= 0.02
     assert reference["flush_share"] is None and reference["nonzero"] == 0
@@ -65,6 +89,9 @@ def test_loss_scaling_matches_float32_and_unscaled_float16_loses_gradients(quick
     assert scaled["flush_share"] < unscaled["flush_share"] / 10
     assert scaled["gradient_error"] < 0.05 < unscaled["gradient_error"]
     assert unscaled["test_accuracy"] < reference["test_accuracy"] - 0.2
+    assert abs(statistics["test_accuracy"] - reference["test_accuracy"]) <= 0.02
+    assert len(statistics["skipped_steps"]) <= len(scaled["skipped_steps"])
+    assert statistics["flush_share"] < unscaled["flush_share"] / 10
     assert all(len(r["losses"]) == 300 for r in results["runs"])
     assert results["config"]["steps"] == 300
 

@@ -17,10 +17,11 @@ def test_defaults():
         config.out,
         config.initial_scale,
         config.growth_steps,
+        config.diagnostics_every,
         config.backend,
         config.loss_weight,
         config.batch_size,
-    ) == (DEFAULT_STEPS, 0, "lossscale-demo", 2.0**15, 50, "torch", 2.0**-16, 128)
+    ) == (DEFAULT_STEPS, 0, "lossscale-demo", 2.0**15, 50, 50, "torch", 2.0**-16, 128)
     assert DEFAULT_LOSS_WEIGHT == 2.0**-16
 
 
@@ -33,6 +34,8 @@ def test_defaults():
         ("initial_scale", 0.0, "a finite number > 0"),
         ("initial_scale", float("inf"), "a finite number > 0"),
         ("growth_steps", 0, "an integer >= 1"),
+        ("diagnostics_every", 0, "an integer >= 1"),
+        ("diagnostics_every", 2.5, "an integer >= 1"),
         ("backend", "mxnet", "one of ('torch', 'numpy', 'jax', 'tensorflow')"),
         ("loss_weight", -1.0, "a finite number > 0"),
         ("batch_size", 1438, "an integer >= 1 and <= 1437"),

@@ -22,6 +22,7 @@ def test_save_plot_writes_a_png(tmp_path, skipped):
         RunResult(RUNS[0], losses=losses, scales=[None] * 40),
         RunResult(RUNS[1], losses=[2.3] * 40, scales=[None] * 40),
         RunResult(RUNS[2], losses=losses, scales=scales, skipped_steps=skipped),
+        RunResult(RUNS[3], losses=losses, scales=scales[::-1], skipped_steps=skipped[:1]),
     )
     path = tmp_path / "demo.png"
     save_plot(results, str(path), "title")

@@ -29,6 +29,18 @@ def _results():
             received_nonzero=9997,
             gradient_errors=[0.004],
         ),
+        RunResult(
+            RUNS[3],
+            test_accuracy=0.98611,
+            train_loss=0.00179,
+            skipped_steps=[],
+            final_scale=2.0**39,
+            flushed=2,
+            nonzero=10000,
+            subnormal=3,
+            received_nonzero=9998,
+            gradient_errors=[0.0038],
+        ),
     )
 
 
@@ -37,6 +49,15 @@ def test_rows():
         ["float32", "98.6 %", "0.0018", "0", "-", "-", "-"],
         ["float16, no loss scaling", "35.0 %", "11.5128", "0", "-", "11.7 %", "67.5 %"],
         ["float16 + LossScaleOptimizer", "98.9 %", "0.0018", "2", "2^40", "0.03 %", "0.4 %"],
+        [
+            "float16 + LossScaleOptimizer, statistics",
+            "98.6 %",
+            "0.0018",
+            "0",
+            "2^39",
+            "0.02 %",
+            "0.38 %",
+        ],
     ]
 
 
@@ -47,11 +68,12 @@ def test_a_scale_that_is_not_a_power_of_two_prints_plainly():
 
 def test_table_is_markdown_with_aligned_columns():
     lines = table(_results()).splitlines()
-    assert len(lines) == 5
+    assert len(lines) == 6
     assert [c.strip() for c in lines[0].strip("|").split("|")] == list(COLUMNS)
     assert set(lines[1]) == {"|", "-"}
     assert len({len(line) for line in lines}) == 1
-    assert lines[4].startswith("| float16 + LossScaleOptimizer | 98.9 %    |")
+    assert lines[4].startswith("| float16 + LossScaleOptimizer             | 98.9 %    |")
+    assert lines[5].startswith("| float16 + LossScaleOptimizer, statistics | 98.6 %    |")
 
 
 def test_legend_explains_every_column():
@@ -66,7 +88,9 @@ def test_summary_quotes_the_measured_numbers():
         "significant bits), its gradients were off by 67.5 % on average, and it reached "
         "35.0 % test accuracy. With LossScaleOptimizer, float16 flushed 0.03 %, 0.01 % were "
         "subnormal, it was off by 0.4 %, skipped 2 overflowing step(s) and reached 98.9 % "
-        "(float32: 98.6 %)."
+        '(float32: 98.6 %). With the "statistics" growth policy it skipped 0 step(s) '
+        "instead of 2, ended at scale 2^39, 0.03 % of its values were subnormal, and it "
+        "reached 98.6 %."
     )
 
 

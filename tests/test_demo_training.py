@@ -1,4 +1,5 @@
-"""The demo's training loop: measurement of underflow, skipped steps, the loss weight."""
+"""The demo's training loop: measurement of underflow, skipped steps, the loss weight,
+the float16 range recorded at the measured steps, and the two growth policies."""
 
 import numpy as np
 import pytest
@@ -10,7 +11,8 @@ from lossscale.demo.models import make_model, single_threaded
 from lossscale.demo.training import RUNS, RunResult, _compare, make_optimizer, train_run
 from lossscale.optimizers import Adam, LossScaleOptimizer
 
-FLOAT32, UNSCALED, SCALED = RUNS
+FLOAT32, UNSCALED, SCALED, STATISTICS = RUNS
+RANGE_KEYS = {"zero", "subnormal", "near_max", "max_abs"}
 
 
 class RecordingBar:
@@ -85,6 +87,12 @@ def test_make_optimizer_scales_epsilon_with_the_loss_weight():
     assert isinstance(wrapped, LossScaleOptimizer)
     assert (wrapped.initial_scale, wrapped.dynamic_growth_steps) == (2.0**12, 7)
     assert wrapped.inner_optimizer.epsilon == 1e-7 * 2.0**-10
+    assert (wrapped.policy.growth_policy, wrapped.policy.diagnostics_every) == ("fixed", 50)
+    statistics = make_optimizer(STATISTICS, DemoConfig(diagnostics_every=3))
+    assert (statistics.policy.growth_policy, statistics.policy.diagnostics_every) == (
+        "statistics",
+        3,
+    )
 
 
 def test_float32_run_is_the_same_for_any_power_of_two_loss_weight(backend, data):
@@ -137,3 +145,50 @@ def test_run_result_summaries():
     empty = RunResult(FLOAT32)
     assert empty.flush_share is None and empty.gradient_error is None
     assert empty.subnormal_share is None
+
+
+@pytest.mark.parametrize("spec", [SCALED, STATISTICS], ids=["fixed", "statistics"])
+def test_loss_scaled_runs_record_the_float16_range_at_the_measured_steps(backend, data, spec):
+    result, _ = _train(spec, backend.name, data, 11, diagnostics_every=5)
+    assert [e["step"] for e in result.float16_range] == [0, 5, 10]
+    for entry in result.float16_range:
+        assert list(entry["range"]) == ["w1", "b1", "w2", "b2"]
+        for measured in entry["range"].values():
+            assert set(measured) == RANGE_KEYS
+            shares = [measured[k] for k in ("zero", "subnormal", "near_max")]
+            assert all(0 <= x <= 1 for x in shares) and sum(shares) <= 1
+            assert 0 < measured["max_abs"] < np.inf
+    # The first step's scale is the initial one and the weights are shared:
+    # both policies measure the same gradients there.
+    fixed, _ = _train(SCALED, backend.name, data, 1, diagnostics_every=5)
+    assert result.float16_range[0] == fixed.float16_range[0]
+
+
+def test_runs_without_loss_scaling_measure_nothing(data):
+    for spec in (FLOAT32, UNSCALED):
+        result, _ = _train(spec, "numpy", data, 3, diagnostics_every=1)
+        assert result.float16_range == []
+
+
+def test_a_measured_overflow_is_recorded_as_such(data):
+    # At 2^34 the gradients overflow from step 20 on (steps 20 and 31 below).
+    result, _ = _train(
+        SCALED, "numpy", data, 32, initial_scale=2.0**34, growth_steps=10, diagnostics_every=10
+    )
+    assert result.skipped_steps[:2] == [20, 31]
+    by_step = {e["step"]: e["range"] for e in result.float16_range}
+    assert max(m["max_abs"] for m in by_step[20].values()) == np.inf
+    assert all(m["max_abs"] < np.inf for m in by_step[10].values())
+
+
+def test_the_statistics_policy_skips_fewer_steps_than_the_fixed_one(backend, data):
+    # Started near the overflow edge and growing every 10 steps, the fixed
+    # policy overflows after most growths; "statistics" backs off or holds
+    # before that, deciding every 10 steps.
+    settings = dict(initial_scale=2.0**34, growth_steps=10, diagnostics_every=10)
+    fixed, _ = _train(SCALED, backend.name, data, 60, **settings)
+    statistics, _ = _train(STATISTICS, backend.name, data, 60, **settings)
+    assert len(fixed.skipped_steps) >= 4
+    assert len(statistics.skipped_steps) < len(fixed.skipped_steps) / 4
+    tiny, largest = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    assert all(tiny <= s <= largest for s in statistics.scales)

@@ -166,3 +166,28 @@ def test_keras_fit_example_learns_in_mixed_float16(backend, tmp_path):
     # 160 finite steps at the default 2000 growth steps: the scale stays at 2**15.
     assert float(re.search(r"loss scale (\S+)", last).group(1)) == 2.0**15
     assert "steps 160" in last
+
+
+def test_diagnosing_example_prints_what_its_page_shows(tmp_path):
+    # docs/diagnosing.md includes the script and its output file verbatim;
+    # the script's run here must print that output, line for line.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "diagnosing_float16.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    expected = (EXAMPLES / "diagnosing_float16_output.txt").read_text()
+    assert proc.stdout == expected
+    page = (ROOT / "docs" / "diagnosing.md").read_text()
+    for included in ("examples/diagnosing_float16.py", "examples/diagnosing_float16_output.txt"):
+        assert f"--8<--\n{included}\n--8<--" in page
+    # What the page reads from that output.
+    assert "'variables': ['hidden.weight'], 'module': None, 'loss_finite': True" in expected
+    assert "  step 0: the loss was NaN/inf, non-finite in" in expected
+    assert "  step 1: gradients overflowed (the loss was finite)" in expected
+    assert "fixed: 4 skipped" in expected and "statistics: 0 skipped" in expected

@@ -543,3 +543,43 @@ def test_a_step_that_is_not_due_measures_nothing():
     summary = lso.summary(state)
     assert summary["float16_range_step"] == 2
     assert summary["float16_range"]["w"]["near_max"] == 1.0  # 3 * 2^16 >= 65504 / 2
+
+
+def test_diagnostics_under_jit_equal_eager_and_a_float64_count():
+    # What docs/diagnosing.md says of optax: the float16 range and the
+    # overflow window in the state, the same under `jit`, the loss's flag
+    # from `update(..., value=loss)`.
+    tx = lso.dynamic_loss_scale(
+        optax.sgd(0.1), initial_scale=2.0**10, diagnostics_every=2, telemetry=True
+    )
+    params = {"a": jnp.zeros((300, 250)), "b": jnp.zeros(7)}
+
+    def run(update):
+        rng = np.random.default_rng(0)
+        state, grads_at = tx.init(params), {}
+        for k in range(4):
+            grads = {
+                "a": rng.standard_normal((300, 250)).astype(np.float32) * 1e-2,
+                "b": np.full(7, np.inf if k == 3 else 1.0, np.float32),
+            }
+            loss = np.float32(np.nan if k == 1 else 1.0)
+            if k == 1:  # a NaN loss: every gradient NaN
+                grads = {n: g * np.nan for n, g in grads.items()}
+            grads_at[k] = grads
+            _, state = update(jax.tree.map(jnp.asarray, grads), state, params, value=loss)
+        return lso.summary(state), grads_at
+
+    eager, grads_at = run(tx.update)
+    jitted, _ = run(jax.jit(tx.update))
+    assert jitted == eager
+    assert eager["overflows"] == [
+        {"step": 1, "variables": ["a", "b"], "module": None, "loss_finite": False},
+        {"step": 3, "variables": ["b"], "module": None, "loss_finite": True},
+    ]
+    assert eager["float16_range_step"] == 2
+    a = np.abs(grads_at[2]["a"].astype(np.float64))
+    measured = eager["float16_range"]["a"]
+    assert measured["zero"] == pytest.approx(np.count_nonzero(a == 0) / a.size, abs=1e-7)
+    subnormal = np.count_nonzero((a > 0) & (a < 2.0**-14)) / a.size
+    assert subnormal > 0 and measured["subnormal"] == pytest.approx(subnormal, rel=1e-6)
+    assert measured["near_max"] == 0.0 and measured["max_abs"] == np.float32(a.max())

@@ -1,7 +1,8 @@
 """The `lossscale` command line.
 
-`lossscale demo` trains a small network three times (float32; float16
-without loss scaling; float16 with `LossScaleOptimizer`) and compares them.
+`lossscale demo` trains a small network four times (float32; float16
+without loss scaling; float16 with `LossScaleOptimizer`, under the fixed
+and the statistics growth policy) and compares them.
 `lossscale bench` runs the optimizer-step benchmark of `lossscale.bench`,
 which reads its own options. Also `python -m lossscale ...`.
 
@@ -66,11 +67,12 @@ def build_parser():
     demo = commands.add_parser(
         "demo",
         help="train in float32, float16 and float16 with LossScaleOptimizer, and compare",
-        description="Trains a small network on scikit-learn's 8x8 digits three times with the "
+        description="Trains a small network on scikit-learn's 8x8 digits four times with the "
         "same seed and data: float32; float16 without loss scaling; float16 with "
-        "LossScaleOptimizer. Prints a comparison table (accuracy, loss, skipped "
-        "steps, loss scale, gradients lost to float16 underflow) and writes a PNG "
-        "of the loss curves and the loss scale.",
+        "LossScaleOptimizer, under the fixed and the statistics growth policy. Prints a "
+        "comparison table (accuracy, loss, skipped steps, loss scale, gradients lost to "
+        "float16 underflow) and writes a PNG of the loss curves and the loss scales, and "
+        "one of each layer's float16 range over the steps.",
     )
     demo.add_argument(
         "--steps",
@@ -88,7 +90,8 @@ def build_parser():
         "--out",
         metavar="DIR",
         default=defaults.out,
-        help="directory for demo.png and results.json (default: %(default)s)",
+        help="directory for demo.png, demo_float16_range.png and results.json "
+        "(default: %(default)s)",
     )
     demo.add_argument(
         "--initial-scale",
@@ -102,6 +105,14 @@ def build_parser():
         default=defaults.growth_steps,
         help="LossScaleOptimizer's dynamic_growth_steps: finite steps between "
         "doublings of the scale (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--diagnostics-every",
+        type=_integer(1),
+        default=defaults.diagnostics_every,
+        help="the loss-scaled runs' diagnostics_every: steps between measurements of each "
+        "layer's float16 range, which the heatmap shows and the statistics policy decides "
+        "from (default: %(default)s)",
     )
     demo.add_argument(
         "--backend",
@@ -144,6 +155,7 @@ def _run_demo(args):
             out=args.out,
             initial_scale=args.initial_scale,
             growth_steps=args.growth_steps,
+            diagnostics_every=args.diagnostics_every,
             backend=args.backend,
             loss_weight=args.loss_weight,
             progress=not args.no_progress,

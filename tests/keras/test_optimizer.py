@@ -143,6 +143,10 @@ BAD = [
         "does not support `clipnorm`. Instead, set `clipnorm` on the `inner_optimizer`",
     ),
     (lambda: lsk.LossScaleLogger(every_batch=1), r"`every_batch` must be a boolean"),
+    (
+        lambda: lsk.LossScaleOptimizer(keras.optimizers.Adam(), diagnostics_every=10),
+        r"does not measure the float16 range yet: .* Received: diagnostics_every=10",
+    ),
 ]
 
 

@@ -1,9 +1,12 @@
 """`lossscale demo`: a real float16 training run that shows why loss scaling matters.
 
 A small ReLU network learns scikit-learn's 8x8 handwritten digits (shipped
-inside scikit-learn, so nothing is downloaded) three times, with the same
+inside scikit-learn, so nothing is downloaded) four times, with the same
 seed, initial weights and batches: in float32; in float16 without loss
-scaling; in float16 with `LossScaleOptimizer`. All three use Adam.
+scaling; in float16 with `LossScaleOptimizer`, once with the default
+(`"fixed"`) growth policy and once with `growth_policy="statistics"`. All
+four use Adam. The loss-scaled runs measure each layer's float16 range
+every `diagnostics_every` steps (the second picture, a heatmap).
 
 Choices, and why they keep the comparison honest:
 
@@ -40,10 +43,10 @@ Examples:
     >>> from lossscale.demo import DemoConfig, run_demo
     >>> config = DemoConfig(steps=20, backend="numpy", out=tempfile.mkdtemp(), progress=False)
     >>> result = run_demo(config, stream=io.StringIO())
-    >>> [r.spec.label for r in result.runs]
-    ['float32', 'float16, no loss scaling', 'float16 + LossScaleOptimizer']
-    >>> os.path.basename(result.plot_path), result.runs[1].flushed > 0
-    ('demo.png', True)
+    >>> [r.spec.growth_policy for r in result.runs if r.spec.loss_scaling]
+    ['fixed', 'statistics']
+    >>> os.path.basename(result.heatmap_path), result.runs[1].flushed > 0
+    ('demo_float16_range.png', True)
 """
 
 from lossscale.demo.config import DemoConfig

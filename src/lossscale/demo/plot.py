@@ -1,14 +1,15 @@
-"""The demo's picture: the three loss curves, and the loss scale with skipped steps marked.
+"""The demo's picture: the four loss curves, and the loss scales with skipped steps marked.
 
 Drawn on a bare Agg canvas, so no pyplot state or global backend is touched.
 """
 
 import numpy as np
 
-COLORS = ("#1f77b4", "#d62728", "#2ca02c")
-# float32 is drawn dashed and on top: the loss-scaled float16 curve follows
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
+# float32 is drawn dashed and on top: the loss-scaled float16 curves follow
 # it so closely that a solid line would hide it.
-STYLES = ({"linestyle": "--", "zorder": 3}, {}, {})
+STYLES = ({"linestyle": "--", "zorder": 3}, {}, {}, {})
+MARKERS = ("x", "+")
 SMOOTHING = 25  # odd, so the window is centred
 
 
@@ -26,16 +27,24 @@ def save_plot(results, path, title):
     """Writes the PNG to `path`.
 
     Args:
-        results: The three `RunResult`s (float32, float16, float16 scaled).
+        results: The `RunResult`s of `lossscale.demo.training.RUNS`, in
+            order; the loss-scaled ones get their scale drawn.
         path: Output file name.
         title: Figure title.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(9, 6.5), layout="constrained")
+    # Fixed margins: a constrained layout cost as much as the drawing itself.
+    fig = Figure(figsize=(9, 6.5))
     FigureCanvasAgg(fig)
-    loss_ax, scale_ax = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    loss_ax, scale_ax = fig.subplots(
+        2,
+        1,
+        sharex=True,
+        height_ratios=(3, 2),
+        gridspec_kw={"left": 0.12, "right": 0.98, "top": 0.94, "bottom": 0.08, "hspace": 0.06},
+    )
     for result, color, style in zip(results, COLORS, STYLES):
         steps = np.arange(len(result.losses))
         loss_ax.plot(steps, result.losses, color=color, alpha=0.2, linewidth=0.7)
@@ -52,24 +61,27 @@ def save_plot(results, path, title):
     loss_ax.legend(loc="upper right")
     loss_ax.grid(True, which="both", alpha=0.3)
 
-    scaled = results[-1]
-    steps = np.arange(len(scaled.scales))
-    scale_ax.step(
-        steps, scaled.scales, where="post", color=COLORS[-1], label="loss scale used at the step"
-    )
-    skipped = scaled.skipped_steps
-    scale_ax.plot(
-        skipped,
-        [scaled.scales[s] for s in skipped],
-        "x",
-        color="black",
-        markersize=7,
-        label=f"skipped step (gradient overflow): {len(skipped)}",
-    )
-    for step in skipped:
-        loss_ax.axvline(step, color="black", alpha=0.15, linewidth=0.8)
+    scaled = [(r, c) for r, c in zip(results, COLORS) if r.spec.loss_scaling]
+    for (result, color), marker in zip(scaled, MARKERS):
+        steps = np.arange(len(result.scales))
+        policy = result.spec.growth_policy
+        scale_ax.step(
+            steps, result.scales, where="post", color=color, label=f"{policy}: scale used"
+        )
+        skipped = result.skipped_steps
+        scale_ax.plot(
+            skipped,
+            [result.scales[s] for s in skipped],
+            marker,
+            linestyle="none",
+            color="black",
+            markersize=8,
+            label=f"{policy}: skipped step (gradient overflow): {len(skipped)}",
+        )
+        for step in skipped:
+            loss_ax.axvline(step, color=color, alpha=0.3, linewidth=0.8)
     scale_ax.set_yscale("log", base=2)
-    scale_ax.set_ylabel("LossScaleOptimizer\nloss scale")
+    scale_ax.set_ylabel("LossScaleOptimizer\nloss scale\n(growth policy)")
     scale_ax.set_xlabel("step")
     scale_ax.legend(loc="lower right")
     scale_ax.grid(True, which="both", alpha=0.3)

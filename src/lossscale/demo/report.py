@@ -16,6 +16,9 @@ LEGEND = """\
 test acc.: accuracy on the 360 test images after the last step.
 train loss: cross-entropy on the 1,437 training images after the last step.
 skipped steps: steps LossScaleOptimizer skipped because a gradient overflowed.
+  The "statistics" run measures each layer's float16 range every
+  diagnostics_every steps and decides its scale there: it backs off before
+  the values near float16's maximum overflow, and grows only with headroom.
 final scale: LossScaleOptimizer's loss scale after the last step.
 grads flushed to 0: share of gradient values, over all steps, that were nonzero
   in float32 (computed alongside, at the same weights and batch) but zero in
@@ -68,8 +71,8 @@ def table(results):
 
 
 def summary(results):
-    """Two sentences that read the table; every number comes from `results`."""
-    reference, unscaled, scaled = results
+    """Three sentences that read the table; every number comes from `results`."""
+    reference, unscaled, scaled, statistics = results
 
     return (
         f"Without loss scaling, float16 flushed {_percent(unscaled.flush_share)} of the "
@@ -81,5 +84,9 @@ def summary(results):
         f"{_percent(scaled.subnormal_share)} were subnormal, it was off by "
         f"{_percent(scaled.gradient_error)}, skipped {len(scaled.skipped_steps)} overflowing "
         f"step(s) and reached {100 * scaled.test_accuracy:.1f} % "
-        f"(float32: {100 * reference.test_accuracy:.1f} %)."
+        f'(float32: {100 * reference.test_accuracy:.1f} %). With the "statistics" growth '
+        f"policy it skipped {len(statistics.skipped_steps)} step(s) instead of "
+        f"{len(scaled.skipped_steps)}, ended at scale {_scale(statistics.final_scale)}, "
+        f"{_percent(statistics.subnormal_share)} of its values were subnormal, and it reached "
+        f"{100 * statistics.test_accuracy:.1f} %."
     )

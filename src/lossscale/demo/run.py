@@ -1,4 +1,4 @@
-"""`run_demo`: the three runs, the table, the picture and the saved numbers."""
+"""`run_demo`: the four runs, the table, the pictures and the saved numbers."""
 
 import dataclasses
 import importlib.util
@@ -38,11 +38,13 @@ class DemoResult:
     """What `run_demo` produced.
 
     Attributes:
-        runs: The three `RunResult`s: float32, float16 without loss scaling,
-            float16 with `LossScaleOptimizer`.
+        runs: The four `RunResult`s: float32, float16 without loss scaling,
+            float16 with `LossScaleOptimizer` (growth policy `"fixed"`),
+            and with `growth_policy="statistics"`.
         table: The comparison table (Markdown).
-        summary: Two sentences reading the table.
-        plot_path: The PNG's path.
+        summary: Three sentences reading the table.
+        plot_path: The PNG of the loss curves and the loss scales.
+        heatmap_path: The PNG of each layer's float16 range over the steps.
         results_path: The JSON file with every measured number.
         seconds: Wall time of the whole demo.
     """
@@ -51,6 +53,7 @@ class DemoResult:
     table: str
     summary: str
     plot_path: str
+    heatmap_path: str
     results_path: str
     seconds: float
 
@@ -72,11 +75,11 @@ def _header(config):
         [
             f"lossscale demo: a 64-{config.hidden_units}-10 ReLU network on scikit-learn's 8x8 "
             "digits (1,437 training and 360 test images, shipped inside scikit-learn), trained "
-            "three times with the same seed, initial weights and batches.",
+            "four times with the same seed, initial weights and batches.",
             f"backend={config.backend} steps={config.steps} batch={config.batch_size} "
             f"Adam(learning_rate={config.learning_rate:g}) seed={config.seed} "
             f"initial_scale={report.format_number(config.initial_scale)} "
-            f"growth_steps={config.growth_steps}",
+            f"growth_steps={config.growth_steps} diagnostics_every={config.diagnostics_every}",
             "float16 runs keep float32 master weights and run the forward and backward passes on a "
             "float16 copy; the gradients they produce are float16.",
             "Every run multiplies its loss by "
@@ -86,6 +89,9 @@ def _header(config):
             "multiplied too, so the float32 run trains as on the plain loss (exactly, for a power "
             "of two). With --loss-weight 1 this small network's gradients mostly fit in float16 "
             "and loss scaling has little to fix.",
+            "The loss-scaled runs measure each layer's scaled gradient against float16's range "
+            f"every {config.diagnostics_every} steps (--diagnostics-every); the last one decides "
+            'its scale from that measurement (growth_policy="statistics").',
         ]
     )
 
@@ -104,7 +110,7 @@ def _progress_bar(label, config):
 
 
 def run_demo(config, stream=None):
-    """Trains the three runs, prints the table and writes the PNG and a JSON file.
+    """Trains the four runs, prints the table and writes the two PNGs and a JSON file.
 
     Args:
         config: A `DemoConfig`.
@@ -139,14 +145,19 @@ def run_demo(config, stream=None):
     table, summary = report.table(runs), report.summary(runs)
     os.makedirs(config.out, exist_ok=True)
     plot_path = os.path.join(config.out, "demo.png")
+    heatmap_path = os.path.join(config.out, "demo_float16_range.png")
     results_path = os.path.join(config.out, "results.json")
+    from lossscale.demo.heatmap import save_heatmap
     from lossscale.demo.plot import save_plot
 
-    save_plot(
-        runs,
-        plot_path,
-        f"lossscale demo ({config.backend} backend, "
-        f"loss_weight={report.format_number(config.loss_weight)})",
+    setting = f"{config.backend} backend, loss_weight={report.format_number(config.loss_weight)}"
+    save_plot(runs, plot_path, f"lossscale demo ({setting})")
+    save_heatmap(
+        [r for r in runs if r.spec.loss_scaling],
+        heatmap_path,
+        "Float16 range of each layer's scaled gradient, as LossScaleOptimizer received it, "
+        f"measured at one step in {config.diagnostics_every}\n({setting}; white: a share of 0)",
+        config.diagnostics_every,
     )
     seconds = time.perf_counter() - start
     with open(results_path, "w", encoding="utf-8") as f:
@@ -163,8 +174,9 @@ def run_demo(config, stream=None):
         )
     print("\n" + table + "\n\n" + report.LEGEND + "\n\n" + summary, file=stream)
     print(
-        f"\nPlot: {plot_path}\nNumbers: {results_path}\nTotal time: {seconds:.1f} s",
+        f"\nPlot: {plot_path}\nFloat16 range: {heatmap_path}\nNumbers: {results_path}\n"
+        f"Total time: {seconds:.1f} s",
         file=stream,
         flush=True,
     )
-    return DemoResult(runs, table, summary, plot_path, results_path, seconds)
+    return DemoResult(runs, table, summary, plot_path, heatmap_path, results_path, seconds)

@@ -4,7 +4,9 @@ Each step: compute the gradients in the run's precision; in a float16 run,
 also compute the float32 gradients at the same weights and batch and count
 the values that are nonzero in float32 but zero in float16 (flushed by
 underflow); apply the gradients; record the loss, the loss scale used and
-whether the optimizer skipped the step.
+whether the optimizer skipped the step. A loss-scaled run measures each
+layer's float16 range every `diagnostics_every` steps and records it from
+`summary()` at those steps only.
 
 The loop reads a few scalars back to Python at every step (the loss, the
 scale, the step count) for the progress bar and the curves. That costs
@@ -33,17 +35,27 @@ Comparison = collections.namedtuple(
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-    """What distinguishes the three runs."""
+    """What distinguishes the four runs.
+
+    Attributes:
+        label: The run's name in the table and the pictures.
+        precision: `"float32"` or `"float16"`.
+        loss_scaling: Whether Adam is wrapped in `LossScaleOptimizer`.
+        growth_policy: `LossScaleOptimizer`'s `growth_policy` (unused
+            without loss scaling).
+    """
 
     label: str
     precision: str
     loss_scaling: bool
+    growth_policy: str = "fixed"
 
 
 RUNS = (
     RunSpec("float32", "float32", False),
     RunSpec("float16, no loss scaling", "float16", False),
     RunSpec("float16 + LossScaleOptimizer", "float16", True),
+    RunSpec("float16 + LossScaleOptimizer, statistics", "float16", True, "statistics"),
 )
 
 
@@ -75,6 +87,11 @@ class RunResult:
         test_accuracy: Accuracy on the 360 test images after training.
         train_loss: Cross-entropy on the 1,437 training images after training.
         final_scale: The loss scale after the last step, or `None`.
+        float16_range: Of a loss-scaled run, one entry per measured step,
+            oldest first: `{"step": int, "range": summary()["float16_range"]}`,
+            the shares of each layer's scaled gradient that were zero,
+            float16 subnormals and near float16's maximum, and its largest
+            magnitude, at that step.
         seconds: Wall time of the run.
     """
 
@@ -90,6 +107,7 @@ class RunResult:
     test_accuracy: float = float("nan")
     train_loss: float = float("nan")
     final_scale: float | None = None
+    float16_range: list = dataclasses.field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -120,7 +138,10 @@ def _identity(loss):
 
 
 def make_optimizer(spec, config):
-    """Adam for every run, wrapped in `LossScaleOptimizer` for the loss-scaled one.
+    """Adam for every run, wrapped in `LossScaleOptimizer` for the loss-scaled ones.
+
+    The loss-scaled runs measure the float16 range every
+    `config.diagnostics_every` steps, and take `spec.growth_policy`.
 
     Multiplying the loss by `loss_weight` multiplies Adam's moments by it
     and their ratio not at all, except against `epsilon`; multiplying
@@ -131,7 +152,11 @@ def make_optimizer(spec, config):
     if not spec.loss_scaling:
         return inner
     return LossScaleOptimizer(
-        inner, initial_scale=config.initial_scale, dynamic_growth_steps=config.growth_steps
+        inner,
+        initial_scale=config.initial_scale,
+        dynamic_growth_steps=config.growth_steps,
+        growth_policy=spec.growth_policy,
+        diagnostics_every=config.diagnostics_every,
     )
 
 
@@ -193,6 +218,12 @@ def train_run(spec, model, data, batches, config, progress_bar):
         optimizer.apply(grads, model.variables)
         if int(optimizer.iterations) == iterations:
             result.skipped_steps.append(step)
+        if spec.loss_scaling and step % config.diagnostics_every == 0:
+            # A host read of the state, at the measured steps only.
+            summary = optimizer.summary()
+            result.float16_range.append(
+                {"step": summary["float16_range_step"], "range": summary["float16_range"]}
+            )
         result.losses.append(float(loss))
         result.scales.append(scale)
         progress_bar.set_postfix_str(
