@@ -19,7 +19,14 @@ from collections.abc import Callable
 
 KINDS = ("ours", "peer", "baseline")
 # Modules whose `@implementation` functions fill the registry, in table order.
-MODULES = ("impl_lossscale", "impl_torch", "impl_keras", "impl_jax", "impl_tensorflow")
+MODULES = (
+    "impl_lossscale",
+    "impl_torch",
+    "impl_diagnostics",
+    "impl_keras",
+    "impl_jax",
+    "impl_tensorflow",
+)
 
 
 @dataclasses.dataclass(frozen=True)
