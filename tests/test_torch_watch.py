@@ -160,6 +160,16 @@ def test_a_loss_made_nan_after_the_model_has_no_module():
     assert watch.modules_at([0]) == {0: None}
 
 
+def test_a_nan_loss_in_a_transformer_has_no_module():
+    # `MultiheadAttention` reads `out_proj.weight` without calling `out_proj`:
+    # its NaN gradient must not make `out_proj` the origin.
+    model = cases.TinyTransformer()
+    watch = Watch(model)
+    (cases.loss_of(model, *cases.batch()) * float("nan")).backward()
+    watch.on_step(torch.tensor(False), 0)
+    assert watch.modules_at([0]) == {0: None}
+
+
 def test_no_grad_forwards_record_nothing():
     model = MLP()
     watch = Watch(model)

@@ -6,18 +6,24 @@ Hooks on every module of a `torch.nn.Module` (names from
 - the **backward origin**: the first module, in the order backward reaches
   them, that received a finite gradient of its outputs and produced a
   non-finite gradient of one of its inputs or of one of its own
-  parameters: the module where float16 overflowed in backward;
+  parameters: the module where float16 overflowed in backward (a
+  module whose forward did not run, such as the `out_proj` of a
+  `MultiheadAttention`, which reads its weight directly, is not
+  reported: its caller is);
 - the **forward origin**: the first module, in the order modules finish
   their forward, whose floating-point inputs were finite and one of whose
   floating-point outputs was not: where the activations overflowed (or
   became NaN) in forward.
 
 The module reported for a step is the forward origin if there is one, else
-the backward origin, else `None`. A NaN or inf loss has no backward origin
-(every gradient is non-finite from the first one on): it is reported as its
-forward origin, the module whose output first went non-finite, or `None`
-when the model's outputs were finite and the loss went non-finite after
-them (in the loss function, or a loss multiplied by inf).
+the backward origin, else `None`: nothing started inside the model, the
+gradient reaching its outputs was already non-finite. That is the case of a
+NaN or inf loss computed after the model (in the loss function, or a loss
+multiplied by inf), which has no backward origin (every gradient is
+non-finite from the first one on), and of a scale so high that the loss's
+own gradient overflows. A loss that is NaN because an activation went
+non-finite is reported as its forward origin: the module whose output
+first did.
 
 After each step the target (a `lossscale.torch.GradScaler`, or a
 `LossScaleOptimizer` on torch) calls `on_step(finite, step)`: on an
@@ -86,6 +92,10 @@ class Watch:
         self._forward_origin = torch.full((), -1, dtype=torch.int32, device=device)
         self._backward_origin = torch.full((), -1, dtype=torch.int32, device=device)
         self._outputs_finite = torch.ones(len(modules), dtype=torch.bool, device=device)
+        # Whether each module's output gradient came at all: a module whose
+        # forward did not run (`MultiheadAttention` reads its `out_proj`'s
+        # weight without calling it) is not where its parameter overflowed.
+        self._outputs_seen = torch.zeros(len(modules), dtype=torch.bool, device=device)
         # The ring of overflowing steps, oldest first: step, module index.
         self._ring_steps = torch.full((history_length,), -1, dtype=torch.int32, device=device)
         self._ring_modules = torch.full((history_length,), -1, dtype=torch.int32, device=device)
@@ -101,7 +111,7 @@ class Watch:
                 if id(param) in seen or not param.requires_grad:
                     continue
                 seen.add(id(param))
-                self._handles.append(param.register_hook(self._input_hook(index)))
+                self._handles.append(param.register_hook(self._parameter_hook(index)))
         self._parameter_names = [(p, name) for name, p in model.named_parameters()]
         self._target_handle = None
 
@@ -147,6 +157,7 @@ class Watch:
             if self._active:
                 finite = self._all_finite([grad])
                 self._outputs_finite[index : index + 1].logical_and_(finite)
+                self._outputs_seen[index : index + 1].fill_(True)
 
         return hook
 
@@ -162,6 +173,15 @@ class Watch:
         """Whether every value of `tensors` is finite, a boolean on the flags' device."""
         flags = [torch.isfinite(t).all().to(self._device, non_blocking=True) for t in tensors]
         return flags[0] if len(flags) == 1 else torch.stack(flags).all()
+
+    def _parameter_hook(self, index):
+        def hook(grad):
+            if self._active:
+                ran = self._outputs_finite[index] & self._outputs_seen[index]
+                started = ~self._all_finite([grad]) & ran
+                self._first(self._backward_origin, started, index)
+
+        return hook
 
     @staticmethod
     def _first(origin, hit, index):
@@ -191,6 +211,7 @@ class Watch:
         self._forward_origin.fill_(-1)
         self._backward_origin.fill_(-1)
         self._outputs_finite.fill_(True)
+        self._outputs_seen.fill_(False)
 
     def modules_at(self, steps: list[int]) -> dict[int, str | None]:
         """`{step: name of the module the overflow started in, or None}`; one host read.
