@@ -417,7 +417,10 @@ def test_telemetry_summary_and_check():
         "skipped_steps",
         "last_overflow_step",
         "scale_history",
+        "overflows",
     }
+    skipped = [k for k, s in enumerate(run["skipped"]) if s]
+    assert [o["step"] for o in summary["overflows"]] == skipped[-8:]
     ours.check()  # no limits set: nothing to raise
     theirs, plain = pair()
     cases.train(plain, steps=4)
@@ -539,7 +542,10 @@ def test_update_without_a_step_is_a_clear_error():
         (dict(min_scale=2.0**20), "`init_scale` must lie between `min_scale` and `max_scale`"),
         (dict(max_scale=1.0), "`init_scale` must lie between `min_scale` and `max_scale`"),
         (dict(max_consecutive_skips=-1), "`max_consecutive_skips` must be an integer >= 0"),
-        (dict(growth_policy="grow"), "`growth_policy` must be one of \\('fixed', 'headroom'\\)"),
+        (
+            dict(growth_policy="grow"),
+            "`growth_policy` must be one of \\('fixed', 'headroom', 'statistics'\\)",
+        ),
         (dict(telemetry=1), "`telemetry` must be a boolean"),
     ],
 )

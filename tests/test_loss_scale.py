@@ -99,17 +99,41 @@ class Model:
         p = self.p = policy
         self.scale, self.counter, self.streak = float(f32(p.initial_scale)), 0, 0
         self.steps, self.skipped, self.last, self.error, self.error_step = 0, 0, -1, 0, -1
-        self.history = [0.0] * ls_module.HISTORY_LENGTH
+        self.history = [0.0] * p.history_length
         self.nonfinite = [False] * n_vars
+        self.loss_finite = -1
+        self.overflow_steps = [-1] * p.history_length
+        self.overflow_loss = [-1] * p.history_length
+        self.overflow_bits = [0] * n_vars
+        self.range_step = -1
 
-    def step(self, finite, peak, variable_finite):
+    def step(self, finite, peak, variable_finite, loss=-1, near=0.0):
+        """One step; `loss` the step's `loss_finite`, `near` its measured near-max share."""
         p = self.p
         if self.error:
             return
+        self.loss_finite = loss
         used = self.scale
+        measured = p.diagnoses and self.steps % p.diagnostics_every == 0
+        statistics = p.growth_policy == "statistics"
+        if statistics:
+            early = finite and measured and near > 0
+            room = f32(f32(peak) * f32(p.growth_factor)) < f32(F16_MAX / ls_module.HEADROOM_MARGIN)
+            grow = finite and measured and room and not early
+        else:
+            early, grow = False, finite and self.counter == p.dynamic_growth_steps - 1
+        if measured:
+            self.range_step = self.steps
         if finite:
             self.streak = 0
-            if self.counter == p.dynamic_growth_steps - 1:
+            if early:
+                backed = float(f32(f32(used) * f32(p.backoff_factor)))
+                if p.min_scale is None:
+                    self.scale = max(backed, F32_TINY)
+                elif backed >= float(f32(p.min_scale)):
+                    self.scale = backed
+                self.counter = 0
+            elif grow:
                 with np.errstate(over="ignore"):
                     grown = float(f32(f32(used) * f32(p.growth_factor)))
                 if p.max_scale is not None:
@@ -139,9 +163,16 @@ class Model:
                 self.error = ls_module.TOO_MANY_SKIPS
             self.skipped, self.last = self.skipped + 1, self.steps
             self.nonfinite = [ok is False for ok in variable_finite]
+            self.overflow_steps = self.overflow_steps[1:] + [self.steps]
+            self.overflow_loss = self.overflow_loss[1:] + [self.loss_finite]
+            wrap = 2**p.history_length
+            self.overflow_bits = [
+                (b * 2 + (ok is False)) % wrap for b, ok in zip(self.overflow_bits, variable_finite)
+            ]
         if self.error:
             self.error_step = self.steps
         self.history = self.history[1:] + [used]
+        self.loss_finite = -1
         self.steps += 1
 
     def expected(self):
@@ -157,8 +188,17 @@ class Model:
             nonfinite=self.nonfinite,
             error=self.error,
             error_step=self.error_step,
+            loss_finite=self.loss_finite,
+            overflow_steps=self.overflow_steps,
+            overflow_loss=self.overflow_loss,
+            overflow_bits=self.overflow_bits,
+            range_step=self.range_step,
         )
-        return {f.name: values[f.name] for f in ls_module.state_fields(self.p)}
+        return {
+            f.name: values[f.name]
+            for f in ls_module.state_fields(self.p)
+            if not f.name.startswith("range_") or f.name == "range_step"
+        }
 
 
 def initial_state(backend, policy, n_vars):
@@ -168,7 +208,7 @@ def initial_state(backend, policy, n_vars):
         initial = f.metadata["initial"]
         initial = policy.initial_scale if initial is None else initial
         dtype = f.metadata["dtype"]
-        count = {"step": None, "history": ls_module.HISTORY_LENGTH, "variable": n_vars}[
+        count = {"step": None, "history": policy.history_length, "variable": n_vars}[
             f.metadata["per"]
         ]
         one = lambda initial=initial, dtype=dtype: backend.array(np.asarray(initial, dtype))  # noqa: E731
@@ -198,20 +238,27 @@ def policies(draw):
         min_scale=draw(st.sampled_from([None, None, 1.0, 0.125, F32_TINY * 2])),
         max_scale=draw(st.sampled_from([None, None, 64.0, 2.0**20])),
         max_consecutive_skips=draw(st.sampled_from([None, None, 0, 2, 4])),
-        growth_policy=draw(st.sampled_from(["fixed", "headroom"])),
+        growth_policy=draw(st.sampled_from(["fixed", "headroom", "statistics"])),
         telemetry=draw(st.booleans()),
+        diagnostics_every=draw(st.sampled_from([None, 1, 2, 3])),
+        history_length=draw(st.sampled_from([8, 1, 3, 30])),
     )
+    if options["growth_policy"] == "statistics" and options["diagnostics_every"] is None:
+        options["diagnostics_every"] = 2
     low, high = options["min_scale"] or 0.0, options["max_scale"] or F32_MAX
     assume(low <= options["initial_scale"] <= high and low < high)
     return LossScalePolicy(**options)
 
 
 # Each step: per-variable gradient status (True finite, False non-finite,
-# None no gradient) and the largest scaled gradient magnitude.
+# None no gradient), the largest scaled gradient magnitude, the loss's flag
+# (1 finite, 0 not, -1 not recorded) and the measured near-max share.
 STEPS = st.lists(
     st.tuples(
         st.lists(st.sampled_from([True, True, True, False, None]), min_size=3, max_size=3),
         st.sampled_from([0.5, 100.0, 4000.0, 4095.0, 4096.0, 30000.0]),
+        st.sampled_from([1, 1, 0, -1]),
+        st.sampled_from([0.0, 0.0, 1e-6, 0.25]),
     ),
     max_size=14,
 )
@@ -221,8 +268,19 @@ def check_against_model(backend, policy, steps):
     ops = get_ops(backend.name)
     state = initial_state(backend, policy, 3)
     model = Model(policy, 3)
-    for flags, peak in steps:
+    for step, (flags, peak, loss, near) in enumerate(steps):
         finite = all(ok is not False for ok in flags)
+        measured = None
+        if policy.diagnoses:
+            # What a measuring caller writes before the step: the range
+            # fields, here the near-max share and the peak on every variable.
+            measured = backend.array(np.bool_(model.steps % policy.diagnostics_every == 0))
+            if not model.error:
+                near_values = tuple(backend.array(f32(near)) for _ in range(3))
+                peaks = tuple(backend.array(f32(peak)) for _ in range(3))
+                state = dataclasses.replace(state, range_near_max=near_values, range_max_abs=peaks)
+        if policy.records_details and not model.error:
+            state = dataclasses.replace(state, loss_finite=backend.array(np.int32(loss)))
         if policy.records_details:
             variable_finite = tuple(
                 None if ok is None else backend.array(np.bool_(ok)) for ok in flags
@@ -237,14 +295,17 @@ def check_against_model(backend, policy, steps):
             policy,
             peak=backend.array(f32(peak)),
             variable_finite=variable_finite,
+            measured=measured,
         )
-        model.step(finite, peak, flags)
+        model.step(finite, peak, flags, loss if policy.records_details else -1, near)
         got = read_state(backend, state, policy)
         expected = model.expected()
         if not policy.records_details:
             expected.pop("nonfinite", None)
             got.pop("nonfinite", None)
-        assert got == expected
+        for name in ("range_zero", "range_subnormal", "range_near_max", "range_max_abs"):
+            got.pop(name, None)  # the caller's to write
+        assert got == expected, step
         assert backend.numpy(state.scale).dtype == np.float32
 
 
@@ -361,10 +422,24 @@ def test_next_loss_scale_argument_errors():
         ),
         (
             {"growth_policy": "adaptive"},
-            r"`growth_policy` must be one of \('fixed', 'headroom'\). "
+            r"`growth_policy` must be one of \('fixed', 'headroom', 'statistics'\). "
             "Received: growth_policy='adaptive'",
         ),
         ({"telemetry": 1}, "`telemetry` must be a boolean. Received: telemetry=1"),
+        (
+            {"diagnostics_every": 0},
+            "`diagnostics_every` must be an integer >= 1 or None. Received: diagnostics_every=0",
+        ),
+        (
+            {"history_length": 31},
+            "`history_length` must be an integer >= 1 and <= 30. Received: history_length=31",
+        ),
+        (
+            {"growth_policy": "statistics"},
+            r'`growth_policy="statistics"` decides from the measured float16 range: set '
+            r"`diagnostics_every` \(for example 100\) as well. Received: "
+            r'growth_policy="statistics", diagnostics_every=None',
+        ),
         (
             {"min_scale": 2.0**16},
             r"`min_scale` <= `initial_scale` <= `max_scale` and `min_scale` "
@@ -397,9 +472,14 @@ def test_tracked_fields_follow_the_policy():
         "scale_history",
         "nonfinite",
     ]
-    assert names(LossScalePolicy(telemetry=True)) == telemetry
-    assert names(LossScalePolicy(max_consecutive_skips=3)) == telemetry + ["error", "error_step"]
-    assert names(LossScalePolicy(min_scale=1.0)) == telemetry + ["error", "error_step"]
+    window = ["loss_finite", "overflow_steps", "overflow_loss", "overflow_bits"]
+    assert names(LossScalePolicy(telemetry=True)) == telemetry + window
+    failing = telemetry + ["error", "error_step"] + window
+    assert names(LossScalePolicy(max_consecutive_skips=3)) == failing
+    assert names(LossScalePolicy(min_scale=1.0)) == failing
+    measured = ["range_zero", "range_subnormal", "range_near_max", "range_max_abs", "range_step"]
+    assert names(LossScalePolicy(diagnostics_every=5)) == ["scale", "counter", "steps"] + measured
+    assert not LossScalePolicy(diagnostics_every=5).is_plain
 
 
 def test_non_default_settings():

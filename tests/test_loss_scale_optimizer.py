@@ -391,6 +391,7 @@ from lossscale.mixed_precision import (  # noqa: E402
     LossScaleError,
     LossScalePolicy,
     UnscaledLossWarning,
+    diagnostics,
 )
 from lossscale.mixed_precision.telemetry import summarize  # noqa: E402
 
@@ -482,11 +483,19 @@ def test_telemetry_after_a_known_sequence(backend, rng):
         "last_overflow_step": 6,
         "scale_history": [8.0, 8.0, 4.0, 2.0, 2.0, 4.0, 4.0, 2.0],
         "nonfinite_variables": ["v0"],
+        # `scale_loss` was never called: the loss's flag is not known.
+        "overflows": [
+            {"step": 1, "variables": ["v1"], "module": None, "loss_finite": None},
+            {"step": 2, "variables": ["v0", "v1"], "module": None, "loss_finite": None},
+            {"step": 6, "variables": ["v0"], "module": None, "loss_finite": None},
+        ],
     }
     names = [v.name for v in opt.variables]
-    assert names[-len(opt.inner_optimizer.variables) - 2 : -len(opt.inner_optimizer.variables)] == [
+    assert names[-len(opt.inner_optimizer.variables) - 4 : -len(opt.inner_optimizer.variables)] == [
         "v0_nonfinite",
         "v1_nonfinite",
+        "v0_overflow_bits",
+        "v1_overflow_bits",
     ]
 
 
@@ -535,7 +544,12 @@ def test_min_scale_raises_naming_variables_step_and_history(backend, rng):
         "error_step",
         "v0_nonfinite",
         "v1_nonfinite",
-    } | {f"scale_history_{i}" for i in range(8)}
+        "v0_overflow_bits",
+        "v1_overflow_bits",
+    } | {f"{n}_{i}" for n in ("scale_history", "overflow_steps", "overflow_loss") for i in range(8)}
+    assert "  step 3: gradients overflowed (the loss was not recorded), non-finite in ['v1']" in (
+        message
+    )
     assert scalar(backend, opt.iterations) == 1
     frozen = snapshot(backend, variables + opt.variables)
     with pytest.raises(LossScaleError, match="failed at step 3"):
@@ -784,9 +798,10 @@ def test_optimizer_matches_model(name, policy, steps):
     values, model_values = [v.value for v in functional.variables], [backend.array(x) for x in init]
     model = Model(policy, len(SHAPES))
     weights = [x.astype(np.float64) for x in init]
+    ranges = [[0.0] * 4 for _ in SHAPES]  # each variable's last measured float16 range
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for flags, peak in steps:
+        for flags, peak, _, _ in steps:
             flags = flags[: len(SHAPES)]
             if all(ok is None for ok in flags):
                 continue
@@ -803,7 +818,13 @@ def test_optimizer_matches_model(name, policy, steps):
             flags = [ok and bool(np.isfinite(unscaled)) if ok is not None else None for ok in flags]
             finite = all(ok is not False for ok in flags)
             applied = finite and not model.error
-            model.step(finite, magnitude, flags)
+            if policy.diagnoses and model.steps % policy.diagnostics_every == 0:
+                for i, g in enumerate(grads):
+                    if g is not None:
+                        ranges[i] = float16_range_of(backend.numpy(g), policy.growth_factor)
+            near, measured_peak = max(r[2] for r in ranges), max(r[3] for r in ranges)
+            statistics = policy.growth_policy == "statistics"
+            model.step(finite, measured_peak if statistics else magnitude, flags, -1, near)
             if applied:
                 weights = [
                     w - 0.125 * np.float64(unscaled) if ok is not None else w
@@ -822,8 +843,39 @@ def test_optimizer_matches_model(name, policy, steps):
                 np.testing.assert_array_equal(backend.numpy(value), backend.numpy(v))
             expected = model.expected()
             expected.setdefault("nonfinite", [])
-            assert opt.summary() == summarize(expected, policy, ["v0", "v1"])
-            assert functional.summary(values) == opt.summary()
+            for k, field in enumerate(diagnostics.FIELDS):
+                expected[field] = [r[k] for r in ranges]
+            expected = summarize(expected, policy, ["v0", "v1"])
+            got = opt.summary()
+            if model.error and policy.diagnoses:
+                # Once frozen, nothing is decided: measuring then is not specified.
+                expected["float16_range"] = got["float16_range"]
+            assert nan_named(got) == nan_named(expected)
+            if model.error and policy.diagnoses:
+                continue
+            assert nan_named(functional.summary(values)) == nan_named(got)
+
+
+def nan_named(x):
+    """`x` with every float NaN replaced by the string "nan" (NaN != NaN in comparisons)."""
+    if isinstance(x, dict):
+        return {k: nan_named(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [nan_named(v) for v in x]
+    return "nan" if isinstance(x, float) and np.isnan(x) else x
+
+
+def float16_range_of(g, growth_factor):
+    """`[zero, subnormal, near_max, max_abs]` of a scaled gradient, counted in float64."""
+    a = np.abs(np.asarray(g, np.float64))
+    with np.errstate(invalid="ignore"):
+        shares = [
+            np.mean(a == 0),
+            np.mean((a > 0) & (a < 2.0**-14)),
+            np.mean(a >= 65504.0 / growth_factor),
+        ]
+    peak = np.nan if np.isnan(a).any() else np.max(a)
+    return [float(np.float32(x)) for x in shares] + [float(np.float32(peak))]
 
 
 def test_exclude_from_weight_decay_reaches_the_inner_optimizer(backend, rng):

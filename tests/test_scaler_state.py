@@ -63,6 +63,9 @@ def test_our_state_dict_is_torchs_plus_the_extra_fields():
         "skipped_steps",
         "last_overflow_step",
         "scale_history",
+        "loss_finite",
+        "overflow_steps",
+        "overflow_loss",
     }
     assert state["lossscale"]["steps"] == 7
 

@@ -27,6 +27,12 @@ class BackendOps(Protocol):
     # The dtype of integer optimizer state (`iterations`, `step_counter`):
     # int32 on every backend, as in Keras 3 (and as JAX has without x64).
     INT_DTYPE: str
+    # True when a Python branch inside a step is taken again at every call
+    # (NumPy, torch eager): a step may decide there, on a count it keeps on
+    # the host, with no device read. False where a step is traced once and
+    # replayed (JAX's `jit`, TensorFlow's `tf.function`): it decides on the
+    # device (`cond`).
+    HOST_CONTROL: bool
 
     # --- recognising and creating arrays -------------------------------
     def is_native(self, x: Any) -> bool: ...
@@ -150,3 +156,5 @@ class BackendOps(Protocol):
     # the object a `Variable` holds for `value` (a NumPy array or a native
     # array; one of those objects is kept as it is). `Variable` asks for it
     # with `getattr`; the other backends hold the array itself.
+    # `is_traced(x)`: whether `x` is a value being traced (a JAX tracer),
+    # which no variable may keep. Read with `getattr`; absent: never.

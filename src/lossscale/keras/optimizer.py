@@ -11,7 +11,7 @@ import keras
 from lossscale.backends import get_ops
 from lossscale.keras import gates, step
 from lossscale.mixed_precision.host_state import HostStateMixin
-from lossscale.mixed_precision.loss_scale import HISTORY_LENGTH, LossScalePolicy
+from lossscale.mixed_precision.loss_scale import LossScalePolicy
 
 BACKENDS = ("tensorflow", "jax", "torch")
 # The settings Keras's own wrapper has (the others are lossscale's extras).
@@ -71,7 +71,11 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
             record an error.
         growth_policy: `"fixed"` (default) or `"headroom"`.
         telemetry: Boolean. Record skip counters, the last scales and
-            which variables had non-finite gradients (`summary()`).
+            the overflow window: each overflow's step and the variables
+            with non-finite gradients (`summary()`).
+        diagnostics_every: Only `None` here (the float16-range measurement
+            is not in this socket yet).
+        history_length: Int in [1, 30]. Scales and overflows kept.
         **kwargs: Base optimizer arguments, accepted only at their defaults
             (as by Keras's wrapper): set them on the `inner_optimizer`.
 
@@ -99,10 +103,20 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
         max_consecutive_skips: int | None = None,
         growth_policy: str = "fixed",
         telemetry: bool = False,
+        diagnostics_every: int | None = None,
+        history_length: int = 8,
         **kwargs: Any,
     ) -> None:
         arguments = dict(locals())  # first: holds exactly the named arguments
         settings = {f.name: arguments[f.name] for f in dataclasses.fields(LossScalePolicy)}
+        if diagnostics_every is not None:
+            raise ValueError(
+                "lossscale.keras.LossScaleOptimizer does not measure the float16 range yet: "
+                '`diagnostics_every` (and `growth_policy="statistics"`) are for '
+                "lossscale.LossScaleOptimizer, lossscale.torch.GradScaler and "
+                "lossscale.optax.dynamic_loss_scale. Received: "
+                f"diagnostics_every={diagnostics_every!r}"
+            )
         backend = keras.backend.backend()
         if backend not in BACKENDS:
             raise ValueError(
@@ -133,7 +147,7 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
             elif per == "history":
                 state[field] = tuple(
                     self._state_variable(f"{name}_{i}", dtype, initial)
-                    for i in range(HISTORY_LENGTH)
+                    for i in range(self.policy.history_length)
                 )
             else:
                 state[field] = tuple(

@@ -130,7 +130,7 @@ def extra_fields(policy):
 
     Keras's wrapper holds `scale` (`dynamic_scale`) and `counter`
     (`step_counter`); hysteresis, telemetry and the fail-fast limits add the
-    fields they track. `per` is `"step"`, `"history"` (`HISTORY_LENGTH`
+    fields they track. `per` is `"step"`, `"history"` (`history_length`
     scalars) or `"variable"` (one per model variable).
     """
     out = []

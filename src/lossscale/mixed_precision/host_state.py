@@ -33,14 +33,26 @@ class HostStateMixin:
             A dict with `dynamic_scale` and `step_counter`, and, as the
             settings track them, `consecutive_skips`, `steps`,
             `skipped_steps`, `last_overflow_step`, `scale_history`,
-            `nonfinite_variables` (paths), `error` and `error_step`.
+            `nonfinite_variables` (paths), `error`, `error_step`,
+            `overflows` (the overflow window, oldest first: `{"step",
+            "variables", "module", "loss_finite"}` each) and, with
+            `diagnostics_every`, `float16_range` and `float16_range_step`.
         """
         state = self._read_state(self._values_by_id(optimizer_variables))
         values = as_numpy(
             self._ops, {f.name: getattr(state, f.name) for f in state_fields(self.policy)}
         )
         values.setdefault("nonfinite", [])
-        return summarize(values, self.policy, [v.path for v in self._trainable_variables])
+        modules = {}
+        if self.policy.records_details:
+            steps = [int(s) for s in values["overflow_steps"] if int(s) >= 0]
+            modules = self._overflow_modules(steps)
+        paths = [v.path for v in self._trainable_variables]
+        return summarize(values, self.policy, paths, modules)
+
+    def _overflow_modules(self, steps: list[int]) -> dict[int, str | None]:
+        """`{step: module}` of the overflows at `steps`: none known without observers."""
+        return {}
 
     def check(self, optimizer_variables: Sequence[Array] | None = None) -> None:
         """Raises `LossScaleError` if the state records a crossed limit.

@@ -67,6 +67,7 @@ def next_loss_scale(
     variable_finite: Sequence[Array | None] = (),
     skip: Array | None = None,
     in_place: bool = False,
+    measured: Array | bool | None = None,
 ) -> LossScaleState:
     """Advances the loss-scale state by one step.
 
@@ -80,7 +81,12 @@ def next_loss_scale(
     overflowed, the scale backs off by `backoff_factor`, never below
     `MIN_SCALE`; a backoff below `min_scale`, or more than
     `max_consecutive_skips` skips in a row, records an error instead, after
-    which the state stays as it is.
+    which the state stays as it is. With `growth_policy="statistics"` the
+    growth is decided at measured steps instead (see `LossScalePolicy`).
+
+    With telemetry, an overflow also enters the overflow window: its step,
+    `state.loss_finite` (whether the loss itself was finite) and, per
+    variable, a bit of `overflow_bits`; `loss_finite` is reset to -1.
 
     Fields of `state` that are `None` but tracked by `policy` start from
     their initial values, so a two-field state works with any policy.
@@ -102,6 +108,10 @@ def next_loss_scale(
             new state (a mutable backend's kernel then updates them where
             they are; the returned state holds them). Defaults to False:
             `state` is left as it was.
+        measured: With `diagnostics_every`: whether the `range_*` fields of
+            `state` hold this step's measurement (a boolean scalar, or a
+            Python bool where the caller decided on the host). `None`: not
+            measured.
 
     Returns:
         The next `LossScaleState`.
@@ -132,7 +142,11 @@ def next_loss_scale(
     overflow = ops.logical_not(finite)
     new = {}
 
-    grow = ops.logical_and(finite, counter == policy.dynamic_growth_steps - 1)
+    statistics = policy.growth_policy == "statistics"
+    if statistics:
+        grow, early = _statistics_decision(ops, state, finite, policy, measured)
+    else:
+        grow = ops.logical_and(finite, counter == policy.dynamic_growth_steps - 1)
     with ops.quiet():  # an overflowing candidate is computed on purpose
         grown = scale * policy.growth_factor
         if policy.max_scale is not None:
@@ -155,16 +169,25 @@ def next_loss_scale(
         back_off = ops.logical_and(overflow, streak >= policy.hysteresis)
     else:
         back_off = overflow
+    overflow_back_off = back_off
+    if statistics:  # a finite step may back off too: before the overflow
+        back_off = _either(ops, back_off, early)
     new["scale"] = ops.cast(
         ops.where(grow, grown, ops.where(back_off, backed_off, scale)), "float32"
     )
-    new["counter"] = ops.where(
-        ops.logical_and(finite, ops.logical_not(grow)), counter + 1, _zero(counter)
-    )
+    counts = ops.logical_and(finite, ops.logical_not(grow))
+    if statistics:
+        counts = ops.logical_and(counts, ops.logical_not(early))
+    new["counter"] = ops.where(counts, counter + 1, _zero(counter))
 
-    if policy.records_details:
-        step = state.steps
+    step = state.steps
+    if policy.tracks("steps"):
         new["steps"] = step + 1
+    if policy.diagnoses and measured is not None and measured is not False:
+        new["range_step"] = (
+            step if measured is True else ops.where(measured, step, state.range_step)
+        )
+    if policy.records_details:
         new["skipped"] = ops.where(finite, state.skipped, state.skipped + 1)
         new["last_overflow_step"] = ops.where(finite, state.last_overflow_step, step)
         new["scale_history"] = state.scale_history[1:] + (scale,)
@@ -174,9 +197,11 @@ def next_loss_scale(
             else ops.where(finite, old, ops.logical_not(ok))
             for old, ok in zip(state.nonfinite, variable_finite)
         )
+        new.update(_overflow_window(ops, state, overflow, step, variable_finite, policy))
 
     if policy.fails_fast:
-        failed = ops.logical_and(back_off, below) if policy.min_scale is not None else None
+        # Only an overflow's backoff fails: an early one below `min_scale` is not taken.
+        failed = ops.logical_and(overflow_back_off, below) if policy.min_scale is not None else None
         too_many = (
             streak > policy.max_consecutive_skips
             if policy.max_consecutive_skips is not None
@@ -198,6 +223,56 @@ def next_loss_scale(
     return replaced(state, **new)
 
 
+def _statistics_decision(ops, state, finite, policy, measured):
+    """`(grow, back_off_early)` of `growth_policy="statistics"`: both False unless measured."""
+    false = state.counter < 0  # a device False, shaped like the flags
+    if measured is None or measured is False:
+        return false, false
+    near = _reduced(ops, ops.maximum, state.range_near_max, state.scale)
+    peak = _reduced(ops, ops.maximum, state.range_max_abs, state.scale)
+    on = finite if measured is True else ops.logical_and(finite, measured)
+    with ops.quiet():  # a NaN peak compares False: no growth
+        room = peak * policy.growth_factor < FLOAT16_MAX / HEADROOM_MARGIN
+    early = ops.logical_and(on, near > 0)
+    grow = ops.logical_and(ops.logical_and(on, room), ops.logical_not(early))
+    return grow, early
+
+
+def _either(ops, x, y):
+    return ops.logical_not(ops.logical_and(ops.logical_not(x), ops.logical_not(y)))
+
+
+def _reduced(ops, fn, values, like):
+    """`fn` over scalar `values` (0 of `like`'s dtype when there are none)."""
+    out = like * 0
+    for v in values:
+        out = fn(out, v)
+    return out
+
+
+def _overflow_window(ops, state, overflow, step, variable_finite, policy):
+    """The overflow window's fields after this step: shifted by one entry on an overflow."""
+    new = {
+        "overflow_steps": _shifted(ops, overflow, state.overflow_steps, step),
+        "overflow_loss": _shifted(ops, overflow, state.overflow_loss, state.loss_finite),
+        "loss_finite": _zero(state.loss_finite) - 1,
+    }
+    wrap = 2**policy.history_length
+    bits = []
+    for old, ok in zip(state.overflow_bits, variable_finite):
+        # In the field's own dtype: Keras keeps int fields as int64 on TensorFlow.
+        bad = 0 if ok is None else ops.cast(ops.logical_not(ok), ops.dtype_name(old))
+        bits.append(ops.where(overflow, (old * 2 + bad) % wrap, old))
+    new["overflow_bits"] = tuple(bits)
+    return new
+
+
+def _shifted(ops, pred, history, value):
+    """`history` with `value` appended (oldest dropped) where `pred` holds."""
+    moved = history[1:] + (value,)
+    return tuple(ops.where(pred, m, h) for m, h in zip(moved, history))
+
+
 def _select(ops, pred, old, new):
     if isinstance(new, tuple):
         return tuple(ops.where(pred, o, n) for o, n in zip(old, new))
@@ -211,8 +286,9 @@ def _complete(ops, state, policy):
         if per == "variable":
             continue  # sized by the caller, who knows the model
         if per == "history":
-            if not state.scale_history:
-                missing[name] = (_zero(state.scale),) * HISTORY_LENGTH
+            if not getattr(state, name):
+                like = state.scale if isinstance(initial, float) else state.counter
+                missing[name] = (_zero(like) + initial,) * policy.history_length
         elif getattr(state, name) is None:
             missing[name] = _zero(state.counter) + initial
     return replaced(state, **missing) if missing else state

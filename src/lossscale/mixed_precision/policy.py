@@ -11,7 +11,12 @@ from typing import Any
 import numpy as np
 
 from lossscale import validation
-from lossscale.mixed_precision.state import _FIELDS, _STATE_FIELDS
+from lossscale.mixed_precision.state import (
+    _FIELDS,
+    _STATE_FIELDS,
+    HISTORY_LENGTH,
+    MAX_HISTORY_LENGTH,
+)
 
 # Below this a float32 scale is subnormal and `grad / scale` overflows for
 # ordinary gradients; backoff stops here instead of reaching 0.
@@ -24,7 +29,7 @@ FLOAT16_MAX = float(np.finfo(np.float16).max)
 # pass (activation gradients and partial sums run larger), and they vary
 # from step to step; docs/reliability.md shows how this margin was chosen.
 HEADROOM_MARGIN = 8.0
-GROWTH_POLICIES = ("fixed", "headroom")
+GROWTH_POLICIES = ("fixed", "headroom", "statistics")
 
 
 def _setting(default, keras=False):
@@ -59,11 +64,26 @@ class LossScalePolicy:
             steps; `"headroom"` grows then only if the largest scaled
             gradient times `growth_factor` stays below
             `FLOAT16_MAX / HEADROOM_MARGIN`, so a growth rarely costs an
-            overflowing (skipped) step.
+            overflowing (skipped) step; `"statistics"` decides at each
+            measured step (`diagnostics_every`): it backs off, without
+            skipping, when any scaled gradient value sits at or above
+            `FLOAT16_MAX / growth_factor`, and grows (at most once per
+            measurement, whatever `dynamic_growth_steps` says) when the
+            largest one times `growth_factor` stays below
+            `FLOAT16_MAX / HEADROOM_MARGIN`. An overflow still skips the
+            step and backs off.
         telemetry: Boolean. Whether to record the skipped-step counters, the
             last scales and which variables had non-finite gradients at the
             last overflow (one extra reduction per gradient). Always on when
             `min_scale` or `max_consecutive_skips` is set.
+        diagnostics_every: Int >= 1 or `None`. Every this many steps
+            (starting with the first), measure each variable's scaled
+            gradient against float16's range: the shares of zeros, of
+            float16 subnormals and of values near float16's maximum, and
+            the largest magnitude (four reductions per gradient on those
+            steps only). `None` (default): never.
+        history_length: Int in [1, 30]. Scales kept in the scale history
+            and overflows kept in the overflow window. Defaults to 8.
     """
 
     initial_scale: float = _setting(2.0**15, keras=True)
@@ -76,6 +96,8 @@ class LossScalePolicy:
     max_consecutive_skips: int | None = _setting(None)
     growth_policy: str = _setting("fixed")
     telemetry: bool = _setting(False)
+    diagnostics_every: int | None = _setting(None)
+    history_length: int = _setting(HISTORY_LENGTH)
 
     def __post_init__(self):
         check = validation.check_number
@@ -95,6 +117,14 @@ class LossScalePolicy:
         )
         validation.check_choice("growth_policy", self.growth_policy, GROWTH_POLICIES)
         validation.check_bool("telemetry", self.telemetry)
+        check("diagnostics_every", self.diagnostics_every, low=1, integer=True, allow_none=True)
+        check("history_length", self.history_length, low=1, high=MAX_HISTORY_LENGTH, integer=True)
+        if self.growth_policy == "statistics" and self.diagnostics_every is None:
+            raise ValueError(
+                '`growth_policy="statistics"` decides from the measured float16 range: set '
+                "`diagnostics_every` (for example 100) as well. Received: "
+                'growth_policy="statistics", diagnostics_every=None'
+            )
         low = self.min_scale if self.min_scale is not None else 0.0
         high = self.max_scale if self.max_scale is not None else MAX_SCALE
         if not low <= self.initial_scale <= high or low >= high:
@@ -124,6 +154,11 @@ class LossScalePolicy:
         return self.telemetry or self.fails_fast
 
     @property
+    def diagnoses(self) -> bool:
+        """Whether the float16 range of the gradients is measured (`diagnostics_every`)."""
+        return self.diagnostics_every is not None
+
+    @property
     def is_plain(self) -> bool:
         """Whether the update is Keras's own, with other factors at most.
 
@@ -134,7 +169,7 @@ class LossScalePolicy:
     def _compute_is_plain(self):
         """Whether the update is Keras's own, with other factors at most.
 
-        No hysteresis, limits, headroom or telemetry, and factors that are
+        No hysteresis, limits, headroom, telemetry or diagnostics, and factors that are
         float32 numbers (so every kernel multiplies by the same value): the
         state is the scale and the counter, and a backend may update them
         in one kernel (`fused_scale_update`).
@@ -142,6 +177,7 @@ class LossScalePolicy:
         return (
             self.hysteresis == 1
             and not self.records_details
+            and not self.diagnoses
             and self.max_scale is None
             and self.growth_policy == "fixed"
             and all(float(np.float32(f)) == f for f in (self.growth_factor, self.backoff_factor))
@@ -155,6 +191,8 @@ class LossScalePolicy:
             "streak": self.hysteresis > 1 or self.records_details,
             "telemetry": self.records_details,
             "fail_fast": self.fails_fast,
+            "steps": self.records_details or self.diagnoses,
+            "diagnostics": self.diagnoses,
         }[group]
 
     def non_default_settings(self) -> dict[str, Any]:

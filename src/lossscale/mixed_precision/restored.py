@@ -14,7 +14,12 @@ import math
 
 import numpy as np
 
-from lossscale.mixed_precision.state import NO_ERROR, TOO_MANY_SKIPS, LossScaleState
+from lossscale.mixed_precision.state import (
+    MAX_HISTORY_LENGTH,
+    NO_ERROR,
+    TOO_MANY_SKIPS,
+    LossScaleState,
+)
 
 # field -> (accepts(value), what is accepted). `nonfinite` is a boolean:
 # every value is one it can hold.
@@ -34,6 +39,16 @@ RULES = {
         f"one of {NO_ERROR}, ..., {TOO_MANY_SKIPS}",
     ),
     "error_step": (lambda x: x >= -1, "an integer >= -1"),
+    "loss_finite": (lambda x: x in (-1, 0, 1), "-1 (not recorded), 0 or 1"),
+    "overflow_steps": (lambda x: x >= -1, "an integer >= -1"),
+    "overflow_loss": (lambda x: x in (-1, 0, 1), "-1 (not recorded), 0 or 1"),
+    "overflow_bits": (lambda x: 0 <= x < 2**MAX_HISTORY_LENGTH, "an integer in [0, 2**30)"),
+    "range_zero": (lambda x: 0 <= x <= 1, "a share in [0, 1]"),
+    "range_subnormal": (lambda x: 0 <= x <= 1, "a share in [0, 1]"),
+    "range_near_max": (lambda x: 0 <= x <= 1, "a share in [0, 1]"),
+    # A gradient's largest magnitude: inf or NaN where it held one.
+    "range_max_abs": (lambda x: not x < 0, "a magnitude >= 0 (inf or NaN allowed)"),
+    "range_step": (lambda x: x >= -1, "an integer >= -1"),
 }
 
 # A wrapper's variable name -> its field (`dynamic_scale` -> `scale`).
@@ -42,6 +57,16 @@ _BY_VARIABLE = {
     for f in dataclasses.fields(LossScaleState)
     if f.metadata["per"] == "step"
 }
+
+
+_HISTORIES = tuple(
+    f.name for f in dataclasses.fields(LossScaleState) if f.metadata["per"] == "history"
+)
+_PER_VARIABLE = tuple(
+    f.name
+    for f in dataclasses.fields(LossScaleState)
+    if f.metadata["per"] == "variable" and f.name in RULES
+)
 
 
 def problem(field, name, array):
@@ -71,8 +96,13 @@ def variable_fields(variable_names):
     for name in variable_names:
         if name in _BY_VARIABLE:
             fields[name] = _BY_VARIABLE[name]
-        elif name.startswith("scale_history_") and name.removeprefix("scale_history_").isdigit():
-            fields[name] = "scale_history"
+            continue
+        for history in _HISTORIES:
+            if name.startswith(history + "_") and name.removeprefix(history + "_").isdigit():
+                fields[name] = history
+        for per_variable in _PER_VARIABLE:
+            if name.endswith("_" + per_variable):
+                fields[name] = per_variable
     return fields
 
 

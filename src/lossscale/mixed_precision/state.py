@@ -9,8 +9,11 @@ once, never written by hand.
 
 import dataclasses
 
-# Scales kept in `LossScaleState.scale_history` (used by the error message).
+# Entries kept in each history field (`LossScaleState.scale_history`, the
+# overflow window) unless `LossScalePolicy.history_length` says otherwise.
 HISTORY_LENGTH = 8
+# The longest window: `overflow_bits` keeps one bit per overflow in an int32.
+MAX_HISTORY_LENGTH = 30
 
 # Values of `LossScaleState.error`.
 NO_ERROR = 0
@@ -26,8 +29,9 @@ def _state(group, dtype, initial, variable=None, per="step"):
         dtype: Its dtype (integers are int32 on every backend, as in Keras 3).
         initial: Its initial value; `None` means `initial_scale`.
         variable: The optimizer variable's name (defaults to the field's).
-        per: `"step"` for a scalar, `"history"` for `HISTORY_LENGTH`
-            scalars, `"variable"` for one scalar per model variable.
+        per: `"step"` for a scalar, `"history"` for
+            `LossScalePolicy.history_length` scalars, `"variable"` for one
+            scalar per model variable.
     """
     return dataclasses.field(
         default=None if per == "step" else (),
@@ -46,28 +50,54 @@ class LossScaleState:
         counter: Int. Consecutive finite steps since the last growth or
             overflow.
         consecutive_skips: Int. Overflowing (skipped) steps in a row.
-        steps: Int. Steps taken, skipped or not.
+        steps: Int. Steps taken, skipped or not (kept with telemetry and
+            with diagnostics).
         skipped: Int. Skipped steps in total.
         last_overflow_step: Int. Index (from 0) of the last skipped step, or -1.
         error: Int. `NO_ERROR`, `BELOW_MIN_SCALE` or `TOO_MANY_SKIPS`. Once
             set, the state no longer changes and no step is applied.
         error_step: Int. Index of the step that set `error`, or -1.
-        scale_history: The scales used by the last `HISTORY_LENGTH` steps,
+        scale_history: The scales used by the last `history_length` steps,
             oldest first (entries before the first step are 0).
         nonfinite: One boolean per model variable (in build order): whether
             its gradient was non-finite at the last overflow.
+        loss_finite: Int. Whether this step's loss was finite: 1, 0, or -1
+            when no `scale_loss` recorded it. Reset to -1 by every step.
+        overflow_steps: The steps of the last `history_length` overflows,
+            oldest first (-1: no overflow there yet).
+        overflow_loss: For each of those overflows, `loss_finite` then.
+        overflow_bits: One int per model variable: bit k is set when its
+            gradient was non-finite at the k-th most recent overflow of the
+            window (bit 0: the last one).
+        range_zero: One float per model variable: the share of its scaled
+            gradient's elements that were 0 at the last measurement.
+        range_subnormal: The share that was a float16 subnormal
+            (0 < |g| < 2^-14): precision already lost.
+        range_near_max: The share at or above `FLOAT16_MAX / growth_factor`:
+            the next growth would overflow them.
+        range_max_abs: The largest magnitude.
+        range_step: Int. The step of the last measurement, or -1.
     """
 
     scale: object = _state("keras", "float32", None, "dynamic_scale")
     counter: object = _state("keras", "int32", 0, "step_counter")
     consecutive_skips: object = _state("streak", "int32", 0)
-    steps: object = _state("telemetry", "int32", 0)
+    steps: object = _state("steps", "int32", 0)
     skipped: object = _state("telemetry", "int32", 0, "skipped_steps")
     last_overflow_step: object = _state("telemetry", "int32", -1)
     scale_history: tuple = _state("telemetry", "float32", 0.0, per="history")
     nonfinite: tuple = _state("telemetry", "bool", False, per="variable")
     error: object = _state("fail_fast", "int32", NO_ERROR)
     error_step: object = _state("fail_fast", "int32", -1)
+    loss_finite: object = _state("telemetry", "int32", -1)
+    overflow_steps: tuple = _state("telemetry", "int32", -1, per="history")
+    overflow_loss: tuple = _state("telemetry", "int32", -1, per="history")
+    overflow_bits: tuple = _state("telemetry", "int32", 0, per="variable")
+    range_zero: tuple = _state("diagnostics", "float32", 0.0, per="variable")
+    range_subnormal: tuple = _state("diagnostics", "float32", 0.0, per="variable")
+    range_near_max: tuple = _state("diagnostics", "float32", 0.0, per="variable")
+    range_max_abs: tuple = _state("diagnostics", "float32", 0.0, per="variable")
+    range_step: object = _state("diagnostics", "int32", -1)
 
 
 _STATE_FIELDS = dataclasses.fields(LossScaleState)

@@ -9,7 +9,7 @@ import warnings
 
 import numpy as np
 
-from lossscale.mixed_precision import loss_scale
+from lossscale.mixed_precision import diagnostics, loss_scale
 
 _REASONS = {
     loss_scale.BELOW_MIN_SCALE: "the loss scale would fall below `min_scale`",
@@ -34,7 +34,7 @@ class UnscaledLossWarning(UserWarning):
     """
 
 
-def summarize(values, policy, variable_paths):
+def summarize(values, policy, variable_paths, modules=None):
     """Turns the state's values into a dict for loggers.
 
     Args:
@@ -42,6 +42,8 @@ def summarize(values, policy, variable_paths):
             (tuple fields as lists of values).
         policy: The `LossScalePolicy`.
         variable_paths: Paths of the model variables, in build order.
+        modules: Optional `{step: module name or None}`: where each
+            overflow of the window started (`lossscale.torch.watch`).
 
     Returns:
         A dict keyed by the state variables' names: `dynamic_scale` (float),
@@ -50,14 +52,22 @@ def summarize(values, policy, variable_paths):
         first overflow), `scale_history` (the scales of the last steps,
         oldest first), `nonfinite_variables` (paths of the variables whose
         gradients were non-finite at the last overflow), `error` (`None` or
-        the reason) and `error_step`.
+        the reason) and `error_step`. With telemetry also `overflows` (the
+        window, oldest first: `{"step", "variables", "module",
+        "loss_finite"}` each); with diagnostics `float16_range`
+        (`{variable path: {"zero", "subnormal", "near_max", "max_abs"}}`, the
+        last measurement) and `float16_range_step` (`None` before one).
     """
     out = {}
     for f in loss_scale.state_fields(policy):
+        if f.name in _WINDOW or f.name in diagnostics.FIELDS or f.name == "loss_finite":
+            continue  # read together below; `loss_finite` is the step's own
         name, value = f.metadata["variable"] or f.name, values[f.name]
         if f.name == "scale_history":
-            taken = min(int(values["steps"]), loss_scale.HISTORY_LENGTH)
+            taken = min(int(values["steps"]), policy.history_length)
             out[name] = [float(x) for x in value[len(value) - taken :]] if taken else []
+        elif f.name == "range_step":
+            out["float16_range_step"] = None if int(value) < 0 else int(value)
         elif f.name == "nonfinite":
             out["nonfinite_variables"] = [p for p, bad in zip(variable_paths, value) if bool(bad)]
         elif f.name == "error":
@@ -68,6 +78,44 @@ def summarize(values, policy, variable_paths):
             out[name] = float(value)
         else:
             out[name] = int(value)
+    if policy.records_details:
+        out["overflows"] = overflows(values, variable_paths, modules or {})
+    if policy.diagnoses:
+        out["float16_range"] = diagnostics.float16_range(values, list(variable_paths))
+    return out
+
+
+# The overflow window's fields (see `LossScaleState`).
+_WINDOW = ("overflow_steps", "overflow_loss", "overflow_bits")
+_LOSS = {1: True, 0: False, -1: None}
+
+
+def overflows(values, variable_paths, modules):
+    """The overflow window, oldest first: `{"step", "variables", "module", "loss_finite"}` each.
+
+    Args:
+        values: Host values of the `_WINDOW` fields (`overflow_bits` may be
+            an empty list: then `variables` are empty).
+        variable_paths: The names `overflow_bits` refers to, in order.
+        modules: `{step: module name or None}`.
+    """
+    steps = [int(s) for s in values["overflow_steps"]]
+    losses = [int(x) for x in values["overflow_loss"]]
+    bits = [int(b) for b in values.get("overflow_bits", [])]
+    out = []
+    for at, (step, loss) in enumerate(zip(steps, losses)):
+        if step < 0:
+            continue  # the window is not full yet
+        age = len(steps) - 1 - at  # 0 for the most recent overflow
+        names = [p for p, b in zip(variable_paths, bits) if (b >> age) & 1]
+        out.append(
+            {
+                "step": step,
+                "variables": names,
+                "module": modules.get(step),
+                "loss_finite": _LOSS[loss],
+            }
+        )
     return out
 
 
@@ -95,6 +143,7 @@ def failure_message(summary, policy):
             "passed to `apply`, or from the unscaling itself)"
         )
         + ".",
+        *describe_overflows(summary.get("overflows", [])),
         "Gradients that stay inf/NaN however small the loss scale gets usually come from "
         "the model or the data (a log or division by zero, a bad input batch, a diverging "
         "learning rate), not from float16 overflow.",
@@ -102,6 +151,27 @@ def failure_message(summary, policy):
         "them, and every later step is skipped until the state is restored.",
     ]
     return "\n".join(lines)
+
+
+def describe_overflows(window):
+    """One line per overflow of the window: whether the loss or the gradients went non-finite."""
+    if not window:
+        return []
+    lines = ["Overflows of the last steps, oldest first:"]
+    for o in window:
+        if o["loss_finite"] is False:
+            what = "the loss was NaN/inf"
+        elif o["loss_finite"] is True:
+            what = "gradients overflowed (the loss was finite)"
+        else:
+            what = "gradients overflowed (the loss was not recorded)"
+        where = []
+        if o["module"] is not None:
+            where.append(f"starting in module {o['module']!r}")
+        if o["variables"]:
+            where.append(f"non-finite in {o['variables']!r}")
+        lines.append(f"  step {o['step']}: {what}" + (", " + ", ".join(where) if where else ""))
+    return lines
 
 
 def warn_unscaled_loss(name, initial_scale):

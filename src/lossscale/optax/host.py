@@ -76,7 +76,7 @@ def metrics(state: PyTree) -> dict[str, jax.Array]:
         A dict keyed as `summary` is, holding the arrays the settings track:
         `dynamic_scale`, `step_counter`, and as tracked `consecutive_skips`,
         `steps`, `skipped_steps`, `last_overflow_step` (-1 before the first
-        overflow), `scale_history` (`HISTORY_LENGTH` scales, oldest first,
+        overflow), `scale_history` (`history_length` scales, oldest first,
         zeros before the first step), `nonfinite` (one boolean per parameter,
         in `state.paths` order), `error` (0: none, 1: below `min_scale`, 2:
         too many skips), `error_step` (-1 before an error). A stacked state

@@ -18,12 +18,13 @@ import jax.numpy as jnp
 import optax
 
 from lossscale.backends import get_ops
+from lossscale.mixed_precision import diagnostics
 from lossscale.mixed_precision.loss_scale import (
-    HISTORY_LENGTH,
     LossScalePolicy,
     LossScaleState,
     may_apply,
     next_loss_scale,
+    replaced,
     state_fields,
 )
 from lossscale.optax import checks, gate, placement
@@ -45,6 +46,8 @@ def dynamic_loss_scale(
     max_consecutive_skips: int | None = None,
     growth_policy: str = "fixed",
     telemetry: bool = False,
+    diagnostics_every: int | None = None,
+    history_length: int = 8,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transformation with dynamic loss scaling.
 
@@ -103,9 +106,17 @@ def dynamic_loss_scale(
         growth_policy: `"fixed"` (default) or `"headroom"` (grow only while
             the largest scaled gradient leaves room; see
             `LossScalePolicy`).
-        telemetry: Boolean. Record skip counters, the last scales and
-            which parameters had non-finite gradients (read with
-            `summary(state)`). On whenever a fail-fast limit is set.
+        telemetry: Boolean. Record skip counters, the last scales and,
+            for each overflow of the window, its step, which parameters had
+            non-finite gradients and whether the loss was finite (known when
+            `update` is given the loss as `value=`, optax's name for it;
+            read with `summary(state)`). On whenever a fail-fast limit is
+            set.
+        diagnostics_every: Int or `None`. Every this many steps, measure
+            each parameter's scaled gradient against float16's range, in
+            the state (under `jit`: a `lax.cond`, so other steps do not pay
+            for it); `summary(state)["float16_range"]`.
+        history_length: Int in [1, 30]. Scales and overflows kept.
 
     Returns:
         An `optax.GradientTransformationExtraArgs`; extra keyword arguments
@@ -138,7 +149,8 @@ def dynamic_loss_scale(
         like = placement.anchor(params)
         inner_state = placement.replicate_uncommitted(inner.init(params), like)
         checks.check_inner_init(inner_state)
-        paths = leaf_paths(checks.like_gradients(params)) if policy.tracks("nonfinite") else ()
+        named = policy.records_details or policy.diagnoses
+        paths = leaf_paths(checks.like_gradients(params)) if named else ()
         return DynamicLossScaleState(
             _initial_state(policy, len(paths), like), inner_state, policy, paths
         )
@@ -148,8 +160,8 @@ def dynamic_loss_scale(
         leaves, treedef, dtypes = checks.check_updates(updates, params, state)
         checks.check_inner_state_matches(inner, state.inner_state, params)
         scale = state.scale
+        current = _observed(state.loss_scale_state, leaves, policy, extra_args.get("value"))
         finite, peak, variable_finite = _inspect(leaves, dtypes, scale, policy)
-        current = state.loss_scale_state
         # A barrier keeps XLA from fusing the reduction behind the decision
         # into each consumer.
         applied = jax.lax.optimization_barrier(may_apply(_ops, current, finite, policy))
@@ -163,12 +175,47 @@ def dynamic_loss_scale(
             extra_args,
             check=checks.inner_output_check(state.inner_state),
         )
+        measured = diagnostics.due(policy, current.steps) if policy.diagnoses else None
         new_loss_scale = next_loss_scale(
-            _ops, current, finite, policy, peak=peak, variable_finite=variable_finite
+            _ops,
+            current,
+            finite,
+            policy,
+            peak=peak,
+            variable_finite=variable_finite,
+            measured=measured,
         )
         return new_updates, DynamicLossScaleState(new_loss_scale, new_inner, policy, state.paths)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _observed(current, leaves, policy, loss):
+    """`current` with this step's loss flag (telemetry) and float16 range (when due) in it.
+
+    The range is measured on the scaled gradients under a `lax.cond`: a step
+    that is not due runs none of it.
+    """
+    if policy.records_details and loss is not None:
+        flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(loss)]
+        finite = functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
+        current = replaced(current, loss_finite=finite.astype(jnp.int32))
+    if not policy.diagnoses:
+        return current
+    old = tuple(getattr(current, name) for name in diagnostics.FIELDS)
+
+    def measure():
+        columns = [list(column) for column in old]
+        for i, g in enumerate(leaves):
+            if g.size:
+                for column, value in zip(
+                    columns, diagnostics.measure(_ops, g, policy.growth_factor)
+                ):
+                    column[i] = value
+        return tuple(tuple(column) for column in columns)
+
+    ranges = jax.lax.cond(diagnostics.due(policy, current.steps), measure, lambda: old)
+    return replaced(current, **dict(zip(diagnostics.FIELDS, ranges)))
 
 
 def _sanitised(applied, unscaled, treedef):
@@ -226,7 +273,7 @@ def _initial_state(policy, count, like):
     for f in state_fields(policy):
         meta = f.metadata
         value = policy.initial_scale if meta["initial"] is None else meta["initial"]
-        number = {"step": None, "history": HISTORY_LENGTH, "variable": count}[meta["per"]]
+        number = {"step": None, "history": policy.history_length, "variable": count}[meta["per"]]
         scalars = [_ops.full((), value, meta["dtype"], like=like) for _ in range(number or 1)]
         values[f.name] = scalars[0] if number is None else tuple(scalars)
     return LossScaleState(**values)

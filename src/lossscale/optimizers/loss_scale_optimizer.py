@@ -7,9 +7,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from lossscale.mixed_precision.host_state import HostStateMixin
-from lossscale.mixed_precision.loss_scale import HISTORY_LENGTH, LossScalePolicy, state_fields
+from lossscale.mixed_precision.loss_scale import LossScalePolicy, state_fields
 from lossscale.mixed_precision.telemetry import warn_unscaled_loss
 from lossscale.optimizers.base import Optimizer
+from lossscale.optimizers.loss_scale_diagnostics import LossScaleDiagnosticsMixin
 from lossscale.optimizers.loss_scale_step import LossScaleStepMixin
 from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
 from lossscale.typing import Array, Config, LearningRate
@@ -33,7 +34,13 @@ _INNER_ONLY = {
 }
 
 
-class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMixin, Optimizer):
+class LossScaleOptimizer(
+    NativeInnerStateMixin,
+    LossScaleDiagnosticsMixin,
+    HostStateMixin,
+    LossScaleStepMixin,
+    Optimizer,
+):
     """An optimizer that dynamically scales the loss to prevent underflow.
 
     Loss scaling multiplies the loss by a large factor, the "loss scale", so
@@ -107,10 +114,20 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMix
         max_scale: Float or `None`. Growth stops here.
         max_consecutive_skips: Int or `None`. More skipped steps in a row
             raise `LossScaleError`.
-        growth_policy: `"fixed"` (default) or `"headroom"`.
-        telemetry: Boolean. Record skip counters, the last scales and which
-            variables had non-finite gradients (one extra reduction per
-            gradient each step). On whenever a fail-fast limit is set.
+        growth_policy: `"fixed"` (default), `"headroom"` or
+            `"statistics"` (decide from the measured float16 range; needs
+            `diagnostics_every`; see `LossScalePolicy`).
+        telemetry: Boolean. Record skip counters, the last scales and, for
+            each overflow of the window, its step, whether the loss itself
+            was finite (recorded by `scale_loss`) and which variables had
+            non-finite gradients (one extra reduction per gradient each
+            step). On whenever a fail-fast limit is set.
+        diagnostics_every: Int or `None`. Every this many steps, measure
+            each variable's scaled gradient against float16's range
+            (`summary()["float16_range"]`). The decision costs no device
+            read: NumPy and torch count steps on the host, JAX and
+            TensorFlow branch on the device.
+        history_length: Int in [1, 30]. Scales and overflows kept.
         process_group: torch only. The `torch.distributed` group whose ranks
             must agree on every skip (their gradients may be sharded); None
             uses the default group when torch.distributed is initialised
@@ -149,6 +166,8 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMix
         max_consecutive_skips: int | None = None,
         growth_policy: str = "fixed",
         telemetry: bool = False,
+        diagnostics_every: int | None = None,
+        history_length: int = 8,
         process_group: ProcessGroup | None = None,
         **kwargs: Any,
     ) -> None:
@@ -199,10 +218,16 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMix
                 self._state[f.name] = self._add_state_variable(f, f.metadata["variable"] or f.name)
             elif f.metadata["per"] == "history":
                 self._state[f.name] = tuple(
-                    self._add_state_variable(f, f"{f.name}_{i}") for i in range(HISTORY_LENGTH)
+                    self._add_state_variable(f, f"{f.name}_{i}")
+                    for i in range(self.policy.history_length)
                 )
         self.step_counter = self._state["counter"]
         self.dynamic_scale = self._state["scale"]
+        # Steps taken by `apply`, counted on the host: where the backend
+        # re-runs Python at every step, the diagnostics cadence is decided
+        # on it, with no device read.
+        self._host_steps = 0
+        self._observers = []
 
     def _add_state_variable(self, field, name):
         initial = field.metadata["initial"]
@@ -263,6 +288,8 @@ class LossScaleOptimizer(NativeInnerStateMixin, HostStateMixin, LossScaleStepMix
         optimizer's scalars live on NumPy until it knows the model's backend.
         """
         self._loss_scaled = True
+        if self.built and self.policy.records_details:
+            self._record_loss(loss)
         return loss * (self.dynamic_scale.value if self.built else float(self.dynamic_scale))
 
     @property

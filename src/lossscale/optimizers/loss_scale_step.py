@@ -39,6 +39,8 @@ class LossScaleStepMixin:
         scale = self.dynamic_scale.value
         inner = self.inner_optimizer
         skip = None
+        # Measured before unscaling: the float16 range is the scaled gradients'.
+        measured = self._measure_range(grads, variables) if self.policy.diagnoses else None
         if self._folds_unscale(variables):
             # The inner kernel divides by the scale as it reads each gradient
             # (NumPy's): one pass fewer. Division is monotone, so the largest
@@ -84,6 +86,7 @@ class LossScaleStepMixin:
         inner._step(grads, variables, keep=keep, grad_scale=grad_scale)
         if not self._stateless:  # never keep a traced value
             self._last_applied = keep
+            self._notify_observers(agreed, state.steps)
         new = next_loss_scale(
             ops,
             state,
@@ -93,6 +96,7 @@ class LossScaleStepMixin:
             variable_finite=variable_finite,
             skip=skip,
             in_place=ops.MUTABLE,
+            measured=measured,
         )
         self._write_state(ops, state, new)
 

@@ -35,15 +35,19 @@ from lossscale.mixed_precision.telemetry import LossScaleError, failure_message,
 # torch's keys, which its `GradScaler.load_state_dict` reads.
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 STATE_KEY = "lossscale"
-# `LossScaleState` fields kept elsewhere: torch's two tensors, and the
-# per-variable flags, which a scaler does not keep (it has no variable names).
-_NOT_EXTRA = ("scale", "counter", "nonfinite")
+# `LossScaleState` fields kept elsewhere: torch's two tensors. Per-variable
+# fields are not kept either: a scaler has no variables.
+_NOT_EXTRA = ("scale", "counter")
 _DTYPES = {"int32": torch.int32, "float32": torch.float32}
 
 
 def extra_fields(policy):
     """The `LossScaleState` fields `policy` tracks beyond torch's scale and tracker."""
-    return [f for f in loss_scale.state_fields(policy) if f.name not in _NOT_EXTRA]
+    return [
+        f
+        for f in loss_scale.state_fields(policy)
+        if f.name not in _NOT_EXTRA and f.metadata["per"] != "variable"
+    ]
 
 
 def _key(field):
@@ -58,7 +62,7 @@ def initial_values(policy):
     for f in extra_fields(policy):
         start = f.metadata["initial"]
         if f.metadata["per"] == "history":
-            values[f.name] = [float(start)] * loss_scale.HISTORY_LENGTH
+            values[f.name] = [start] * policy.history_length
         else:
             values[f.name] = start
     return values
@@ -92,8 +96,9 @@ def read_tensors(tensors, policy):
     for f in fields:
         cast = float if f.metadata["dtype"] == "float32" else int
         if f.metadata["per"] == "history":
-            values[f.name] = [cast(x) for x in numbers_[at : at + loss_scale.HISTORY_LENGTH]]
-            at += loss_scale.HISTORY_LENGTH
+            length = policy.history_length
+            values[f.name] = [cast(x) for x in numbers_[at : at + length]]
+            at += length
         else:
             values[f.name] = cast(numbers_[at])
             at += 1
@@ -140,7 +145,9 @@ def check_state_dict(state_dict, policy):
     if not hasattr(extras, "keys"):
         _fail(f"state_dict[{STATE_KEY!r}]", "a dict", extras)
     known = {
-        _key(f) for f in dataclasses.fields(loss_scale.LossScaleState) if f.name not in _NOT_EXTRA
+        _key(f)
+        for f in dataclasses.fields(loss_scale.LossScaleState)
+        if f.name not in _NOT_EXTRA and f.metadata["per"] != "variable"
     }
     unknown = sorted(set(map(str, extras)) - known)
     if unknown:
@@ -156,14 +163,16 @@ def check_state_dict(state_dict, policy):
         value = extras[key]
         name = f"state_dict[{STATE_KEY!r}][{key!r}]"
         if f.metadata["per"] == "history":
+            length = policy.history_length
             ok = (
                 isinstance(value, (list, tuple))
-                and len(value) == loss_scale.HISTORY_LENGTH
+                and len(value) == length
                 and all(_is_number(v) for v in value)
             )
             if not ok:
-                _fail(name, f"a list of {loss_scale.HISTORY_LENGTH} finite numbers", value)
-            values[f.name] = [float(v) for v in value]
+                _fail(name, f"a list of {length} finite numbers", value)
+            cast = float if f.metadata["dtype"] == "float32" else int
+            values[f.name] = [cast(v) for v in value]
         else:
             if not _is_integer(value):
                 _fail(name, "an integer", value)

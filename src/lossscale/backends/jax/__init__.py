@@ -29,6 +29,7 @@ from lossscale.backends.jax.multi import (
     unscale_checked,
 )
 from lossscale.backends.jax.ops import (
+    HOST_CONTROL,
     INT_DTYPE,
     MUTABLE,
     NAME,
@@ -49,6 +50,7 @@ from lossscale.backends.jax.ops import (
     floor,
     full,
     is_native,
+    is_traced,
     isfinite,
     log,
     logical_and,

@@ -206,4 +206,6 @@ def max_abs(arrays):
     if not groups:
         return jnp.asarray(0.0, jnp.float32)
     peak = _groups_peak(groups)
-    return jnp.where(_groups_finite(groups) | jnp.isinf(peak), peak, jnp.float32(jnp.nan))
+    # `peak == inf`, not `isinf`: with every element NaN the max reduction
+    # drops them all and returns its start, -inf.
+    return jnp.where(_groups_finite(groups) | (peak == jnp.inf), peak, jnp.float32(jnp.nan))

@@ -23,10 +23,16 @@ from lossscale.backends._common import bound, unwrap
 NAME = "jax"
 MUTABLE = False
 INT_DTYPE = "int32"
+HOST_CONTROL = False
 
 
 def is_native(x):
     return isinstance(x, jax.Array)
+
+
+def is_traced(x):
+    """Whether `x` is a tracer (of `jit`, `grad`, `vmap`...), which no variable may keep."""
+    return isinstance(unwrap(x), jax.core.Tracer)
 
 
 def _sharding_like(like, shape):

@@ -17,6 +17,7 @@ from lossscale.backends.numpy.kernels import (
     fused_weight_decay,
 )
 from lossscale.backends.numpy.ops import (
+    HOST_CONTROL,
     INT_DTYPE,
     MUTABLE,
     NAME,

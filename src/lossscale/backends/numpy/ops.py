@@ -12,6 +12,7 @@ from lossscale.backends.numpy import parallel
 NAME = "numpy"
 MUTABLE = True
 INT_DTYPE = "int32"
+HOST_CONTROL = True
 
 
 def is_native(x):

@@ -38,6 +38,7 @@ from lossscale.backends.tensorflow.multi import (
     max_abs,
 )
 from lossscale.backends.tensorflow.ops import (
+    HOST_CONTROL,
     INT_DTYPE,
     MUTABLE,
     NAME,
@@ -80,6 +81,7 @@ from lossscale.backends.tensorflow.replicas import (
 )
 
 __all__ = [
+    "HOST_CONTROL",
     "INT_DTYPE",
     "MUTABLE",
     "NAME",

@@ -29,6 +29,7 @@ from lossscale.backends._common import unwrap
 NAME = "tensorflow"
 MUTABLE = True
 INT_DTYPE = "int32"
+HOST_CONTROL = False
 
 
 def is_native(x):

@@ -34,6 +34,7 @@ from lossscale.backends.torch.multi import (
     unscale_checked,
 )
 from lossscale.backends.torch.ops import (
+    HOST_CONTROL,
     INT_DTYPE,
     MUTABLE,
     NAME,

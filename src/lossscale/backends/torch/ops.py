@@ -20,6 +20,7 @@ from lossscale.backends.torch import dtensors
 NAME = "torch"
 MUTABLE = True
 INT_DTYPE = "int32"
+HOST_CONTROL = True
 
 
 def _dtype(name):
