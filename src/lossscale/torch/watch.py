@@ -275,6 +275,12 @@ def watch(model: torch.nn.Module, scaler_or_optimizer: Any) -> Watch:
             "LossScaleOptimizer (objects with `register_step_observer` and `policy`). "
             f"Received: scaler_or_optimizer={type(scaler_or_optimizer).__name__}"
         )
+    if not policy.records_details:
+        raise ValueError(
+            "`watch` reports into the overflow window, which needs telemetry: construct "
+            "`scaler_or_optimizer` with `telemetry=True` (or a fail-fast limit). Received: "
+            f"{type(scaler_or_optimizer).__name__} with telemetry=False"
+        )
     handle = Watch(model, history_length=policy.history_length)
     if isinstance(scaler_or_optimizer, GradScaler):
         registration = register(handle, parameter_names=handle.parameter_names)
