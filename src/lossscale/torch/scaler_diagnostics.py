@@ -209,12 +209,10 @@ class ScalerDiagnosticsMixin:
             for field, value in zip(diagnostics.FIELDS, ranges.get(name, ())):
                 columns[field][i] = value.to(device, non_blocking=True)
         measured = True if self._measures_now() and self._policy.diagnoses else None
-        return (
-            names,
-            {k: tuple(v) for k, v in columns.items()},
-            tuple(finite.get(n) for n in names),
-            measured,
-        )
+        variable_finite = ()
+        if self._policy.records_details:
+            variable_finite = tuple(finite.get(n) for n in names)
+        return names, {k: tuple(v) for k, v in columns.items()}, variable_finite, measured
 
     def _advance(self, states, finite, peak):
         """`next_loss_scale` of this update, with the per-parameter fields lent and kept back.
