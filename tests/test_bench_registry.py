@@ -20,6 +20,7 @@ def test_every_requested_implementation_is_registered():
             "lossscale-torch-compiled",
             "lossscale-gradscaler-adamw-fused",
             "lossscale-gradscaler-adamw-fused-diagnostics",
+            "lossscale-gradscaler-adamw-fused-diagnostics-every-step",
             "lossscale-gpt-train-step",
             "lossscale-gpt-train-step-watch",
             "lossscale-optax",

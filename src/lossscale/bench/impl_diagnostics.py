@@ -2,7 +2,8 @@
 
 - `lossscale-gradscaler-adamw-fused-diagnostics`: the step of
   `lossscale-gradscaler-adamw-fused` (`impl_torch`) with
-  `diagnostics_every=100`: compare the two rows.
+  `diagnostics_every=100`: compare the two rows. `...-every-step` measures
+  at every step: the cost of one measured step.
 - `lossscale-gpt-train-step` and `lossscale-gpt-train-step-watch`: a whole
   training step (forward, backward, `GradScaler` step and update, under
   float16 autocast) of a small GPT built from `torch.nn` with exactly the
@@ -31,6 +32,20 @@ BATCH = 2
 def grad_scaler_diagnostics(workload):
     return impl_torch.scaler_stepper(
         workload, scaler_kwargs={"diagnostics_every": DIAGNOSTICS_EVERY}, adamw=True, fused=True
+    )
+
+
+@implementation(
+    "lossscale-gradscaler-adamw-fused-diagnostics-every-step",
+    "ours",
+    "lossscale.torch.GradScaler(diagnostics_every=1) + torch.optim.AdamW(fused=True): "
+    "what one measured step costs",
+    requires=("torch",),
+    devices=("cpu", "cuda"),
+)
+def grad_scaler_diagnostics_every_step(workload):
+    return impl_torch.scaler_stepper(
+        workload, scaler_kwargs={"diagnostics_every": 1}, adamw=True, fused=True
     )
 
 

@@ -47,6 +47,7 @@ next step.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -171,8 +172,14 @@ class Watch:
 
     def _all_finite(self, tensors):
         """Whether every value of `tensors` is finite, a boolean on the flags' device."""
-        flags = [torch.isfinite(t).all().to(self._device, non_blocking=True) for t in tensors]
-        return flags[0] if len(flags) == 1 else torch.stack(flags).all()
+        # The largest magnitude of each (NaN where one is NaN): one pass over
+        # each tensor, where `isfinite(t).all()` makes four and a temporary.
+        peaks = [
+            n.to(self._device, non_blocking=True)
+            for n in torch._foreach_norm([t.detach() for t in tensors], math.inf)
+        ]
+        peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).amax()
+        return torch.isfinite(peak)
 
     def _parameter_hook(self, index):
         def hook(grad):
