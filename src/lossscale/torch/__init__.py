@@ -26,7 +26,7 @@ from lossscale.torch.grad_scaler import GradScaler  # noqa: E402
 from lossscale.torch.native import TorchOptimizer  # noqa: E402
 from lossscale.torch.optimizer import Optimizer  # noqa: E402
 from lossscale.torch.schedulers import AppliedStepScheduler  # noqa: E402
-from lossscale.torch.watch import Watch, watch  # noqa: E402
+from lossscale.torch.watch_hooks import Watch, watch  # noqa: E402
 
 __all__ = [
     "AppliedStepScheduler",

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch_cases import no_host_reads
 
-from lossscale.torch.watch import Watch
+from lossscale.torch.watch_hooks import Watch
 
 SCALE = 2.0**16
 
