@@ -23,6 +23,13 @@ def test_every_requested_implementation_is_registered():
             "lossscale-tensorflow",
             "lossscale-tensorflow-graph",
             "lossscale-tensorflow-xla",
+            "diagnostics-on-torch",
+            "diagnostics-on-jax",
+            "diagnostics-on-optax",
+            "lossscale-gradscaler-adamw-fused-diagnostics",
+            "lossscale-gradscaler-adamw-fused-diagnostics-every-step",
+            "lossscale-gpt-train-step",
+            "lossscale-gpt-train-step-watch",
         ],
         "peer": [
             "torch-gradscaler-fused",
@@ -35,7 +42,13 @@ def test_every_requested_implementation_is_registered():
             "keras-tensorflow-graph",
             "keras-tensorflow-xla",
         ],
-        "baseline": ["torch-adam-fused-unscaled", "optax-adam-unscaled"],
+        "baseline": [
+            "torch-adam-fused-unscaled",
+            "optax-adam-unscaled",
+            "diagnostics-off-torch",
+            "diagnostics-off-jax",
+            "diagnostics-off-optax",
+        ],
     }
     assert impls["keras-torch"].env == {"KERAS_BACKEND": "torch"}
     assert impls["keras-jax"].env == {"KERAS_BACKEND": "jax"}

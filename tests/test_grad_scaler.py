@@ -358,7 +358,8 @@ def test_max_scale_caps_growth_and_min_scale_fails_fast():
     message = str(info.value)
     assert "Loss scaling failed at step 3: the loss scale would fall below `min_scale`" in message
     assert "min_scale=2097152.0" in message and "in total: 4 of 4" in message
-    assert "Variables whose" not in message
+    # The parameters are named (by their place in the param groups, here).
+    assert "Variables whose gradients were non-finite at that step: ['group0.param" in message
     assert ours.get_scale() == 2.0**21
 
 
@@ -417,6 +418,7 @@ def test_telemetry_summary_and_check():
         "skipped_steps",
         "last_overflow_step",
         "scale_history",
+        "nonfinite_variables",
         "overflows",
     }
     skipped = [k for k, s in enumerate(run["skipped"]) if s]

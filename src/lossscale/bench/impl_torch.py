@@ -24,7 +24,12 @@ def _adam(torch, params, grads, adamw=False, **kwargs):
     return params, torch.optim.Adam(params, lr=1e-3, eps=1e-7, **kwargs)
 
 
-def _grad_scaler_adam(workload, adamw=False, ours=False, **kwargs):
+def scaler_stepper(workload, scaler_kwargs, **kwargs):
+    """The step of `lossscale.torch.GradScaler(**scaler_kwargs)` with torch's Adam(W)(**kwargs)."""
+    return _grad_scaler_adam(workload, ours=True, scaler_kwargs=scaler_kwargs, **kwargs)
+
+
+def _grad_scaler_adam(workload, adamw=False, ours=False, scaler_kwargs=None, **kwargs):
     torch, device, params, grads = frameworks.torch_tensors(workload)
     params, opt = _adam(torch, params, grads, adamw=adamw, **kwargs)
     if ours:
@@ -34,7 +39,10 @@ def _grad_scaler_adam(workload, adamw=False, ours=False, **kwargs):
     else:
         scaler_class = torch.amp.GradScaler
     scaler = scaler_class(
-        device.type, init_scale=workloads.LOSS_SCALE, growth_interval=workloads.GROWTH_STEPS
+        device.type,
+        init_scale=workloads.LOSS_SCALE,
+        growth_interval=workloads.GROWTH_STEPS,
+        **(scaler_kwargs or {}),
     )
     scaler.scale(torch.ones((), device=device))  # creates the scale, as a forward pass does
     live = [p.grad for p in params]

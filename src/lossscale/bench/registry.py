@@ -26,6 +26,7 @@ MODULES = (
     "impl_jax",
     "impl_tensorflow",
     "impl_diagnostics",
+    "impl_torch_diagnostics",
 )
 
 

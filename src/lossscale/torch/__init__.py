@@ -7,6 +7,8 @@
 - `TorchOptimizer`: a `torch.optim.Optimizer` as a lossscale optimizer (the
   inner optimizer of a `LossScaleOptimizer`, say).
 - `AppliedStepScheduler`: a torch LR scheduler that skipped steps do not move.
+- `watch`: hooks that record, on the device, the module each overflow
+  started in, for `summary()["overflows"]` of a scaler or optimizer.
 - `clip_grad_norm_`: clipping of the unscaled gradients through the scaler
   that steps the optimizer (Accelerate's clips scaled ones off its fp16 path).
 
@@ -24,5 +26,14 @@ from lossscale.torch.grad_scaler import GradScaler  # noqa: E402
 from lossscale.torch.native import TorchOptimizer  # noqa: E402
 from lossscale.torch.optimizer import Optimizer  # noqa: E402
 from lossscale.torch.schedulers import AppliedStepScheduler  # noqa: E402
+from lossscale.torch.watch_hooks import Watch, watch  # noqa: E402
 
-__all__ = ["AppliedStepScheduler", "GradScaler", "Optimizer", "TorchOptimizer", "clip_grad_norm_"]
+__all__ = [
+    "AppliedStepScheduler",
+    "GradScaler",
+    "Optimizer",
+    "TorchOptimizer",
+    "Watch",
+    "clip_grad_norm_",
+    "watch",
+]

@@ -27,10 +27,9 @@ from lossscale.mixed_precision.loss_scale import (
     NO_ERROR,
     LossScalePolicy,
     LossScaleState,
-    next_loss_scale,
 )
 from lossscale.mixed_precision.telemetry import LossScaleError
-from lossscale.torch import scaler_checks, scaler_state
+from lossscale.torch import scaler_checks, scaler_diagnostics, scaler_state
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -43,7 +42,10 @@ _ROUNDING = 1 - 2.0**-20
 
 
 class GradScaler(
-    scaler_state.ScalerStateMixin, scaler_checks.ScalerChecksMixin, torch.amp.GradScaler
+    scaler_state.ScalerStateMixin,
+    scaler_diagnostics.ScalerDiagnosticsMixin,
+    scaler_checks.ScalerChecksMixin,
+    torch.amp.GradScaler,
 ):
     """`torch.amp.GradScaler` with lossscale's dynamic loss scale.
 
@@ -96,7 +98,19 @@ class GradScaler(
             steps; `"headroom"` only when the largest scaled gradient, times
             `growth_factor`, stays well below float16's maximum.
         telemetry: Boolean. Whether to count steps and skipped steps and
-            keep the last overflow and the last scales, read by `summary()`.
+            keep the last scales and the overflow window, read by
+            `summary()`: for each of the last `history_length` overflows
+            its step, whether the scaled loss was finite (checked by
+            `scale`), the parameters whose gradients were not (one
+            multi-tensor norm per step) and, with `watch(model, scaler)`,
+            the module where it started.
+        diagnostics_every: Int >= 1 or `None`. Every this many `update()`s
+            (from the first), measure the float16 range of each
+            parameter's scaled gradient before it is unscaled
+            (`summary()["float16_range"]`): four reductions per gradient
+            on those steps only, decided on the host without a device
+            read. `None` (default): never.
+        history_length: Int in [1, 30]. Scales and overflows kept.
         process_group: A `torch.distributed` process group, or `None`.
             Every rank of the group takes the same skip decision (one small
             all-reduce of the overflow flag per optimizer), as FSDP's
@@ -159,6 +173,8 @@ class GradScaler(
         max_consecutive_skips: int | None = None,
         growth_policy: str = "fixed",
         telemetry: bool = False,
+        diagnostics_every: int | None = None,
+        history_length: int = 8,
         process_group: ProcessGroup | None = None,
         allow_fp16_gradients: bool = False,
     ) -> None:
@@ -188,6 +204,8 @@ class GradScaler(
             max_consecutive_skips=max_consecutive_skips,
             growth_policy=growth_policy,
             telemetry=telemetry,
+            diagnostics_every=diagnostics_every,
+            history_length=history_length,
         )
         super().__init__(
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
@@ -203,6 +221,11 @@ class GradScaler(
         # A lower bound of the scale known on the host, without reading the
         # device (see `_unscaling_may_overflow`).
         self._scale_bound = 0.0
+        # Updates so far, counted on the host (the diagnostics cadence), the
+        # per-parameter records by name, and the step observers by id.
+        self._host_steps = self._extra_start.get("steps", 0)
+        self._per_variable = {}
+        self._observers = {}
 
     @property
     def policy(self) -> LossScalePolicy:
@@ -233,13 +256,15 @@ class GradScaler(
             )
         return self._scale, self._growth_tracker
 
-    def _state(self):
+    def _state(self, per_variable=None):
         scale = self._scale
         if self._policy.records_details:
             # The history keeps this step's scale, which `update` then
             # overwrites in place: it gets a copy.
             scale = scale.clone()
-        return LossScaleState(scale=scale, counter=self._growth_tracker, **self._extras)
+        return LossScaleState(
+            scale=scale, counter=self._growth_tracker, **self._extras, **(per_variable or {})
+        )
 
     # -- checking and unscaling ----------------------------------------------
 
@@ -294,7 +319,7 @@ class GradScaler(
         peak = None
         if self._policy.growth_policy == "headroom":
             peak = torch.stack([s["peak"] for s in states.values() if "peak" in s]).amax()
-        new = next_loss_scale(_OPS, self._state(), finite, self._policy, peak=peak)
+        new = self._advance(states, finite, peak)
         self._last_finite = finite
         self._scale.copy_(new.scale)
         self._growth_tracker.copy_(new.counter)

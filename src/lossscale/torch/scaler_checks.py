@@ -33,12 +33,21 @@ class ScalerChecksMixin:
     def _unscale_and_check(self, optimizer, inv_scale, found_inf, allow_fp16, recheck):
         self._check_process_group()
         peak = self._peak(optimizer)
+        measured = self._measure(optimizer)  # the scaled gradients' float16 range
         found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         if recheck:
             # The same kernel at scale 1 writes every value back unchanged
             # and flags the unscaled gradients that are not finite.
             found = gradients.merge_flags(found, self._check_only(optimizer))
+        self._keep_inspection(optimizer, measured)
         return self._agreed(optimizer, found, peak)
+
+    def _keep_inspection(self, optimizer, measured):
+        # After any unscaling: a gradient that overflows only once unscaled
+        # counts as the check stage counted it.
+        state = self._per_optimizer_states[id(optimizer)]
+        state["measured"] = measured
+        state["finite_per_parameter"] = self._finite_per_parameter(optimizer)
 
     def _check_inf_per_device(self, optimizer):
         # `step` calls this for an optimizer that unscales inside its own
@@ -58,9 +67,10 @@ class ScalerChecksMixin:
             state["stage"] = OptState.UNSCALED
         else:
             peak = self._peak(optimizer)
-            state["found_inf_per_device"] = self._agreed(
-                optimizer, self._check_only(optimizer), peak
-            )
+            measured = self._measure(optimizer)
+            found = self._check_only(optimizer)
+            self._keep_inspection(optimizer, measured)
+            state["found_inf_per_device"] = self._agreed(optimizer, found, peak)
         return state["found_inf_per_device"]
 
     def _check_only(self, optimizer):

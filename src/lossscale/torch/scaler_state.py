@@ -274,6 +274,9 @@ class ScalerStateMixin:
         self._extra_start = extras
         if self._extras is not None:
             self._extras = make_tensors(extras, policy, self._scale.device)
+        # The per-parameter records are not in a state dict: they start afresh.
+        self._per_variable = {}
+        self._host_steps = extras.get("steps", 0)
         self._scale_bound = float(np.float32(state_dict["scale"]))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -281,6 +284,8 @@ class ScalerStateMixin:
         if self._enabled:
             state["_extra_start"] = self._extra_values()
             state["_extras"] = None
+        # Observers hold hooks on a live model: a copy has none.
+        state["_observers"] = {}
         return state
 
     # -- reading the state ---------------------------------------------------
@@ -294,21 +299,26 @@ class ScalerStateMixin:
             `{}` when disabled; otherwise `dynamic_scale` and `step_counter`
             (torch's scale and growth tracker) and, as the settings track
             them, `consecutive_skips`, `steps`, `skipped_steps`,
-            `last_overflow_step`, `scale_history`, `error` and `error_step`
-            (the keys of `LossScaleOptimizer.summary()`; a scaler does not
-            know variable names, so there is no `nonfinite_variables`).
+            `last_overflow_step`, `scale_history`, `nonfinite_variables`
+            (parameter names), `error`, `error_step`, `overflows` (the
+            window, oldest first: `{"step", "variables", "module",
+            "loss_finite"}`), `float16_range` (`{parameter name: {"zero",
+            "subnormal", "near_max", "max_abs"}}`, the last measurement) and
+            `float16_range_step`: the keys of `LossScaleOptimizer.summary()`.
         """
         if not self._enabled:
             return {}
+        names, per_variable = self._per_variable_values()
         values = {
             "scale": self.get_scale(),
             "counter": self._get_growth_tracker(),
-            "nonfinite": [],
             **self._extra_values(),
+            **per_variable,
         }
-        out = summarize(values, self._policy, [])
-        out.pop("nonfinite_variables", None)
-        return out
+        modules = {}
+        if self._observers:
+            modules = self._overflow_modules([s for s in values["overflow_steps"] if s >= 0])
+        return summarize(values, self._policy, names, modules)
 
     def check(self) -> None:
         """Raises `LossScaleError` if the state records a crossed fail-fast limit.
@@ -322,6 +332,4 @@ class ScalerStateMixin:
             raise LossScaleError(self._failure_message())
 
     def _failure_message(self):
-        text = failure_message({**self.summary(), "nonfinite_variables": []}, self._policy)
-        # A scaler cannot name the variables: drop the line that would.
-        return "\n".join(line for line in text.splitlines() if not line.startswith("Variables "))
+        return failure_message(self.summary(), self._policy)

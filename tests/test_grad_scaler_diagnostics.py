@@ -1,0 +1,295 @@
+"""GradScaler's diagnostics (`scaler_diagnostics`) and `watch` on real training loops.
+
+Overflows injected into a chosen layer are traced to its name under
+`GradScaler` (torch's AdamW fused and not, `lossscale.torch.Optimizer`) and
+under `LossScaleOptimizer`; a NaN loss is reported as one; the float16
+range equals a float64 NumPy count of the same scaled gradients; a step
+with everything on reads nothing on the host; with diagnostics on, the run
+is the run without them.
+"""
+
+import grad_scaler_cases as cases
+import numpy as np
+import pytest
+import torch
+from torch_cases import no_host_reads
+
+import lossscale as ls
+import lossscale.torch as lt
+
+FLOAT16_MAX = float(np.finfo(np.float16).max)
+TINY16 = float(np.finfo(np.float16).smallest_normal)
+
+
+def injected_model():
+    """The shared transformer, made to overflow in backward in `encoder.linear2` only.
+
+    `linear1` shrunk 1000x and `linear2`'s weight grown 1000x: the forward
+    values are as before, the gradient of `linear2`'s input 1000x larger.
+    """
+    model = cases.TinyTransformer()
+    with torch.no_grad():
+        model.encoder.linear1.weight.mul_(1e-3)
+        model.encoder.linear1.bias.mul_(1e-3)
+        model.encoder.linear2.weight.mul_(1e3)
+    return model
+
+
+def optimizer_for(model, kind):
+    params = model.named_parameters()
+    if kind == "lossscale":
+        return lt.Optimizer([p for _, p in params], ls.optimizers.AdamW(1e-3))
+    return torch.optim.AdamW(params, lr=1e-3, fused=kind == "fused", foreach=kind != "fused")
+
+
+def scaled_steps(scaler, model, optimizer, steps, poison=()):
+    tokens, targets = cases.batch()
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = cases.loss_of(model, tokens, targets)
+        if step in poison:
+            loss = loss * float("nan")
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach", "lossscale"])
+def test_an_injected_overflow_is_traced_to_its_layer_under_grad_scaler(kind):
+    model = injected_model()
+    optimizer = optimizer_for(model, kind)
+    scaler = lt.GradScaler("cpu", init_scale=2.0**16, telemetry=True, history_length=4)
+    handle = lt.watch(model, scaler)
+    scaled_steps(scaler, model, optimizer, steps=3)
+    overflows = scaler.summary()["overflows"]
+    handle.remove()
+    assert [o["step"] for o in overflows] == [0, 1, 2]
+    for o in overflows:
+        assert o["module"] == "encoder.linear2" and o["loss_finite"] is True
+        # Below linear2 in backward every gradient is inf; above it none is.
+        assert "encoder.linear1.weight" in o["variables"]
+        assert (
+            "head.weight" not in o["variables"] and "encoder.linear2.weight" not in o["variables"]
+        )
+
+
+def test_an_injected_overflow_is_traced_to_its_layer_under_loss_scale_optimizer():
+    model = injected_model()
+    params = list(model.parameters())
+    opt = ls.LossScaleOptimizer(ls.optimizers.AdamW(1e-3), initial_scale=2.0**16, telemetry=True)
+    lt.watch(model, opt)
+    tokens, targets = cases.batch()
+    for _ in range(2):
+        opt.scale_loss(cases.loss_of(model, tokens, targets)).backward()
+        opt.apply([p.grad for p in params], params)
+        model.zero_grad(set_to_none=True)
+    overflows = opt.summary()["overflows"]
+    # The first `scale_loss` comes before the optimizer is built: the loss is not recorded.
+    assert [(o["step"], o["module"], o["loss_finite"]) for o in overflows] == [
+        (0, "encoder.linear2", None),
+        (1, "encoder.linear2", True),
+    ]
+
+
+def test_a_nan_loss_is_reported_as_such():
+    model = cases.TinyTransformer()
+    optimizer = optimizer_for(model, "fused")
+    scaler = lt.GradScaler("cpu", init_scale=2.0**10, telemetry=True)
+    lt.watch(model, scaler)
+    scaled_steps(scaler, model, optimizer, steps=4, poison=(2,))
+    (overflow,) = scaler.summary()["overflows"]
+    assert overflow["step"] == 2 and overflow["loss_finite"] is False
+    assert overflow["module"] is None  # the NaN came after the model
+    assert len(overflow["variables"]) == len(list(model.parameters()))
+    failing = lt.GradScaler("cpu", init_scale=2.0**10, max_consecutive_skips=0)
+    lt.watch(model, failing)
+    with pytest.raises(ls.LossScaleError) as info:
+        scaled_steps(failing, model, optimizer_for(model, "fused"), steps=2, poison=(1,))
+    assert "step 1: the loss was NaN/inf" in str(info.value)
+    assert "'head.weight'" in str(info.value)
+
+
+def test_an_overflow_error_names_the_module_and_the_parameters():
+    model = injected_model()
+    scaler = lt.GradScaler("cpu", init_scale=2.0**16, max_consecutive_skips=1)
+    lt.watch(model, scaler)
+    with pytest.raises(ls.LossScaleError) as info:
+        scaled_steps(scaler, model, optimizer_for(model, "fused"), steps=3)
+    message = str(info.value)
+    assert "step 1: gradients overflowed (the loss was finite)" in message
+    assert "starting in module 'encoder.linear2'" in message
+    assert "'encoder.linear1.weight'" in message
+
+
+# -- the float16 range against a float64 count ------------------------------------
+
+# Both sides of 4096 and of 2**18 elements.
+SIZES = (4095, 4097, 2**18 - 1, 2**18 + 1)
+
+
+def scaled_gradient(rng, size, growth_factor):
+    """A float32 scaled gradient holding every kind of value, at edges and random spots."""
+    g = rng.normal(scale=30.0, size=size).astype(np.float32)
+    specials = [
+        0.0,
+        -0.0,
+        TINY16 / 4,
+        -TINY16 / 2,
+        TINY16,
+        FLOAT16_MAX / growth_factor,
+        np.nextafter(np.float32(FLOAT16_MAX / growth_factor), 0),
+        -FLOAT16_MAX,
+        np.inf,
+        -np.inf,
+        np.nan,
+    ]
+    spots = [0, size - 1, size // 2, 4095 % size, *rng.integers(0, size, 40)]
+    for k, at in enumerate(spots):
+        g[at] = specials[k % len(specials)]
+    g[rng.integers(0, size, size // 7)] = 0.0
+    return g
+
+
+def float64_range(g, growth_factor):
+    a = np.abs(g.astype(np.float64))
+    finite_max = np.nan if np.isnan(a).any() else a.max()
+    return {
+        "zero": np.count_nonzero(a == 0) / a.size,
+        "subnormal": np.count_nonzero((a > 0) & (a < TINY16)) / a.size,
+        "near_max": np.count_nonzero(a >= np.float32(FLOAT16_MAX / growth_factor)) / a.size,
+        "max_abs": finite_max,
+    }
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_float16_range_equals_a_float64_count(kind):
+    rng = np.random.default_rng(7)
+    growth_factor = 4.0
+    params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in SIZES])
+    names = [f"p{i}" for i in range(len(SIZES))]
+    optimizer = torch.optim.AdamW(
+        [{"params": list(params), "param_names": names}],
+        fused=kind == "fused",
+        foreach=kind != "fused",
+    )
+    scaler = lt.GradScaler("cpu", growth_factor=growth_factor, diagnostics_every=3)
+    scaler.scale(torch.ones(()))
+    expected = {}
+    for step in range(4):
+        grads = [scaled_gradient(rng, n, growth_factor) for n in SIZES]
+        if step != 2:  # a finite step too
+            grads[1][:] = np.abs(grads[1]).clip(0, 1e3)
+        for p, g in zip(params, grads):
+            p.grad = torch.from_numpy(g.copy())
+        if step % 3 == 0:
+            expected = {n: float64_range(g, growth_factor) for n, g in zip(names, grads)}
+            at = step
+        scaler.step(optimizer)
+        scaler.update()
+    summary = scaler.summary()
+    assert summary["float16_range_step"] == at == 3
+    assert set(summary["float16_range"]) == set(names)
+    for name in names:
+        got, want = summary["float16_range"][name], expected[name]
+        for key in ("zero", "subnormal", "near_max"):
+            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=0), (name, key)
+        assert (
+            np.isnan(got["max_abs"])
+            if np.isnan(want["max_abs"])
+            else got["max_abs"] == want["max_abs"]
+        )
+
+
+def test_parameter_names_come_from_watch_then_param_groups_then_places():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    runs = {}
+    for source in ("watch", "param_names", "places"):
+        if source == "places":
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        else:
+            optimizer = torch.optim.SGD(model.named_parameters(), lr=0.1)
+        scaler = lt.GradScaler("cpu", telemetry=True)
+        handle = None
+        if source == "watch":
+            named = torch.nn.ModuleDict({"net": model})
+            handle = lt.watch(named, scaler)
+        optimizer.zero_grad()
+        scaler.scale(model(torch.ones(1, 3)).sum() * float("inf")).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        runs[source] = scaler.summary()["overflows"][0]["variables"]
+        if handle is not None:
+            handle.remove()
+    assert runs["watch"] == ["net.0.weight", "net.0.bias", "net.1.weight", "net.1.bias"]
+    assert runs["param_names"] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert runs["places"] == ["group0.param0", "group0.param1", "group0.param2", "group0.param3"]
+
+
+# -- what a step costs and changes ---------------------------------------------------
+
+
+def test_a_step_with_diagnostics_and_watch_reads_nothing_on_the_host():
+    model = injected_model()
+    optimizer = optimizer_for(model, "fused")
+    # With hysteresis the scale stays put: every step overflows in linear2.
+    scaler = lt.GradScaler(
+        "cpu", init_scale=2.0**16, telemetry=True, diagnostics_every=1, hysteresis=8
+    )
+    lt.watch(model, scaler)
+    scaled_steps(scaler, model, optimizer, steps=1)  # the scale is created
+    with no_host_reads():
+        scaled_steps(scaler, model, optimizer, steps=3)
+    summary = scaler.summary()
+    assert summary["float16_range_step"] == 3
+    assert [o["module"] for o in summary["overflows"]] == ["encoder.linear2"] * 4
+
+
+def test_with_diagnostics_on_the_run_is_the_run_without_them():
+    plain = cases.train(lt.GradScaler("cpu", init_scale=cases.INIT_SCALE, growth_interval=3))
+    model = cases.TinyTransformer()
+    watched = lt.GradScaler(
+        "cpu", init_scale=cases.INIT_SCALE, growth_interval=3, telemetry=True, diagnostics_every=2
+    )
+    handle = lt.watch(model, watched)
+    run = cases.train(watched, model=model)
+    handle.remove()
+    assert run["scales"] == plain["scales"] and run["skipped"] == plain["skipped"]
+    assert cases.same_weights(run["params"], plain["params"])
+
+
+def test_remove_unregisters_and_leaves_no_hook():
+    model = injected_model()
+    scaler = lt.GradScaler("cpu", init_scale=2.0**16, telemetry=True)
+    handle = lt.watch(model, scaler)
+    optimizer = optimizer_for(model, "fused")
+    scaled_steps(scaler, model, optimizer, steps=1)
+    handle.remove()
+    scaled_steps(scaler, model, optimizer, steps=1)
+    assert [o["module"] for o in scaler.summary()["overflows"]] == [None, None]
+    assert all(not m._forward_hooks for m in model.modules())
+    assert all(not p._backward_hooks for p in model.parameters())
+
+
+def test_the_new_fields_survive_a_state_dict_round_trip():
+    model = cases.TinyTransformer()
+    settings = dict(init_scale=cases.INIT_SCALE, telemetry=True, diagnostics_every=4)
+    first = lt.GradScaler("cpu", **settings, history_length=5)
+    scaled_steps(first, model, optimizer_for(model, "fused"), steps=6, poison=(4,))
+    state = first.state_dict()
+    assert state["lossscale"]["overflow_loss"][-1] == 0 and state["lossscale"]["range_step"] == 4
+    second = lt.GradScaler("cpu", **settings, history_length=5)
+    second.load_state_dict(state)
+    assert second.state_dict() == state
+    loaded = second.summary()["overflows"]
+    assert [(o["step"], o["loss_finite"]) for o in loaded] == [
+        (o["step"], o["loss_finite"]) for o in first.summary()["overflows"]
+    ]
+
+
+def test_watch_needs_the_overflow_window():
+    with pytest.raises(ValueError, match="`watch` reports into the overflow window"):
+        lt.watch(cases.TinyTransformer(), lt.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="needs the overflow window"):
+        lt.GradScaler("cpu").register_step_observer(object())
+    with pytest.raises(ValueError, match="`scaler_or_optimizer` must be"):
+        lt.watch(cases.TinyTransformer(), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
