@@ -182,7 +182,10 @@ def test_diagnosing_example_prints_what_its_page_shows(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     expected = (EXAMPLES / "diagnosing_float16_output.txt").read_text()
-    assert proc.stdout == expected
+    # Line for line; a measured magnitude to 5% (float16 kernels round a
+    # little differently from one CPU to another, as tests/test_trajectories.py
+    # found), everything else exactly.
+    assert _numbers_close(proc.stdout, expected), (proc.stdout, expected)
     page = (ROOT / "docs" / "diagnosing.md").read_text()
     for included in ("examples/diagnosing_float16.py", "examples/diagnosing_float16_output.txt"):
         assert f"--8<--\n{included}\n--8<--" in page
@@ -191,3 +194,18 @@ def test_diagnosing_example_prints_what_its_page_shows(tmp_path):
     assert "  step 0: the loss was NaN/inf, non-finite in" in expected
     assert "  step 1: gradients overflowed (the loss was finite)" in expected
     assert "fixed: 4 skipped" in expected and "statistics: 0 skipped" in expected
+
+
+def _numbers_close(got, expected):
+    """Whether two printouts match, each decimal number within 5% of its counterpart."""
+    pattern = re.compile(r"\d+\.\d+(?:e[+-]\d+)?|\d+e[+-]\d+")
+    got_lines, expected_lines = got.splitlines(), expected.splitlines()
+    if len(got_lines) != len(expected_lines):
+        return False
+    for a, b in zip(got_lines, expected_lines):
+        if pattern.sub("#", a) != pattern.sub("#", b):
+            return False
+        for x, y in zip(pattern.findall(a), pattern.findall(b)):
+            if abs(float(x) - float(y)) > 0.05 * abs(float(y)):
+                return False
+    return True
