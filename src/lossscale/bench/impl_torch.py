@@ -1,4 +1,4 @@
-"""PyTorch peers: `torch.amp.GradScaler` with `torch.optim.Adam` / `AdamW`, and plain Adam.
+"""PyTorch peers: `torch.amp.GradScaler` with `torch.optim.Adam` / `AdamW` / `SGD`, and plain Adam.
 
 Also ours on the same path: `lossscale.torch.GradScaler` with torch's fused
 AdamW, the drop-in against the scaler it replaces.
@@ -24,9 +24,19 @@ def _adam(torch, params, grads, adamw=False, **kwargs):
     return params, torch.optim.Adam(params, lr=1e-3, eps=1e-7, **kwargs)
 
 
-def _grad_scaler_adam(workload, adamw=False, ours=False, **kwargs):
+def _sgd(torch, params, grads, **kwargs):
+    params = [torch.nn.Parameter(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    return params, torch.optim.SGD(params, lr=1e-3, momentum=0.9, **kwargs)
+
+
+def _grad_scaler_adam(workload, adamw=False, ours=False, sgd=False, **kwargs):
     torch, device, params, grads = frameworks.torch_tensors(workload)
-    params, opt = _adam(torch, params, grads, adamw=adamw, **kwargs)
+    if sgd:
+        params, opt = _sgd(torch, params, grads, **kwargs)
+    else:
+        params, opt = _adam(torch, params, grads, adamw=adamw, **kwargs)
     if ours:
         import lossscale.torch
 
@@ -82,6 +92,17 @@ def grad_scaler_foreach(workload):
 )
 def grad_scaler_adamw_fused(workload):
     return _grad_scaler_adam(workload, adamw=True, fused=True)
+
+
+@implementation(
+    "torch-gradscaler-sgd-momentum-fused",
+    "peer",
+    "torch.amp.GradScaler + torch.optim.SGD(momentum=0.9, fused=True)",
+    requires=("torch",),
+    devices=("cpu", "cuda"),
+)
+def grad_scaler_sgd_momentum_fused(workload):
+    return _grad_scaler_adam(workload, sgd=True, fused=True)
 
 
 @implementation(
