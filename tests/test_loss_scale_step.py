@@ -17,15 +17,18 @@ import lossscale as ls
 
 # The fused paths: a step's every operation, 16 parameters in one group.
 # torch.amp.GradScaler + torch.optim.Adam(fused=True) dispatches 13.
-# One more than before the skip flag became the kernels' `keep` argument:
-# the fused kernels derive their `found_inf` from it (`aten.where.self`).
+# The fused kernels derive their `found_inf` from the step's `keep` flag
+# (`aten.where.self`); Adam's step size writes `1 - beta**t` into a kept
+# pair whose elements are views made once (no `unbind`); AdamW's decay
+# factor is kept while the learning rate does not change (a select of it
+# under `keep`, and one multiplication per group).
 FUSED_OPS = {
     "sgd": 10,
     "sgd_momentum": 12,
     "sgd_nesterov": 12,
-    "adam": 17,
-    "adam_amsgrad": 17,
-    "adamw": 21,
+    "adam": 16,
+    "adam_amsgrad": 16,
+    "adamw": 18,
 }
 
 
@@ -49,7 +52,7 @@ def test_operations_per_step_do_not_grow_with_the_parameters(name):
     ops = ops_per_step(OPTIMIZERS[name], 16)
     assert len(ops_per_step(OPTIMIZERS[name], 32)) == len(ops), name
     if name in FUSED_OPS:
-        assert len(ops) == FUSED_OPS[name] <= 21, ops
+        assert len(ops) == FUSED_OPS[name] <= 18, ops
         # No per-tensor work at all (selects, reductions, aliases): each
         # kernel covers the whole group.
         per_tensor = {"aten.where.self_out", "aten.aminmax.default", "aten.detach.default"}
@@ -69,8 +72,7 @@ def test_the_adam_step_names_its_operations():
         "aten.eq.Scalar",  # the flag as a boolean, for the step counter
         "aten.add.out",  # t = iterations + 1, cast as it is stored
         "aten.pow.Tensor_Tensor",  # (beta_1, beta_2) ** t
-        "aten.rsub.Scalar",
-        "aten.unbind.int",
+        "aten.sub.out",  # 1 - that, into the kept pair (views of it made once)
         "aten.sqrt.default",
         "aten.mul.Tensor",  # alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)
         "aten.div.Tensor",
@@ -81,6 +83,13 @@ def test_the_adam_step_names_its_operations():
         "aten.mul.Tensor",
         "aten.clamp_min_.Tensor",  # the backoff floor
     ]
+
+
+def test_the_adamw_step_adds_the_decay_select_and_multiplication():
+    adam = ops_per_step(OPTIMIZERS["adam"], 16)
+    adamw = ops_per_step(OPTIMIZERS["adamw"], 16)
+    at = adam.index("aten.add.out")  # the decay runs before the Adam update
+    assert adamw == adam[:at] + ["aten.where.self", "aten._foreach_mul_.Tensor"] + adam[at:]
 
 
 # --- torch.compile ----------------------------------------------------------------

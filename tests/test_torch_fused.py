@@ -187,3 +187,44 @@ def test_adam_step_size_equals_update_steps_bit_for_bit(dtype):
         hyper = opt._hyper_type(*(getattr(opt, k) for k in opt._hyper_type._fields))
         got = torch_fused._adam_step_size(hyper, group, lr, opt.iterations)
         assert got.dtype == dtype and torch.equal(got, expected), iterations
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("keep", [None, True, False], ids=["plain", "kept", "skipped"])
+@pytest.mark.parametrize("name", FUSED)
+def test_a_grad_scale_is_divided_out_as_an_unscale_pass_would_bit_for_bit(name, keep, dtype):
+    # The scale is not a power of two: the kernel divides, it does not
+    # multiply by an inverse. float16 parameters take the foreach rules,
+    # which get gradients divided first, as `ops.unscale` divides them.
+    from lossscale.backends.torch import multi
+
+    rng = np.random.default_rng(7)
+    start = [rng.normal(size=s) for s in SHAPES]
+    scale = torch.tensor(3.7)
+    scaled = [torch.tensor(g, dtype=dtype) for g in random_grads(rng, 3.7)]
+    keep = None if keep is None else torch.tensor(keep)
+    runs = []
+    for fold in (True, False):
+        params = [ls.Variable(torch.tensor(v, dtype=dtype)) for v in start]
+        opt = OPTIMIZERS[name]()
+        opt.build(params)
+        for _ in range(3):
+            grads = [g.clone() for g in scaled]
+            if fold:
+                opt._step(grads, params, keep=keep, grad_scale=scale)
+            else:
+                grads = multi.unscale(grads, scale, in_place=True)
+                opt._step(grads, params, keep=keep)
+        runs.append(([p.value for p in params] + [v.value for v in opt.variables], grads))
+    (folded, folded_grads), (divided, divided_grads) = runs
+    for a, b in zip(folded, divided):
+        assert torch.equal(bits(a), bits(b))
+    if keep is None and dtype != torch.float16:  # written back unscaled, as torch's fused kernels
+        for a, b in zip(folded_grads, divided_grads):
+            assert torch.equal(bits(a), bits(b))
+
+
+def test_the_kernels_that_divide_a_grad_scale():
+    assert torch_kernels.divides_grad_scale("adam") and torch_kernels.divides_grad_scale("sgd")
+    assert not torch_kernels.divides_grad_scale("rmsprop")
+    assert not torch_kernels.divides_grad_scale(None)

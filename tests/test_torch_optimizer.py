@@ -366,3 +366,27 @@ def test_accelerate_prepares_it_and_steps_it_with_our_scaler():
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+def test_under_a_grad_scaler_adamw_takes_the_scale_into_its_kernel():
+    # No unscale pass of its own (`_foreach_div_`): the fused kernel divides
+    # each gradient by `grad_scale` as it reads it, as torch's AdamW does.
+    from torch_cases import count_ops
+
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 32, generator=generator)) for _ in range(16)]
+    opt = lt.Optimizer(params, ls.optimizers.AdamW(1e-2, weight_decay=0.1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for _ in range(4):
+        for p in params:
+            p.grad = torch.randn(64, 32, generator=generator) * 1024
+        scaler.scale(torch.ones(()))
+        with count_ops() as ops:
+            scaler.step(opt)
+        scaler.update()
+    assert "aten._fused_adam_.tensor_lr" in ops
+    assert not [op for op in ops if "div_" in op or "_foreach_div" in op], ops
+    ours = [op for op in ops[ops.index("aten.eq.Scalar") :] if not op.startswith("profiler")]
+    # The flag, the decay (select, multiply), the step size (6), found_inf,
+    # Adam, the step count.
+    assert len(ours) == 12, ours

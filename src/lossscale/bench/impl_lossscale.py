@@ -1,15 +1,17 @@
-"""Ours: `lossscale.LossScaleOptimizer(Adam)` on NumPy, torch and JAX arrays; AdamW on torch."""
+"""Ours: `LossScaleOptimizer(Adam)` on NumPy, torch and JAX arrays; AdamW and SGD on torch."""
 
 from lossscale.bench import frameworks, workloads
 from lossscale.bench.registry import implementation
 from lossscale.bench.timing import Stepper
 
 
-def _optimizer(adamw=False):
+def _optimizer(adamw=False, sgd=False):
     import lossscale as ls
 
     if adamw:  # the weight decay of the torch AdamW rows (Keras's default)
         inner = ls.optimizers.AdamW(learning_rate=1e-3, weight_decay=0.004)
+    elif sgd:  # the torch SGD rows' momentum
+        inner = ls.optimizers.SGD(learning_rate=1e-3, momentum=0.9)
     else:
         inner = ls.optimizers.Adam(learning_rate=1e-3)
     opt = ls.LossScaleOptimizer(
@@ -37,9 +39,9 @@ def numpy_adam(workload):
     requires=("torch",),
     devices=("cpu", "cuda"),
 )
-def torch_adam(workload, adamw=False):
+def torch_adam(workload, adamw=False, sgd=False):
     torch, device, params, grads = frameworks.torch_tensors(workload)
-    opt = _optimizer(adamw)
+    opt = _optimizer(adamw, sgd)
     # Fused Adam unscales the gradients in place (as GradScaler does); give
     # every step the scaled gradients, untimed, as the GradScaler peers get.
     live = [g.clone() for g in grads]
@@ -59,6 +61,17 @@ def torch_adam(workload, adamw=False):
 )
 def torch_adamw(workload):
     return torch_adam(workload, adamw=True)
+
+
+@implementation(
+    "lossscale-torch-sgd-momentum",
+    "ours",
+    "lossscale LossScaleOptimizer(SGD(momentum=0.9)), opt.apply on torch tensors",
+    requires=("torch",),
+    devices=("cpu", "cuda"),
+)
+def torch_sgd_momentum(workload):
+    return torch_adam(workload, sgd=True)
 
 
 @implementation(

@@ -1,4 +1,4 @@
-"""PyTorch peers: `torch.amp.GradScaler` with `torch.optim.Adam` / `AdamW`, and plain Adam.
+"""PyTorch peers: `torch.amp.GradScaler` with `torch.optim.Adam` / `AdamW` / `SGD`, and plain Adam.
 
 Also ours on the same path: `lossscale.torch.GradScaler` with torch's fused
 AdamW, the drop-in against the scaler it replaces.
@@ -29,9 +29,19 @@ def scaler_stepper(workload, scaler_kwargs, **kwargs):
     return _grad_scaler_adam(workload, ours=True, scaler_kwargs=scaler_kwargs, **kwargs)
 
 
-def _grad_scaler_adam(workload, adamw=False, ours=False, scaler_kwargs=None, **kwargs):
+def _sgd(torch, params, grads, **kwargs):
+    params = [torch.nn.Parameter(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    return params, torch.optim.SGD(params, lr=1e-3, momentum=0.9, **kwargs)
+
+
+def _grad_scaler_adam(workload, adamw=False, ours=False, sgd=False, scaler_kwargs=None, **kwargs):
     torch, device, params, grads = frameworks.torch_tensors(workload)
-    params, opt = _adam(torch, params, grads, adamw=adamw, **kwargs)
+    if sgd:
+        params, opt = _sgd(torch, params, grads, **kwargs)
+    else:
+        params, opt = _adam(torch, params, grads, adamw=adamw, **kwargs)
     if ours:
         import lossscale.torch
 
@@ -90,6 +100,17 @@ def grad_scaler_foreach(workload):
 )
 def grad_scaler_adamw_fused(workload):
     return _grad_scaler_adam(workload, adamw=True, fused=True)
+
+
+@implementation(
+    "torch-gradscaler-sgd-momentum-fused",
+    "peer",
+    "torch.amp.GradScaler + torch.optim.SGD(momentum=0.9, fused=True)",
+    requires=("torch",),
+    devices=("cpu", "cuda"),
+)
+def grad_scaler_sgd_momentum_fused(workload):
+    return _grad_scaler_adam(workload, sgd=True, fused=True)
 
 
 @implementation(

@@ -18,6 +18,7 @@ import torch
 
 from lossscale import validation
 from lossscale.backends import get_ops
+from lossscale.backends.torch import kernels as torch_kernels
 from lossscale.optimizers.base import Optimizer as LossscaleOptimizer
 from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from lossscale.torch import optimizer_state
@@ -43,10 +44,12 @@ class Optimizer(optimizer_state.OptimizerStateMixin, torch.optim.Optimizer):
     Under `torch.amp.GradScaler` (or `lossscale.torch.GradScaler`): the
     class says `_step_supports_amp_scaling`, so the scaler does not read the
     overflow flag on the host; it hands over `grad_scale` (gradients still
-    scaled: they are unscaled in place, as torch's fused optimizers do) and
-    `found_inf`, and every rule skips a step where `found_inf` is 1 on the
-    device: every parameter and every piece of state stays bit for bit as it
-    was, and the step counter does not move.
+    scaled: they are unscaled in place, as torch's fused optimizers do; Adam,
+    AdamW and SGD on torch's fused kernels divide them there as they read
+    them, in no pass of their own) and `found_inf`, and every rule skips a
+    step where `found_inf` is 1 on the device: every parameter and every
+    piece of state stays bit for bit as it was, and the step counter does
+    not move.
 
     A learning-rate schedule belongs to a torch scheduler on this optimizer
     (the rule's `learning_rate` must be a float). The state lives in the
@@ -170,18 +173,23 @@ class Optimizer(optimizer_state.OptimizerStateMixin, torch.optim.Optimizer):
             if not pairs:
                 continue
             if found_inf is not None and keep is None:
-                keep = _keep(found_inf, pairs[0][1].value.device)
+                # A gradient lives on its parameter's device (no read of the variable).
+                keep = _keep(found_inf, pairs[0][0].device)
             self._sync(group, rule)
             grads = [g for g, _ in pairs]
-            if grad_scale is not None:  # still scaled: unscale in place, as fused kernels do
-                grads = _OPS.unscale(grads, grad_scale, in_place=True)
             variables = [v for _, v in pairs]
-            if keep is None:
+            folded = None
+            if grad_scale is not None:  # still scaled
+                if _divides_grad_scale(rule):
+                    folded = grad_scale
+                else:  # unscaled in place, as fused kernels do
+                    grads = _OPS.unscale(grads, grad_scale, in_place=True)
+            if keep is None and folded is None:
                 rule.apply(grads, variables)
             else:
                 variables = rule._prepare(grads, variables)
                 with rule._ops.quiet():
-                    rule._step(grads, variables, keep=keep)
+                    rule._step(grads, variables, keep=keep, grad_scale=folded)
         self.last_step_applied = True if found_inf is None else keep
         return loss
 
@@ -233,6 +241,23 @@ def _rule_settings(group, tunable):
     return settings
 
 
+def _divides_grad_scale(rule):
+    """Whether `rule`'s step can take the scaler's `grad_scale` into its torch kernel.
+
+    Its own class names a kernel that divides it out (`kernels.divides_grad_scale`)
+    and nothing reads the gradients before that kernel: no clipping, no
+    static loss-scale factor, no gradient accumulation.
+    """
+    return (
+        torch_kernels.divides_grad_scale(type(rule).__dict__.get("update_kernel"))
+        and rule.loss_scale_factor is None
+        and not rule.gradient_accumulation_steps
+        and rule.clipnorm is None
+        and rule.clipvalue is None
+        and rule.global_clipnorm is None
+    )
+
+
 def _keep(found_inf, device):
     """The step's `keep` flag from a scaler's `found_inf` (1.0: skip), checked and on `device`."""
     if (
@@ -249,4 +274,5 @@ def _keep(found_inf, device):
             f"`found_inf` must be on the parameters' device {device}, where the step runs "
             f"without a host read. Received: found_inf on {found_inf.device}"
         )
-    return found_inf.reshape(()) == 0
+    # Reshaped only when it is not 0-d already: a `view` is a dispatch too.
+    return (found_inf.reshape(()) if found_inf.ndim else found_inf) == 0

@@ -136,10 +136,37 @@ def test_weight_decay_without_keep_uses_one_kernel_per_group():
     lr = torch.tensor(0.01)
     ops = params[0]._ops
     run = functools.partial(apply_weight_decay, ops, params, 0.004, lr, WeightDecayExclusions(), {})
-    run()  # builds the plan
+    run()  # builds the plan and the factor
     with count_ops() as seen:
         run()
-    assert seen == ["aten.mul.Tensor", "aten.rsub.Scalar"] + ["aten._foreach_mul_.Tensor"] * 2
+    # The factor is kept while the learning rate is the same tensor, unchanged.
+    assert seen == ["aten._foreach_mul_.Tensor"] * 2
+
+
+@pytest.mark.parametrize("change", ["in_place", "new_tensor", "weight_decay"])
+def test_the_kept_factor_is_made_again_when_the_learning_rate_changes(change):
+    # Each step's decay equals Keras-on-torch's with that step's rate, bit
+    # for bit, whether the rate was written in place (a scheduler on a
+    # Variable), replaced by another tensor (a schedule), or the rate of
+    # decay itself moved (a param group's "weight_decay").
+    start = [torch.from_numpy(v) for v in start_values("float32")]
+    params = [ls.Variable(x.clone()) for x in start]
+    want = [x.clone() for x in start]
+    optimizer = ls.optimizers.AdamW(0.01)
+    optimizer.build(params)
+    ops, cache = params[0]._ops, {}
+    lr, weight_decay = torch.tensor(0.0923), 0.371
+    for step in range(4):
+        if change == "in_place":
+            lr.mul_(0.7)
+        elif change == "new_tensor":
+            lr = lr * 0.7
+        else:
+            weight_decay *= 0.7
+        apply_weight_decay(ops, params, weight_decay, lr, WeightDecayExclusions(), cache)
+        want = [keras_on_torch_decay(w, weight_decay, lr) for w in want]
+        for got, w in zip(params, want):
+            assert torch.equal(bits(got.value), bits(w)), step
 
 
 def test_a_number_learning_rate_gives_a_number_factor():

@@ -21,6 +21,13 @@ pass over the parameters in place, no new tensors.
 Under a loss-scale wrapper's `keep` flag the factor is `1.0` where the step
 is skipped, and `v * 1.0` is `v` bit for bit (-0.0, inf and NaN included):
 no select of the parameters.
+
+The factor depends on the learning rate alone, which moves only when a
+schedule or a user sets it: it is kept in the optimizer's kernel cache with
+the learning-rate tensor it was made from and that tensor's version counter
+(which every in-place write advances), and made again when either changed.
+A step then costs the multiplication, and under `keep` one select of the
+factor.
 """
 
 import torch
@@ -44,11 +51,12 @@ def weight_decay(params, weight_decay, learning_rate, *, cache, keep=None):
         params: The `Variable`s to decay (exclusions already applied).
         weight_decay: Python float, the decay rate.
         learning_rate: The step's learning rate (a 0-d tensor, or a number).
-        cache: The optimizer's kernel cache (the groups' tensor lists).
+        cache: The optimizer's kernel cache (the groups' tensor lists, the
+            last factor).
         keep: None, or a boolean scalar: where it is False the factor is 1.0.
     """
     with torch.no_grad():
-        factor = decay_factor(weight_decay, ops.unwrap(learning_rate))
+        factor = _cached_factor(weight_decay, ops.unwrap(learning_rate), cache)
         if keep is not None:
             writer = plans.Writer(keep, ops.unwrap(keep).device)
             if not isinstance(factor, torch.Tensor):
@@ -60,3 +68,27 @@ def weight_decay(params, weight_decay, learning_rate, *, cache, keep=None):
             if isinstance(factor, torch.Tensor) and factor.device != group.device:
                 on_device = factor.to(group.device)
             torch._foreach_mul_(group.params, on_device)
+
+
+def _cached_factor(weight_decay, learning_rate, cache):
+    """`decay_factor`, made again only when the learning-rate tensor or its value changed.
+
+    Not under `torch.compile` (the compiler folds the arithmetic into the
+    step) nor for inference tensors, which keep no version counter.
+    """
+    if (
+        not isinstance(learning_rate, torch.Tensor)
+        or torch.compiler.is_compiling()
+        or learning_rate.is_inference()
+    ):
+        return decay_factor(weight_decay, learning_rate)
+    key = ("torch decay factor", weight_decay)
+    made = cache.get(key)
+    version = learning_rate._version
+    if made is not None and made[0] is learning_rate and made[1] == version:
+        return made[2]
+    factor = decay_factor(weight_decay, learning_rate)
+    # The tensor itself is kept: an `is` check on a live object cannot be
+    # fooled by a new tensor at a recycled address.
+    cache[key] = (learning_rate, version, factor)
+    return factor

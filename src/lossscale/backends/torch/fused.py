@@ -16,6 +16,12 @@ the optimizer's own slot tensors; amsgrad's running maximum is
 `velocity_hat`. Weight decay is 0 here: AdamW's decoupled decay is applied by
 the base pipeline before the update, as for every other rule.
 
+Gradients still multiplied by a loss scale (`grad_scale`, what
+`torch.amp.GradScaler` hands a fused optimizer) are divided by it inside
+the kernel as it reads them, and written back unscaled, as torch's fused
+optimizers do: the same division as `torch._foreach_div_`, bit for bit
+(tests/test_torch_fused.py), and no pass of its own over the gradients.
+
 SGD. Keras keeps `m = momentum * m - lr * g` and adds `m` to the weights;
 torch keeps `buf = momentum * buf + g` and subtracts `lr * buf`. Given the
 gradient `-lr * g` and a learning rate of -1, torch's buffer is Keras's `m`
@@ -34,7 +40,7 @@ dtype.
 
 import torch
 
-from lossscale.backends.torch import foreach, ops, plans
+from lossscale.backends.torch import foreach, multi, ops, plans
 
 _FUSED_DTYPES = (torch.float32, torch.float64)
 _INFINITE_STEPS = {}
@@ -60,25 +66,38 @@ def _infinite_steps(group):
     return steps
 
 
-def adam(params, grads, slots, hyper, *, iterations, lr, cache, update_step=None, keep=None):
+def adam(
+    params,
+    grads,
+    slots,
+    hyper,
+    *,
+    iterations,
+    lr,
+    cache,
+    update_step=None,
+    keep=None,
+    grad_scale=None,
+):
     """`Adam.update_step` (and `AdamW`'s, which is the same) on every variable.
 
     Under `keep` the kernel itself skips the update where it is False
-    (`found_inf`): no select afterwards, no host read.
+    (`found_inf`): no select afterwards, no host read. `grad_scale`: None,
+    or a scale still multiplied into `grads`, divided out in the kernel.
     """
     del update_step  # every variable takes a kernel
     with torch.no_grad():
         for group in plans.plan(params, slots, cache).groups:
             group_lr = foreach.scalar(lr, group)
             write = plans.Writer(keep, group.device)
-            group_grads = group.grads(grads)
             if not _fusable(group):
+                group_grads = _unscaled(group, grads, grad_scale)
                 foreach.adam(hyper, group, group_grads, group_lr, write, iterations)
                 continue
             group_slots = group.slots
             torch._fused_adam_(
                 group.params,
-                group_grads,
+                group.grads(grads),
                 group_slots["momentums"],
                 group_slots["velocities"],
                 group_slots.get("velocity_hats", []),
@@ -90,9 +109,33 @@ def adam(params, grads, slots, hyper, *, iterations, lr, cache, update_step=None
                 eps=hyper.epsilon,
                 amsgrad=hyper.amsgrad,
                 maximize=False,
-                grad_scale=None,
+                grad_scale=_kernel_scale(grad_scale, group),
                 found_inf=write.found_inf(),
             )
+
+
+def _unscaled(group, grads, grad_scale):
+    """The group's gradients as `update_step` gets them: divided by `grad_scale` (if any).
+
+    For the rules that do not take the scale into a kernel: divided in
+    place as `ops.unscale` divides them (half gradients into float32
+    copies), then cast to the group's dtype.
+    """
+    if grad_scale is None:
+        return group.grads(grads)
+    own = [ops.unwrap(grads[i]) for i in group.indices]
+    unscaled = list(grads)
+    for i, g in zip(group.indices, multi.unscale(own, grad_scale, in_place=True)):
+        unscaled[i] = g
+    return group.grads(unscaled)
+
+
+def _kernel_scale(grad_scale, group):
+    """`grad_scale` as a fused kernel reads it: a float32 0-d tensor on the group's device."""
+    if grad_scale is None:
+        return None
+    scale = ops.unwrap(grad_scale).to(device=group.device, dtype=torch.float32)
+    return scale.reshape(()) if scale.ndim else scale  # a `view` is a dispatch too
 
 
 def _adam_step_size(hyper, group, lr, iterations):
@@ -101,27 +144,51 @@ def _adam_step_size(hyper, group, lr, iterations):
     Both powers in one `pow` of the pair `(beta_1, beta_2)`: on a two-element
     tensor torch computes each element as it computes a 0-d one (bit for
     bit, which tests/test_torch_fused.py checks against `update_step`).
+    Eager, `1 - powers` is written into the group's pair buffer, whose two
+    elements are views made once: no `unbind` per step.
     """
     betas = ops.constant((hyper.beta_1, hyper.beta_2), group.dtype, group.device)
-    bias_1, bias_2 = torch.unbind(1 - torch.pow(betas, foreach.step_count(iterations, group)))
+    powers = torch.pow(betas, foreach.step_count(iterations, group))
+    if torch.compiler.is_compiling():
+        bias_1, bias_2 = torch.unbind(1 - powers)
+    else:
+        pair, (bias_1, bias_2) = group.pair_buffer()
+        torch.sub(ops.constant((1.0, 1.0), group.dtype, group.device), powers, out=pair)
     return lr * torch.sqrt(bias_2) / bias_1
 
 
-def sgd(params, grads, slots, hyper, *, iterations, lr, cache, update_step=None, keep=None):
-    """`SGD.update_step` (plain, momentum, Nesterov) on every variable."""
+def sgd(
+    params,
+    grads,
+    slots,
+    hyper,
+    *,
+    iterations,
+    lr,
+    cache,
+    update_step=None,
+    keep=None,
+    grad_scale=None,
+):
+    """`SGD.update_step` (plain, momentum, Nesterov) on every variable.
+
+    `grad_scale`: None, or a scale still multiplied into `grads`: plain SGD
+    divides it out in the kernel; with momentum the gradients are divided
+    first, since Keras's `lr * g` must be formed from the unscaled `g`.
+    """
     del update_step  # every variable takes a kernel
     with torch.no_grad():
         for group in plans.plan(params, slots, cache).groups:
             group_lr = foreach.scalar(lr, group)
             write = plans.Writer(keep, group.device)
-            group_grads = group.grads(grads)
             if not _fusable(group):
+                group_grads = _unscaled(group, grads, grad_scale)
                 foreach.sgd(hyper, group, group_grads, group_lr, write, iterations)
                 continue
             if hyper.momentum == 0:
                 torch._fused_sgd_(
                     group.params,
-                    group_grads,
+                    group.grads(grads),
                     [],
                     weight_decay=0.0,
                     momentum=0.0,
@@ -130,13 +197,14 @@ def sgd(params, grads, slots, hyper, *, iterations, lr, cache, update_step=None,
                     nesterov=False,
                     maximize=False,
                     is_first_step=False,
+                    grad_scale=_kernel_scale(grad_scale, group),
                     found_inf=write.found_inf(),
                 )
                 continue
             # `g * (-lr)` is `-(g * lr)` exactly, the term Keras subtracts.
             torch._fused_sgd_(
                 group.params,
-                torch._foreach_mul(group_grads, -group_lr),
+                torch._foreach_mul(_unscaled(group, grads, grad_scale), -group_lr),
                 group.slots["momentums"],
                 weight_decay=0.0,
                 momentum=float(hyper.momentum),

@@ -26,6 +26,20 @@ KERNELS = {
 }
 
 
+# The kernels that divide a loss scale still in the gradients out as they
+# read them (`grad_scale`, see `fused`). Not declared `takes_grad_scale`:
+# `LossScaleOptimizer` would then check the scaled gradients with a
+# reduction of their own, where on torch its one AMP pass already divides and
+# checks them at once. `lossscale.torch.Optimizer` gives them
+# `torch.amp.GradScaler`'s `grad_scale` (see `divides_grad_scale`).
+GRAD_SCALE_KERNELS = frozenset({"adam", "sgd"})
+
+
+def divides_grad_scale(name):
+    """Whether the kernel named `name` accepts a `grad_scale` and divides it out itself."""
+    return name in GRAD_SCALE_KERNELS
+
+
 def fused_update(name):
     """The `Kernel` named `name`, or None."""
     return KERNELS.get(name)

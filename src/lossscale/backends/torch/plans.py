@@ -40,13 +40,14 @@ class Group:
         slots: `{slot name: [storage, ...]}`, aligned with `params`.
     """
 
-    __slots__ = ("device", "dtype", "indices", "params", "slots", "_whole", "_step")
+    __slots__ = ("device", "dtype", "indices", "params", "slots", "_whole", "_step", "_pair")
 
     def __init__(self, device, dtype, indices, params, slots, whole):
         self.device, self.dtype, self.indices = device, dtype, indices
         self.params, self.slots = params, slots
         self._whole = whole
         self._step = None
+        self._pair = None
 
     def step_buffer(self):
         """A 0-d tensor of the group's dtype and device, kept with the plan.
@@ -57,6 +58,18 @@ class Group:
         if self._step is None:
             self._step = torch.empty((), dtype=self.dtype, device=self.device)
         return self._step
+
+    def pair_buffer(self):
+        """`(pair, (first, second))`: a 2-element tensor of the group's dtype, and views of it.
+
+        Kept with the plan, views made once: a kernel writes a pair of
+        scalars into it (`torch.sub(..., out=pair)`) and reads each element
+        without an `unbind` or `select` per step.
+        """
+        if self._pair is None:
+            pair = torch.empty(2, dtype=self.dtype, device=self.device)
+            self._pair = (pair, (pair[0], pair[1]))
+        return self._pair
 
     def grads(self, grads):
         """This group's gradients, cast to its dtype as `update_step` does."""
