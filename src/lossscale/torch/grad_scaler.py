@@ -315,14 +315,18 @@ class GradScaler(
                 "Call `scaler.step(optimizer)` first. Received: no `step()` or `unscale_()` "
                 "since the last `update()`"
             )
-        finite = (flags[0] if len(flags) == 1 else torch.stack(flags).amax()) == 0
+        # Each flag is 0 or 1 (torch's kernel, or `_agreed`): torch's AMP form.
+        skip = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
+        finite = skip == 0
         peak = None
         if self._policy.growth_policy == "headroom":
             peak = torch.stack([s["peak"] for s in states.values() if "peak" in s]).amax()
-        new = self._advance(states, finite, peak)
+        new = self._advance(states, finite, peak, skip)
         self._last_finite = finite
-        self._scale.copy_(new.scale)
-        self._growth_tracker.copy_(new.counter)
+        if new.scale is not self._scale:  # else updated in place by the fused kernel
+            self._scale.copy_(new.scale)
+        if new.counter is not self._growth_tracker:
+            self._growth_tracker.copy_(new.counter)
         self._extras = {name: getattr(new, name) for name in self._extras}
         states.clear()
         self._scale_bound *= self._policy.backoff_factor * _ROUNDING

@@ -214,10 +214,13 @@ class ScalerDiagnosticsMixin:
             variable_finite = tuple(finite.get(n) for n in names)
         return names, {k: tuple(v) for k, v in columns.items()}, variable_finite, measured
 
-    def _advance(self, states, finite, peak):
+    def _advance(self, states, finite, peak, skip):
         """`next_loss_scale` of this update, with the per-parameter fields lent and kept back.
 
-        Also tells the observers, and counts the update on the host.
+        `skip` is `finite` as torch's float flag (1.0: skipped). The scale
+        and the growth tracker may be updated in place (a plain policy's
+        fused kernel does). Also tells the observers, and counts the update
+        on the host.
         """
         names, per_variable, variable_finite, measured = (), {}, (), None
         if self._policy.records_details or self._policy.diagnoses:
@@ -231,6 +234,8 @@ class ScalerDiagnosticsMixin:
             peak=peak,
             variable_finite=variable_finite,
             measured=measured,
+            skip=skip.to(torch.float32),
+            in_place=True,
         )
         if names:
             self._keep_per_variable(names, new)
