@@ -606,3 +606,32 @@ def test_process_group_without_torch_distributed_fails_before_unscaling():
     with pytest.raises(ValueError, match="torch.distributed is not initialised"):
         scaler.step(opt)
     assert p.grad.tolist() == [4.0, 4.0]  # still scaled
+
+
+def test_a_step_and_update_dispatch_four_operations_more_than_torchs():
+    # The flag as a boolean (`eq`, with its `view`), and the backoff floor
+    # torch's scaler lacks (`mul`, `clamp_min_`): nothing per parameter.
+    from torch_cases import count_ops
+
+    counts = {}
+    for cls in (torch.amp.GradScaler, lt.GradScaler):
+        params = [torch.nn.Parameter(torch.randn(64, 32)) for _ in range(16)]
+        opt = torch.optim.AdamW(params, fused=True)
+        scaler = cls("cpu", init_scale=1024.0)
+        scaler.scale(torch.ones(()))
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(64, 32) * 1024
+            with count_ops() as seen:
+                scaler.step(opt)
+                scaler.update()
+        counts[cls] = seen
+    ours, theirs = counts[lt.GradScaler], counts[torch.amp.GradScaler]
+    assert len(ours) == len(theirs) + 4, ours
+    assert ours[-5:] == [
+        "aten.view.default",
+        "aten.eq.Scalar",
+        "aten._amp_update_scale_.default",
+        "aten.mul.Tensor",
+        "aten.clamp_min_.Tensor",
+    ]
