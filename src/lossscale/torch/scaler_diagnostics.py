@@ -28,6 +28,7 @@ import torch
 from lossscale.backends import get_ops
 from lossscale.mixed_precision import diagnostics, loss_scale
 from lossscale.mixed_precision.loss_scale import next_loss_scale
+from lossscale.torch import gradients
 
 _OPS = get_ops("torch")
 
@@ -101,7 +102,7 @@ class ScalerDiagnosticsMixin:
 
     # -- inside the step: device operations only ------------------------------
 
-    def scale(self, outputs):
+    def scale(self, outputs: torch.Tensor | Iterable[Any]) -> torch.Tensor | Iterable[Any]:
         """Multiplies `outputs` (a tensor or nested iterables of them) by the scale, as torch's.
 
         With telemetry it also records, on the device, whether they were all
@@ -147,15 +148,23 @@ class ScalerDiagnosticsMixin:
         groups = {}
         for name, grad in named:
             groups.setdefault((grad.device, grad.dtype), []).append((name, grad))
-        out = {}
         device = self._scale.device
+        names, flags = [], []
         for members in groups.values():
             # One multi-tensor kernel per group: the largest magnitude of each
             # gradient, NaN where it holds a NaN.
             norms = torch._foreach_norm([g for _, g in members], math.inf)
-            finite = torch.stack(norms).isfinite().to(device, non_blocking=True)
-            out.update({name: finite[i] for i, (name, _) in enumerate(members)})
-        return out
+            flags.append(torch.stack(norms).isfinite().to(device, non_blocking=True))
+            names.extend(name for name, _ in members)
+        if not names:
+            return {}
+        bad = (~torch.cat(flags)).to(torch.float32)
+        # A DTensor's shards (FSDP2): a parameter is non-finite if any rank's
+        # shard is. Every rank of a mesh holds every parameter, in one order.
+        for group in gradients.local_gradients(optimizer)[1]:
+            bad = _OPS.all_max(bad, group)
+        finite = bad == 0
+        return {name: finite[i] for i, name in enumerate(names)}
 
     def _named_gradients(self, optimizer):
         """`(name, gradient)` of the optimizer's dense local gradients."""
