@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -189,27 +188,15 @@ def _unscaler(policy):
 
     The JAX backend's `unscale`, by the exact reciprocal where every scale
     the policy can reach is a power of two (Keras's defaults: 2^15, doubled,
-    halved, floored at 2^-126; see `_scales_are_powers_of_two`).
+    halved, floored at 2^-126; see `LossScalePolicy.scales_are_powers_of_two`).
     """
-    by_reciprocal = _scales_are_powers_of_two(policy)
+    by_reciprocal = policy.scales_are_powers_of_two
 
     def unscale(grads, dtypes, scale):
         unscaled = _ops.unscale(grads, scale, reciprocal=by_reciprocal)
         return [u.astype(dtype) for u, dtype in zip(unscaled, dtypes)]
 
     return unscale
-
-
-def _scales_are_powers_of_two(policy):
-    """Whether every scale `next_loss_scale` can give under `policy` is a power of two.
-
-    Scales are the initial one times growth and backoff factors, capped at
-    `max_scale` and floored at 2^-126 (itself a power of two).
-    """
-    factors = [policy.initial_scale, policy.growth_factor, policy.backoff_factor]
-    if policy.max_scale is not None:
-        factors.append(policy.max_scale)
-    return all(math.frexp(f)[0] == 0.5 for f in factors)
 
 
 def leaf_paths(tree):
@@ -232,16 +219,17 @@ def _initial_state(policy, count, like):
     return LossScaleState(**values)
 
 
-def _finite_in(group, dtype, scale):
+def _finite_in(group, dtype, scale, reciprocal):
     """Whether every gradient of `group`, divided by `scale` and cast to `dtype`, is finite.
 
     For float32 and float64 that is whether the float32 division is
     finite (the peaks are float32): the backend's `finite_unscaled`, which
-    settles most steps with sums (see its doc). A narrower dtype's range
-    is checked on the divided peak, cast to it.
+    settles most steps with sums (see its doc), in one pass by the exact
+    reciprocal where `reciprocal` (the policy's scales are powers of two).
+    A narrower dtype's range is checked on the divided peak, cast to it.
     """
     if dtype in (jnp.float32, jnp.float64):
-        return _ops.finite_unscaled(group, scale)
+        return _ops.finite_unscaled(group, scale, reciprocal)
     return _ops.isfinite((_ops.max_abs(group) / scale).astype(dtype))
 
 
@@ -270,7 +258,8 @@ def _inspect(leaves, dtypes, scale, policy):
         for g, d in zip(leaves, dtypes):
             groups.setdefault(jnp.dtype(d), []).append(g)
         if policy.growth_policy != "headroom":  # the flag alone
-            flags = [_finite_in(group, dtype, scale) for dtype, group in groups.items()]
+            reciprocal = policy.scales_are_powers_of_two
+            flags = [_finite_in(group, d, scale, reciprocal) for d, group in groups.items()]
             finite = functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
             return finite, None, ()
         scaled = [_ops.max_abs(group) for group in groups.values()]

@@ -53,10 +53,11 @@ def global_norm(arrays):
     return tf.sqrt(tf.add_n(squares) if len(squares) > 1 else squares[0])
 
 
-def finite_unscaled(arrays, scale):
+def finite_unscaled(arrays, scale, reciprocal=False):
     """Whether every element of `arrays`, divided by `scale`, is finite.
 
-    Division is monotone: the largest magnitude over the scale decides.
+    Division is monotone: the largest magnitude over the scale decides,
+    one division for any scale (`reciprocal` has nothing to save here).
     """
     return tf.math.is_finite(max_abs(arrays) / tf.cast(scale, tf.float32))
 
