@@ -87,15 +87,12 @@ class BackendOps(Protocol):
         kernel, which stores the values it reads.
         """
 
-    def finite_unscaled(self, arrays: Sequence[Any], scale: Any, reciprocal: bool = False) -> Any:
+    def finite_unscaled(self, arrays: Sequence[Any], scale: Any) -> Any:
         """Whether every element of `arrays` divided by `scale` is finite, as a boolean scalar.
 
         `isfinite(max_abs(arrays) / scale)`, the check of a step whose
         kernel divides as it reads each gradient; JAX on CPU settles most
         steps with a cheaper sum first (see `backends/jax/multi.finite_unscaled`).
-        `reciprocal` (the caller guarantees a power-of-two scale, see
-        `LossScalePolicy.scales_are_powers_of_two`) permits, does not
-        demand, a check by the exact reciprocal: JAX's is one pass then.
         """
 
     def global_norm(self, arrays: Sequence[Any]) -> Any: ...

@@ -219,17 +219,16 @@ def _initial_state(policy, count, like):
     return LossScaleState(**values)
 
 
-def _finite_in(group, dtype, scale, reciprocal):
+def _finite_in(group, dtype, scale):
     """Whether every gradient of `group`, divided by `scale` and cast to `dtype`, is finite.
 
     For float32 and float64 that is whether the float32 division is
     finite (the peaks are float32): the backend's `finite_unscaled`, which
-    settles most steps with sums (see its doc), in one pass by the exact
-    reciprocal where `reciprocal` (the policy's scales are powers of two).
-    A narrower dtype's range is checked on the divided peak, cast to it.
+    settles most steps with sums (see its doc). A narrower dtype's range
+    is checked on the divided peak, cast to it.
     """
     if dtype in (jnp.float32, jnp.float64):
-        return _ops.finite_unscaled(group, scale, reciprocal)
+        return _ops.finite_unscaled(group, scale)
     return _ops.isfinite((_ops.max_abs(group) / scale).astype(dtype))
 
 
@@ -258,8 +257,7 @@ def _inspect(leaves, dtypes, scale, policy):
         for g, d in zip(leaves, dtypes):
             groups.setdefault(jnp.dtype(d), []).append(g)
         if policy.growth_policy != "headroom":  # the flag alone
-            reciprocal = policy.scales_are_powers_of_two
-            flags = [_finite_in(group, d, scale, reciprocal) for d, group in groups.items()]
+            flags = [_finite_in(group, dtype, scale) for dtype, group in groups.items()]
             finite = functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
             return finite, None, ()
         scaled = [_ops.max_abs(group) for group in groups.values()]

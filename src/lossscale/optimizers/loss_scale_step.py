@@ -45,10 +45,7 @@ class LossScaleStepMixin:
             # scaled magnitude over the scale is the largest unscaled one, and
             # the check still catches a gradient that overflows when unscaled.
             present = [g for g in grads if g is not None]
-            finite = ops.finite_unscaled(
-                present, scale, reciprocal=self.policy.scales_are_powers_of_two
-            )
-            peak, variable_finite = None, ()
+            finite, peak, variable_finite = ops.finite_unscaled(present, scale), None, ()
             grad_scale = scale
         else:
             scaled = [

@@ -181,13 +181,11 @@ def max_abs(arrays):
     return parallel.peak_magnitude(arrays)
 
 
-def finite_unscaled(arrays, scale, reciprocal=False):
+def finite_unscaled(arrays, scale):
     """Whether every element of `arrays`, divided by `scale`, is finite.
 
     Division is monotone: the largest magnitude over the scale decides
     (an overflow there is what it detects, so NumPy does not warn of it).
-    One division for any scale: `reciprocal` (a power-of-two scale) has
-    nothing to save here.
     """
     with np.errstate(over="ignore", invalid="ignore"):
         return np.isfinite(max_abs(arrays) / unwrap(scale))

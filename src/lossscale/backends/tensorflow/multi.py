@@ -53,11 +53,10 @@ def global_norm(arrays):
     return tf.sqrt(tf.add_n(squares) if len(squares) > 1 else squares[0])
 
 
-def finite_unscaled(arrays, scale, reciprocal=False):
+def finite_unscaled(arrays, scale):
     """Whether every element of `arrays`, divided by `scale`, is finite.
 
-    Division is monotone: the largest magnitude over the scale decides,
-    one division for any scale (`reciprocal` has nothing to save here).
+    Division is monotone: the largest magnitude over the scale decides.
     """
     return tf.math.is_finite(max_abs(arrays) / tf.cast(scale, tf.float32))
 

@@ -281,11 +281,10 @@ def max_abs(arrays):
     return peaks[0] if len(peaks) == 1 else _combine(peaks).max()
 
 
-def finite_unscaled(arrays, scale, reciprocal=False):
+def finite_unscaled(arrays, scale):
     """Whether every element of `arrays`, divided by `scale`, is finite.
 
-    Division is monotone: the largest magnitude over the scale decides,
-    one division for any scale (`reciprocal` has nothing to save here).
+    Division is monotone: the largest magnitude over the scale decides.
     """
     return torch.isfinite(max_abs(arrays) / unwrap(scale))
 
