@@ -1,5 +1,7 @@
 """The JAX backend's multi-array helpers: unscale, the finite check, norms."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -164,6 +166,130 @@ def test_off_the_cpu_every_array_is_checked_exactly_without_a_branch(monkeypatch
     assert "cond" not in outer, outer
     assert not bool(jax_multi.finite_unscaled(arrays, jnp.float32(2.0)))
     assert bool(jax_multi.finite_unscaled(arrays[:1], jnp.float32(2.0)))
+
+
+# --- the check by the exact reciprocal (a power-of-two scale) ---------------
+
+# Both sides of the chunk threshold (`_SMALL`) and of the sums-first one
+# (`_SUMMED`), at their real values.
+RECIPROCAL_SIZES = (
+    jax_multi._SMALL,
+    jax_multi._SMALL + 1,
+    jax_multi._SUMMED - 1,
+    jax_multi._SUMMED,
+)
+# Below 1 (where a finite gradient can overflow once unscaled), 1, above,
+# and the ends of the range the policy reaches.
+RECIPROCAL_EXPONENTS = (-126, -113, -112, -1, 0, 15, 126, 127)
+
+
+def _largest_unscaled_finite(dtype, scale):
+    """The largest value whose float32 quotient by `scale` is finite, and the next one.
+
+    Values of `dtype`; for float64, float32 values (the check is in float32).
+    """
+    step = np.float32 if dtype == "float64" else dtype
+    limit = np.float64(np.finfo(np.float32).max) * scale
+    top = np.asarray(min(limit, float(np.finfo(step).max)), np.float64).astype(step)
+    while not _exact_flag([top], scale):
+        top = np.nextafter(top, np.asarray(0, step))
+    with np.errstate(over="ignore"):
+        above = np.nextafter(top, np.asarray(np.inf, step))
+    return top, (above if np.isfinite(above) else None)
+
+
+@contextlib.contextmanager
+def _dtype_enabled(dtype):
+    with jax.enable_x64(dtype == "float64"):
+        yield
+
+
+@pytest.mark.parametrize("size", RECIPROCAL_SIZES)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_the_reciprocal_check_is_the_exact_flag(dtype, size, rng):
+    """`reciprocal=True` equals `isfinite(max_abs / scale)` for power-of-two scales.
+
+    inf, -inf, NaN and the first value that overflows once unscaled at the
+    first, last and a random position, beside the largest that does not,
+    in a small array and a large one.
+    """
+    with _dtype_enabled(dtype):
+        check = jax.jit(jax_multi.finite_unscaled, static_argnums=2)
+        base = (rng.uniform(0.5, 1.5, size) * rng.choice([-1, 1], size)).astype(dtype)
+        small = jnp.asarray(rng.normal(size=7).astype(dtype))
+        for k in RECIPROCAL_EXPONENTS:
+            scale = np.float32(2.0**k)
+            top, above = _largest_unscaled_finite(dtype, scale)
+            bad_values = [np.inf, -np.inf, np.nan] + ([] if above is None else [above, -above])
+            if dtype == "float64":  # beyond float32's range
+                bad_values.append(-1e300)
+            positions = (0, size - 1, int(rng.integers(size)))
+            cases = [(None, None)] + [(v, i) for v in [top, -top] + bad_values for i in positions]
+            for value, position in cases:
+                values = base.copy()
+                if value is not None:
+                    values[position] = value
+                arrays = [jnp.asarray(values), small]
+                expected = _exact_flag(arrays, scale)
+                finite = value is None or bool(np.float64(abs(value)) == top)
+                assert expected is finite, (k, value)  # the case is what it says
+                got = check(arrays, jnp.float32(scale), True)
+                assert bool(got) is expected, (k, value, position)
+                # The small array alone carries it too (it is its own chunk).
+                got = check([small, jnp.asarray(values[:5])], jnp.float32(scale), True)
+                assert bool(got) is _exact_flag([small, values[:5]], scale), (k, value)
+
+
+def test_the_reciprocal_check_under_vmap(rng):
+    """A flag per member, with a scale per member, below and above 1."""
+    n = jax_multi._SMALL + 1
+    big = np.float32(np.finfo(np.float32).max) / 2
+    members = np.tile(rng.normal(size=n).astype(np.float32), (4, 1))
+    members[1, 17] = np.nan
+    members[2, -1] = np.nextafter(big, np.float32(np.inf))  # overflows at 0.5 only
+    members[3, 0] = big  # the largest value that does not at 0.5
+    scales = np.float32([2.0, 2.0**15, 0.5, 0.5])
+    got = jax.jit(jax.vmap(lambda g, s: jax_multi.finite_unscaled([g], s, True)))(
+        jnp.asarray(members), jnp.asarray(scales)
+    )
+    assert np.asarray(got).tolist() == [True, False, False, True]
+    # The same members at a scale of at least 1: only the NaN.
+    got = jax.vmap(lambda g: jax_multi.finite_unscaled([g], jnp.float32(2.0), True))(members)
+    assert np.asarray(got).tolist() == [True, False, True, True]
+
+
+def test_the_reciprocal_check_has_no_branch_and_no_peak(monkeypatch):
+    """One sum of `y - y` per group: no `cond`, no `abs`, and `cond` only for the large sums."""
+    arrays = [jnp.ones(9), jnp.ones(3)]
+    outer, _ = _primitives(
+        jax.make_jaxpr(lambda a, s: jax_multi.finite_unscaled(a, s, True))(
+            arrays, jnp.float32(0.5)
+        ).jaxpr
+    )
+    assert "cond" not in outer and "abs" not in outer and "mul" in outer, outer
+    monkeypatch.setattr(jax_multi, "_SUMMED", 8)
+    outer, inner = _primitives(
+        jax.make_jaxpr(lambda a, s: jax_multi.finite_unscaled(a, s, True))(
+            arrays, jnp.float32(0.5)
+        ).jaxpr
+    )
+    # The large array's plain sum first; its exact branch has no `cond` of its own.
+    assert outer.count("cond") == 1 and "abs" not in outer, outer
+    assert "cond" not in inner and "abs" not in inner and "mul" in inner, inner
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("shape", [(1024, 256), (64, 100)])
+def test_the_reciprocal_check_holds_no_scratch_buffer(dtype, shape):
+    """Same-shaped gradients share no broadcast of the reciprocal (see `_groups_finite`)."""
+    with _dtype_enabled(dtype):
+        arrays = [jnp.ones(shape, dtype) for _ in range(4)]
+        compiled = (
+            jax.jit(lambda a, s: jax_multi.finite_unscaled(a, s, True))
+            .lower(arrays, jnp.float32(2.0))
+            .compile()
+        )
+        assert compiled.memory_analysis().temp_size_in_bytes < arrays[0].nbytes // 8
 
 
 def test_global_norm_of_half_precision(rng):

@@ -300,11 +300,14 @@ def test_unscaling_by_the_reciprocal_is_division_bit_for_bit(dtype):
         (dict(growth_factor=3.0), False),
         (dict(backoff_factor=0.75), False),
         (dict(initial_scale=1024.0, max_scale=3000.0), False),
+        # The floor itself, and a subnormal float32 scale, whose reciprocal is inf.
+        (dict(initial_scale=2.0**-126), True),
+        (dict(initial_scale=2.0**-127), False),
     ],
 )
 def test_only_power_of_two_policies_unscale_by_the_reciprocal(settings, powers):
     policy = ls.mixed_precision.LossScalePolicy(**settings)
-    assert transform_module._scales_are_powers_of_two(policy) is powers
+    assert policy.scales_are_powers_of_two is powers
     unscale = jax.jit(lambda g, s: transform_module._unscaler(policy)([g], ["float32"], s)[0])
     grads = jnp.asarray(np.random.default_rng(8).normal(size=4000).astype(np.float32))
     scale = jnp.float32(policy.initial_scale)

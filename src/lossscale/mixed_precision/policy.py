@@ -6,6 +6,7 @@ applies) is derived once, at construction, into plain attributes.
 """
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -136,6 +137,7 @@ class LossScalePolicy:
         # Derived once: a step asks for them every time, and `torch.compile`
         # traces attribute reads where it cannot trace `dataclasses.fields`.
         object.__setattr__(self, "_plain", self._compute_is_plain())
+        object.__setattr__(self, "_powers_of_two", self._compute_scales_are_powers_of_two())
         fields = tuple(f for f in _STATE_FIELDS if self.tracks(f.name))
         object.__setattr__(self, "_field_names", tuple(f.name for f in fields))
         # (name, per, initial) of each: plain values, which a compiled step
@@ -182,6 +184,28 @@ class LossScalePolicy:
             and self.growth_policy == "fixed"
             and all(float(np.float32(f)) == f for f in (self.growth_factor, self.backoff_factor))
         )
+
+    @property
+    def scales_are_powers_of_two(self) -> bool:
+        """Whether every scale the update can reach is a normal float32 power of two.
+
+        See `_compute_scales_are_powers_of_two`.
+        """
+        return self._powers_of_two
+
+    def _compute_scales_are_powers_of_two(self):
+        """Whether every scale the update can reach is a normal float32 power of two.
+
+        Then `x * (1 / scale)` is `x / scale`, bit for bit, and `1 / scale`
+        is finite. Scales are the initial one times growth and backoff
+        factors, capped at `max_scale` and floored at `MIN_SCALE` (2^-126,
+        itself a power of two); an initial scale below that floor is
+        subnormal in float32, and its reciprocal overflows.
+        """
+        factors = [self.initial_scale, self.growth_factor, self.backoff_factor]
+        if self.max_scale is not None:
+            factors.append(self.max_scale)
+        return self.initial_scale >= MIN_SCALE and all(math.frexp(f)[0] == 0.5 for f in factors)
 
     def tracks(self, field_name: str) -> bool:
         """Whether `LossScaleState.<field_name>` exists under this policy."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -236,27 +235,15 @@ def _unscaler(policy):
 
     The JAX backend's `unscale`, by the exact reciprocal where every scale
     the policy can reach is a power of two (Keras's defaults: 2^15, doubled,
-    halved, floored at 2^-126; see `_scales_are_powers_of_two`).
+    halved, floored at 2^-126; see `LossScalePolicy.scales_are_powers_of_two`).
     """
-    by_reciprocal = _scales_are_powers_of_two(policy)
+    by_reciprocal = policy.scales_are_powers_of_two
 
     def unscale(grads, dtypes, scale):
         unscaled = _ops.unscale(grads, scale, reciprocal=by_reciprocal)
         return [u.astype(dtype) for u, dtype in zip(unscaled, dtypes)]
 
     return unscale
-
-
-def _scales_are_powers_of_two(policy):
-    """Whether every scale `next_loss_scale` can give under `policy` is a power of two.
-
-    Scales are the initial one times growth and backoff factors, capped at
-    `max_scale` and floored at 2^-126 (itself a power of two).
-    """
-    factors = [policy.initial_scale, policy.growth_factor, policy.backoff_factor]
-    if policy.max_scale is not None:
-        factors.append(policy.max_scale)
-    return all(math.frexp(f)[0] == 0.5 for f in factors)
 
 
 def leaf_paths(tree):
