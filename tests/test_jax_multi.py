@@ -4,6 +4,7 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -190,7 +191,7 @@ def _largest_unscaled_finite(dtype, scale):
     """
     step = np.float32 if dtype == "float64" else dtype
     limit = np.float64(np.finfo(np.float32).max) * scale
-    top = np.asarray(min(limit, float(np.finfo(step).max)), np.float64).astype(step)
+    top = np.asarray(min(limit, float(ml_dtypes.finfo(step).max)), np.float64).astype(step)
     while not _exact_flag([top], scale):
         top = np.nextafter(top, np.asarray(0, step))
     with np.errstate(over="ignore"):
