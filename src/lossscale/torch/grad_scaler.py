@@ -14,7 +14,6 @@ against gradients that overflow only once unscaled.
 
 from __future__ import annotations
 
-import numbers
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,7 +28,7 @@ from lossscale.mixed_precision.loss_scale import (
     LossScaleState,
 )
 from lossscale.mixed_precision.telemetry import LossScaleError
-from lossscale.torch import scaler_checks, scaler_diagnostics, scaler_state
+from lossscale.torch import scaler_arguments, scaler_checks, scaler_diagnostics, scaler_state
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -178,16 +177,16 @@ class GradScaler(
         process_group: ProcessGroup | None = None,
         allow_fp16_gradients: bool = False,
     ) -> None:
-        enabled = _as_enabled(enabled)
+        enabled = scaler_arguments.as_enabled(enabled)
         validation.check_bool("allow_fp16_gradients", allow_fp16_gradients)
-        init_scale = _as_number("init_scale", init_scale)
+        init_scale = scaler_arguments.as_number("init_scale", init_scale)
         check = validation.check_number
         check("init_scale", init_scale, low=0, low_open=True, high=MAX_SCALE)
         check("growth_factor", growth_factor, low=1, low_open=True)
         check("backoff_factor", backoff_factor, low=0, high=1, low_open=True, high_open=True)
         check("growth_interval", growth_interval, low=1, integer=True)
-        if (_is_real(min_scale) and min_scale > init_scale) or (
-            _is_real(max_scale) and max_scale < init_scale
+        if (scaler_arguments.is_real(min_scale) and min_scale > init_scale) or (
+            scaler_arguments.is_real(max_scale) and max_scale < init_scale
         ):
             raise ValueError(
                 "`init_scale` must lie between `min_scale` and `max_scale`. Received: "
@@ -386,28 +385,3 @@ class GradScaler(
         if self._enabled and self._scale is not None:
             self._scale_bound = value
         return value
-
-
-def _as_enabled(enabled):
-    """`enabled` as torch takes it: a bool, or an integer used as one (`enabled=1`)."""
-    if isinstance(enabled, (bool, np.bool_)) or (
-        isinstance(enabled, numbers.Integral) and enabled in (0, 1)
-    ):
-        return bool(enabled)
-    raise ValueError(f"`enabled` must be a boolean (or 0 or 1). Received: enabled={enabled!r}")
-
-
-def _as_number(name, value):
-    """A one-element real tensor (`init_scale=torch.tensor(8.0)`, as torch accepts) as a float."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
-            raise ValueError(
-                f"`{name}` must be a positive number or a one-element real tensor. "
-                f"Received: {name}=tensor of shape {tuple(value.shape)}, dtype {value.dtype}"
-            )
-        return float(value.detach().reshape(()).to(torch.float64))
-    return value
-
-
-def _is_real(x):
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
