@@ -219,6 +219,7 @@ LAYERS = {
         "dtensors",
         "ops",
         "multi",
+        "float16_range",
         "plans",
         "foreach",
         "adamw",

@@ -138,6 +138,17 @@ class BackendOps(Protocol):
         with `in_place`, `scale` and `counter` may be updated where they are.
         """
 
+    def fused_float16_range(self) -> Callable | None:
+        """A kernel measuring many gradients' float16 range at once, or None.
+
+        `kernel(grads, subnormal_below, near_from, out)` writes what
+        `mixed_precision.diagnostics.measure` gives for each gradient into
+        `out = (zero, subnormal, near_max, max_abs)`, four lists of float32
+        scalar arrays (one per gradient) written in place, bit for bit;
+        returns False, writing nothing, for gradients it does not take. Only
+        on a `MUTABLE` backend.
+        """
+
     # --- control flow ---------------------------------------------------
     def cond(
         self,

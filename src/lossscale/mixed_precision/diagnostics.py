@@ -15,6 +15,10 @@ The shares count elements exactly (an integer count, then one division by
 the size), so they equal a float64 count of the same values to float32's
 precision. NaN counts in no share; inf counts as near the maximum.
 
+`measure_into` measures many gradients into state variables, through the
+backend's `fused_float16_range` kernel where it has one (the same values,
+bit for bit, in a fixed number of operations).
+
 A step measures only when its policy says (`diagnostics_every`); the
 results are optimizer state, read on the host by `summary()`.
 """
@@ -67,6 +71,29 @@ def measure(
         near = ops.sum(ops.cast(a >= near_max_limit(growth_factor), "int32"))
         shares = [ops.cast(count, "float32") / float(size) for count in (zero, below - zero, near)]
     return (*shares, ops.cast(ops.max_abs([grad]), "float32"))
+
+
+def measure_into(
+    ops: BackendOps, grads: list[Array], growth_factor: float, fields: list[list]
+) -> None:
+    """Measures each of `grads` (as `measure`) into its `Variable` of each of `fields`.
+
+    Args:
+        ops: The gradients' backend module.
+        grads: Floating-point arrays, each with at least one element.
+        growth_factor: The policy's growth factor (for `near_max`).
+        fields: `(zero, subnormal, near_max, max_abs)` lists of float32
+            scalar `Variable`s, one per gradient, assigned the results.
+    """
+    kernel = ops.fused_float16_range()
+    if kernel is not None:
+        # A mutable backend's variables hold their arrays: written in place.
+        out = [[v.value for v in field] for field in fields]
+        if kernel(grads, FLOAT16_SMALLEST_NORMAL, near_max_limit(growth_factor), out):
+            return
+    for i, grad in enumerate(grads):
+        for field, value in zip(fields, measure(ops, grad, growth_factor)):
+            field[i].assign(value)
 
 
 def due(policy, steps: Array) -> Array:

@@ -137,7 +137,7 @@ def next_loss_scale(
             skip=skip,
             in_place=in_place,
         )
-        counted = _counted(ops, state, policy, measured)
+        counted = _counted(ops, state, policy, measured, in_place=in_place and ops.MUTABLE)
         return replaced(state, scale=scale, counter=counter, **counted)
     scale, counter = state.scale, state.counter
     overflow = ops.logical_not(finite)
@@ -219,16 +219,22 @@ def next_loss_scale(
     return replaced(state, **new)
 
 
-def _counted(ops, state, policy, measured):
-    """The step count and the step of the last measurement, as tracked."""
+def _counted(ops, state, policy, measured, in_place=False):
+    """The step count and the step of the last measurement, as tracked.
+
+    With `in_place`, `state.steps` is incremented where it is (one operation
+    a step, not two): the caller reads it no more.
+    """
     new = {}
     step = state.steps
-    if policy.tracks("steps"):
-        new["steps"] = step + 1
     if policy.diagnoses and measured is not None and measured is not False:
         new["range_step"] = (
-            step if measured is True else ops.where(measured, step, state.range_step)
+            (ops.copy(step) if in_place else step)
+            if measured is True
+            else ops.where(measured, step, state.range_step)
         )
+    if policy.tracks("steps"):
+        new["steps"] = ops.assign_add(step, 1) if in_place else step + 1
     return new
 
 

@@ -53,26 +53,27 @@ class LossScaleDiagnosticsMixin:
         gradient this step keep their last measurement.
         """
         ops, policy = self._ops, self.policy
+        host = ops.host_control() and not self._stateless
+        if host:
+            due = self._host_steps % policy.diagnostics_every == 0
+            self._host_steps += 1
+            if not due:  # the common step: nothing more to look at
+                return False
         targets = [
             (self._get_variable_index(v), g)
             for g, v in zip(grads, variables)
             if g is not None and ops.shape(g).count(0) == 0
         ]
-        fields = [self._state[name] for name in diagnostics.FIELDS]
+        fields = [[self._state[name][i] for i, _ in targets] for name in diagnostics.FIELDS]
 
         def write():
-            for i, g in targets:
-                for field, value in zip(fields, diagnostics.measure(ops, g, policy.growth_factor)):
-                    field[i].assign(value)
+            diagnostics.measure_into(ops, [g for _, g in targets], policy.growth_factor, fields)
 
-        if ops.host_control() and not self._stateless:
-            due = self._host_steps % policy.diagnostics_every == 0
-            self._host_steps += 1
-            if due:
-                write()
-            return due
-        due = diagnostics.due(policy, self._read_state().steps)
-        ops.cond(due, write, None, [field[i] for i, _ in targets for field in fields])
+        if host:
+            write()
+            return True
+        due = diagnostics.due(policy, self._state["steps"].value)
+        ops.cond(due, write, None, [v for field in fields for v in field])
         return due
 
     def _notify_observers(self, finite: Array, step: Array | None) -> None:

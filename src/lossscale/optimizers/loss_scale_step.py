@@ -18,8 +18,10 @@ inner step runs under `ops.cond`. Nothing reads the flag on the host.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence
 
+from lossscale.mixed_precision import diagnostics
 from lossscale.mixed_precision.loss_scale import (
     STATE_FIELD_NAMES,
     LossScaleState,
@@ -75,7 +77,10 @@ class LossScaleStepMixin:
         agreed = ops.all_true(finite, self.process_group)
         if peak is not None:
             peak = ops.all_max(peak, self.process_group)
-        state = self._read_state()
+        # The per-variable measurement is read by the statistics policy only:
+        # elsewhere its hundred-odd variables would be read every step.
+        unread = () if self.policy.growth_policy == "statistics" else diagnostics.FIELDS
+        state = self._read_state(unread=unread)
         keep = may_apply(ops, state, agreed, self.policy)
         if agreed is not finite or self.policy.fails_fast:
             # `skip` described the local check only (`all_true` returns its
@@ -112,14 +117,23 @@ class LossScaleStepMixin:
 
     def _write_state(self, ops, state, new):
         """Stores the new loss-scale state in the wrapper's variables."""
-        targets = dict(_flatten(self._state))
-        old = {id(x) for _, x in _flatten(state)}
+        # A field `next_loss_scale` left alone is the state's own value (the
+        # per-variable diagnostics fields on most steps): nothing to write.
+        changed = {
+            name: getattr(new, name)
+            for name in self._state
+            if not _same(getattr(new, name), getattr(state, name))
+        }
+        targets = dict(_flatten({name: self._state[name] for name in changed}))
+        # Only a written variable's buffer can change under another's value.
+        was = {name: getattr(state, name) for name in changed}
+        old = {id(x) for _, x in _flatten(was)} if ops.MUTABLE else set()
         writes = []
-        for key, value in _flatten(new):
+        for key, value in _flatten(changed):
             variable = targets.get(key)
             if variable is None or value is variable._storage:
                 continue  # untracked, or updated in place by a fused kernel
-            if ops.MUTABLE and id(value) in old:
+            if id(value) in old:
                 # Another variable's buffer passed through unchanged (the
                 # shifted scale history): copied before any write changes it.
                 value = ops.copy(value)
@@ -179,8 +193,11 @@ class LossScaleStepMixin:
             variable_finite[self._get_variable_index(variables[i])] = ops.isfinite(p)
         return finite, None, peak if headroom else None, tuple(variable_finite)
 
-    def _read_state(self, values=None):
-        """The `LossScaleState` of the variables, or of `values` ({variable id: value})."""
+    def _read_state(self, values=None, unread=()):
+        """The `LossScaleState` of the variables, or of `values` ({variable id: value}).
+
+        Fields named in `unread` are left out (empty), and so not written back.
+        """
 
         def read(v):
             return v.value if values is None else values[id(v)]
@@ -189,6 +206,7 @@ class LossScaleStepMixin:
             **{
                 name: tuple(map(read, target)) if isinstance(target, tuple) else read(target)
                 for name, target in self._state.items()
+                if name not in unread
             }
         )
 
@@ -203,6 +221,14 @@ class LossScaleStepMixin:
         from lossscale.backends import ops_for
 
         return ops_for(*arrays)
+
+
+def _same(new, old):
+    """Whether a field's new value is its old one, object for object."""
+    # Element by element: torch.compile traces no identity test of tuples.
+    if isinstance(new, tuple):
+        return isinstance(old, tuple) and len(new) == len(old) and all(map(operator.is_, new, old))
+    return new is old
 
 
 def _flatten(state):

@@ -15,6 +15,7 @@ Each module imports only those above it in this list.
 """
 
 from lossscale.backends.jax.kernels import (
+    fused_float16_range,
     fused_scale_update,
     fused_update,
     fused_weight_decay,

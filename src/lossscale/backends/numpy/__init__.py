@@ -12,6 +12,7 @@ Each module imports only those above it in this list.
 """
 
 from lossscale.backends.numpy.kernels import (
+    fused_float16_range,
     fused_scale_update,
     fused_update,
     fused_weight_decay,

@@ -32,3 +32,8 @@ def fused_weight_decay():
 def fused_scale_update():
     """None: the generic selects of `next_loss_scale` are this backend's path."""
     return None
+
+
+def fused_float16_range():
+    """None: `diagnostics.measure` measures one gradient at a time here."""
+    return None

@@ -28,6 +28,7 @@ from lossscale.backends.tensorflow.control import (
     cond,
 )
 from lossscale.backends.tensorflow.kernels import (
+    fused_float16_range,
     fused_scale_update,
     fused_update,
     fused_weight_decay,
@@ -103,6 +104,7 @@ __all__ = [
     "finite_unscaled",
     "floor",
     "full",
+    "fused_float16_range",
     "fused_scale_update",
     "fused_update",
     "fused_weight_decay",

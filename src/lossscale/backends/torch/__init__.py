@@ -6,6 +6,7 @@ from the modules that implement them:
 - `control`: branches on device values (`cond`), undone where not taken;
 - `ops`: tensors, in-place writes, elementwise math;
 - `multi`: multi-tensor unscale, finite check and norms, by (device, dtype);
+- `float16_range`: many gradients' float16 range in a fixed number of operations;
 - `plans`: an optimizer's tensor lists per (device, dtype), cached between steps;
 - `foreach`: `torch._foreach_*` versions of the update rules;
 - `adamw`: decoupled weight decay as Keras 3's torch backend rounds it;
@@ -20,6 +21,7 @@ import torch
 
 from lossscale.backends.torch.control import cond
 from lossscale.backends.torch.kernels import (
+    fused_float16_range,
     fused_scale_update,
     fused_update,
     fused_weight_decay,

@@ -12,7 +12,7 @@ declares and its hyperparameters' names are the whole contract.
 """
 
 from lossscale.backends.kernel import Kernel
-from lossscale.backends.torch import adamw, foreach, fused
+from lossscale.backends.torch import adamw, float16_range, foreach, fused
 
 # Every kernel here honours the step's `keep` flag itself: torch's fused
 # kernels as `found_inf`, the others in `plans.Writer`'s selects.
@@ -53,3 +53,8 @@ def fused_weight_decay():
 def fused_scale_update():
     """The plain loss-scale update in torch's `_amp_update_scale_` (see `fused.update_scale`)."""
     return fused.update_scale
+
+
+def fused_float16_range():
+    """Many gradients' float16 range in a fixed number of operations (see `float16_range`)."""
+    return float16_range.measure_into

@@ -1,0 +1,131 @@
+"""backends/torch/float16_range.py: many gradients' float16 range, bit for bit `measure`'s."""
+
+import numpy as np
+import pytest
+import torch
+
+import lossscale as ls
+from lossscale.backends import torch as torch_ops
+from lossscale.backends.torch import float16_range
+from lossscale.bench import workloads
+from lossscale.mixed_precision import diagnostics
+
+PACK_BELOW, CAPACITY = float16_range.PACK_BELOW, float16_range.PACK_CAPACITY
+SUBNORMAL = diagnostics.FLOAT16_SMALLEST_NORMAL
+# The edges of every class, as float32 and from either side.
+EDGES = [
+    0.0,
+    -0.0,
+    float(np.nextafter(np.float32(0), 1)),
+    float(np.nextafter(np.float32(SUBNORMAL), 0)),
+    SUBNORMAL,
+    float("inf"),
+    -float("inf"),
+    float("nan"),
+]
+
+
+def _gradient(rng, shape, dtype, growth_factor):
+    """Random magnitudes across float16's range, every class present, at random places."""
+    n = int(np.prod(shape))
+    near = diagnostics.near_max_limit(growth_factor)
+    values = rng.choice([1e-9, 1e-6, 3e-5, 1.0, 2e3, near, 6e4], n) * rng.uniform(0.5, 1.5, n)
+    values *= rng.choice([-1.0, 1.0], n)
+    edges = EDGES + [float(np.nextafter(np.float32(near), 0)), float(np.float32(near))]
+    # The edge values at both ends and at random positions.
+    for edge in edges:
+        if rng.random() < 0.6:
+            values[rng.integers(n)] = edge
+    values[0], values[-1] = rng.choice(edges, 2)
+    return torch.from_numpy(values).to(dtype).reshape(shape)
+
+
+def _measured(grads, growth_factor):
+    out = [[torch.full((), -1.0) for _ in grads] for _ in range(4)]
+    taken = float16_range.measure_into(
+        grads, SUBNORMAL, diagnostics.near_max_limit(growth_factor), out
+    )
+    return taken, out
+
+
+def _assert_as_measure(grads, growth_factor):
+    taken, out = _measured(grads, growth_factor)
+    assert taken
+    for i, g in enumerate(grads):
+        expected = diagnostics.measure(torch_ops, g, growth_factor)
+        for key, got, want in zip(diagnostics.KEYS, (col[i] for col in out), expected):
+            assert got.dtype == torch.float32
+            assert torch.equal(got, want) or (got.isnan() and want.isnan()), (i, key, got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("growth_factor", [2.0, 3.0])
+def test_tiny_gradients_match_measure(dtype, growth_factor):
+    rng = np.random.default_rng(0)
+    grads = [_gradient(rng, s, dtype, growth_factor) for s in workloads.TRANSFORMER]
+    _assert_as_measure(grads, growth_factor)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [PACK_BELOW - 1, PACK_BELOW, PACK_BELOW + 1, 7],  # both sides of the packing threshold
+        [PACK_BELOW - 1] * 3,
+        [1, 1],
+        [5],  # one gradient, alone
+        [PACK_BELOW - 1],
+        [3 * PACK_BELOW + 5, 2],
+    ],
+)
+def test_sizes_on_both_sides_of_the_packing_threshold_match_measure(sizes):
+    rng = np.random.default_rng(len(sizes))
+    dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    grads = [_gradient(rng, (n,), dtypes[i % 3], 2.0) for i, n in enumerate(sizes)]
+    _assert_as_measure(grads, 2.0)
+
+
+def test_past_the_packing_capacity_gradients_are_measured_alone(monkeypatch):
+    monkeypatch.setattr(float16_range, "PACK_CAPACITY", 300)
+    rng = np.random.default_rng(3)
+    # 100 + 199 + 1 fill the capacity exactly; the next small ones do not fit.
+    grads = [_gradient(rng, (n,), torch.float32, 2.0) for n in (100, 199, 1, 150, 1)]
+    assert float16_range._chunks(grads) == ([0, 1, 2], [3, 4])
+    _assert_as_measure(grads, 2.0)
+
+
+def test_a_gradient_of_one_value_everywhere():
+    for value in EDGES + [1.0, 65504.0, -7e4]:
+        grads = [torch.full((33, 3), value), torch.full((65,), value).half()]
+        _assert_as_measure(grads, 2.0)
+
+
+def test_other_gradients_are_left_to_measure():
+    out = [[torch.zeros(())] for _ in range(4)]
+    assert not float16_range.measure_into([], SUBNORMAL, 1.0, out)
+    if torch.cuda.is_available():
+        grads = [torch.ones(3), torch.ones(3, device="cuda")]
+        assert not float16_range.measure_into(grads, SUBNORMAL, 1.0, [[*c, *c] for c in out])
+    assert all(col[0].item() == 0 for col in out)
+
+
+def test_a_due_step_dispatches_a_fixed_number_of_operations():
+    """Not about thirty per gradient as `measure` alone: 50 in all for 28 and for 56."""
+    from torch_cases import count_ops
+
+    counts = []
+    for copies in (1, 2):
+        shapes = workloads.TRANSFORMER * copies
+        rng = np.random.default_rng(0)
+        params = [torch.from_numpy(rng.normal(size=s)).float() for s in shapes]
+        grads = [torch.from_numpy(rng.normal(size=s)).float() * 1e-3 for s in shapes]
+        opt = ls.LossScaleOptimizer(ls.optimizers.Adam(), diagnostics_every=2)
+        opt.scale_loss(1.0)
+        opt.apply([g.clone() for g in grads], params)
+        opt.apply([g.clone() for g in grads], params)  # not due
+        with count_ops() as due:
+            opt.apply([g.clone() for g in grads], params)
+        with count_ops() as plain:
+            opt.apply([g.clone() for g in grads], params)
+        counts.append((len(due), len(plain)))
+    (due_28, plain_28), (due_56, plain_56) = counts
+    assert due_28 - plain_28 == due_56 - plain_56 <= 36
