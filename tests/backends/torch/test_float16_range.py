@@ -129,3 +129,9 @@ def test_a_due_step_dispatches_a_fixed_number_of_operations():
         counts.append((len(due), len(plain)))
     (due_28, plain_28), (due_56, plain_56) = counts
     assert due_28 - plain_28 == due_56 - plain_56 <= 36
+
+
+def test_gradients_from_the_packing_threshold_on_are_measured_alone():
+    grads = [torch.zeros(n) for n in (PACK_BELOW - 1, PACK_BELOW, 3, PACK_BELOW + 1)]
+    assert float16_range._chunks(grads) == ([0, 2], [1, 3])
+    assert float16_range._chunks(grads[:2]) == ([], [0, 1])  # one small one: alone too
