@@ -7,10 +7,11 @@ import torch
 import lossscale as ls
 from lossscale.backends import torch as torch_ops
 from lossscale.backends.torch import float16_range
+from lossscale.backends.torch import multi as torch_multi
 from lossscale.bench import workloads
 from lossscale.mixed_precision import diagnostics
 
-PACK_BELOW, CAPACITY = float16_range.PACK_BELOW, float16_range.PACK_CAPACITY
+PACK_BELOW, CAPACITY = torch_multi.PACK_BELOW, torch_multi.PACK_CAPACITY
 SUBNORMAL = diagnostics.FLOAT16_SMALLEST_NORMAL
 # The edges of every class, as float32 and from either side.
 EDGES = [
@@ -85,7 +86,7 @@ def test_sizes_on_both_sides_of_the_packing_threshold_match_measure(sizes):
 
 
 def test_past_the_packing_capacity_gradients_are_measured_alone(monkeypatch):
-    monkeypatch.setattr(float16_range, "PACK_CAPACITY", 300)
+    monkeypatch.setattr(torch_multi, "PACK_CAPACITY", 300)
     rng = np.random.default_rng(3)
     # 100 + 199 + 1 fill the capacity exactly; the next small ones do not fit.
     grads = [_gradient(rng, (n,), torch.float32, 2.0) for n in (100, 199, 1, 150, 1)]

@@ -19,9 +19,10 @@ about fifteen operations for any number of gradients:
 - the counts are divided by the sizes, the largest magnitudes come from
   `torch._foreach_max`, and one `torch._foreach_copy_` writes them all.
 
-Gradients of `PACK_BELOW` elements or more (or past `PACK_CAPACITY` packed)
-are measured alone, in buffers of their own, so no buffer kept between
-steps grows past `PACK_CAPACITY` elements.
+Gradients of `multi.PACK_BELOW` elements or more (or past
+`multi.PACK_CAPACITY` packed: the finite check's packing rule) are measured
+alone, in buffers of their own, so no buffer kept between steps grows past
+`multi.PACK_CAPACITY` elements.
 """
 
 import struct
@@ -29,10 +30,8 @@ import threading
 
 import torch
 
-from lossscale.backends.torch import dtensors
+from lossscale.backends.torch import dtensors, multi
 
-PACK_BELOW = 1 << 16
-PACK_CAPACITY = 1 << 22
 # Buffers by (device, inference mode, shapes), one set per thread; the last
 # few kept.
 _BUFFERS = threading.local()
@@ -94,7 +93,7 @@ def _chunks(grads):
     packed, alone, total = [], [], 0
     for i, g in enumerate(grads):
         n = g.numel()
-        if n < PACK_BELOW and total + n <= PACK_CAPACITY:
+        if n < multi.PACK_BELOW and total + n <= multi.PACK_CAPACITY:
             packed.append(i)
             total += n
         else:
