@@ -226,7 +226,7 @@ LAYERS = {
         "fused",
         "kernels",
     ],
-    "jax": ["ops", "multi", "fused", "kernels"],
+    "jax": ["ops", "multi", "float16_range", "fused", "kernels"],
     "tensorflow": ["ops", "control", "multi", "replicas", "fused", "compiled", "kernels"],
 }
 

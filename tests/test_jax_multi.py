@@ -49,8 +49,8 @@ def test_all_finite(rng):
 
 def test_small_arrays_are_reduced_together_and_large_ones_alone(rng, monkeypatch):
     """Chunks of small arrays per dtype: the same maximum, every element seen."""
-    monkeypatch.setattr(jax_multi, "_SMALL", 8)
-    monkeypatch.setattr(jax_multi, "_CHUNK", 20)
+    monkeypatch.setattr(jax_multi, "PACK_UP_TO", 8)
+    monkeypatch.setattr(jax_multi, "PACK_CAPACITY", 20)
     arrays = [jnp.asarray(rng.normal(size=n).astype(np.float32)) for n in (3, 8, 5, 9, 7, 6, 1)]
     arrays += [jnp.asarray(rng.normal(size=4), jnp.float16), jnp.zeros(0)]
     expected = max(float(np.max(np.abs(np.asarray(a, np.float32)))) for a in arrays if a.size)
@@ -136,7 +136,7 @@ def _primitives(jaxpr):
 def test_large_arrays_are_reduced_by_a_sum_and_exactly_only_in_the_exact_branch(monkeypatch):
     """A large array is read by one plain sum per step; the exact check runs only where it is not finite."""
     monkeypatch.setattr(jax_multi, "_SUMMED", 8)
-    monkeypatch.setattr(jax_multi, "_SMALL", 8)  # each large array on its own
+    monkeypatch.setattr(jax_multi, "PACK_UP_TO", 8)  # each large array on its own
     arrays = [jnp.ones(16), jnp.ones(9), jnp.ones(3)]
     jaxpr = jax.make_jaxpr(jax_multi.finite_unscaled)(arrays, jnp.float32(2.0)).jaxpr
     outer, inner = _primitives(jaxpr)
@@ -171,11 +171,11 @@ def test_off_the_cpu_every_array_is_checked_exactly_without_a_branch(monkeypatch
 
 # --- the check by the exact reciprocal (a power-of-two scale) ---------------
 
-# Both sides of the chunk threshold (`_SMALL`) and of the sums-first one
+# Both sides of the chunk threshold (`PACK_UP_TO`) and of the sums-first one
 # (`_SUMMED`), at their real values.
 RECIPROCAL_SIZES = (
-    jax_multi._SMALL,
-    jax_multi._SMALL + 1,
+    jax_multi.PACK_UP_TO,
+    jax_multi.PACK_UP_TO + 1,
     jax_multi._SUMMED - 1,
     jax_multi._SUMMED,
 )
@@ -243,7 +243,7 @@ def test_the_reciprocal_check_is_the_exact_flag(dtype, size, rng):
 
 def test_the_reciprocal_check_under_vmap(rng):
     """A flag per member, with a scale per member, below and above 1."""
-    n = jax_multi._SMALL + 1
+    n = jax_multi.PACK_UP_TO + 1
     big = np.float32(np.finfo(np.float32).max) / 2
     members = np.tile(rng.normal(size=n).astype(np.float32), (4, 1))
     members[1, 17] = np.nan

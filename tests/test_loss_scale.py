@@ -208,6 +208,9 @@ def initial_state(backend, policy, n_vars):
         initial = f.metadata["initial"]
         initial = policy.initial_scale if initial is None else initial
         dtype = f.metadata["dtype"]
+        if f.metadata["per"] == "vector":
+            values[f.name] = backend.array(np.full(n_vars, initial, dtype))
+            continue
         count = {"step": None, "history": policy.history_length, "variable": n_vars}[
             f.metadata["per"]
         ]
@@ -222,6 +225,8 @@ def read_state(backend, state, policy):
         value = getattr(state, f.name)
         if isinstance(value, tuple):
             out[f.name] = [backend.numpy(x).item() for x in value]
+        elif f.metadata["per"] == "vector":
+            out[f.name] = backend.numpy(value).tolist()
         else:
             out[f.name] = backend.numpy(value).item()
     return out

@@ -69,6 +69,7 @@ class BackendOps(Protocol):
     def where(self, cond: Any, x: Any, y: Any) -> Any: ...
     def clip(self, x: Any, lo: Any, hi: Any) -> Any: ...
     def sum(self, x: Any) -> Any: ...
+    def stack(self, values: Sequence[Any]) -> Any: ...
     def isfinite(self, x: Any) -> Any: ...
     def logical_and(self, x: Any, y: Any) -> Any: ...
     def logical_not(self, x: Any) -> Any: ...
@@ -141,12 +142,11 @@ class BackendOps(Protocol):
     def fused_float16_range(self) -> Callable | None:
         """A kernel measuring many gradients' float16 range at once, or None.
 
-        `kernel(grads, subnormal_below, near_from, out)` writes what
-        `mixed_precision.diagnostics.measure` gives for each gradient into
-        `out = (zero, subnormal, near_max, max_abs)`, four lists of float32
-        scalar arrays (one per gradient) written in place, bit for bit;
-        returns False, writing nothing, for gradients it does not take. Only
-        on a `MUTABLE` backend.
+        `kernel(grads, subnormal_below, near_from)` returns what
+        `mixed_precision.diagnostics.measure` gives for each gradient, bit
+        for bit, as `(zero, subnormal, near_max, max_abs)`: four float32
+        vectors whose entry i is `grads[i]`'s; or None for gradients it
+        does not take.
         """
 
     # --- control flow ---------------------------------------------------

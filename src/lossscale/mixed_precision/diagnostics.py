@@ -8,16 +8,18 @@ a = |float32(grad)|
 zero      = mean(a == 0)                           # nothing left to scale
 subnormal = mean(0 < a < 2^-14)                    # float16 subnormal: precision lost
 near_max  = mean(a >= FLOAT16_MAX / growth_factor) # the next growth overflows them
-max_abs   = max(a)                                 # inf or NaN where an element is
+max_abs   = max(a)                                 # NaN where one is, else inf where one is
 ```
 
 The shares count elements exactly (an integer count, then one division by
 the size), so they equal a float64 count of the same values to float32's
 precision. NaN counts in no share; inf counts as near the maximum.
+A gradient holding a NaN has a NaN `max_abs`, even where it holds an inf.
 
-`measure_into` measures many gradients into state variables, through the
-backend's `fused_float16_range` kernel where it has one (the same values,
-bit for bit, in a fixed number of operations).
+`measure_all` measures many gradients into four vectors (`measure_into`:
+into the state's `range_*` vectors), through the backend's
+`fused_float16_range` kernel where it has one (the same values, bit for
+bit, in a number of operations that does not grow with the gradients).
 
 A step measures only when its policy says (`diagnostics_every`); the
 results are optimizer state, read on the host by `summary()`.
@@ -70,30 +72,66 @@ def measure(
         below = ops.sum(ops.cast(a < FLOAT16_SMALLEST_NORMAL, "int32"))
         near = ops.sum(ops.cast(a >= near_max_limit(growth_factor), "int32"))
         shares = [ops.cast(count, "float32") / float(size) for count in (zero, below - zero, near)]
-    return (*shares, ops.cast(ops.max_abs([grad]), "float32"))
+        # NaN compares False: a NaN anywhere makes the peak NaN, whatever the
+        # order a backend's max reduction meets it and an inf in.
+        numbers = ops.sum(ops.cast(a <= float("inf"), "int32"))
+        peak = ops.where(numbers == size, ops.cast(ops.max_abs([grad]), "float32"), float("nan"))
+    return (*shares, peak)
 
 
-def measure_into(
-    ops: BackendOps, grads: list[Array], growth_factor: float, fields: list[list]
-) -> None:
-    """Measures each of `grads` (as `measure`) into its `Variable` of each of `fields`.
+def measure_all(
+    ops: BackendOps, grads: list[Array], growth_factor: float
+) -> tuple[Array, Array, Array, Array]:
+    """`measure` of each of `grads`, as four float32 vectors (entry i: `grads[i]`).
+
+    Through the backend's `fused_float16_range` kernel where it has one and
+    it takes these gradients: the same values, bit for bit, in a number of
+    operations that does not grow with the number of gradients.
 
     Args:
         ops: The gradients' backend module.
-        grads: Floating-point arrays, each with at least one element.
+        grads: A non-empty list of floating-point arrays, each with at
+            least one element.
         growth_factor: The policy's growth factor (for `near_max`).
-        fields: `(zero, subnormal, near_max, max_abs)` lists of float32
-            scalar `Variable`s, one per gradient, assigned the results.
     """
     kernel = ops.fused_float16_range()
     if kernel is not None:
-        # A mutable backend's variables hold their arrays: written in place.
-        out = [[v.value for v in field] for field in fields]
-        if kernel(grads, FLOAT16_SMALLEST_NORMAL, near_max_limit(growth_factor), out):
-            return
-    for i, grad in enumerate(grads):
-        for field, value in zip(fields, measure(ops, grad, growth_factor)):
-            field[i].assign(value)
+        columns = kernel(grads, FLOAT16_SMALLEST_NORMAL, near_max_limit(growth_factor))
+        if columns is not None:
+            return columns
+    rows = [measure(ops, g, growth_factor) for g in grads]
+    return tuple(ops.stack(list(column)) for column in zip(*rows))
+
+
+def measure_into(
+    ops: BackendOps,
+    grads: list[Array],
+    growth_factor: float,
+    fields: list,
+    indices: list[int],
+) -> None:
+    """Measures `grads` (as `measure`) into entries `indices` of the vectors `fields`.
+
+    Args:
+        ops: The gradients' backend module.
+        grads: A non-empty list of floating-point arrays, each with at
+            least one element.
+        growth_factor: The policy's growth factor (for `near_max`).
+        fields: The `(zero, subnormal, near_max, max_abs)` `Variable`s,
+            float32 vectors with an entry per model variable.
+        indices: Each gradient's entry; the other entries keep their value
+            (a variable without a gradient this step keeps its last
+            measurement).
+    """
+    columns = measure_all(ops, grads, growth_factor)
+    (count,) = ops.shape(fields[0].value)
+    for field, column in zip(fields, columns):
+        if list(indices) != list(range(count)):
+            entries = [field.value[i] for i in range(count)]
+            for j, i in enumerate(indices):
+                entries[i] = column[j]
+            column = ops.stack(entries)
+        field.assign(column)
 
 
 def due(policy, steps: Array) -> Array:

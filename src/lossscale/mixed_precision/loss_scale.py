@@ -243,8 +243,8 @@ def _statistics_decision(ops, state, finite, policy, measured):
     false = state.counter < 0  # a device False, shaped like the flags
     if measured is None or measured is False:
         return false, false
-    near = _reduced(ops, ops.maximum, state.range_near_max, state.scale)
-    peak = _reduced(ops, ops.maximum, state.range_max_abs, state.scale)
+    near = _largest(ops, state.range_near_max, state.scale)
+    peak = _largest(ops, state.range_max_abs, state.scale)
     on = finite if measured is True else ops.logical_and(finite, measured)
     with ops.quiet():  # a NaN peak compares False: no growth
         room = peak * policy.growth_factor < FLOAT16_MAX / HEADROOM_MARGIN
@@ -257,11 +257,18 @@ def _either(ops, x, y):
     return ops.logical_not(ops.logical_and(ops.logical_not(x), ops.logical_not(y)))
 
 
-def _reduced(ops, fn, values, like):
-    """`fn` over scalar `values` (0 of `like`'s dtype when there are none)."""
+def _largest(ops, values, like):
+    """The largest of `values` (a vector, or a tuple of scalars), at least 0 of `like`'s dtype.
+
+    NaN, where one is, propagates (as `maximum` does).
+    """
     out = like * 0
+    if not isinstance(values, tuple):
+        if ops.shape(values) == (0,):
+            return out
+        return ops.maximum(out, ops.max_abs([values]))  # the entries are >= 0 or NaN
     for v in values:
-        out = fn(out, v)
+        out = ops.maximum(out, v)
     return out
 
 
@@ -298,7 +305,7 @@ def _complete(ops, state, policy):
     """`state` with every tracked scalar field present (missing ones at their start)."""
     missing = {}
     for name, per, initial in policy._starts:
-        if per == "variable":
+        if per in ("variable", "vector"):
             continue  # sized by the caller, who knows the model
         if per == "history":
             if not getattr(state, name):

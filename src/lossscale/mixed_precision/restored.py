@@ -51,11 +51,12 @@ RULES = {
     "range_step": (lambda x: x >= -1, "an integer >= -1"),
 }
 
-# A wrapper's variable name -> its field (`dynamic_scale` -> `scale`).
+# A wrapper's variable name -> its field (`dynamic_scale` -> `scale`); a
+# vector field's one variable has the field's name.
 _BY_VARIABLE = {
     f.metadata["variable"] or f.name: f.name
     for f in dataclasses.fields(LossScaleState)
-    if f.metadata["per"] == "step"
+    if f.metadata["per"] in ("step", "vector")
 }
 
 
@@ -75,9 +76,11 @@ def problem(field, name, array):
     if rule is None:
         return None
     accepts, accepted = rule
-    value = np.asarray(array).item()
-    if accepts(value):
+    # A vector field (`range_zero`) holds an entry per model variable.
+    refused = [x for x in np.asarray(array).ravel().tolist() if not accepts(x)]
+    if not refused:
         return None
+    value = refused[0]
     return (
         f"{name!r} holds {value!r}, but the loss scale's `{field}` must be {accepted}; the "
         "file was changed after it was saved. Nothing was restored"

@@ -31,10 +31,12 @@ def _state(group, dtype, initial, variable=None, per="step"):
         variable: The optimizer variable's name (defaults to the field's).
         per: `"step"` for a scalar, `"history"` for
             `LossScalePolicy.history_length` scalars, `"variable"` for one
-            scalar per model variable.
+            scalar per model variable, `"vector"` for one array with an
+            entry per model variable (one state leaf, however many
+            variables: what a jitted step passes in and out).
     """
     return dataclasses.field(
-        default=None if per == "step" else (),
+        default=None if per in ("step", "vector") else (),
         metadata=dict(group=group, dtype=dtype, initial=initial, variable=variable, per=per),
     )
 
@@ -69,8 +71,11 @@ class LossScaleState:
         overflow_bits: One int per model variable: bit k is set when its
             gradient was non-finite at the k-th most recent overflow of the
             window (bit 0: the last one).
-        range_zero: One float per model variable: the share of its scaled
-            gradient's elements that were 0 at the last measurement.
+        range_zero: A float32 vector, one entry per model variable: the
+            share of its scaled gradient's elements that were 0 at the last
+            measurement. (A holder whose variables are not known in advance,
+            `GradScaler`, lends the four `range_*` fields as tuples of
+            scalars instead; `next_loss_scale` reads either.)
         range_subnormal: The share that was a float16 subnormal
             (0 < |g| < 2^-14): precision already lost.
         range_near_max: The share at or above `FLOAT16_MAX / growth_factor`:
@@ -93,10 +98,10 @@ class LossScaleState:
     overflow_steps: tuple = _state("telemetry", "int32", -1, per="history")
     overflow_loss: tuple = _state("telemetry", "int32", -1, per="history")
     overflow_bits: tuple = _state("telemetry", "int32", 0, per="variable")
-    range_zero: tuple = _state("diagnostics", "float32", 0.0, per="variable")
-    range_subnormal: tuple = _state("diagnostics", "float32", 0.0, per="variable")
-    range_near_max: tuple = _state("diagnostics", "float32", 0.0, per="variable")
-    range_max_abs: tuple = _state("diagnostics", "float32", 0.0, per="variable")
+    range_zero: object = _state("diagnostics", "float32", 0.0, per="vector")
+    range_subnormal: object = _state("diagnostics", "float32", 0.0, per="vector")
+    range_near_max: object = _state("diagnostics", "float32", 0.0, per="vector")
+    range_max_abs: object = _state("diagnostics", "float32", 0.0, per="vector")
     range_step: object = _state("diagnostics", "int32", -1)
 
 
@@ -104,6 +109,11 @@ _STATE_FIELDS = dataclasses.fields(LossScaleState)
 _FIELDS = {f.name: f for f in _STATE_FIELDS}
 # Every field's name, in declaration order.
 STATE_FIELD_NAMES = tuple(_FIELDS)
+
+
+def per_variable(field) -> bool:
+    """Whether `field` (a `dataclasses.Field` of `LossScaleState`) has an entry per variable."""
+    return field.metadata["per"] in ("variable", "vector")
 
 
 def replaced(state, **changes):

@@ -93,9 +93,11 @@ def _field_property(field):
     def read(self):
         return getattr(self._loss_scale, field.name)
 
-    # A scalar (None when untracked), or a tuple of them.
+    # An array (None when untracked), or a tuple of scalars.
     read.__annotations__["return"] = (
-        "jax.Array | None" if field.metadata["per"] == "step" else "tuple[jax.Array, ...]"
+        "jax.Array | None"
+        if field.metadata["per"] in ("step", "vector")
+        else "tuple[jax.Array, ...]"
     )
     return property(
         read, doc=f"The `{field.name}` field of the loss-scale state (see `LossScaleState`)."

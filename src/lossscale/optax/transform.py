@@ -202,17 +202,17 @@ def _observed(current, leaves, policy, loss):
     if not policy.diagnoses:
         return current
     old = tuple(getattr(current, name) for name in diagnostics.FIELDS)
+    present = [i for i, g in enumerate(leaves) if g.size]
 
     def measure():
-        columns = [list(column) for column in old]
-        for i, g in enumerate(leaves):
-            if g.size:
-                for column, value in zip(
-                    columns, diagnostics.measure(_ops, g, policy.growth_factor)
-                ):
-                    column[i] = value
-        return tuple(tuple(column) for column in columns)
+        columns = diagnostics.measure_all(_ops, [leaves[i] for i in present], policy.growth_factor)
+        if len(present) == len(leaves):
+            return tuple(columns)
+        at = jnp.asarray(present, jnp.int32)
+        return tuple(o.at[at].set(c) for o, c in zip(old, columns))
 
+    if not present:
+        return current
     ranges = jax.lax.cond(diagnostics.due(policy, current.steps), measure, lambda: old)
     return replaced(current, **dict(zip(diagnostics.FIELDS, ranges)))
 
@@ -260,6 +260,9 @@ def _initial_state(policy, count, like):
     for f in state_fields(policy):
         meta = f.metadata
         value = policy.initial_scale if meta["initial"] is None else meta["initial"]
+        if meta["per"] == "vector":
+            values[f.name] = _ops.full((count,), value, meta["dtype"], like=like)
+            continue
         number = {"step": None, "history": policy.history_length, "variable": count}[meta["per"]]
         scalars = [_ops.full((), value, meta["dtype"], like=like) for _ in range(number or 1)]
         values[f.name] = scalars[0] if number is None else tuple(scalars)

@@ -64,16 +64,23 @@ class LossScaleDiagnosticsMixin:
             for g, v in zip(grads, variables)
             if g is not None and ops.shape(g).count(0) == 0
         ]
-        fields = [[self._state[name][i] for i, _ in targets] for name in diagnostics.FIELDS]
+        fields = [self._state[name] for name in diagnostics.FIELDS]
 
         def write():
-            diagnostics.measure_into(ops, [g for _, g in targets], policy.growth_factor, fields)
+            if targets:
+                diagnostics.measure_into(
+                    ops,
+                    [g for _, g in targets],
+                    policy.growth_factor,
+                    fields,
+                    [i for i, _ in targets],
+                )
 
         if host:
             write()
             return True
         due = diagnostics.due(policy, self._state["steps"].value)
-        ops.cond(due, write, None, [v for field in fields for v in field])
+        ops.cond(due, write, None, fields)
         return due
 
     def _notify_observers(self, finite: Array, step: Array | None) -> None:

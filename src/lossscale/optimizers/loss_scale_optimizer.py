@@ -246,7 +246,14 @@ class LossScaleOptimizer(
         var_list = self._as_variables(var_list, "var_list")
         super().build(var_list)
         for f in state_fields(self.policy):
-            if f.metadata["per"] == "variable":
+            if f.metadata["per"] == "vector":
+                self._state[f.name] = self.add_variable(
+                    (len(var_list),),
+                    initializer="zeros",
+                    dtype=f.metadata["dtype"],
+                    name=f.name,
+                )
+            elif f.metadata["per"] == "variable":
                 self._state[f.name] = tuple(
                     self.add_variable(
                         (),

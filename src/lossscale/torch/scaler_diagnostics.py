@@ -9,7 +9,8 @@ stage) and so, per overflow of the window, their names; with
 no host read). `LossScaleState` keeps per-variable fields for a model's
 variables; a scaler has parameters instead, so it keeps their values here,
 keyed by parameter name, on the scale's device, and lends them to
-`next_loss_scale` as the state's per-variable tuples.
+`next_loss_scale` as tuples of scalars (the `range_*` fields too, which
+`next_loss_scale` reads as a vector or as a tuple).
 
 Names come from `watch(model, scaler)` (`model.named_parameters()`), else
 from the param group's `"param_names"` (torch fills them when the
@@ -28,6 +29,7 @@ import torch
 from lossscale.backends import get_ops
 from lossscale.mixed_precision import diagnostics, loss_scale
 from lossscale.mixed_precision.loss_scale import next_loss_scale
+from lossscale.mixed_precision.state import per_variable
 from lossscale.torch import gradients
 
 _OPS = get_ops("torch")
@@ -35,7 +37,7 @@ _OPS = get_ops("torch")
 
 def per_variable_fields(policy):
     """The per-variable `LossScaleState` fields `policy` tracks, a scaler keeps them by name."""
-    return [f for f in loss_scale.state_fields(policy) if f.metadata["per"] == "variable"]
+    return [f for f in loss_scale.state_fields(policy) if per_variable(f)]
 
 
 def _flatten(outputs):

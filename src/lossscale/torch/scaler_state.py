@@ -30,6 +30,7 @@ import torch
 from lossscale import validation
 from lossscale.mixed_precision import loss_scale
 from lossscale.mixed_precision.loss_scale import NO_ERROR
+from lossscale.mixed_precision.state import per_variable
 from lossscale.mixed_precision.telemetry import LossScaleError, failure_message, summarize
 
 # torch's keys, which its `GradScaler.load_state_dict` reads.
@@ -46,7 +47,7 @@ def extra_fields(policy):
     return [
         f
         for f in loss_scale.state_fields(policy)
-        if f.name not in _NOT_EXTRA and f.metadata["per"] != "variable"
+        if f.name not in _NOT_EXTRA and not per_variable(f)
     ]
 
 
@@ -147,7 +148,7 @@ def check_state_dict(state_dict, policy):
     known = {
         _key(f)
         for f in dataclasses.fields(loss_scale.LossScaleState)
-        if f.name not in _NOT_EXTRA and f.metadata["per"] != "variable"
+        if f.name not in _NOT_EXTRA and not per_variable(f)
     }
     unknown = sorted(set(map(str, extras)) - known)
     if unknown:

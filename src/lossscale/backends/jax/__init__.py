@@ -6,6 +6,8 @@ from the modules that implement them:
 - `ops`: arrays (placed like their neighbours), writes that return the new
   array, elementwise math, reductions, `cond` as `lax.cond`;
 - `multi`: unscale, the finite check and norms over lists of arrays;
+- `float16_range`: many gradients' float16 range in a few operations (the
+  diagnostics' measurement);
 - `fused`: Adam, AdamW and SGD with the loss-scale skip folded into their
   arithmetic;
 - `kernels`: the registry of fused update rules, by the name an optimizer
@@ -66,6 +68,7 @@ from lossscale.backends.jax.ops import (
     sign,
     sqrt,
     square,
+    stack,
     sum,
     to_numpy,
     where,

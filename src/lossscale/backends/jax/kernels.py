@@ -9,7 +9,7 @@ each kernel has a test proving it equals `update_step`
 gets its state as arguments (`lossscale.backends.kernel`).
 """
 
-from lossscale.backends.jax import fused
+from lossscale.backends.jax import float16_range, fused
 from lossscale.backends.kernel import Kernel
 
 KERNELS = {
@@ -34,5 +34,5 @@ def fused_scale_update():
 
 
 def fused_float16_range():
-    """None: `diagnostics.measure` measures one gradient at a time here."""
-    return None
+    """Many gradients' float16 range in a few operations (see `float16_range`)."""
+    return float16_range.measure

@@ -184,11 +184,11 @@ def _groups_peak(groups):
 
 
 # Arrays up to this size are reduced together, concatenated per dtype into
-# chunks of at most `_CHUNK` elements: on CPU each reduction is several XLA
+# chunks of at most `PACK_CAPACITY` elements: on CPU each reduction is several XLA
 # thunks, so a 400-tensor model's check took 645 us one tensor at a time and
 # 263 us concatenated. Larger arrays are reduced in place (a concatenation
 # would copy them).
-_SMALL, _CHUNK = 4096, 1 << 16
+PACK_UP_TO, PACK_CAPACITY = 4096, 1 << 16
 
 
 def _groups(arrays):
@@ -197,11 +197,11 @@ def _groups(arrays):
     for a in map(unwrap, arrays):
         if not a.size:
             continue
-        if a.size > _SMALL:
+        if a.size > PACK_UP_TO:
             groups.append(a)
             continue
         chunk = chunks.setdefault(a.dtype, [[], 0])
-        if chunk[1] + a.size > _CHUNK:
+        if chunk[1] + a.size > PACK_CAPACITY:
             groups.append(_joined(chunk[0]))
             chunk[:] = [[], 0]
         chunk[0].append(a.ravel())

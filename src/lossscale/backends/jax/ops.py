@@ -167,6 +167,11 @@ def clip(x, lo, hi):
     return jnp.clip(unwrap(x), lo, hi)
 
 
+def stack(values):
+    """The scalars `values` as one vector."""
+    return jnp.stack([unwrap(v) for v in values])
+
+
 def sum(x):  # noqa: A001 - the seam's name for a full reduction
     return jnp.sum(unwrap(x))
 

@@ -58,6 +58,7 @@ from lossscale.backends.numpy.ops import (
     sign,
     sqrt,
     square,
+    stack,
     sum,
     to_numpy,
     unscale,

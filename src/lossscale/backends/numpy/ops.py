@@ -124,6 +124,11 @@ def sum(x):  # noqa: A001 - the seam's name for a full reduction
     return np.sum(unwrap(x))
 
 
+def stack(values):
+    """The scalars `values` as one vector."""
+    return np.stack([np.asarray(unwrap(v)) for v in values])
+
+
 def unscale(grads, scale, in_place=False):
     # `in_place` permits writing into `grads`; NumPy leaves the caller's
     # arrays alone (its fused kernels divide as they read instead).

@@ -258,6 +258,11 @@ def where(cond, x, y):
     return tf.where(_tensor(cond), x, y)
 
 
+def stack(values):
+    """The scalars `values` as one vector."""
+    return tf.stack([_tensor(v) for v in values])
+
+
 def clip(x, lo, hi):
     x = _tensor(x)
     return tf.clip_by_value(x, tf.cast(lo, x.dtype), tf.cast(hi, x.dtype))

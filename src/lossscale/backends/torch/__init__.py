@@ -70,6 +70,7 @@ from lossscale.backends.torch.ops import (
     sign,
     sqrt,
     square,
+    stack,
     sum,
     to_numpy,
     where,

@@ -2,7 +2,7 @@
 
 `mixed_precision.diagnostics.measure` reduces one gradient at a time: about
 thirty dispatched operations each, 5 ms for `tiny`'s 28 gradients on CPU.
-`measure_into` gives the same four numbers per gradient, bit for bit, in
+`measure` here gives the same four numbers per gradient, bit for bit, in
 about fifteen operations for any number of gradients:
 
 - every gradient is copied, as float32, into one flat buffer, and made
@@ -16,8 +16,8 @@ about fifteen operations for any number of gradients:
 - the class plus five times the gradient's index is counted into one
   integer histogram (`index_add_`: no host read, where `bincount` reads its
   input's maximum on CUDA);
-- the counts are divided by the sizes, the largest magnitudes come from
-  `torch._foreach_max`, and one `torch._foreach_copy_` writes them all.
+- the counts are divided by the sizes and the largest magnitudes come
+  from `torch._foreach_max`, one `torch.stack` making them a vector.
 
 Gradients of `multi.PACK_BELOW` elements or more (or past
 `multi.PACK_CAPACITY` packed: the finite check's packing rule) are measured
@@ -48,21 +48,20 @@ def _bits(x):
 _INF_BITS = _bits(float("inf"))
 
 
-def measure_into(grads, subnormal_below, near_from, out):
-    """Writes the float16 range of each of `grads` into `out`.
+def measure(grads, subnormal_below, near_from):
+    """The float16 range of each of `grads`, as four vectors.
 
     Args:
         grads: Floating-point tensors, each with at least one element.
         subnormal_below: Magnitudes under it (and above 0) count as subnormal.
         near_from: Magnitudes from it on (inf included) count as near the
             maximum.
-        out: `(zero, subnormal, near_max, max_abs)`, four lists of float32
-            scalar tensors, one per gradient, written in place.
 
     Returns:
-        False, writing nothing, where these gradients are not measured here
+        `(zero, subnormal, near_max, max_abs)`, float32 vectors whose entry
+        i is `grads[i]`'s; None where these gradients are not measured here
         (DTensors, gradients on several devices, inside `torch.compile`,
-        whose graph fuses the per-gradient measurement itself); else True.
+        whose graph fuses the per-gradient measurement itself).
     """
     if (
         not grads
@@ -70,22 +69,34 @@ def measure_into(grads, subnormal_below, near_from, out):
         or any(dtensors.is_dtensor(g) for g in grads)
         or len({g.device for g in grads}) > 1
     ):
-        return False
+        return None
     # bits >= 1: not zero; >= subnormal_below: normal; >= near_from: near;
     # above inf's: NaN. The thresholds compare as float32, as in `measure`.
     steps = (0, _bits(subnormal_below) - 1, _bits(near_from) - 1, _INF_BITS)
     packed, alone = _chunks(grads)
     with torch.no_grad():
-        measured = [_packed(packed, [grads[i] for i in packed], steps)] if packed else []
-        measured += [_alone(i, grads[i], steps) for i in alone]
-        order = [i for indices, _, _ in measured for i in indices]
-        shares = torch.cat([s for _, s, _ in measured]) if len(measured) > 1 else measured[0][1]
-        values = list(shares.t().reshape(-1).unbind(0))
-        values += [peak for _, _, peaks in measured for peak in peaks]
-        zero, subnormal, near_max, max_abs = out
-        targets = [column[i] for column in (zero, subnormal, near_max, max_abs) for i in order]
-        torch._foreach_copy_(targets, values)
-    return True
+        table, peaks = [], [None] * len(grads)
+        if packed:
+            rows, maxima = _packed([grads[i] for i in packed], steps)
+            for i, peak in zip(packed, maxima):
+                peaks[i] = peak
+        # The rows in the gradients' order: a run of packed gradients (their
+        # indices are ascending) stays one slice of `rows`.
+        position = {i: k for k, i in enumerate(packed)}
+        i = 0
+        while i < len(grads):
+            if i in position:
+                end = i + 1
+                while end in position:
+                    end += 1
+                table.append(rows[position[i] : position[end - 1] + 1])
+                i = end
+            else:
+                shares, peaks[i] = _alone(grads[i], steps)
+                table.append(shares)
+                i += 1
+        shares = torch.cat(table) if len(table) > 1 else table[0]
+        return shares[:, 0], shares[:, 1], shares[:, 2], torch.stack(peaks)
 
 
 def _chunks(grads):
@@ -103,20 +114,20 @@ def _chunks(grads):
     return packed, alone
 
 
-def _packed(indices, tensors, steps):
-    """`(indices, (n, 3) float32 shares, n largest magnitudes)` of small tensors, at once."""
+def _packed(tensors, steps):
+    """`((n, 3) float32 shares, n largest magnitudes)` of n small tensors, at once."""
     buffers = _buffers(tensors)
     torch._foreach_copy_(buffers.views, tensors)  # float32, as `measure` rounds
     counts = _histogram(buffers.flat.abs_(), buffers.offsets, len(tensors), steps)
     # The views now hold the magnitudes.
-    return indices, counts.float() / buffers.sizes, torch._foreach_max(buffers.views)
+    return counts.float() / buffers.sizes, torch._foreach_max(buffers.views)
 
 
-def _alone(index, tensor, steps):
-    """`([index], (1, 3) float32 shares, [largest magnitude])` of one tensor."""
+def _alone(tensor, steps):
+    """`((1, 3) float32 shares, largest magnitude)` of one tensor."""
     flat = tensor.reshape(-1).to(torch.float32, copy=True).abs_()
     counts = _histogram(flat, None, 1, steps)
-    return [index], counts.float() / float(flat.numel()), [flat.max()]
+    return counts.float() / float(flat.numel()), flat.max()
 
 
 def _histogram(magnitudes, offsets, count, steps):

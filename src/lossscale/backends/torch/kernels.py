@@ -57,4 +57,4 @@ def fused_scale_update():
 
 def fused_float16_range():
     """Many gradients' float16 range in a fixed number of operations (see `float16_range`)."""
-    return float16_range.measure_into
+    return float16_range.measure

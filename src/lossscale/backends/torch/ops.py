@@ -233,6 +233,11 @@ def clip(x, lo, hi):
     return torch.clamp(_t(x), lo, hi)
 
 
+def stack(values):
+    """The scalar tensors `values` as one vector (a DTensor's global value: plain)."""
+    return torch.stack([dtensors.plain(_t(v)) for v in values])
+
+
 def sum(x):  # noqa: A001
     return torch.sum(_t(x))
 
