@@ -586,3 +586,33 @@ def test_diagnostics_under_jit_equal_eager_and_a_float64_count():
     subnormal = np.count_nonzero((a > 0) & (a < 2.0**-14)) / a.size
     assert subnormal > 0 and measured["subnormal"] == pytest.approx(subnormal, rel=1e-6)
     assert measured["near_max"] == 0.0 and measured["max_abs"] == np.float32(a.max())
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_an_empty_parameter_keeps_its_entry_and_the_others_are_measured_in_place(jit):
+    # The range fields are vectors with an entry per parameter: an empty
+    # parameter has nothing to measure, and the entries after it stay theirs.
+    params = {"a": jnp.zeros(300), "b": jnp.zeros((0, 4)), "c": jnp.zeros(5000), "d": jnp.zeros(3)}
+    tx = lso.dynamic_loss_scale(optax.sgd(0.1), initial_scale=2.0**10, diagnostics_every=1)
+    state = tx.init(params)
+    rng = np.random.default_rng(4)
+    grads = {
+        "a": rng.standard_normal(300).astype(np.float32) * 1e-6,
+        "b": np.zeros((0, 4), np.float32),
+        "c": rng.standard_normal(5000).astype(np.float32) * 3e4,
+        "d": np.asarray([0.0, 1.0, np.inf], np.float32),
+    }
+    update = jax.jit(tx.update) if jit else tx.update
+    _, state = update(jax.tree.map(jnp.asarray, grads), state, params)
+    measured = lso.summary(state)["float16_range"]
+    assert measured["b"] == {"zero": 0.0, "subnormal": 0.0, "near_max": 0.0, "max_abs": 0.0}
+    for name in "acd":
+        a = np.abs(grads[name].astype(np.float64))
+        assert measured[name] == {
+            "zero": pytest.approx(np.count_nonzero(a == 0) / a.size, rel=1e-6),
+            "subnormal": pytest.approx(
+                np.count_nonzero((a > 0) & (a < 2.0**-14)) / a.size, rel=1e-6
+            ),
+            "near_max": pytest.approx(np.count_nonzero(a >= 65504 / 2) / a.size, rel=1e-6),
+            "max_abs": np.float32(a.max()),
+        }, name

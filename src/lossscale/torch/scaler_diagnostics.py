@@ -5,11 +5,11 @@ whether the scaled loss was finite (`scale`), which parameters' gradients
 were non-finite (one multi-tensor norm per device and dtype in the check
 stage) and so, per overflow of the window, their names; with
 `diagnostics_every` the float16 range of each parameter's scaled gradient
-(`diagnostics.measure`, on the steps a Python count of updates makes due:
-no host read). `LossScaleState` keeps per-variable fields for a model's
-variables; a scaler has parameters instead, so it keeps their values here,
-keyed by parameter name, on the scale's device, and lends them to
-`next_loss_scale` as tuples of scalars (the `range_*` fields too, which
+(`diagnostics.measure_all`: all of them at once, on the steps a Python
+count of updates makes due: no host read). `LossScaleState` keeps
+per-variable fields for a model's variables; a scaler has parameters
+instead, so it keeps their values here, keyed by parameter name, on the
+scale's device, and lends them to `next_loss_scale` as tuples of scalars (the `range_*` fields too, which
 `next_loss_scale` reads as a vector or as a tuple).
 
 Names come from `watch(model, scaler)` (`model.named_parameters()`), else
@@ -136,11 +136,14 @@ class ScalerDiagnosticsMixin:
         """`{name: measure(grad)}` of the optimizer's scaled gradients, on a due step."""
         if not self._measures_now():
             return {}
-        factor = self._policy.growth_factor
-        return {
-            name: diagnostics.measure(_OPS, grad, factor)
-            for name, grad in self._named_gradients(optimizer)
-        }
+        named = self._named_gradients(optimizer)
+        named = [(name, grad) for name, grad in named if grad.numel()]
+        if not named:
+            return {}
+        columns = diagnostics.measure_all(
+            _OPS, [grad for _, grad in named], self._policy.growth_factor
+        )
+        return {name: tuple(column[i] for column in columns) for i, (name, _) in enumerate(named)}
 
     def _finite_per_parameter(self, optimizer):
         """`{name: whether its gradient is finite}`, with telemetry (else `{}`)."""

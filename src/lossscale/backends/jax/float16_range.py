@@ -104,13 +104,9 @@ def _measured(members, edges):
     histogram = jnp.zeros(len(sizes) * _CLASSES, jnp.int32)
     histogram = histogram.at[owner * _CLASSES + classes].add(1, mode="promise_in_bounds")
     counts = histogram.reshape(len(sizes), _CLASSES)[:, np.array([0, 1, 3, 4])]
-    # On the bit patterns, which order as the magnitudes do: a float
-    # scatter-max on CPU flushes float32 subnormals to zero, the reduction
-    # `measure` takes does not.
-    bits = lax.bitcast_convert_type(finite_or_inf, jnp.int32)
-    peaks = jnp.zeros(len(sizes), jnp.int32)
-    peaks = peaks.at[owner].max(bits, indices_are_sorted=True, mode="promise_in_bounds")
-    return counts, lax.bitcast_convert_type(peaks, jnp.float32)
+    peaks = jnp.zeros(len(sizes), jnp.float32)
+    peaks = peaks.at[owner].max(finite_or_inf, indices_are_sorted=True, mode="promise_in_bounds")
+    return counts, peaks
 
 
 def _classes(a, edges):

@@ -234,8 +234,14 @@ def clip(x, lo, hi):
 
 
 def stack(values):
-    """The scalar tensors `values` as one vector (a DTensor's global value: plain)."""
-    return torch.stack([dtensors.plain(_t(v)) for v in values])
+    """The scalar tensors `values` as one vector, on the first one's device.
+
+    Values on other devices (a model split over devices) are copied there
+    without a host wait; a DTensor gives its global value.
+    """
+    values = [dtensors.plain(_t(v)) for v in values]
+    device = values[0].device
+    return torch.stack([v.to(device, non_blocking=True) for v in values])
 
 
 def sum(x):  # noqa: A001
