@@ -9,8 +9,9 @@ stage) and so, per overflow of the window, their names; with
 count of updates makes due: no host read). `LossScaleState` keeps
 per-variable fields for a model's variables; a scaler has parameters
 instead, so it keeps their values here, keyed by parameter name, on the
-scale's device, and lends them to `next_loss_scale` as tuples of scalars (the `range_*` fields too, which
-`next_loss_scale` reads as a vector or as a tuple).
+scale's device, and lends them to `next_loss_scale` as tuples of scalars
+(the `range_*` fields too, which `next_loss_scale` reads as a vector or as
+a tuple).
 
 Names come from `watch(model, scaler)` (`model.named_parameters()`), else
 from the param group's `"param_names"` (torch fills them when the
