@@ -231,6 +231,60 @@ def fail_fast():
     return out
 
 
+def diagnostics():
+    """`diagnostics_every`: an eager `apply` of known gradients, and `fit` compiled or not."""
+    out = {}
+    rng = np.random.default_rng(3)
+    shapes = [(6, 5), (5,), (300,)]
+    variables = [keras.Variable(np.zeros(s, "float32"), name=f"w{i}") for i, s in enumerate(shapes)]
+    opt = lsk.LossScaleOptimizer(keras.optimizers.SGD(0.0), 2.0**10, diagnostics_every=2)
+    opt.build(variables)
+    sent = []
+    for k in range(3):
+        grads = [
+            (rng.standard_normal(s) * 10.0 ** rng.uniform(-9, 2, s)).astype("float32") * 2.0**10
+            for s in shapes
+        ]
+        grads[2][k] = 0.0
+        grads[1][k] = np.inf if k == 2 else 7e4
+        sent.append([g.tolist() for g in grads])
+        opt.apply([keras.ops.convert_to_tensor(g) for g in grads], variables)
+    out["apply"] = {"sent": sent, "summary": opt.summary(), "paths": [v.path for v in variables]}
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    x, y = data()
+    for jit in sorted({False, COMPILE}):
+        records = []
+
+        class Recorder(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None, records=records):
+                summary = self.model.optimizer.summary()
+                records.append([summary["float16_range_step"], summary["float16_range"]])
+
+        fit(
+            lsk.LossScaleOptimizer,
+            x,
+            y,
+            jit,
+            callbacks=[Recorder()],
+            diagnostics_every=2,
+            telemetry=True,
+        )
+        out[f"jit={jit}"] = records
+    m, opt, steps, _ = fit(
+        lsk.LossScaleOptimizer,
+        x,
+        y,
+        jit=False,
+        epochs=2,
+        diagnostics_every=2,
+        growth_policy="statistics",
+        dynamic_growth_steps=2,
+    )
+    out["statistics"] = {"steps": steps, "weights": weights(m), "config": opt.get_config()}
+    keras.mixed_precision.set_dtype_policy("float32")
+    return out
+
+
 def serialization():
     opt = lsk.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8.0, hysteresis=3)
     config = keras.optimizers.serialize(opt)
@@ -340,6 +394,7 @@ if __name__ == "__main__":
         "telemetry": telemetry,
         "saving": lambda: saving(pathlib.Path(sys.argv[1]).parent),
         "fail_fast": fail_fast,
+        "diagnostics": diagnostics,
         "serialization": serialization,
         "variables": variables,
     }

@@ -176,3 +176,72 @@ def test_keras_variables_work_with_lossscale_optimizers(run):
         f"The gradient for variable '{got['paths'][0]}' must have the variable's shape (4, 8). "
         "Received: gradient shape (3, 3)"
     )
+
+
+def _float64_range(grad):
+    a = np.abs(np.asarray(grad, np.float64)).ravel()
+    return {
+        "zero": np.count_nonzero(a == 0) / a.size,
+        "subnormal": np.count_nonzero((a > 0) & (a < 2.0**-14)) / a.size,
+        "near_max": np.count_nonzero(a >= 65504 / 2) / a.size,
+        "max_abs": float(np.float32(a.max())),
+    }
+
+
+def test_float16_range_of_an_eager_apply_equals_a_float64_count(run):
+    _, results = run
+    got = results["diagnostics"]["apply"]
+    summary = got["summary"]
+    assert summary["float16_range_step"] == 2  # measured at steps 0 and 2
+    for path, grad in zip(got["paths"], got["sent"][2]):
+        want = _float64_range(grad)
+        measured = summary["float16_range"][path]
+        assert measured["max_abs"] == want["max_abs"], path
+        for key in ("zero", "subnormal", "near_max"):
+            assert measured[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (path, key)
+    assert summary["float16_range"][got["paths"][1]]["max_abs"] == math.inf
+
+
+def test_fit_measures_every_n_steps_compiled_as_eagerly(run):
+    backend, results = run
+    got = results["diagnostics"]
+    runs = [got[key] for key in ("jit=False", "jit=True") if key in got]
+    eager = runs[0]
+    assert [step for step, _ in eager] == [0, 0, 2, 2, 4, 4]
+    for _, ranges in eager:
+        assert len(ranges) == 4  # two Dense layers' kernels and biases
+        for shares in ranges.values():
+            assert all(0 <= shares[k] <= 1 for k in ("zero", "subnormal", "near_max"))
+    assert eager[-1][1] != eager[0][1]
+
+    def values(records):
+        # By position (each fit builds a model of its own, named anew), NaN as text.
+        return [
+            [step, [[repr(v[k]) for k in sorted(v)] for v in ranges.values()]]
+            for step, ranges in records
+        ]
+
+    for other in runs[1:]:
+        if backend != "tensorflow":
+            assert values(other) == values(eager)
+            continue
+        # TensorFlow's XLA-compiled backward pass rounds some float16
+        # gradients differently from its eager one: the same cadence and
+        # non-finite entries, magnitudes within a few float16 steps.
+        assert [step for step, _ in other] == [step for step, _ in eager]
+        for (_, a), (_, b) in zip(other, eager):
+            for x, y in zip(a.values(), b.values()):
+                assert math.isfinite(x["max_abs"]) == math.isfinite(y["max_abs"])
+                if math.isfinite(x["max_abs"]):
+                    assert x["max_abs"] == pytest.approx(y["max_abs"], rel=1e-2)
+                assert all(abs(x[k] - y[k]) <= 0.25 for k in ("zero", "subnormal", "near_max"))
+
+
+def test_statistics_policy_trains_in_fit(run):
+    _, results = run
+    got = results["diagnostics"]["statistics"]
+    assert got["config"]["growth_policy"] == "statistics"
+    assert got["config"]["diagnostics_every"] == 2
+    assert all(np.isfinite(np.asarray(w)).all() for w in got["weights"])
+    scales = [scale for scale, _, _ in got["steps"]]
+    assert all(np.finfo(np.float32).tiny <= s < np.inf for s in scales)

@@ -144,8 +144,8 @@ BAD = [
     ),
     (lambda: lsk.LossScaleLogger(every_batch=1), r"`every_batch` must be a boolean"),
     (
-        lambda: lsk.LossScaleOptimizer(keras.optimizers.Adam(), diagnostics_every=10),
-        r"does not measure the float16 range yet: .* Received: diagnostics_every=10",
+        lambda: lsk.LossScaleOptimizer(keras.optimizers.Adam(), diagnostics_every=0),
+        r"diagnostics_every",
     ),
 ]
 

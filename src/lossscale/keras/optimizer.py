@@ -10,6 +10,7 @@ import keras
 
 from lossscale.backends import get_ops
 from lossscale.keras import gates, step
+from lossscale.mixed_precision import diagnostics
 from lossscale.mixed_precision.host_state import HostStateMixin
 from lossscale.mixed_precision.loss_scale import LossScalePolicy
 
@@ -69,12 +70,14 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
         max_scale: Float or `None`. Growth stops here.
         max_consecutive_skips: Int or `None`. More skipped steps in a row
             record an error.
-        growth_policy: `"fixed"` (default) or `"headroom"`.
+        growth_policy: `"fixed"` (default), `"headroom"` or
+            `"statistics"` (with `diagnostics_every`).
         telemetry: Boolean. Record skip counters, the last scales and
             the overflow window: each overflow's step and the variables
             with non-finite gradients (`summary()`).
-        diagnostics_every: Only `None` here (the float16-range measurement
-            is not in this socket yet).
+        diagnostics_every: Int or `None`. Every this many steps, measure
+            each variable's scaled gradient against float16's range, on
+            the device (`summary()["float16_range"]`).
         history_length: Int in [1, 30]. Scales and overflows kept.
         **kwargs: Base optimizer arguments, accepted only at their defaults
             (as by Keras's wrapper): set them on the `inner_optimizer`.
@@ -109,14 +112,6 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
     ) -> None:
         arguments = dict(locals())  # first: holds exactly the named arguments
         settings = {f.name: arguments[f.name] for f in dataclasses.fields(LossScalePolicy)}
-        if diagnostics_every is not None:
-            raise ValueError(
-                "lossscale.keras.LossScaleOptimizer does not measure the float16 range yet: "
-                '`diagnostics_every` (and `growth_policy="statistics"`) are for '
-                "lossscale.LossScaleOptimizer, lossscale.torch.GradScaler and "
-                "lossscale.optax.dynamic_loss_scale. Received: "
-                f"diagnostics_every={diagnostics_every!r}"
-            )
         backend = keras.backend.backend()
         if backend not in BACKENDS:
             raise ValueError(
@@ -129,6 +124,9 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
         super().__init__(inner_optimizer, initial_scale, dynamic_growth_steps, name=name, **kwargs)
         self.policy = policy
         self._ops = get_ops(backend)
+        # Applies counted on the host: where Python runs every step (eager
+        # torch), the diagnostics cadence is decided here, with no device read.
+        self._host_steps = 0
 
     # --- state ------------------------------------------------------------
     def build(self, var_list: Sequence[keras.Variable]) -> None:
@@ -144,6 +142,8 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
                 dtype = self.step_counter.dtype
             if per == "step":
                 state[field] = self._state_variable(name, dtype, initial)
+            elif per == "vector":
+                state[field] = self._state_variable(name, dtype, initial, (len(var_list),))
             elif per == "history":
                 state[field] = tuple(
                     self._state_variable(f"{name}_{i}", dtype, initial)
@@ -156,9 +156,9 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
                 )
         self._state = state
 
-    def _state_variable(self, name, dtype, initial):
+    def _state_variable(self, name, dtype, initial, shape=()):
         return self.add_variable(
-            shape=(),
+            shape=shape,
             dtype=dtype,
             initializer=keras.initializers.Constant(initial),
             aggregation="none",
@@ -207,9 +207,10 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
     def _stateful_step(self, grads, variables, trainable_variables):
         ops = self._ops
         scale = self.dynamic_scale.value
-        unscaled, _ = step.unscale(ops, grads, self._overwrites(variables), scale)
         state = self._read_state()
-        take, new = self._decide(state, unscaled, scale, variables)
+        state, measured = self._measured(state, grads, variables, host=ops.host_control())
+        unscaled, _ = step.unscale(ops, grads, self._overwrites(variables), scale)
+        take, new = self._decide(state, unscaled, scale, variables, measured)
         inner = self.inner_optimizer
         gates.run_stateful(
             ops.NAME,
@@ -249,8 +250,10 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
         values = {id(v): x for v, x in zip(own, optimizer_variables)}
         state = self._read_state(values)
         variables = self._trainable_variables
-        unscaled, _ = step.unscale(ops, list(grads), self._overwrites(variables), state.scale)
-        take, new = self._decide(state, unscaled, state.scale, variables)
+        grads = list(grads)
+        state, measured = self._measured(state, grads, variables, host=False)
+        unscaled, _ = step.unscale(ops, grads, self._overwrites(variables), state.scale)
+        take, new = self._decide(state, unscaled, state.scale, variables, measured)
         count = len(self._variables)
         inner_values = optimizer_variables[count:]
         trainable = list(trainable_variables)
@@ -279,7 +282,24 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
     def _overwrites(self, variables):
         return [self._overwrite_variable_with_gradient(v) for v in variables]
 
-    def _decide(self, state, unscaled, scale, variables):
+    def _measured(self, state, grads, variables, host):
+        """`(state, measured)`: the state with this step's float16 range where it is due.
+
+        `host`: whether the cadence is decided on the host (eager torch),
+        else from the state's step count on the device.
+        """
+        policy = self.policy
+        if not policy.diagnoses:
+            return state, None
+        if host:
+            due = self._host_steps % policy.diagnostics_every == 0
+            self._host_steps += 1
+        else:
+            due = diagnostics.due(policy, state.steps)
+        index = [self._get_variable_index(v) for v in variables]
+        return step.measured(self._ops, state, grads, policy, index, due), due
+
+    def _decide(self, state, unscaled, scale, variables, measured):
         ops = self._ops
         index = [self._get_variable_index(v) for v in variables]
         return step.decide(
@@ -291,6 +311,7 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
             index,
             len(self._trainable_variables),
             (lambda flag: ops.all_true(flag, None), lambda peak: ops.all_max(peak, None)),
+            measured,
         )
 
     # --- configuration ----------------------------------------------------------

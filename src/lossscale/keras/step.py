@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import functools
 
+from lossscale.keras import gates
+from lossscale.mixed_precision import diagnostics
 from lossscale.mixed_precision.loss_scale import (
     LossScaleState,
     may_apply,
     next_loss_scale,
     state_fields,
 )
+from lossscale.mixed_precision.state import replaced
 
 
 def unscale(ops, grads, overwrite, scale):
@@ -73,7 +76,39 @@ def inspect(ops, unscaled, scale, policy, variable_index, variable_count):
     return ops.isfinite(largest), peak, tuple(variable_finite)
 
 
-def decide(ops, state, unscaled, scale, policy, variable_index, variable_count, agree):
+def measured(ops, state, grads, policy, variable_index, due):
+    """`state` with the scaled `grads`' float16 range in its `range_*` vectors where `due`.
+
+    Args:
+        ops: The lossscale backend module.
+        state: The current `LossScaleState`.
+        grads: The scaled gradients (`None` entries allowed).
+        policy: The `LossScalePolicy` (with `diagnostics_every`).
+        variable_index: See `inspect`.
+        due: Whether this step is measured: a Python bool where the host
+            decided, else a backend boolean (the branch then runs under
+            the backend's conditional, `gates.run_stateless`).
+    """
+    present = [
+        (variable_index[i], g)
+        for i, g in enumerate(grads)
+        if g is not None and 0 not in ops.shape(g)
+    ]
+    if due is False or not present:
+        return state
+    old = tuple(getattr(state, name) for name in diagnostics.FIELDS)
+
+    def measure():
+        indices, values = [i for i, _ in present], [g for _, g in present]
+        return diagnostics.measure_at(ops, values, policy.growth_factor, old, indices)
+
+    new = measure() if due is True else gates.run_stateless(ops.NAME, due, measure, lambda: old)
+    return replaced(state, **dict(zip(diagnostics.FIELDS, new)))
+
+
+def decide(
+    ops, state, unscaled, scale, policy, variable_index, variable_count, agree, measured=None
+):
     """`(take, new_state)`: whether the inner step is applied, and the next loss-scale state.
 
     Args:
@@ -86,6 +121,8 @@ def decide(ops, state, unscaled, scale, policy, variable_index, variable_count, 
         variable_count: See `inspect`.
         agree: `(flag) -> flag` and `(peak) -> peak` reductions over the
             replicas that must take one decision, as a pair of callables.
+        measured: With `diagnostics_every`: whether this step measured
+            the float16 range (`next_loss_scale`'s `measured`).
     """
     finite, peak, variable_finite = inspect(
         ops, unscaled, scale, policy, variable_index, variable_count
@@ -96,7 +133,14 @@ def decide(ops, state, unscaled, scale, policy, variable_index, variable_count, 
         peak = all_max(peak)
     take = may_apply(ops, state, finite, policy)
     new = next_loss_scale(
-        ops, state, finite, policy, peak=peak, variable_finite=variable_finite, in_place=False
+        ops,
+        state,
+        finite,
+        policy,
+        peak=peak,
+        variable_finite=variable_finite,
+        in_place=False,
+        measured=measured,
     )
     return take, new
 
@@ -131,7 +175,8 @@ def extra_fields(policy):
     Keras's wrapper holds `scale` (`dynamic_scale`) and `counter`
     (`step_counter`); hysteresis, telemetry and the fail-fast limits add the
     fields they track. `per` is `"step"`, `"history"` (`history_length`
-    scalars) or `"variable"` (one per model variable).
+    scalars), `"variable"` (one per model variable) or `"vector"` (one
+    vector, an entry per model variable).
     """
     out = []
     for f in state_fields(policy):

@@ -16,8 +16,9 @@ the size), so they equal a float64 count of the same values to float32's
 precision. NaN counts in no share; inf counts as near the maximum.
 A gradient holding a NaN has a NaN `max_abs`, even where it holds an inf.
 
-`measure_all` measures many gradients into four vectors (`measure_into`:
-into the state's `range_*` vectors), through the backend's
+`measure_all` measures many gradients into four vectors (`measure_at`:
+into given entries of the state's `range_*` vectors; `measure_into`: of
+its variables), through the backend's
 `fused_float16_range` kernel where it has one (the same values, bit for
 bit, in a number of operations that does not grow with the gradients).
 
@@ -103,6 +104,42 @@ def measure_all(
     return tuple(ops.stack(list(column)) for column in zip(*rows))
 
 
+def measure_at(
+    ops: BackendOps,
+    grads: list[Array],
+    growth_factor: float,
+    old: tuple,
+    indices: list[int],
+) -> tuple:
+    """The vectors `old` with entries `indices` replaced by the measurement of `grads`.
+
+    Args:
+        ops: The gradients' backend module.
+        grads: A non-empty list of floating-point arrays, each with at
+            least one element.
+        growth_factor: The policy's growth factor (for `near_max`).
+        old: The `(zero, subnormal, near_max, max_abs)` float32 vectors,
+            an entry per model variable (the last measurement).
+        indices: Each gradient's entry; the other entries keep their value
+            (a variable without a gradient this step keeps its last
+            measurement).
+
+    Returns:
+        The four new vectors.
+    """
+    columns = measure_all(ops, grads, growth_factor)
+    (count,) = ops.shape(old[0])
+    if list(indices) == list(range(count)):
+        return tuple(columns)
+    out = []
+    for previous, column in zip(old, columns):
+        entries = [previous[i] for i in range(count)]
+        for j, i in enumerate(indices):
+            entries[i] = column[j]
+        out.append(ops.stack(entries))
+    return tuple(out)
+
+
 def measure_into(
     ops: BackendOps,
     grads: list[Array],
@@ -110,28 +147,10 @@ def measure_into(
     fields: list,
     indices: list[int],
 ) -> None:
-    """Measures `grads` (as `measure`) into entries `indices` of the vectors `fields`.
-
-    Args:
-        ops: The gradients' backend module.
-        grads: A non-empty list of floating-point arrays, each with at
-            least one element.
-        growth_factor: The policy's growth factor (for `near_max`).
-        fields: The `(zero, subnormal, near_max, max_abs)` `Variable`s,
-            float32 vectors with an entry per model variable.
-        indices: Each gradient's entry; the other entries keep their value
-            (a variable without a gradient this step keeps its last
-            measurement).
-    """
-    columns = measure_all(ops, grads, growth_factor)
-    (count,) = ops.shape(fields[0].value)
-    for field, column in zip(fields, columns):
-        if list(indices) != list(range(count)):
-            entries = [field.value[i] for i in range(count)]
-            for j, i in enumerate(indices):
-                entries[i] = column[j]
-            column = ops.stack(entries)
-        field.assign(column)
+    """`measure_at` into the `(zero, subnormal, near_max, max_abs)` `Variable`s `fields`."""
+    new = measure_at(ops, grads, growth_factor, tuple(f.value for f in fields), indices)
+    for field, value in zip(fields, new):
+        field.assign(value)
 
 
 def due(policy, steps: Array) -> Array:

@@ -223,13 +223,15 @@ def _counted(ops, state, policy, measured, in_place=False):
     """The step count and the step of the last measurement, as tracked.
 
     With `in_place`, `state.steps` is incremented where it is (one operation
-    a step, not two): the caller reads it no more.
+    a step, not two): the caller reads it no more. On a mutable backend the
+    measured step is a copy of the count, which the caller (or this
+    function) writes in place.
     """
     new = {}
     step = state.steps
     if policy.diagnoses and measured is not None and measured is not False:
         new["range_step"] = (
-            (ops.copy(step) if in_place else step)
+            (ops.copy(step) if ops.MUTABLE else step)
             if measured is True
             else ops.where(measured, step, state.range_step)
         )

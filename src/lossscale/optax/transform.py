@@ -205,11 +205,8 @@ def _observed(current, leaves, policy, loss):
     present = [i for i, g in enumerate(leaves) if g.size]
 
     def measure():
-        columns = diagnostics.measure_all(_ops, [leaves[i] for i in present], policy.growth_factor)
-        if len(present) == len(leaves):
-            return tuple(columns)
-        at = jnp.asarray(present, jnp.int32)
-        return tuple(o.at[at].set(c) for o, c in zip(old, columns))
+        grads = [leaves[i] for i in present]
+        return diagnostics.measure_at(_ops, grads, policy.growth_factor, old, present)
 
     if not present:
         return current
