@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from float16_range_cases import EDGES, SUBNORMAL, gradient_values
 
 from lossscale.backends import jax as jax_ops
 from lossscale.backends.jax import float16_range
@@ -11,33 +12,12 @@ from lossscale.bench import workloads
 from lossscale.mixed_precision import diagnostics
 
 PACK_UP_TO, CAPACITY = float16_range.PACK_UP_TO, float16_range.PACK_CAPACITY
-SUBNORMAL = diagnostics.FLOAT16_SMALLEST_NORMAL
 TINY = np.finfo(np.float32).tiny
-# The edges of every class, as float32 and from either side.
-EDGES = [
-    0.0,
-    -0.0,
-    float(np.nextafter(np.float32(0), 1)),
-    float(np.nextafter(np.float32(SUBNORMAL), 0)),
-    SUBNORMAL,
-    float("inf"),
-    -float("inf"),
-    float("nan"),
-]
 
 
 def _gradient(rng, shape, dtype, growth_factor):
     """Random magnitudes across float16's range, every class present, at random places."""
-    n = int(np.prod(shape))
-    near = diagnostics.near_max_limit(growth_factor)
-    values = rng.choice([1e-9, 1e-6, 3e-5, 1.0, 2e3, near, 6e4], n) * rng.uniform(0.5, 1.5, n)
-    values *= rng.choice([-1.0, 1.0], n)
-    edges = EDGES + [float(np.nextafter(np.float32(near), 0)), float(np.float32(near))]
-    # The edge values at both ends and at random positions.
-    for edge in edges:
-        if rng.random() < 0.6:
-            values[rng.integers(n)] = edge
-    values[0], values[-1] = rng.choice(edges, 2)
+    values = gradient_values(rng, int(np.prod(shape)), growth_factor)
     return jnp.asarray(values.astype(np.float32)).astype(dtype).reshape(shape)
 
 

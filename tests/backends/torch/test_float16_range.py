@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from float16_range_cases import EDGES, SUBNORMAL, gradient_values
 
 import lossscale as ls
 from lossscale.backends import torch as torch_ops
@@ -12,32 +13,11 @@ from lossscale.bench import workloads
 from lossscale.mixed_precision import diagnostics
 
 PACK_BELOW, CAPACITY = torch_multi.PACK_BELOW, torch_multi.PACK_CAPACITY
-SUBNORMAL = diagnostics.FLOAT16_SMALLEST_NORMAL
-# The edges of every class, as float32 and from either side.
-EDGES = [
-    0.0,
-    -0.0,
-    float(np.nextafter(np.float32(0), 1)),
-    float(np.nextafter(np.float32(SUBNORMAL), 0)),
-    SUBNORMAL,
-    float("inf"),
-    -float("inf"),
-    float("nan"),
-]
 
 
 def _gradient(rng, shape, dtype, growth_factor):
     """Random magnitudes across float16's range, every class present, at random places."""
-    n = int(np.prod(shape))
-    near = diagnostics.near_max_limit(growth_factor)
-    values = rng.choice([1e-9, 1e-6, 3e-5, 1.0, 2e3, near, 6e4], n) * rng.uniform(0.5, 1.5, n)
-    values *= rng.choice([-1.0, 1.0], n)
-    edges = EDGES + [float(np.nextafter(np.float32(near), 0)), float(np.float32(near))]
-    # The edge values at both ends and at random positions.
-    for edge in edges:
-        if rng.random() < 0.6:
-            values[rng.integers(n)] = edge
-    values[0], values[-1] = rng.choice(edges, 2)
+    values = gradient_values(rng, int(np.prod(shape)), growth_factor)
     return torch.from_numpy(values).to(dtype).reshape(shape)
 
 
