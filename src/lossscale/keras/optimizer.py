@@ -208,9 +208,10 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
         ops = self._ops
         scale = self.dynamic_scale.value
         state = self._read_state()
-        state, measured = self._measured(state, grads, variables, host=ops.host_control())
+        index = [self._get_variable_index(v) for v in variables]
+        state, measured = self._measured(state, grads, index, host=ops.host_control())
         unscaled, _ = step.unscale(ops, grads, self._overwrites(variables), scale)
-        take, new = self._decide(state, unscaled, scale, variables, measured)
+        take, new = self._decide(state, unscaled, scale, index, measured)
         inner = self.inner_optimizer
         gates.run_stateful(
             ops.NAME,
@@ -251,9 +252,10 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
         state = self._read_state(values)
         variables = self._trainable_variables
         grads = list(grads)
-        state, measured = self._measured(state, grads, variables, host=False)
+        index = [self._get_variable_index(v) for v in variables]
+        state, measured = self._measured(state, grads, index, host=False)
         unscaled, _ = step.unscale(ops, grads, self._overwrites(variables), state.scale)
-        take, new = self._decide(state, unscaled, state.scale, variables, measured)
+        take, new = self._decide(state, unscaled, state.scale, index, measured)
         count = len(self._variables)
         inner_values = optimizer_variables[count:]
         trainable = list(trainable_variables)
@@ -282,9 +284,10 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
     def _overwrites(self, variables):
         return [self._overwrite_variable_with_gradient(v) for v in variables]
 
-    def _measured(self, state, grads, variables, host):
+    def _measured(self, state, grads, index, host):
         """`(state, measured)`: the state with this step's float16 range where it is due.
 
+        `index`: each gradient's variable's place in the build order.
         `host`: whether the cadence is decided on the host (eager torch),
         else from the state's step count on the device.
         """
@@ -296,12 +299,10 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
             self._host_steps += 1
         else:
             due = diagnostics.due(policy, state.steps)
-        index = [self._get_variable_index(v) for v in variables]
         return step.measured(self._ops, state, grads, policy, index, due), due
 
-    def _decide(self, state, unscaled, scale, variables, measured):
+    def _decide(self, state, unscaled, scale, index, measured):
         ops = self._ops
-        index = [self._get_variable_index(v) for v in variables]
         return step.decide(
             ops,
             state,

@@ -18,9 +18,9 @@ A gradient holding a NaN has a NaN `max_abs`, even where it holds an inf.
 
 `measure_all` measures many gradients into four vectors (`measure_at`:
 into given entries of the state's `range_*` vectors; `measure_into`: of
-its variables), through the backend's
-`fused_float16_range` kernel where it has one (the same values, bit for
-bit, in a number of operations that does not grow with the gradients).
+its variables), through the backend's `fused_float16_range` kernel where
+it has one (the same values, bit for bit, in a number of operations that
+does not grow with the gradients).
 
 A step measures only when its policy says (`diagnostics_every`); the
 results are optimizer state, read on the host by `summary()`.
