@@ -321,7 +321,7 @@ def test_no_host_read_in_a_torch_step_with_diagnostics_and_telemetry():
             counts.append(seen.count("aten._local_scalar_dense.default"))
         return counts
 
-    # The CPU scale read by the fused Adam step (tests/test_loss_scale_step.py),
+    # The CPU scale read by the fused Adam step (tests/optimizers/test_loss_scale_step.py),
     # and nothing more: the cadence is counted on the host.
     plain = reads()
     assert reads(diagnostics_every=2) == plain

@@ -77,7 +77,7 @@ def _small_network(widths, count):
 # `tiny`: the parameters of a small transformer classifier, in torch's
 # (out, in) layout: vocabulary 128, context 128, d_model 64, two
 # `torch.nn.TransformerEncoderLayer(64, nhead, 256)` (any nhead), 10
-# classes. 28 tensors, 117,002 parameters (tests/test_bench_workloads.py
+# classes. 28 tensors, 117,002 parameters (tests/bench/test_workloads.py
 # checks the layers against torch's own).
 _ENCODER_LAYER = (
     (192, 64),  # self_attn.in_proj_weight (q, k and v packed)

@@ -5,7 +5,7 @@ An optimizer class names the kernel that reproduces its `update_step`
 None, in which case the per-variable `update_step` runs (XLA fuses it).
 Adam, AdamW and SGD fold a loss-scale skip into their arithmetic (`fused`);
 each kernel has a test proving it equals `update_step`
-(tests/test_jax_fused.py). Nothing here knows an optimizer class: a kernel
+(tests/backends/jax/test_fused.py). Nothing here knows an optimizer class: a kernel
 gets its state as arguments (`lossscale.backends.kernel`).
 """
 

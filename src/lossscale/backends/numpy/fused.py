@@ -12,7 +12,7 @@ saturate the memory bus.
 
 Each kernel performs the same float operations in the same order and dtype
 as the optimizer's `update_step`, so the results are identical bit for bit
-(`tests/test_numpy_fused.py` checks it). A variable whose arrays are not
+(`tests/backends/numpy/test_fused.py` checks it). A variable whose arrays are not
 C-contiguous floats takes `update_step` instead.
 
 Scratch buffers belong to one optimizer (kept in its kernel `cache`), so

@@ -3,7 +3,7 @@
 An optimizer class names the kernel that reproduces its `update_step`
 (`Optimizer.update_kernel`); `fused_update(name)` returns that kernel, or
 None when this backend has none and the per-variable `update_step` runs.
-Each entry has a test proving it equals `update_step` (tests/test_numpy_fused.py).
+Each entry has a test proving it equals `update_step` (tests/backends/numpy/test_fused.py).
 Nothing here knows an optimizer class: a kernel gets its state as arguments
 (`lossscale.backends.kernel`).
 """

@@ -6,7 +6,7 @@ kernels (`fused.sgd`) and every other rule is the optimizer's own
 `update_step`, variable by variable; either way an eager step traces the
 rule once and replays it (`compiled.run`), and inside a `tf.function` the
 rule joins the caller's graph. Each entry has a test proving it equals
-`update_step` bit for bit (tests/test_tensorflow_kernels.py). Nothing here
+`update_step` bit for bit (tests/backends/tensorflow/test_kernels.py). Nothing here
 knows an optimizer class: a kernel gets its state as arguments
 (`lossscale.backends.kernel`).
 """

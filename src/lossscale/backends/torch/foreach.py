@@ -12,7 +12,7 @@ A rule is `rule(hyper, group, grads, lr, write, iterations)`: the
 optimizer's hyperparameters, one `plans.Group` (its parameters and the
 slots the optimizer class declares, by name), the group's gradients and
 learning rate, the `Writer` and the steps taken so far. Adding an optimizer
-is one rule and one entry in `kernels.KERNELS`. `tests/test_torch_foreach.py`
+is one rule and one entry in `kernels.KERNELS`. `tests/backends/torch/test_foreach.py`
 checks every entry against the generic path.
 """
 

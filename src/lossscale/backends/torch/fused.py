@@ -20,7 +20,7 @@ Gradients still multiplied by a loss scale (`grad_scale`, what
 `torch.amp.GradScaler` hands a fused optimizer) are divided by it inside
 the kernel as it reads them, and written back unscaled, as torch's fused
 optimizers do: the same division as `torch._foreach_div_`, bit for bit
-(tests/test_torch_fused.py), and no pass of its own over the gradients.
+(tests/backends/torch/test_fused.py), and no pass of its own over the gradients.
 
 SGD. Keras keeps `m = momentum * m - lr * g` and adds `m` to the weights;
 torch keeps `buf = momentum * buf + g` and subtracts `lr * buf`. Given the
@@ -143,7 +143,7 @@ def _adam_step_size(hyper, group, lr, iterations):
 
     Both powers in one `pow` of the pair `(beta_1, beta_2)`: on a two-element
     tensor torch computes each element as it computes a 0-d one (bit for
-    bit, which tests/test_torch_fused.py checks against `update_step`).
+    bit, which tests/backends/torch/test_fused.py checks against `update_step`).
     Eager, `1 - powers` is written into the group's pair buffer, whose two
     elements are views made once: no `unbind` per step.
     """

@@ -5,7 +5,7 @@ An optimizer class names the kernel that reproduces its `update_step`
 None when there is none and the per-variable `update_step` runs. Adam,
 AdamW and SGD run on torch's fused kernels (`fused`), the others on
 `torch._foreach_*` rules (`foreach`). Each entry has a test proving it
-equals `update_step` (tests/test_torch_fused.py, tests/test_torch_foreach.py).
+equals `update_step` (tests/backends/torch/test_fused.py, tests/backends/torch/test_foreach.py).
 Nothing here knows an optimizer class: a kernel gets its state as arguments
 (`lossscale.backends.kernel`), and the name, the slot names the class
 declares and its hyperparameters' names are the whole contract.

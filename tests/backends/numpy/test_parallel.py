@@ -1,8 +1,8 @@
 """Blocks shared among threads: the shared queue, the worker count, the pool.
 
 `peak_magnitude` is tested through the backend's `max_abs` in
-`test_numpy_ops.py`; the kernels that run on these helpers in
-`test_numpy_fused.py` (with small blocks and several workers forced).
+`tests/backends/numpy/test_ops.py`; the kernels that run on these helpers in
+`tests/backends/numpy/test_fused.py` (with small blocks and several workers forced).
 """
 
 import threading

@@ -64,7 +64,7 @@ def test_the_adam_step_names_its_operations():
     assert ops == [
         # A CPU scale is read on the host (nothing to wait for): a power of
         # two >= 1, so one AMP pass divides and checks the unscaled values
-        # (tests/test_torch_multi.py). A CUDA scale is not read: there
+        # (tests/backends/torch/test_multi.py). A CUDA scale is not read: there
         # `_foreach_div_` unscales, and the AMP kernel checks at scale 1.
         "aten._local_scalar_dense.default",
         "aten.zeros.default",  # the found_inf flag

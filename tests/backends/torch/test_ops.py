@@ -1,6 +1,6 @@
 """backends/torch/ops.py: device constants, torch.compile, and the
 no-synchronisation guarantee of a whole step (masked branches:
-tests/test_torch_control.py)."""
+tests/backends/torch/test_control.py)."""
 
 import numpy as np
 import pytest

@@ -1,7 +1,7 @@
 """`overwrite.take_gradients`: overwrite-with-gradient variables take their gradient.
 
 Through a whole optimizer step (slots, accumulation) they are tested in
-`test_base.py`; here the function itself.
+`tests/optimizers/test_base.py`; here the function itself.
 """
 
 import numpy as np
