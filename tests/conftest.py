@@ -8,7 +8,13 @@ skipped there; a missing one fails the test instead of hiding it.
 
 import os
 
-import floors
+# Keras reads `KERAS_BACKEND` once, at its first import, which may come
+# from any module collected before the Keras tests (TensorFlow's own
+# `tf.keras` among them): every in-process Keras of the suite runs on torch
+# (other backends run in subprocesses), so it is set before anything else.
+os.environ["KERAS_BACKEND"] = "torch"
+
+import floors  # noqa: E402
 import numpy as np
 import pytest
 from hypothesis import settings
