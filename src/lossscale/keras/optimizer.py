@@ -210,8 +210,8 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
         state = self._read_state()
         index = [self._get_variable_index(v) for v in variables]
         state, measured = self._measured(state, grads, index, host=ops.host_control())
-        unscaled, _ = step.unscale(ops, grads, self._overwrites(variables), scale)
-        take, new = self._decide(state, unscaled, scale, index, measured)
+        unscaled, divided = step.unscale(ops, grads, self._overwrites(variables), scale)
+        take, new = self._decide(state, grads, unscaled, divided, scale, index, measured)
         inner = self.inner_optimizer
         gates.run_stateful(
             ops.NAME,
@@ -254,8 +254,8 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
         grads = list(grads)
         index = [self._get_variable_index(v) for v in variables]
         state, measured = self._measured(state, grads, index, host=False)
-        unscaled, _ = step.unscale(ops, grads, self._overwrites(variables), state.scale)
-        take, new = self._decide(state, unscaled, state.scale, index, measured)
+        unscaled, divided = step.unscale(ops, grads, self._overwrites(variables), state.scale)
+        take, new = self._decide(state, grads, unscaled, divided, state.scale, index, measured)
         count = len(self._variables)
         inner_values = optimizer_variables[count:]
         trainable = list(trainable_variables)
@@ -301,12 +301,14 @@ class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
             due = diagnostics.due(policy, state.steps)
         return step.measured(self._ops, state, grads, policy, index, due), due
 
-    def _decide(self, state, unscaled, scale, index, measured):
+    def _decide(self, state, grads, unscaled, divided, scale, index, measured):
         ops = self._ops
         return step.decide(
             ops,
             state,
+            grads,
             unscaled,
+            divided,
             scale,
             self.policy,
             index,

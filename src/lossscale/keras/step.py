@@ -10,10 +10,8 @@ skipped (`gates.py`).
 
 from __future__ import annotations
 
-import functools
-
 from lossscale.keras import gates
-from lossscale.mixed_precision import diagnostics
+from lossscale.mixed_precision import diagnostics, inspection
 from lossscale.mixed_precision.loss_scale import (
     LossScaleState,
     may_apply,
@@ -42,38 +40,37 @@ def unscale(ops, grads, overwrite, scale):
     return unscaled, divided
 
 
-def inspect(ops, unscaled, scale, policy, variable_index, variable_count):
-    """`(finite, peak, variable_finite)` of the unscaled gradients for `next_loss_scale`.
+def inspect(ops, grads, unscaled, divided, scale, policy, variable_index, variable_count):
+    """`(finite, peak, variable_finite)` of the gradients for `next_loss_scale`.
 
-    Checking after unscaling catches a finite gradient that overflows when
-    divided by a tiny scale. `peak` (the largest scaled magnitude) only with
-    the headroom policy; `variable_finite` only when telemetry is recorded.
+    The flag alone is the unscaled gradients' check; a statistic (the
+    headroom policy's peak, telemetry's per-variable flags) is
+    `inspection.inspect` of the scaled gradients' peaks. Either catches a
+    finite gradient that overflows when divided by a tiny scale.
 
     Args:
         ops: The lossscale backend module.
-        unscaled: The unscaled gradients (`None` entries allowed).
+        grads: The scaled gradients (`None` entries allowed).
+        unscaled: What `unscale` made of them.
+        divided: The indices `unscale` divided.
         scale: The loss scale.
         policy: The `LossScalePolicy`.
         variable_index: For each gradient, the index of its variable in the
             optimizer's build order.
         variable_count: How many variables the optimizer was built with.
     """
-    present = [(i, g) for i, g in enumerate(unscaled) if g is not None]
-    nonempty = [(i, g) for i, g in present if 0 not in ops.shape(g)]
     if not policy.records_details and policy.growth_policy != "headroom":
-        return ops.all_finite([g for _, g in present]), None, ()
-    if not policy.records_details:
-        peak = ops.max_abs([g for _, g in nonempty]) if nonempty else scale * 0
-        return ops.isfinite(peak), peak * scale, ()
-    # One reduction per gradient: its largest magnitude gives its own flag
-    # and, reduced, the global flag and peak.
-    peaks = {i: ops.max_abs([g]) for i, g in nonempty}
-    largest = functools.reduce(ops.maximum, peaks.values()) if peaks else scale * 0
-    variable_finite = [None] * variable_count
-    for i, p in peaks.items():
-        variable_finite[variable_index[i]] = ops.isfinite(p)
-    peak = largest * scale if policy.growth_policy == "headroom" else None
-    return ops.isfinite(largest), peak, tuple(variable_finite)
+        return ops.all_finite([g for g in unscaled if g is not None]), None, ()
+    peaks = inspection.gradient_peaks(ops, grads, divided, policy.records_details)
+    return inspection.inspect_gradients(
+        ops,
+        peaks,
+        {i: unscaled[i] for i in divided},
+        scale,
+        policy,
+        variable_index.__getitem__,
+        variable_count,
+    )
 
 
 def measured(ops, state, grads, policy, variable_index, due):
@@ -107,14 +104,25 @@ def measured(ops, state, grads, policy, variable_index, due):
 
 
 def decide(
-    ops, state, unscaled, scale, policy, variable_index, variable_count, agree, measured=None
+    ops,
+    state,
+    grads,
+    unscaled,
+    divided,
+    scale,
+    policy,
+    variable_index,
+    variable_count,
+    agree,
+    measured=None,
 ):
     """`(take, new_state)`: whether the inner step is applied, and the next loss-scale state.
 
     Args:
         ops: The lossscale backend module.
         state: The current `LossScaleState` (backend scalars).
-        unscaled: The unscaled gradients.
+        grads: The scaled gradients.
+        unscaled, divided: What `unscale` returned for them.
         scale: The loss scale they were divided by.
         policy: The `LossScalePolicy`.
         variable_index: See `inspect`.
@@ -125,7 +133,7 @@ def decide(
             the float16 range (`next_loss_scale`'s `measured`).
     """
     finite, peak, variable_finite = inspect(
-        ops, unscaled, scale, policy, variable_index, variable_count
+        ops, grads, unscaled, divided, scale, policy, variable_index, variable_count
     )
     all_true, all_max = agree
     finite = all_true(finite)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from lossscale.backends import get_ops
-from lossscale.mixed_precision import diagnostics
+from lossscale.mixed_precision import diagnostics, inspection
 from lossscale.mixed_precision.loss_scale import (
     LossScalePolicy,
     LossScaleState,
@@ -282,37 +282,23 @@ def _finite_in(group, dtype, scale):
 def _inspect(leaves, dtypes, scale, policy):
     """`(finite, peak, variable_finite)` of the gradients for `next_loss_scale`.
 
-    Each gradient's largest magnitude divided by the scale, in the dtype it
-    is unscaled to, is its largest unscaled magnitude (division and rounding
-    are monotone), and inf or NaN exactly when an unscaled value is: so the
-    check reads each scaled gradient once, and a finite gradient that
-    overflows when unscaled counts as an overflow. `peak` (the largest
-    scaled magnitude) only with the headroom policy; `variable_finite` only
-    when telemetry is kept.
+    The flag alone is one check per unscaled dtype (`_finite_in`); a
+    statistic (the headroom policy's peak, telemetry's per-leaf flags) is
+    `inspection.inspect` of each leaf's largest scaled magnitude (each
+    dtype's, without telemetry): each scaled gradient read once, and a
+    finite gradient that overflows when unscaled counts as an overflow.
     """
     if policy.records_details:
-        scaled_peaks = [_ops.max_abs([g]) if g.size else None for g in leaves]
-        unscaled_peaks = [
-            None if p is None else (p / scale).astype(d) for p, d in zip(scaled_peaks, dtypes)
-        ]
-        present = [p for p in unscaled_peaks if p is not None]
-        scaled = [p for p in scaled_peaks if p is not None]
-    else:
-        # One reduction per unscaled dtype, not per gradient: on CPU each is
-        # several XLA thunks.
-        groups = {}
-        for g, d in zip(leaves, dtypes):
-            groups.setdefault(jnp.dtype(d), []).append(g)
-        if policy.growth_policy != "headroom":  # the flag alone
-            flags = [_finite_in(group, dtype, scale) for dtype, group in groups.items()]
-            finite = functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
-            return finite, None, ()
-        scaled = [_ops.max_abs(group) for group in groups.values()]
-        present = [(p / scale).astype(d) for p, d in zip(scaled, groups)]
-    finite = _ops.isfinite(_ops.max_abs(present)) if present else jnp.asarray(True)
-    peak = None
-    if policy.growth_policy == "headroom":
-        peak = _ops.max_abs(scaled) if scaled else jnp.zeros((), jnp.float32)
-    if not policy.records_details:
-        return finite, peak, ()
-    return finite, peak, tuple(None if p is None else _ops.isfinite(p) for p in unscaled_peaks)
+        peaks = [_ops.max_abs([g]) if g.size else None for g in leaves]
+        return inspection.inspect(_ops, peaks, [jnp.dtype(d).name for d in dtypes], scale, policy)
+    # One reduction per unscaled dtype, not per gradient: on CPU each is
+    # several XLA thunks.
+    groups = {}
+    for g, d in zip(leaves, dtypes):
+        groups.setdefault(jnp.dtype(d), []).append(g)
+    if policy.growth_policy != "headroom":  # the flag alone
+        flags = [_finite_in(group, dtype, scale) for dtype, group in groups.items()]
+        finite = functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
+        return finite, None, ()
+    peaks = [_ops.max_abs(group) for group in groups.values()]
+    return inspection.inspect(_ops, peaks, [d.name for d in groups], scale, policy)

@@ -17,11 +17,10 @@ inner step runs under `ops.cond`. Nothing reads the flag on the host.
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Sequence
 
-from lossscale.mixed_precision import diagnostics
+from lossscale.mixed_precision import diagnostics, inspection
 from lossscale.mixed_precision.loss_scale import (
     STATE_FIELD_NAMES,
     LossScaleState,
@@ -63,14 +62,27 @@ class LossScaleStepMixin:
             # instead of allocating unscaled copies.
             to_unscale, in_place = [grads[i] for i in scaled], not self._stateless
             if self.policy.records_details or self.policy.growth_policy == "headroom":
-                unscaled, flags = ops.unscale(to_unscale, scale, in_place=in_place), None
+                # Measured before unscaling: torch divides in place.
+                peaks = inspection.gradient_peaks(ops, grads, scaled, self.policy.records_details)
+                unscaled = ops.unscale(to_unscale, scale, in_place=in_place)
+                finite, peak, variable_finite = inspection.inspect_gradients(
+                    ops,
+                    peaks,
+                    dict(zip(scaled, unscaled)),
+                    scale,
+                    self.policy,
+                    lambda i: self._get_variable_index(variables[i]),
+                    len(self._trainable_variables),
+                )
             else:  # only the flag is needed: torch's AMP kernel may do both at once
-                unscaled, *flags = ops.unscale_checked(to_unscale, scale, in_place=in_place)
+                unscaled, finite, skip = ops.unscale_checked(to_unscale, scale, in_place=in_place)
+                unscaled_at = set(scaled)
+                others = [g for i, g in enumerate(grads) if g is not None and i not in unscaled_at]
+                if others:
+                    finite, skip = ops.logical_and(finite, ops.all_finite(others)), None
+                peak, variable_finite = None, ()
             for i, g in zip(scaled, unscaled):
                 grads[i] = g
-            finite, skip, peak, variable_finite = self._inspect(
-                ops, grads, variables, scaled, unscaled, scale, flags
-            )
             grad_scale = None
         # Every process must take the same decision (sharded gradients differ
         # per rank): one small all-reduce where torch.distributed runs.
@@ -153,46 +165,6 @@ class LossScaleStepMixin:
             and self.inner_optimizer._takes_grad_scale(variables)
         )
 
-    def _inspect(self, ops, grads, variables, scaled, unscaled, scale, flags):
-        """Returns `(finite, skip, peak, variable_finite)` for `next_loss_scale`.
-
-        `skip` (the flag as torch's AMP `found_inf`) when the check gives it
-        for free, `peak` (the largest scaled magnitude) only with the
-        headroom policy, `variable_finite` only when telemetry is recorded.
-        Checking the unscaled gradients also catches a finite gradient that
-        overflows when divided by a tiny scale. `flags`: `(finite, skip)` of
-        the unscaled gradients, when `unscale_checked` made them.
-        """
-        policy = self.policy
-        headroom = policy.growth_policy == "headroom"
-        unscaled_at = set(scaled)
-        others = [g for i, g in enumerate(grads) if g is not None and i not in unscaled_at]
-        if flags is not None:  # the policy needs the flag alone
-            finite, skip = flags
-            if others:
-                finite, skip = ops.logical_and(finite, ops.all_finite(others)), None
-            return finite, skip, None, ()
-        if not policy.records_details:
-            nonempty = [g for g in unscaled if ops.shape(g).count(0) == 0]
-            peak = ops.max_abs(nonempty) if nonempty else scale * 0
-            finite = ops.isfinite(peak)
-            if others:
-                finite = ops.logical_and(finite, ops.all_finite(others))
-            return finite, None, peak * scale, ()
-        # One reduction per gradient: its largest magnitude, NaN or inf when
-        # it holds one, gives both its own flag and (reduced) the global ones.
-        peaks = {
-            i: ops.max_abs([g])
-            for i, g in enumerate(grads)
-            if g is not None and ops.shape(g).count(0) == 0
-        }
-        finite = ops.isfinite(_largest(ops, list(peaks.values()), scale))
-        peak = _largest(ops, [peaks[i] for i in scaled if i in peaks], scale) * scale
-        variable_finite = [None] * len(self._trainable_variables)
-        for i, p in peaks.items():
-            variable_finite[self._get_variable_index(variables[i])] = ops.isfinite(p)
-        return finite, None, peak if headroom else None, tuple(variable_finite)
-
     def _read_state(self, values=None, unread=()):
         """The `LossScaleState` of the variables, or of `values` ({variable id: value}).
 
@@ -243,10 +215,3 @@ def _flatten(state):
             yield from (((name, i), x) for i, x in enumerate(value))
         elif value is not None:
             yield (name, None), value
-
-
-def _largest(ops, peaks, like):
-    """The largest of scalar `peaks` (NaN if any is NaN); 0 when there are none."""
-    if not peaks:
-        return like * 0
-    return functools.reduce(ops.maximum, peaks)

@@ -7,10 +7,13 @@ gradient can overflow once unscaled: then the unscaled gradients are checked
 again. With a `process_group`, every rank takes the same decision.
 """
 
+import math
+
 import torch
 from torch.amp.grad_scaler import OptState
 
 from lossscale.backends import get_ops
+from lossscale.mixed_precision import inspection
 from lossscale.mixed_precision.loss_scale import NO_ERROR
 from lossscale.torch import gradients
 
@@ -32,22 +35,16 @@ class ScalerChecksMixin:
 
     def _unscale_and_check(self, optimizer, inv_scale, found_inf, allow_fp16, recheck):
         self._check_process_group()
-        peak = self._peak(optimizer)
+        # Both measured on the scaled gradients, before they are unscaled in place.
+        peak = self._inspect(optimizer)
         measured = self._measure(optimizer)  # the scaled gradients' float16 range
         found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         if recheck:
             # The same kernel at scale 1 writes every value back unchanged
             # and flags the unscaled gradients that are not finite.
             found = gradients.merge_flags(found, self._check_only(optimizer))
-        self._keep_inspection(optimizer, measured)
+        self._per_optimizer_states[id(optimizer)]["measured"] = measured
         return self._agreed(optimizer, found, peak)
-
-    def _keep_inspection(self, optimizer, measured):
-        # After any unscaling: a gradient that overflows only once unscaled
-        # counts as the check stage counted it.
-        state = self._per_optimizer_states[id(optimizer)]
-        state["measured"] = measured
-        state["finite_per_parameter"] = self._finite_per_parameter(optimizer)
 
     def _check_inf_per_device(self, optimizer):
         # `step` calls this for an optimizer that unscales inside its own
@@ -66,10 +63,9 @@ class ScalerChecksMixin:
             )
             state["stage"] = OptState.UNSCALED
         else:
-            peak = self._peak(optimizer)
-            measured = self._measure(optimizer)
+            peak = self._inspect(optimizer)
+            state["measured"] = self._measure(optimizer)
             found = self._check_only(optimizer)
-            self._keep_inspection(optimizer, measured)
             state["found_inf_per_device"] = self._agreed(optimizer, found, peak)
         return state["found_inf_per_device"]
 
@@ -105,15 +101,44 @@ class ScalerChecksMixin:
         self._scale_bound = float(self._scale)
         return not self._scale_bound >= 1.0
 
-    def _peak(self, optimizer):
-        """The largest magnitude of the scaled gradients, for `growth_policy="headroom"`."""
-        if self._policy.growth_policy != "headroom":
+    def _inspect(self, optimizer):
+        """The policy's statistics of the scaled gradients: `inspection.inspect`.
+
+        Keeps each parameter's finite flag (telemetry) by name in the
+        optimizer's state, and returns the largest scaled magnitude
+        (`growth_policy="headroom"`), or None. Each gradient's peak is one
+        multi-tensor norm per device and dtype; a DTensor's (FSDP2) is its
+        shard's, and a parameter is non-finite, and the peak the largest,
+        over every rank's shard: every rank reports the same.
+        """
+        policy = self._policy
+        state = self._per_optimizer_states[id(optimizer)]
+        state["finite_per_parameter"] = {}
+        if not policy.records_details and policy.growth_policy != "headroom":
             return None
-        grads, mesh_groups = gradients.local_gradients(optimizer)
-        device = self._scale.device
-        peak = _OPS.max_abs(grads).to(device) if grads else torch.zeros((), device=device)
-        for group in mesh_groups:
-            peak = _OPS.all_max(peak, group)
+        named = self._named_gradients(optimizer, sparse_values=True)
+        groups = {}
+        for name, grad in named:
+            if grad.numel():  # an empty one has no peak, as a missing one
+                groups.setdefault((grad.device, grad.dtype), []).append((name, grad))
+        names, peaks, dtypes = [], [], []
+        for (_, dtype), members in groups.items():
+            norms = torch._foreach_norm([g for _, g in members], math.inf)
+            names.extend(name for name, _ in members)
+            peaks.extend(n.float().to(self._scale.device, non_blocking=True) for n in norms)
+            dtypes.extend([str(dtype).removeprefix("torch.")] * len(members))
+        found = inspection.inspect(_OPS, peaks, dtypes, self._scale, policy)
+        mesh_groups = gradients.local_gradients(optimizer)[1]
+        if found.variable_finite:
+            bad = (~torch.stack(found.variable_finite)).to(torch.float32)
+            for group in mesh_groups:
+                bad = _OPS.all_max(bad, group)
+            finite = bad == 0
+            state["finite_per_parameter"] = {name: finite[i] for i, name in enumerate(names)}
+        peak = found.peak
+        if peak is not None:
+            for group in mesh_groups:
+                peak = _OPS.all_max(peak, group)
         return peak
 
     def _agreed(self, optimizer, found, peak):

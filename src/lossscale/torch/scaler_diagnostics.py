@@ -21,7 +21,6 @@ optimizer is built from `model.named_parameters()`), else
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,7 +30,6 @@ from lossscale.backends import get_ops
 from lossscale.mixed_precision import diagnostics, loss_scale
 from lossscale.mixed_precision.loss_scale import next_loss_scale
 from lossscale.mixed_precision.state import per_variable
-from lossscale.torch import gradients
 
 _OPS = get_ops("torch")
 
@@ -146,42 +144,23 @@ class ScalerDiagnosticsMixin:
         )
         return {name: tuple(column[i] for column in columns) for i, (name, _) in enumerate(named)}
 
-    def _finite_per_parameter(self, optimizer):
-        """`{name: whether its gradient is finite}`, with telemetry (else `{}`)."""
-        if not self._policy.records_details:
-            return {}
-        named = self._named_gradients(optimizer)
-        groups = {}
-        for name, grad in named:
-            groups.setdefault((grad.device, grad.dtype), []).append((name, grad))
-        device = self._scale.device
-        names, flags = [], []
-        for members in groups.values():
-            # One multi-tensor kernel per group: the largest magnitude of each
-            # gradient, NaN where it holds a NaN.
-            norms = torch._foreach_norm([g for _, g in members], math.inf)
-            flags.append(torch.stack(norms).isfinite().to(device, non_blocking=True))
-            names.extend(name for name, _ in members)
-        if not names:
-            return {}
-        bad = (~torch.cat(flags)).to(torch.float32)
-        # A DTensor's shards (FSDP2): a parameter is non-finite if any rank's
-        # shard is. Every rank of a mesh holds every parameter, in one order.
-        for group in gradients.local_gradients(optimizer)[1]:
-            bad = _OPS.all_max(bad, group)
-        finite = bad == 0
-        return {name: finite[i] for i, name in enumerate(names)}
+    def _named_gradients(self, optimizer, sparse_values=False):
+        """`(name, gradient)` of the optimizer's dense local gradients.
 
-    def _named_gradients(self, optimizer):
-        """`(name, gradient)` of the optimizer's dense local gradients."""
+        With `sparse_values`, a sparse gradient's stored values too.
+        """
         known = {k: v for _, names in self._observers.values() for k, v in names.items()}
         out = []
         for g, group in enumerate(optimizer.param_groups):
             group_names = group.get("param_names")
             for i, param in enumerate(group["params"]):
                 grad = param.grad
-                if grad is None or grad.is_sparse or not isinstance(grad, torch.Tensor):
+                if grad is None or not isinstance(grad, torch.Tensor):
                     continue
+                if grad.is_sparse:
+                    if not sparse_values:
+                        continue
+                    grad = grad.coalesce()._values()
                 if type(grad) is not torch.Tensor and hasattr(grad, "to_local"):
                     grad = grad.to_local()  # a DTensor: this rank's shard
                 name = known.get(id(param))
