@@ -293,3 +293,30 @@ def test_watch_needs_the_overflow_window():
         lt.GradScaler("cpu").register_step_observer(object())
     with pytest.raises(ValueError, match="`scaler_or_optimizer` must be"):
         lt.watch(cases.TinyTransformer(), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
+
+
+@pytest.mark.parametrize("growth_policy", ["fixed", "headroom"])
+def test_telemetry_names_the_overflowing_parameter_beside_an_empty_one(growth_policy):
+    # One multi-tensor norm per dtype measures every gradient for the
+    # policy (`inspection.inspect`); an empty gradient has no peak (the
+    # norm has none to give) and is left out, not raised on.
+    names = ("w_bf16", "empty", "w32")
+    params = [
+        torch.nn.Parameter(torch.ones(300, dtype=torch.bfloat16)),
+        torch.nn.Parameter(torch.ones(0)),
+        torch.nn.Parameter(torch.ones(70000)),
+    ]
+    optimizer = torch.optim.SGD([{"params": params, "param_names": list(names)}], lr=0.0)
+    scaler = lt.GradScaler("cpu", init_scale=2.0**4, telemetry=True, growth_policy=growth_policy)
+    for bad in (None, 69999):
+        grads = [torch.full((300,), 0.5, dtype=torch.bfloat16), torch.ones(0), torch.ones(70000)]
+        if bad is not None:
+            grads[2][bad] = float("inf")
+        for p, g in zip(params, grads):
+            p.grad = g
+        scaler.scale(torch.ones(()))  # the loss: the gradients are set by hand
+        scaler.step(optimizer)
+        scaler.update()
+    summary = scaler.summary()
+    assert summary["skipped_steps"] == 1
+    assert summary["overflows"][-1]["variables"] == ["w32"]
