@@ -336,7 +336,7 @@ def test_errors(rng):
     import jax.numpy as jnp
     import torch
 
-    from lossscale.torch import TorchOptimizer
+    from lossscale.torch import TorchAdapter
 
     with pytest.raises(
         ValueError,
@@ -350,7 +350,7 @@ def test_errors(rng):
         match=r"`optimizer` keeps its state in a native optimizer, which updates tensors in "
         r"place and cannot run as pure functions.*Received: optimizer=<LossScaleOptimizer",
     ):
-        transform(LossScaleOptimizer(TorchOptimizer(torch.optim.SGD([w], lr=0.1))))
+        transform(LossScaleOptimizer(TorchAdapter(torch.optim.SGD([w], lr=0.1))))
     tx = transform(lso())
     params = {"a": jnp.ones(2), "b": [jnp.ones(3)]}
     with pytest.raises(

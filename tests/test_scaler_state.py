@@ -1,4 +1,4 @@
-"""`GradScaler` state dicts, pickling and summaries (lossscale/torch/scaler_state.py)."""
+"""`GradScaler` state dicts, pickling and summaries (lossscale/torch/scaler_host.py)."""
 
 import copy
 import io

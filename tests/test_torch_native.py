@@ -1,4 +1,4 @@
-"""`TorchOptimizer`: torch.optim optimizers driven by lossscale and `LossScaleOptimizer`.
+"""`TorchAdapter`: torch.optim optimizers driven by lossscale and `LossScaleOptimizer`.
 
 Wrapped in a `LossScaleOptimizer` with injected inf/NaN gradients, the
 parameters and the native state follow, bit for bit, a twin native
@@ -19,8 +19,8 @@ import torch
 from torch_cases import no_host_reads
 
 import lossscale as ls
-from lossscale.torch import TorchOptimizer
-from lossscale.torch import native as torch_native
+from lossscale.torch import TorchAdapter
+from lossscale.torch import adapter as torch_adapter
 
 pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
 
@@ -71,7 +71,7 @@ def scaled(grads, step, scale):
 def wrapped(name, params, **kwargs):
     native = NATIVE[name](params)
     opt = ls.LossScaleOptimizer(
-        TorchOptimizer(native, **kwargs),
+        TorchAdapter(native, **kwargs),
         initial_scale=INITIAL_SCALE,
         dynamic_growth_steps=GROWTH_STEPS,
     )
@@ -171,7 +171,7 @@ def test_fused_sgd_first_step_overflow_leaves_no_uninitialised_buffer():
 
 def test_apply_without_wrapper_steps_the_native_optimizer():
     params, twin_params = make_params(), make_params()
-    opt = TorchOptimizer(torch.optim.Adam(params, lr=0.01))
+    opt = TorchAdapter(torch.optim.Adam(params, lr=0.01))
     twin = torch.optim.Adam(twin_params, lr=0.01)
     for grads in filter(None, make_grads()):
         opt.apply(grads, params)
@@ -188,7 +188,7 @@ def test_own_grads_are_restored_and_missing_grads_skip_the_parameter():
     before = [p.detach().clone() for p in params]
     mine = torch.full(SHAPES[0], 7.0)
     params[0].grad = mine
-    opt = TorchOptimizer(torch.optim.SGD(params, lr=0.5))
+    opt = TorchAdapter(torch.optim.SGD(params, lr=0.5))
     grads = make_grads()[1]
     with pytest.warns(UserWarning, match=r"Gradients do not exist for variables \['param_0'\]"):
         opt.apply([None, grads[1], grads[2]], params)
@@ -199,9 +199,7 @@ def test_own_grads_are_restored_and_missing_grads_skip_the_parameter():
 
 def test_half_parameters_receive_gradients_in_their_dtype():
     params = [torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.float16))]
-    opt = ls.LossScaleOptimizer(
-        TorchOptimizer(torch.optim.SGD(params, lr=0.5)), initial_scale=1024.0
-    )
+    opt = ls.LossScaleOptimizer(TorchAdapter(torch.optim.SGD(params, lr=0.5)), initial_scale=1024.0)
     opt.apply([torch.tensor([1024.0, 2048.0], dtype=torch.float16)], params)
     assert params[0].dtype == torch.float16
     assert params[0].detach().tolist() == [0.5, -3.0]
@@ -236,7 +234,7 @@ def test_clipping_acts_on_unscaled_gradients(option, value, expected):
 def test_learning_rate_reads_and_writes_every_param_group():
     params = make_params()
     native = torch.optim.Adam([{"params": params[:1]}, {"params": params[1:], "lr": 0.01}], lr=0.01)
-    opt = ls.LossScaleOptimizer(TorchOptimizer(native))
+    opt = ls.LossScaleOptimizer(TorchAdapter(native))
     assert opt.learning_rate == 0.01 and isinstance(opt.learning_rate, float)
     opt.learning_rate = 0.5
     assert [g["lr"] for g in native.param_groups] == [0.5, 0.5]
@@ -249,7 +247,7 @@ def test_learning_rate_reads_and_writes_every_param_group():
 def test_tensor_learning_rate_is_written_in_place():
     params = make_params()
     rate = torch.tensor(0.01)
-    opt = TorchOptimizer(torch.optim.Adam(params, lr=rate, fused=True))
+    opt = TorchAdapter(torch.optim.Adam(params, lr=rate, fused=True))
     opt.learning_rate = 0.125
     assert opt.optimizer.param_groups[0]["lr"] is rate and float(rate) == 0.125
     assert opt.learning_rate == 0.125
@@ -258,7 +256,7 @@ def test_tensor_learning_rate_is_written_in_place():
 def test_learning_rate_errors():
     params = make_params()
     native = torch.optim.SGD([{"params": params[:1], "lr": 0.1}, {"params": params[1:]}], lr=0.2)
-    opt = TorchOptimizer(native)
+    opt = TorchAdapter(native)
     assert getattr(opt, "learning_rate", None) is None
     with pytest.raises(
         AttributeError,
@@ -334,7 +332,7 @@ def test_load_state_dict_errors_change_nothing():
     run(opt, params, [1, 2])
     inner = opt.inner_optimizer
     good = inner.state_dict()
-    other = TorchOptimizer(torch.optim.Adam(make_params()[:2])).state_dict()
+    other = TorchAdapter(torch.optim.Adam(make_params()[:2])).state_dict()
     cases = [
         (
             native.state_dict(),
@@ -425,17 +423,17 @@ def test_construction_and_build_errors():
         match=r"`optimizer` must be a torch.optim.Optimizer instance"
         r".*Received: optimizer='adam'",
     ):
-        TorchOptimizer("adam")
+        TorchAdapter("adam")
     with pytest.raises(
         ValueError,
-        match=r"Argument\(s\) not recognized by TorchOptimizer: "
+        match=r"Argument\(s\) not recognized by TorchAdapter: "
         r"\['use_ema', 'weight_decay'\]\. Accepted: optimizer, "
         r"name, clipnorm, clipvalue, global_clipnorm\. Set other "
         r"settings on the native optimizer",
     ):
-        TorchOptimizer(torch.optim.SGD(make_params(), lr=0.1), weight_decay=0.1, use_ema=True)
+        TorchAdapter(torch.optim.SGD(make_params(), lr=0.1), weight_decay=0.1, use_ema=True)
     with pytest.raises(ValueError, match="Only one of `clipnorm`"):
-        TorchOptimizer(torch.optim.SGD(make_params(), lr=0.1), clipnorm=1.0, clipvalue=1.0)
+        TorchAdapter(torch.optim.SGD(make_params(), lr=0.1), clipnorm=1.0, clipvalue=1.0)
     params = make_params()
     cases = [
         (
@@ -455,7 +453,7 @@ def test_construction_and_build_errors():
         ),
     ]
     for var_list, message in cases:
-        opt = TorchOptimizer(torch.optim.SGD(params, lr=0.1))
+        opt = TorchAdapter(torch.optim.SGD(params, lr=0.1))
         with pytest.raises(ValueError, match=message):
             opt.build(var_list)
         assert not opt.built and opt.variables[0].backend == "torch"
@@ -463,7 +461,7 @@ def test_construction_and_build_errors():
 
 def test_parameters_may_come_in_any_order():
     params = make_params()
-    opt = TorchOptimizer(torch.optim.SGD(params, lr=0.5))
+    opt = TorchAdapter(torch.optim.SGD(params, lr=0.5))
     grads = make_grads()[1]
     before = [p.detach().clone() for p in params]
     opt.apply(grads[::-1], params[::-1])
@@ -473,7 +471,7 @@ def test_parameters_may_come_in_any_order():
 
 # --- packaging -----------------------------------------------------------------
 def test_docstring_example():
-    result = doctest.testmod(torch_native, optionflags=doctest.ELLIPSIS)
+    result = doctest.testmod(torch_adapter, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
 
 
@@ -543,3 +541,10 @@ def test_a_fresh_wrapper_loads_nothing_when_any_part_is_wrong():
             twin.load_state_dict(state_dict)
         assert not twin_native.state and twin.dynamic_scale.backend == "numpy"
         assert float(twin.dynamic_scale) == INITIAL_SCALE and int(twin.iterations) == 0
+
+
+def test_the_earlier_name_is_the_adapter():
+    # `TorchOptimizer` was the adapter's name until 0.1.x: code written for it runs.
+    import lossscale.torch as lt
+
+    assert lt.TorchOptimizer is lt.TorchAdapter and "TorchOptimizer" in lt.__all__

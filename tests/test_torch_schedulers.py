@@ -81,7 +81,7 @@ def test_lossscale_schedules_do_not_move_on_skipped_steps_and_read_nothing():
 def test_a_loss_scale_optimizer_reports_its_skipped_steps_to_a_torch_scheduler():
     p = torch.nn.Parameter(torch.ones(3))
     native = torch.optim.SGD([p], lr=0.1)
-    opt = ls.LossScaleOptimizer(lt.TorchOptimizer(native), initial_scale=4.0)
+    opt = ls.LossScaleOptimizer(lt.TorchAdapter(native), initial_scale=4.0)
     assert opt.last_step_applied is None
     schedule = lt.AppliedStepScheduler(
         torch.optim.lr_scheduler.LambdaLR(native, lambda step: 0.5**step), opt

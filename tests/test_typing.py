@@ -117,12 +117,12 @@ def test_the_api_is_found():
         "lossscale.pytree._transform.transform",
         "GradScaler.update",
         "GradScaler.load_state_dict",
-        "TorchOptimizer.build",
+        "TorchAdapter.build",
         "AppliedStepScheduler.get_last_lr",
         "lossscale.optax.transform.dynamic_loss_scale",
         "lossscale.optax.host.check",
         "DynamicLossScaleState.scale (getter)",
-        "OptaxOptimizer.__init__",
+        "OptaxAdapter.__init__",
     ]:
         assert label in labels
     assert len(CALLABLES) > 250

@@ -1,7 +1,7 @@
 """Adapters that make native optimizers lossscale optimizers, registered by their packages.
 
-`lossscale.torch` adapts `torch.optim.Optimizer`s (`TorchOptimizer`) and
-`lossscale.optax` optax transformations (`OptaxOptimizer`); each registers
+`lossscale.torch` adapts `torch.optim.Optimizer`s (`TorchAdapter`) and
+`lossscale.optax` optax transformations (`OptaxAdapter`); each registers
 its adapter here (`register`) when it is imported. `adapt` (behind
 `lossscale.optimizers.native.wrap_native`) asks the registered adapters,
 first importing the adapter package of each library that is already
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 # Library -> the module of the adapter that registers itself for it.
-ADAPTER_MODULES = {"torch": "lossscale.torch.native", "optax": "lossscale.optax.adapter"}
+ADAPTER_MODULES = {"torch": "lossscale.torch.adapter", "optax": "lossscale.optax.adapter"}
 
 # (`accepts(optimizer)`, `make(optimizer)`) pairs, in registration order.
 _ADAPTERS: list[tuple[Callable[[Any], bool], Callable[[Any], Any]]] = []

@@ -1,4 +1,4 @@
-"""`lossscale.optax.adapter.OptaxOptimizer`: optax transformations driven by lossscale and `LossScaleOptimizer`.
+"""`lossscale.optax.adapter.OptaxAdapter`: optax transformations driven by lossscale and `LossScaleOptimizer`.
 
 Wrapped in a `LossScaleOptimizer` with injected inf/NaN gradients, the
 parameters and every state leaf follow, bit for bit, the transformation
@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import lossscale as ls
-from lossscale.optax import OptaxOptimizer, adapter
+from lossscale.optax import OptaxAdapter, adapter
 
 pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
 
@@ -61,7 +61,7 @@ def scaled(grads, step, scale):
 
 def wrapped(name):
     return ls.LossScaleOptimizer(
-        OptaxOptimizer(TRANSFORMATIONS[name]()),
+        OptaxAdapter(TRANSFORMATIONS[name]()),
         initial_scale=INITIAL_SCALE,
         dynamic_growth_steps=GROWTH_STEPS,
     )
@@ -139,7 +139,7 @@ def test_jit_stateless_apply_equals_eager_and_traces_once(name):
 
 
 def test_stateless_apply_of_the_adapter_itself():
-    opt = OptaxOptimizer(optax.adam(0.01))
+    opt = OptaxAdapter(optax.adam(0.01))
     params = make_params()
     opt.build(params)
     grads = make_grads()[1]
@@ -174,7 +174,7 @@ def test_colliding_short_names_fall_back_to_full_key_strings():
         lambda params: {"a/b": jnp.zeros(()), "a": {"b": jnp.ones(())}},
         lambda updates, state, params=None: (updates, state),
     )
-    opt = OptaxOptimizer(tx, name="custom")
+    opt = OptaxAdapter(tx, name="custom")
     opt.build(make_params())
     assert [v.path for v in opt.variables] == [
         "custom/iteration",
@@ -206,7 +206,7 @@ def test_injected_learning_rate_reads_and_sets_the_state_leaf():
 
 
 def test_learning_rate_errors():
-    plain = OptaxOptimizer(optax.adam(0.01))
+    plain = OptaxAdapter(optax.adam(0.01))
     with pytest.raises(
         AttributeError,
         match=r"created when the optimizer is built\. Call "
@@ -223,7 +223,7 @@ def test_learning_rate_errors():
     with pytest.raises(AttributeError, match=message):
         ls.LossScaleOptimizer(plain).learning_rate = 0.1
     assert getattr(plain, "learning_rate", None) is None
-    injected = OptaxOptimizer(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+    injected = OptaxAdapter(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
     injected.build(make_params())
     with pytest.raises(TypeError, match="only be set to a number.*Received: learning_rate="):
         injected.learning_rate = optax.constant_schedule(0.1)
@@ -234,7 +234,7 @@ def test_learning_rate_errors():
     ):
         injected.learning_rate = -0.5
     assert float(injected.learning_rate) == pytest.approx(0.1)
-    twice = OptaxOptimizer(
+    twice = OptaxAdapter(
         optax.chain(
             optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
             optax.inject_hyperparams(optax.sgd)(learning_rate=0.2),
@@ -281,13 +281,13 @@ def test_construction_errors():
         r"GradientTransformation.*Received: transformation="
         r"'adam'",
     ):
-        OptaxOptimizer("adam")
+        OptaxAdapter("adam")
     with pytest.raises(
         ValueError,
-        match=r"not recognized by OptaxOptimizer: \['clipnorm'\]\. "
+        match=r"not recognized by OptaxAdapter: \['clipnorm'\]\. "
         r"Accepted: transformation, name\. .*optax\.chain",
     ):
-        OptaxOptimizer(optax.adam(0.1), clipnorm=1.0)
+        OptaxAdapter(optax.adam(0.1), clipnorm=1.0)
 
 
 def test_build_errors_leave_the_optimizer_unbuilt():
@@ -302,7 +302,7 @@ def test_build_errors_leave_the_optimizer_unbuilt():
         ),
     ]
     for var_list, message in cases:
-        opt = OptaxOptimizer(optax.adam(0.1))
+        opt = OptaxAdapter(optax.adam(0.1))
         with pytest.raises(ValueError, match=message):
             opt.build(var_list)
         assert not opt.built and len(opt.variables) == 1
@@ -332,7 +332,7 @@ def test_a_state_of_another_structure_is_refused_before_writing():
         lambda params: (), lambda updates, state, params=None: (updates, (1.0,))
     )
     variables = [ls.Variable(p) for p in make_params()]
-    opt = OptaxOptimizer(tx)
+    opt = OptaxAdapter(tx)
     opt.build(variables)
     before = [v.numpy() for v in variables]
     with pytest.raises(
@@ -350,7 +350,7 @@ def test_unsupported_methods_raise():
     for target in (opt.inner_optimizer, opt):
         with pytest.raises(
             NotImplementedError,
-            match="OptaxOptimizer cannot be serialized: an optax."
+            match="OptaxAdapter cannot be serialized: an optax."
             "GradientTransformation is a pair of functions",
         ):
             target.get_config()
@@ -361,3 +361,10 @@ def test_unsupported_methods_raise():
 def test_docstring_example():
     result = doctest.testmod(adapter, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_earlier_name_is_the_adapter():
+    # `OptaxOptimizer` was the adapter's name until 0.1.x: code written for it runs.
+    import lossscale.optax as lso
+
+    assert lso.OptaxOptimizer is lso.OptaxAdapter and "OptaxOptimizer" in lso.__all__

@@ -1,7 +1,7 @@
 """Sharded parameters: placement of the state, one global skip, one compile.
 
 Four forced host devices, in a subprocess (the device count is fixed when
-JAX starts). `dynamic_loss_scale` and the `OptaxOptimizer` adapter place
+JAX starts). `dynamic_loss_scale` and the `OptaxAdapter` adapter place
 the scalars they and optax make (the scale, optax's `count`) replicated
 over the parameters' mesh, so the first jitted call sees the shardings of
 every later one.
@@ -91,7 +91,7 @@ SCRIPT = textwrap.dedent("""
     out["other_grads_compiles"] = [free._cache_size(), pinned._cache_size()]
 
     # The adapter: optax's count is a variable placed like lossscale's own scalars.
-    opt = ls.LossScaleOptimizer(lso.OptaxOptimizer(optax.adam(0.01)), initial_scale=64.0)
+    opt = ls.LossScaleOptimizer(lso.OptaxAdapter(optax.adam(0.01)), initial_scale=64.0)
     leaves = [params["b"], params["w"]]
     opt.build(leaves)
     out["adapter"] = {v.path: spec(v.value) for v in opt.variables}

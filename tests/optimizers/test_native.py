@@ -9,25 +9,25 @@ import pytest
 import torch
 
 import lossscale as ls
-from lossscale.optax import OptaxOptimizer
+from lossscale.optax import OptaxAdapter
 from lossscale.optimizers import native
 from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
-from lossscale.torch import TorchOptimizer
+from lossscale.torch import TorchAdapter
 
 
 def test_native_optimizers_get_their_adapter():
     w = torch.nn.Parameter(torch.ones(2))
     sgd = torch.optim.SGD([w], lr=0.1)
     wrapped = wrap_native(sgd)
-    assert isinstance(wrapped, TorchOptimizer) and wrapped.optimizer is sgd
+    assert isinstance(wrapped, TorchAdapter) and wrapped.optimizer is sgd
     adam = optax.adam(0.1)
     wrapped = wrap_native(adam)
-    assert isinstance(wrapped, OptaxOptimizer) and wrapped.transformation is adam
+    assert isinstance(wrapped, OptaxAdapter) and wrapped.transformation is adam
 
 
 def test_other_objects_pass_through():
     ours = ls.optimizers.SGD(0.1)
-    adapter = OptaxOptimizer(optax.sgd(0.1))
+    adapter = OptaxAdapter(optax.sgd(0.1))
     for obj in (ours, adapter, "adam", None):
         assert wrap_native(obj) is obj
 
@@ -62,7 +62,7 @@ def test_a_wrapper_checkpoints_a_native_inner_optimizer_through_its_state_dict()
     grads[2] = torch.tensor([float("inf"), 0.0, 0.0])
     params = [torch.nn.Parameter(torch.ones(3))]
     opt = Wrapper(
-        TorchOptimizer(torch.optim.Adam(params, lr=0.1)),
+        TorchAdapter(torch.optim.Adam(params, lr=0.1)),
         initial_scale=8.0,
         dynamic_growth_steps=1,
         name="lso",
@@ -78,7 +78,7 @@ def test_a_wrapper_checkpoints_a_native_inner_optimizer_through_its_state_dict()
     assert int(state["state"][0]["step"]) == 3
     twin_params = [torch.nn.Parameter(params[0].detach().clone())]
     twin = Wrapper(
-        TorchOptimizer(torch.optim.Adam(twin_params, lr=0.1)),
+        TorchAdapter(torch.optim.Adam(twin_params, lr=0.1)),
         initial_scale=8.0,
         dynamic_growth_steps=1,
         name="lso",
@@ -97,7 +97,7 @@ def test_a_wrapper_checkpoints_a_native_inner_optimizer_through_its_state_dict()
 def test_other_inner_optimizers_keep_the_wrapper_behaviour():
     import jax.numpy as jnp
 
-    opt = Wrapper(OptaxOptimizer(optax.adam(0.1)))
+    opt = Wrapper(OptaxAdapter(optax.adam(0.1)))
     opt.build([jnp.ones(2)])
     store = {}
     opt.save_own_variables(store)

@@ -1,4 +1,4 @@
-"""`state_dict()` / `load_state_dict()` on every optimizer and the wrapper (optimizers/state.py)."""
+"""`state_dict()` / `load_state_dict()` on every optimizer and the wrapper (optimizers/checkpoint.py)."""
 
 import io
 import os

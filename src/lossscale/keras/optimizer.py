@@ -11,7 +11,7 @@ import keras
 from lossscale.backends import get_ops
 from lossscale.keras import gates, step
 from lossscale.mixed_precision import diagnostics
-from lossscale.mixed_precision.host_state import HostStateMixin
+from lossscale.mixed_precision.host_reads import HostReadsMixin
 from lossscale.mixed_precision.loss_scale import LossScalePolicy
 
 BACKENDS = ("tensorflow", "jax", "torch")
@@ -20,7 +20,7 @@ _KERAS_SETTINGS = ("initial_scale", "dynamic_growth_steps")
 
 
 @keras.saving.register_keras_serializable(package="lossscale")
-class LossScaleOptimizer(HostStateMixin, keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(HostReadsMixin, keras.optimizers.LossScaleOptimizer):
     """A `keras.optimizers.LossScaleOptimizer` whose scale follows lossscale's state machine.
 
     Keras takes it wherever it takes its own wrapper: in `model.compile`

@@ -17,8 +17,9 @@ params = optax.apply_updates(params, updates)
   `jit`), `summary(state)`, `check(state)` (between steps): find the
   loss-scale state anywhere in the tree given.
 - `DynamicLossScaleState`: the state (a named pytree).
-- `OptaxOptimizer`: the other direction, an optax transformation as the
-  inner optimizer of a lossscale `LossScaleOptimizer`.
+- `OptaxAdapter`: the other direction, an optax transformation adapted into
+  a lossscale optimizer (the inner optimizer of a `LossScaleOptimizer`).
+  `OptaxOptimizer` is its earlier name, kept as an alias.
 
 Importing this package imports JAX and optax; `import lossscale` imports
 neither.
@@ -32,13 +33,14 @@ except ImportError as error:
         f"lossscale.optax needs JAX and optax ({error}): pip install jax optax"
     ) from error
 
-from lossscale.optax.adapter import OptaxOptimizer
+from lossscale.optax.adapter import OptaxAdapter
 from lossscale.optax.host import check, loss_scale, metrics, scale_loss, summary
 from lossscale.optax.state import DynamicLossScaleState
 from lossscale.optax.transform import dynamic_loss_scale
 
 __all__ = [
     "DynamicLossScaleState",
+    "OptaxAdapter",
     "OptaxOptimizer",
     "check",
     "dynamic_loss_scale",
@@ -47,3 +49,6 @@ __all__ = [
     "scale_loss",
     "summary",
 ]
+
+# The adapter's name until 0.1.x; kept so that code written for it runs.
+OptaxOptimizer = OptaxAdapter

@@ -1,4 +1,4 @@
-"""`OptaxOptimizer`: an `optax.GradientTransformation` used as a lossscale optimizer.
+"""`OptaxAdapter`: an `optax.GradientTransformation` used as a lossscale optimizer.
 
 optax transformations are pure `(init, update)` pairs over pytrees, which
 fits lossscale's model: `build` runs `init` on the parameters and keeps
@@ -30,7 +30,7 @@ from lossscale.typing import Array, Config
 from lossscale.variables import Variable
 
 
-class OptaxOptimizer(Optimizer):
+class OptaxAdapter(Optimizer):
     """Wraps an `optax.GradientTransformation` so lossscale (and `LossScaleOptimizer`) can drive it.
 
     The parameters are the list of variables the adapter is built with (JAX
@@ -67,14 +67,16 @@ class OptaxOptimizer(Optimizer):
     Args:
         transformation: The `optax.GradientTransformation` to drive, such as
             `optax.adam(1e-3)`.
-        name: String. The name used for the adapter's variables.
+        name: String. The name used for the adapter's variables; defaults
+            to `"optax_optimizer"`, its name before the class was renamed, so
+            checkpoints keep their keys.
             Defaults to `"optax_optimizer"`.
 
     Examples:
         >>> import jax.numpy as jnp, optax, lossscale as ls
-        >>> from lossscale.optax import OptaxOptimizer
+        >>> from lossscale.optax import OptaxAdapter
         >>> w = ls.Variable(jnp.ones(2), name="w")
-        >>> opt = ls.LossScaleOptimizer(OptaxOptimizer(optax.sgd(0.5)), initial_scale=4.0)
+        >>> opt = ls.LossScaleOptimizer(OptaxAdapter(optax.sgd(0.5)), initial_scale=4.0)
         >>> loss_scale = opt.scale_loss(1.0)  # multiply the loss before differentiating
         >>> opt.apply([jnp.array([4.0, -4.0])], [w])
         >>> w.numpy()
@@ -89,7 +91,7 @@ class OptaxOptimizer(Optimizer):
     ) -> None:
         if kwargs:
             raise ValueError(
-                f"Argument(s) not recognized by OptaxOptimizer: {sorted(kwargs)}. Accepted: "
+                f"Argument(s) not recognized by OptaxAdapter: {sorted(kwargs)}. Accepted: "
                 "transformation, name. Build clipping, weight decay and accumulation into the "
                 "transformation (optax.chain, optax.MultiSteps)."
             )
@@ -98,7 +100,7 @@ class OptaxOptimizer(Optimizer):
                 "`transformation` must be an optax.GradientTransformation, such as "
                 f"optax.adam(1e-3). Received: transformation={transformation!r}"
             )
-        super().__init__(learning_rate=self._learning_rate_value, name=name)
+        super().__init__(learning_rate=self._learning_rate_value, name=name or "optax_optimizer")
         self.transformation = transformation
         self._treedef = None
         self._state_leaves = []
@@ -111,14 +113,14 @@ class OptaxOptimizer(Optimizer):
     def _injected_learning_rate(self):
         if not self.built:
             raise AttributeError(
-                "OptaxOptimizer reads its learning rate from the transformation's state, which "
+                "OptaxAdapter reads its learning rate from the transformation's state, which "
                 "is created when the optimizer is built. Call "
                 "`optimizer.build(trainable_variables)` (or take one step) first."
             )
         if self._learning_rate_variable is None:
             raise AttributeError(
                 "This optax transformation keeps its learning rate inside a closure, so "
-                "OptaxOptimizer can neither read nor set it. Build the transformation with "
+                "OptaxAdapter can neither read nor set it. Build the transformation with "
                 "optax.inject_hyperparams, e.g. "
                 "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), to make the learning "
                 "rate part of its state."
@@ -141,7 +143,7 @@ class OptaxOptimizer(Optimizer):
         variable = self._injected_learning_rate()
         if isinstance(learning_rate, LearningRateSchedule) or callable(learning_rate):
             raise TypeError(
-                "OptaxOptimizer's learning rate can only be set to a number; give a schedule to "
+                "OptaxAdapter's learning rate can only be set to a number; give a schedule to "
                 "optax.inject_hyperparams when making the transformation instead. Received: "
                 f"learning_rate={learning_rate!r}"
             )
@@ -161,13 +163,13 @@ class OptaxOptimizer(Optimizer):
         variables = self._as_variables(var_list, "var_list")
         if variables and variables[0].backend != "jax":
             raise ValueError(
-                "OptaxOptimizer works on JAX arrays. Received: var_list of "
+                "OptaxAdapter works on JAX arrays. Received: var_list of "
                 f"{variables[0].backend} arrays"
             )
         overwrite = [v.path for v in variables if v.overwrite_with_gradient]
         if overwrite:
             raise ValueError(
-                "OptaxOptimizer cannot hold overwrite-with-gradient variables: the optax "
+                "OptaxAdapter cannot hold overwrite-with-gradient variables: the optax "
                 f"transformation would update them like any parameter. Received: {overwrite}"
             )
         params = [v.value for v in variables]
@@ -193,7 +195,7 @@ class OptaxOptimizer(Optimizer):
         absent = [v.path for v in self._trainable_variables if id(v) not in given]
         if absent:
             raise ValueError(
-                "OptaxOptimizer needs a gradient for every variable it was built with: an optax "
+                "OptaxAdapter needs a gradient for every variable it was built with: an optax "
                 "transformation updates the whole parameter tree at once. Pass zeros for a "
                 "variable without a gradient, or freeze it inside the transformation "
                 f"(optax.masked, optax.set_to_zero). Received: no gradient for {absent}"
@@ -212,7 +214,7 @@ class OptaxOptimizer(Optimizer):
         if treedef != self._treedef:
             raise ValueError(
                 "The optax transformation returned a state of another structure than its "
-                "`init` made, which OptaxOptimizer cannot store. Received: "
+                "`init` made, which OptaxAdapter cannot store. Received: "
                 f"{treedef}, expected {self._treedef}"
             )
         for variable, value in zip(self._trainable_variables, params):
@@ -230,7 +232,7 @@ class OptaxOptimizer(Optimizer):
         (`save_own_variables`, `state_dict`).
         """
         raise NotImplementedError(
-            "OptaxOptimizer cannot be serialized: an optax.GradientTransformation is a pair of "
+            "OptaxAdapter cannot be serialized: an optax.GradientTransformation is a pair of "
             "functions closing over its hyperparameters, which no config can describe. "
             "Recreate it in code; its state (all in `variables`) saves and loads with "
             "`save_own_variables` / `load_own_variables` or `state_dict()`."
@@ -243,7 +245,7 @@ class OptaxOptimizer(Optimizer):
     ) -> None:
         """Not supported: raises `NotImplementedError`; mask the decay inside the transformation."""
         raise NotImplementedError(
-            "OptaxOptimizer applies no weight decay of its own: the transformation does. Pass "
+            "OptaxAdapter applies no weight decay of its own: the transformation does. Pass "
             "a `mask` to optax.add_decayed_weights (or optax.adamw) instead."
         )
 
@@ -277,7 +279,7 @@ def _injected_learning_rate_index(state, paths):
     if len(found) > 1:
         raise ValueError(
             f"The optax transformation injects several learning rates ({found}), so "
-            "OptaxOptimizer cannot tell which one `learning_rate` means. Inject the learning "
+            "OptaxAdapter cannot tell which one `learning_rate` means. Inject the learning "
             "rate once (e.g. around the whole chain)."
         )
     return keys.index(found[0]) if found else None
@@ -287,4 +289,4 @@ def _is_transformation(optimizer):
     return isinstance(optimizer, optax.GradientTransformation)
 
 
-adapters.register(_is_transformation, OptaxOptimizer)
+adapters.register(_is_transformation, OptaxAdapter)

@@ -19,10 +19,10 @@ from typing import Any
 from lossscale import validation
 from lossscale.backends import get_ops
 from lossscale.optimizers import ema, gradients
+from lossscale.optimizers.checkpoint import CheckpointMixin
 from lossscale.optimizers.config import ConfigMixin
 from lossscale.optimizers.pipeline import PipelineMixin, hyper_type
 from lossscale.optimizers.slots import SlotsMixin
-from lossscale.optimizers.state import StateMixin
 from lossscale.optimizers.stateless import StatelessMixin
 from lossscale.optimizers.weight_decay import WeightDecayExclusions
 from lossscale.schedules.base import LearningRateSchedule
@@ -53,7 +53,7 @@ def _snake_case(name):
     return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()
 
 
-class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, StateMixin):
+class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, CheckpointMixin):
     """Abstract optimizer base class.
 
     Subclass it and override `build` (create slot variables with

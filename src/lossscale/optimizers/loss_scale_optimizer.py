@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from lossscale.mixed_precision.host_state import HostStateMixin
+from lossscale.mixed_precision.host_reads import HostReadsMixin
 from lossscale.mixed_precision.loss_scale import LossScalePolicy, state_fields
 from lossscale.mixed_precision.telemetry import warn_unscaled_loss
 from lossscale.optimizers.base import Optimizer
@@ -37,7 +37,7 @@ _INNER_ONLY = {
 class LossScaleOptimizer(
     NativeInnerStateMixin,
     LossScaleDiagnosticsMixin,
-    HostStateMixin,
+    HostReadsMixin,
     LossScaleStepMixin,
     Optimizer,
 ):
@@ -96,7 +96,7 @@ class LossScaleOptimizer(
     Args:
         inner_optimizer: The `lossscale.optimizers.Optimizer` instance to wrap,
             or a `torch.optim.Optimizer` / `optax.GradientTransformation`
-            (wrapped in `TorchOptimizer` / `OptaxOptimizer`).
+            (wrapped in `TorchAdapter` / `OptaxAdapter`).
         initial_scale: Float. The initial loss scale. It is recommended for
             this to be a very high number, because a loss scale that is too
             high gets lowered far more quickly than a loss scale that is too

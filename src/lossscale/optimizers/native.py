@@ -18,8 +18,8 @@ from lossscale.typing import Array
 def wrap_native(optimizer: Any) -> Any:
     """Returns `optimizer` wrapped in its adapter, or unchanged if it needs none.
 
-    A `torch.optim.Optimizer` becomes a `TorchOptimizer` and an
-    `optax.GradientTransformation` an `OptaxOptimizer` (the adapters their
+    A `torch.optim.Optimizer` becomes a `TorchAdapter` and an
+    `optax.GradientTransformation` an `OptaxAdapter` (the adapters their
     packages register in `lossscale.adapters`); anything else (a lossscale
     optimizer, or a value the caller will reject) is returned as it is.
     Only the adapter packages of libraries already loaded are imported.
@@ -35,7 +35,7 @@ def wrap_native(optimizer: Any) -> Any:
         >>> from lossscale.optimizers.native import wrap_native
         >>> w = torch.nn.Parameter(torch.ones(2))
         >>> wrap_native(torch.optim.SGD([w], lr=0.1))
-        <TorchOptimizer name='torch_optimizer' built=False>
+        <TorchAdapter name='torch_optimizer' built=False>
     """
     return adapters.adapt(optimizer)
 
@@ -43,7 +43,7 @@ def wrap_native(optimizer: Any) -> Any:
 class NativeInnerStateMixin:
     """Checkpointing for a wrapper whose inner optimizer keeps native state.
 
-    A `TorchOptimizer` keeps its state in the torch optimizer, not in
+    A `TorchAdapter` keeps its state in the torch optimizer, not in
     `variables` (it says so with `keeps_native_state = True`). A wrapper
     holding one in `inner_optimizer` (`LossScaleOptimizer`) takes this mixin
     first among its bases: `state_dict()` / `load_state_dict()` then go

@@ -28,7 +28,7 @@ from lossscale.mixed_precision.loss_scale import (
     LossScaleState,
 )
 from lossscale.mixed_precision.telemetry import LossScaleError
-from lossscale.torch import scaler_arguments, scaler_checks, scaler_diagnostics, scaler_state
+from lossscale.torch import scaler_arguments, scaler_checks, scaler_diagnostics, scaler_host
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -41,7 +41,7 @@ _ROUNDING = 1 - 2.0**-20
 
 
 class GradScaler(
-    scaler_state.ScalerStateMixin,
+    scaler_host.ScalerHostMixin,
     scaler_diagnostics.ScalerDiagnosticsMixin,
     scaler_checks.ScalerChecksMixin,
     torch.amp.GradScaler,
@@ -214,8 +214,8 @@ class GradScaler(
         self._allow_fp16_gradients = allow_fp16_gradients
         self._last_finite = None  # the last update's verdict, a device boolean
         # The extra state fields: Python values until the scale exists, then
-        # 0-d tensors beside it (see `scaler_state`).
-        self._extra_start = scaler_state.initial_values(policy)
+        # 0-d tensors beside it (see `scaler_host`).
+        self._extra_start = scaler_host.initial_values(policy)
         self._extras = None
         # A lower bound of the scale known on the host, without reading the
         # device (see `_unscaling_may_overflow`).
@@ -240,9 +240,7 @@ class GradScaler(
 
     def _lazy_init_scale_growth_tracker(self, dev):
         super()._lazy_init_scale_growth_tracker(dev)
-        self._extras = scaler_state.make_tensors(
-            self._extra_start, self._policy, self._scale.device
-        )
+        self._extras = scaler_host.make_tensors(self._extra_start, self._policy, self._scale.device)
         self._scale_bound = float(np.float32(self._init_scale))
 
     def _check_scale_growth_tracker(self, funcname):

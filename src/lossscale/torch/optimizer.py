@@ -21,13 +21,13 @@ from lossscale.backends import get_ops
 from lossscale.backends.torch import kernels as torch_kernels
 from lossscale.optimizers.base import Optimizer as LossscaleOptimizer
 from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
-from lossscale.torch import optimizer_state
+from lossscale.torch import optimizer_checkpoint
 from lossscale.variables import Variable
 
 _OPS = get_ops("torch")
 
 
-class Optimizer(optimizer_state.OptimizerStateMixin, torch.optim.Optimizer):
+class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optimizer):
     """Runs a lossscale optimizer (SGD ... Lamb) as a `torch.optim.Optimizer`.
 
     ```
@@ -54,7 +54,7 @@ class Optimizer(optimizer_state.OptimizerStateMixin, torch.optim.Optimizer):
     A learning-rate schedule belongs to a torch scheduler on this optimizer
     (the rule's `learning_rate` must be a float). The state lives in the
     rules' variables: `state_dict()` holds copies of it in torch's layout
-    (see `OptimizerStateMixin`); `self.state` stays empty.
+    (see `OptimizerCheckpointMixin`); `self.state` stays empty.
 
     Args:
         params: The parameters (leaf tensors, each once) or param-group

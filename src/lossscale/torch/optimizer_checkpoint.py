@@ -25,7 +25,7 @@ from typing import Any
 _OWN = "optimizer_variables"
 
 
-class OptimizerStateMixin:
+class OptimizerCheckpointMixin:
     """Torch-layout state dicts over the rules of the param groups."""
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Checks and messages of the native-optimizer adapters (`TorchOptimizer`)."""
+"""Checks and messages of the native-optimizer adapters (`TorchAdapter`)."""
 
 import numbers
 
@@ -32,7 +32,7 @@ def check_value(where, value, variable):
 
 
 STATELESS_MESSAGE = (
-    "TorchOptimizer does not support stateless application: the native torch optimizer "
+    "TorchAdapter does not support stateless application: the native torch optimizer "
     "keeps its state outside lossscale variables and updates the parameters themselves in "
     "place, so it cannot run on given values. Use `apply` (also through a "
     "LossScaleOptimizer), or a lossscale optimizer such as lossscale.optimizers.Adam."
@@ -41,7 +41,7 @@ STATELESS_MESSAGE = (
 
 def store_message(method, optimizer):
     return (
-        f"TorchOptimizer does not support `{method}`: the wrapped "
+        f"TorchAdapter does not support `{method}`: the wrapped "
         f"{type(optimizer).__name__} keeps its state in `optimizer.state`, not in lossscale "
         "variables, so a variable store would hold the step counter only. Use `state_dict()` "
         "and `load_state_dict()` (with torch.save / torch.load) instead."

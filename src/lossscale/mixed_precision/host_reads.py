@@ -15,7 +15,7 @@ from lossscale.mixed_precision.telemetry import LossScaleError, as_numpy, failur
 from lossscale.typing import Array
 
 
-class HostStateMixin:
+class HostReadsMixin:
     """Host-side reading of `LossScaleOptimizer`'s state."""
 
     def summary(self, optimizer_variables: Sequence[Array] | None = None) -> dict[str, Any]:

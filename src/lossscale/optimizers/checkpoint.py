@@ -26,7 +26,7 @@ from lossscale.typing import Array
 STATE_DICT_KEYS = ("state", "param_groups", "optimizer_variables")
 
 
-class StateMixin:
+class CheckpointMixin:
     """`save_own_variables`, `load_own_variables`, `set_weights`, `state_dict` and
     `load_state_dict`."""
 

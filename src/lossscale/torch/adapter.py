@@ -1,4 +1,4 @@
-"""`TorchOptimizer`: a `torch.optim.Optimizer` used as a lossscale optimizer.
+"""`TorchAdapter`: a `torch.optim.Optimizer` used as a lossscale optimizer.
 
 The adapter hands each step to the native optimizer: it sets every
 parameter's `.grad` to the gradient it received (already unscaled when a
@@ -31,8 +31,8 @@ from lossscale import adapters, validation
 from lossscale.optimizers import clipping
 from lossscale.optimizers.base import Optimizer
 from lossscale.schedules.base import LearningRateSchedule
-from lossscale.torch.native_messages import STATELESS_MESSAGE, store_message
-from lossscale.torch.native_state import NativeStateMixin
+from lossscale.torch.adapter_checkpoint import AdapterCheckpointMixin
+from lossscale.torch.adapter_messages import STATELESS_MESSAGE, store_message
 from lossscale.typing import Array, Config
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def _torch():
     return torch
 
 
-class TorchOptimizer(NativeStateMixin, Optimizer):
+class TorchAdapter(AdapterCheckpointMixin, Optimizer):
     """Wraps a `torch.optim.Optimizer` so lossscale (and `LossScaleOptimizer`) can drive it.
 
     Build it with exactly the parameters the native optimizer holds (the
@@ -86,7 +86,9 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
 
     Args:
         optimizer: The `torch.optim.Optimizer` to drive.
-        name: String. The name used for the adapter's variables.
+        name: String. The name used for the adapter's variables; defaults
+            to `"torch_optimizer"`, its name before the class was renamed, so
+            checkpoints keep their keys.
             Defaults to `"torch_optimizer"`.
         clipnorm: Float. If set, each gradient is clipped so that its norm
             is no higher than this value, after unscaling and before the
@@ -99,9 +101,9 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
 
     Examples:
         >>> import torch, lossscale as ls
-        >>> from lossscale.torch import TorchOptimizer
+        >>> from lossscale.torch import TorchAdapter
         >>> w = torch.nn.Parameter(torch.ones(2))
-        >>> opt = ls.LossScaleOptimizer(TorchOptimizer(torch.optim.SGD([w], lr=0.5)),
+        >>> opt = ls.LossScaleOptimizer(TorchAdapter(torch.optim.SGD([w], lr=0.5)),
         ...                             initial_scale=4.0)
         >>> loss = opt.scale_loss((w * torch.tensor([1.0, -1.0])).sum())
         >>> loss.backward()
@@ -129,7 +131,7 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
     ) -> None:
         if kwargs:
             raise ValueError(
-                f"Argument(s) not recognized by TorchOptimizer: {sorted(kwargs)}. Accepted: "
+                f"Argument(s) not recognized by TorchAdapter: {sorted(kwargs)}. Accepted: "
                 "optimizer, name, clipnorm, clipvalue, global_clipnorm. Set other settings on "
                 "the native optimizer (weight decay in its param groups, for one)."
             )
@@ -144,7 +146,7 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
             clipnorm=clipnorm,
             clipvalue=clipvalue,
             global_clipnorm=global_clipnorm,
-            name=name,
+            name=name or "torch_optimizer",
         )
         self.optimizer = optimizer
         # A torch tensor from the start, so `state_dict()` is all torch even
@@ -183,7 +185,7 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
     def learning_rate(self, learning_rate: float) -> None:
         if isinstance(learning_rate, LearningRateSchedule) or callable(learning_rate):
             raise TypeError(
-                "The learning rate of a TorchOptimizer lives in the native optimizer's "
+                "The learning rate of a TorchAdapter lives in the native optimizer's "
                 "`param_groups`; schedule it with a torch.optim.lr_scheduler on "
                 f"`optimizer` instead. Received: learning_rate={learning_rate!r}"
             )
@@ -210,7 +212,7 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
         native = type(self.optimizer).__name__
         if variables and variables[0].backend != "torch":
             raise ValueError(
-                f"TorchOptimizer works on torch tensors. Received: var_list of "
+                f"TorchAdapter works on torch tensors. Received: var_list of "
                 f"{variables[0].backend} arrays"
             )
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -331,7 +333,7 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
         with `load_state_dict`.
         """
         raise NotImplementedError(
-            f"TorchOptimizer cannot be serialized: it wraps a live "
+            f"TorchAdapter cannot be serialized: it wraps a live "
             f"{type(self.optimizer).__name__} holding the model's parameters, which no config "
             "can describe. Recreate it in code and save its state with `state_dict()` "
             "(torch.save) instead."
@@ -356,7 +358,7 @@ class TorchOptimizer(NativeStateMixin, Optimizer):
         in a param group with `weight_decay=0`.
         """
         raise NotImplementedError(
-            "TorchOptimizer applies no weight decay of its own: the native "
+            "TorchAdapter applies no weight decay of its own: the native "
             f"{type(self.optimizer).__name__} does. Put the parameters to exclude in a param "
             "group with weight_decay=0."
         )
@@ -369,4 +371,4 @@ def _is_torch_optimizer(optimizer):
     return isinstance(optimizer, _torch().optim.Optimizer)
 
 
-adapters.register(_is_torch_optimizer, TorchOptimizer)
+adapters.register(_is_torch_optimizer, TorchAdapter)

@@ -1,4 +1,4 @@
-"""`state_dict` / `load_state_dict` of `TorchOptimizer`: the native state and the step counter."""
+"""`state_dict` / `load_state_dict` of `TorchAdapter`: the native state and the step counter."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import copy
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lossscale.torch.native_messages import check_value
+from lossscale.torch.adapter_messages import check_value
 
 if TYPE_CHECKING:
     from lossscale.variables import Variable
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 STATE_DICT_KEYS = ("state", "param_groups", "optimizer_variables")
 
 
-class NativeStateMixin:
+class AdapterCheckpointMixin:
     """The native optimizer's `state_dict()`, copied, plus the adapter's own variables."""
 
     # --- state ------------------------------------------------------------------
@@ -74,7 +74,7 @@ class NativeStateMixin:
             )
             raise ValueError(
                 f"`state_dict` must be a dict with keys {list(STATE_DICT_KEYS)}, as returned by "
-                "TorchOptimizer.state_dict(); a plain torch.optim state dict loads with "
+                "TorchAdapter.state_dict(); a plain torch.optim state dict loads with "
                 f"`adapter.optimizer.load_state_dict(...)`. Received: {got}"
             )
         variables = [*extra_variables, self._iterations]

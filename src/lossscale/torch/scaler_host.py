@@ -7,7 +7,7 @@ history, the fail-fast error) live next to them as 0-d tensors, created
 with the scale on its device. Here they are made, read back to Python
 values, and checked when a state dict brings them in.
 
-`ScalerStateMixin` holds what `GradScaler` does with that state outside the
+`ScalerHostMixin` holds what `GradScaler` does with that state outside the
 training step: its settings, `state_dict` / `load_state_dict`, pickling,
 `summary` and `check`.
 
@@ -189,7 +189,7 @@ def _is_integer(x):
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-class ScalerStateMixin:
+class ScalerHostMixin:
     """`GradScaler`'s settings, state dicts, pickling and summaries, on the host.
 
     Nothing here runs inside a training step; whatever reads the device
