@@ -24,8 +24,8 @@ import lossscale as ls
 # under `keep`, and one multiplication per group).
 FUSED_OPS = {
     "sgd": 10,
-    "sgd_momentum": 12,
-    "sgd_nesterov": 12,
+    "sgd_momentum": 11,
+    "sgd_nesterov": 11,
     "adam": 16,
     "adam_amsgrad": 16,
     "adamw": 18,
@@ -90,6 +90,26 @@ def test_the_adamw_step_adds_the_decay_select_and_multiplication():
     adamw = ops_per_step(OPTIMIZERS["adamw"], 16)
     at = adam.index("aten.add.out")  # the decay runs before the Adam update
     assert adamw == adam[:at] + ["aten.where.self", "aten._foreach_mul_.Tensor"] + adam[at:]
+    assert len(adamw) == FUSED_OPS["adamw"] == 18
+
+
+def test_the_sgd_momentum_step_names_its_operations():
+    ops = ops_per_step(OPTIMIZERS["sgd_momentum"], 16)
+    assert ops == [
+        "aten._local_scalar_dense.default",  # the CPU scale, read on the host
+        "aten.zeros.default",  # the found_inf flag
+        "aten._amp_foreach_non_finite_check_and_unscale_.default",
+        "aten.eq.Scalar",  # the flag as a boolean, for the step counter
+        # `-lr * g` (`-lr` kept while the learning rate is unchanged): the
+        # term Keras subtracts, which torch's buffer then accumulates.
+        "aten._foreach_mul.Tensor",
+        "aten.where.self",  # found_inf: 1.0 where the step's `keep` flag is False
+        "aten._fused_sgd_.default",  # skips itself where found_inf is 1
+        "aten.add_.Tensor",  # iterations += finite
+        "aten._amp_update_scale_.default",
+        "aten.mul.Tensor",
+        "aten.clamp_min_.Tensor",  # the backoff floor
+    ]
 
 
 # --- torch.compile ----------------------------------------------------------------

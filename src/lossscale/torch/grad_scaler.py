@@ -301,10 +301,12 @@ class GradScaler(
         states = self._per_optimizer_states
         device = self._scale.device
         flags = [
-            f.to(device, non_blocking=True).reshape(())
+            f.to(device, non_blocking=True)
             for state in states.values()
             for f in state["found_inf_per_device"].values()
         ]
+        # Reshaped only when not 0-d already (torch's are): a `view` is a dispatch too.
+        flags = [f.reshape(()) if f.ndim else f for f in flags]
         if not flags:
             raise RuntimeError(
                 "`GradScaler.update()` found no overflow check to update the scale from: "

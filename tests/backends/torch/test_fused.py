@@ -228,3 +228,31 @@ def test_the_kernels_that_divide_a_grad_scale():
     assert torch_kernels.divides_grad_scale("adam") and torch_kernels.divides_grad_scale("sgd")
     assert not torch_kernels.divides_grad_scale("rmsprop")
     assert not torch_kernels.divides_grad_scale(None)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_momentum_takes_a_learning_rate_set_in_place_bit_for_bit(nesterov):
+    # The kernel keeps `-lr` while the learning-rate tensor is unwritten:
+    # a rate set between steps (written into the same tensor) must be seen.
+    # Checked against Keras's formula on the same float32 values: bit for
+    # bit without Nesterov; torch's Nesterov step rounds its sum its own way.
+    rng = np.random.default_rng(11)
+    start = rng.normal(size=(64, 33)).astype(np.float32)
+    w = torch.tensor(start)
+    opt = SGD(0.1, momentum=0.9, nesterov=nesterov)
+    opt.build([w])
+    lr_tensor = opt.learning_rate
+    want, m = torch.tensor(start), torch.zeros(64, 33)
+    for step in range(4):
+        rate = np.float32(0.1 * 0.7**step)
+        opt.learning_rate = float(rate)
+        assert opt.learning_rate is lr_tensor  # the same tensor, written in place
+        g = torch.tensor(rng.normal(size=(64, 33)).astype(np.float32))
+        opt.apply([g], [w])
+        lr = torch.tensor(rate)
+        m = m * 0.9 - g * lr
+        want = want + (m * 0.9 - g * lr if nesterov else m)
+        if nesterov:
+            torch.testing.assert_close(w, want, rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(w, want), step

@@ -71,24 +71,10 @@ def weight_decay(params, weight_decay, learning_rate, *, cache, keep=None):
 
 
 def _cached_factor(weight_decay, learning_rate, cache):
-    """`decay_factor`, made again only when the learning-rate tensor or its value changed.
-
-    Not under `torch.compile` (the compiler folds the arithmetic into the
-    step) nor for inference tensors, which keep no version counter.
-    """
-    if (
-        not isinstance(learning_rate, torch.Tensor)
-        or torch.compiler.is_compiling()
-        or learning_rate.is_inference()
-    ):
-        return decay_factor(weight_decay, learning_rate)
-    key = ("torch decay factor", weight_decay)
-    made = cache.get(key)
-    version = learning_rate._version
-    if made is not None and made[0] is learning_rate and made[1] == version:
-        return made[2]
-    factor = decay_factor(weight_decay, learning_rate)
-    # The tensor itself is kept: an `is` check on a live object cannot be
-    # fooled by a new tensor at a recycled address.
-    cache[key] = (learning_rate, version, factor)
-    return factor
+    """`decay_factor`, made again only when the learning-rate tensor or its value changed."""
+    return plans.derived(
+        cache,
+        ("torch decay factor", weight_decay),
+        learning_rate,
+        lambda lr: decay_factor(weight_decay, lr),
+    )

@@ -201,10 +201,13 @@ def sgd(
                     found_inf=write.found_inf(),
                 )
                 continue
-            # `g * (-lr)` is `-(g * lr)` exactly, the term Keras subtracts.
+            # `g * (-lr)` is `-(g * lr)` exactly, the term Keras subtracts;
+            # `-lr` is kept while the learning rate does not change.
+            key = ("torch negated lr", group.device, group.dtype)
+            negated = plans.derived(cache, key, group_lr, torch.neg)
             torch._fused_sgd_(
                 group.params,
-                torch._foreach_mul(_unscaled(group, grads, grad_scale), -group_lr),
+                torch._foreach_mul(_unscaled(group, grads, grad_scale), negated),
                 group.slots["momentums"],
                 weight_decay=0.0,
                 momentum=float(hyper.momentum),

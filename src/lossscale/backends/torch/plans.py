@@ -144,6 +144,33 @@ def _make(variables, slots):
     return Plan(variables, watched, groups)
 
 
+def derived(cache, key, source, make):
+    """`make(source)`, kept in `cache` under `key` while `source` is the same, unwritten tensor.
+
+    For 0-d values derived from a learning rate, which moves only when a
+    schedule or a user sets it: the tensor itself is kept with its version
+    counter (which every in-place write advances), so a step pays nothing
+    for them. Made at every call for a Python number, under `torch.compile`
+    (the compiler folds the arithmetic into the step) and for an inference
+    tensor (which keeps no version counter).
+    """
+    if (
+        not isinstance(source, torch.Tensor)
+        or torch.compiler.is_compiling()
+        or source.is_inference()
+    ):
+        return make(source)
+    made = cache.get(key)
+    version = source._version
+    if made is not None and made[0] is source and made[1] == version:
+        return made[2]
+    value = make(source)
+    # The tensor itself is kept: an `is` check on a live object cannot be
+    # fooled by a new tensor at a recycled address.
+    cache[key] = (source, version, value)
+    return value
+
+
 # Under a `keep` flag, the small tensors of a write are gathered into one flat
 # buffer pair and selected there at once: four kernels whatever their number
 # (a launch per tensor would make a step of many small tensors launch-bound).
