@@ -41,26 +41,40 @@ def restricted():
 
 
 def _imported(tree, top_level_only):
+    """The dotted names `tree` imports; `from a import b` names both `a` and `a.b`."""
     nodes = tree.body if top_level_only else ast.walk(tree)
     for node in nodes:
         if isinstance(node, ast.Import):
-            yield from (a.name.split(".")[0] for a in node.names)
+            yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            yield node.module.split(".")[0]
+            yield node.module
+            yield from (f"{node.module}.{a.name}" for a in node.names)
+
+
+def _helper(name):
+    """The file of the tests/ helper module or package the dotted `name` is, or None."""
+    path = _TESTS.joinpath(*name.split("."))
+    for candidate in (path.with_name(path.name + ".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 def _missing(names, seen):
     """The first of `names` (or of what a tests/ helper module they name imports) not installed."""
     for name in names:
-        helper = _TESTS / f"{name}.py"
-        if helper.is_file():
+        top = name.split(".")[0]
+        helper = _helper(name)
+        if helper is not None:
             if name not in seen:
                 seen.add(name)
                 found = _missing(_imported(ast.parse(helper.read_text()), True), seen)
                 if found:
                     return found
-        elif importlib.util.find_spec(name) is None:
-            return name
+        elif _helper(top) is not None:
+            continue  # a name inside a helper (`from optimizer_table import ROWS`)
+        elif importlib.util.find_spec(top) is None:
+            return top
     return None
 
 

@@ -12,11 +12,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-import distributed_worker as worker
 import numpy as np
 import pytest
+from workers import distributed_worker as worker
 
-WORKER = Path(__file__).with_name("distributed_worker.py")
+WORKER = Path(worker.__file__)
 
 # Multi-process gloo jobs run one at a time (one xdist worker): concurrent
 # jobs on one small machine have aborted in gloo's teardown.

@@ -1,6 +1,6 @@
 """`lossscale.torch.GradScaler` where torch users plug a GradScaler in.
 
-- torch.distributed: two gloo ranks (tests/grad_scaler_worker.py), an inf
+- torch.distributed: two gloo ranks (tests/workers/grad_scaler_worker.py), an inf
   on one rank only, with `process_group` and with an FSDP2 model;
 - Lightning: `MixedPrecision("16-mixed", "cpu", scaler=...)` gives torch's
   weights with our scaler, and its checkpoint restores our scaler;
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import lossscale.torch as lt
 
-WORKER = Path(__file__).with_name("grad_scaler_worker.py")
+WORKER = Path(__file__).parent / "workers" / "grad_scaler_worker.py"
 
 
 # -- torch.distributed ----------------------------------------------------------
@@ -30,8 +30,8 @@ WORKER = Path(__file__).with_name("grad_scaler_worker.py")
 # modules interleave with these in it (a module fixture is set up again then).
 @pytest.fixture(scope="session")
 def ranks(tmp_path_factory):
-    import grad_scaler_worker as worker
     from test_distributed import free_port, launch  # retries once after a gloo teardown abort
+    from workers import grad_scaler_worker as worker
 
     out = tmp_path_factory.mktemp("grad_scaler_ranks")
     proc = launch(

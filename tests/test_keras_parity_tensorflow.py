@@ -1,7 +1,7 @@
 """Parity with Keras 3 on its TensorFlow backend: every optimizer and the wrapper.
 
 Keras runs in a subprocess with `KERAS_BACKEND=tensorflow`
-(`keras_tensorflow_worker.py`; this process runs Keras on torch), once for
+(`workers/keras_tensorflow_worker.py`; this process runs Keras on torch), once for
 every scenario below; our optimizers run the same scenarios here, on
 `tf.Variable`s, and every model and optimizer variable is compared after
 every step at 1e-5 relative, as the torch-backend parity tests do. The
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore::lossscale.mixed_precision.UnscaledLossWarning", "ignore::UserWarning"
 )
 
-WORKER = pathlib.Path(__file__).with_name("keras_tensorflow_worker.py")
+WORKER = pathlib.Path(__file__).parent / "workers" / "keras_tensorflow_worker.py"
 
 FAMILY = keras_scenarios.SCENARIOS
 # The wrapper: around every optimizer's defaults, and Keras's own

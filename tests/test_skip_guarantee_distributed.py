@@ -1,7 +1,7 @@
 """One bad gradient value on one shard, rank or replica only: every participant skips.
 
 The multi-process half of `test_skip_guarantee.py`: a 4-device JAX host mesh,
-two gloo ranks (ZeRO-style sharding and FSDP2, `skip_guarantee_worker.py`)
+two gloo ranks (ZeRO-style sharding and FSDP2, `workers/skip_guarantee_worker.py`)
 and `tf.distribute.MirroredStrategy` over two logical CPUs, each in a fresh
 process (device counts are fixed when the framework starts). The bad value
 sits in the last device's, rank's or replica's part of one large gradient,
@@ -34,7 +34,7 @@ def run_script(script, env=None, timeout=300):
 
 @pytest.mark.xdist_group("torch_distributed")
 def test_two_ranks_skip_a_bad_value_on_rank_1_only(tmp_path):
-    worker = Path(__file__).with_name("skip_guarantee_worker.py")
+    worker = Path(__file__).parent / "workers" / "skip_guarantee_worker.py"
     paths = [tmp_path / f"rank{r}.npz" for r in (0, 1)]
     proc = launch(
         [sys.executable, str(worker), str(tmp_path), str(free_port())],

@@ -1,6 +1,6 @@
 """Agreement across tf.distribute replicas: every replica takes the same skip.
 
-The strategy scenarios run in a subprocess (`tensorflow_mirrored_worker.py`)
+The strategy scenarios run in a subprocess (`workers/tensorflow_mirrored_worker.py`)
 with two logical CPUs. In each, the gradients are all-reduced and then one
 replica's overflows (as a reduction that overflows on one device would):
 both replicas must skip, stay identical, and equal a single-device run in
@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from lossscale.backends.tensorflow import replicas
 
-WORKER = pathlib.Path(__file__).with_name("tensorflow_mirrored_worker.py")
+WORKER = pathlib.Path(__file__).parent / "workers" / "tensorflow_mirrored_worker.py"
 # One test process runs the strategy scenarios (one subprocess).
 pytestmark = pytest.mark.xdist_group("tensorflow_mirrored")
 PATTERN = [None, 1, None, 0, None, None, 1, None]

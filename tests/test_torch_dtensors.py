@@ -1,6 +1,6 @@
 """backends/torch/dtensors.py: FSDP2 (`fully_shard`, DTensor parameters and gradients).
 
-Two gloo ranks on CPU (tests/fsdp2_worker.py) train the same model with each
+Two gloo ranks on CPU (tests/workers/fsdp2_worker.py) train the same model with each
 interface: `LossScaleOptimizer` around Adam, Lion, AdamW with global-norm
 clipping and a subclass of Adam that takes the per-variable `update_step`, and `lossscale.torch.Optimizer` under `lossscale.torch.GradScaler`;
 in float32, and with `MixedPrecisionPolicy(param_dtype=torch.float16)`. An
@@ -12,15 +12,15 @@ import sys
 import warnings
 from pathlib import Path
 
-import fsdp2_worker as worker
 import numpy as np
 import pytest
 import torch
+from workers import fsdp2_worker as worker
 
 import lossscale as ls
 from lossscale.backends.torch import dtensors
 
-WORKER = Path(__file__).with_name("fsdp2_worker.py")
+WORKER = Path(worker.__file__)
 
 
 # Session-scoped: set up once per test process, however the tests of other

@@ -1,4 +1,4 @@
-"""FSDP2 with every `LossScalePolicy` option, on each interface (tests/fsdp2_options_worker.py).
+"""FSDP2 with every `LossScalePolicy` option, on each interface (tests/workers/fsdp2_options_worker.py).
 
 Two gloo ranks on CPU train a model sharded with `fully_shard`; at step
 `POISONED` an inf sits in rank 1's shard alone. With each option every rank
@@ -12,11 +12,11 @@ import ast
 import sys
 from pathlib import Path
 
-import fsdp2_options_worker as worker
 import numpy as np
 import pytest
+from workers import fsdp2_options_worker as worker
 
-WORKER = Path(__file__).with_name("fsdp2_options_worker.py")
+WORKER = Path(worker.__file__)
 K = worker.POISONED
 
 # Per option: the scales each step leaves, and the step that raises (-1: none).

@@ -1,4 +1,4 @@
-"""Adam: exact values after known steps, on every backend."""
+"""Adam: exact values after known steps, on every backend; the shared scenarios: test_rules.py."""
 
 import math
 
@@ -42,31 +42,3 @@ def test_random_against_reference(backend, rng, amsgrad):
         np.testing.assert_allclose(backend.numpy(v), ref.w[0], rtol=1e-5, atol=1e-6)
     assert len(opt.variables) == 2 + (3 if amsgrad else 2)
     assert [x.name for x in opt.variables[2:4]] == ["variable_momentum", "variable_velocity"]
-
-
-def test_defaults_and_config():
-    opt = Adam()
-    assert (opt.name, opt.beta_1, opt.beta_2, opt.epsilon, opt.amsgrad) == (
-        "adam",
-        0.9,
-        0.999,
-        1e-7,
-        False,
-    )
-    config = Adam(0.5, beta_1=0.8, amsgrad=True, weight_decay=0.1).get_config()
-    clone = Adam.from_config(config)
-    assert clone.get_config() == config
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"beta_1": 1.0}, r"`beta_1` must be a finite number >= 0 and < 1. Received: beta_1=1.0"),
-        ({"beta_2": -0.5}, r"`beta_2` must be a finite number >= 0 and < 1. Received: beta_2=-0.5"),
-        ({"epsilon": 0}, r"`epsilon` must be a finite number > 0. Received: epsilon=0"),
-        ({"amsgrad": None}, r"`amsgrad` must be a boolean. Received: amsgrad=None"),
-    ],
-)
-def test_errors(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        Adam(**kwargs)

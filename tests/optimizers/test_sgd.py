@@ -1,7 +1,6 @@
-"""SGD: exact values after known steps, on every backend."""
+"""SGD: exact values after known steps, on every backend; the shared scenarios: test_rules.py."""
 
 import numpy as np
-import pytest
 
 import lossscale as ls
 from lossscale.optimizers import SGD
@@ -37,32 +36,3 @@ def test_float16_variable(backend):
     v = ls.Variable(backend.array(np.array([1.0, 2.0]), dtype="float16"))
     SGD(0.5).apply([backend.array(np.array([1.0, 1.0]))], [v])
     assert v.dtype == "float16" and backend.numpy(v).tolist() == [0.5, 1.5]
-
-
-def test_defaults_and_config():
-    opt = SGD()
-    assert (opt.name, float(opt.learning_rate), opt.momentum, opt.nesterov) == (
-        "sgd",
-        pytest.approx(0.01),
-        0.0,
-        False,
-    )
-    clone = SGD.from_config(SGD(0.2, momentum=0.5, nesterov=True, clipvalue=1.0).get_config())
-    assert (clone.momentum, clone.nesterov, clone.clipvalue) == (0.5, True, 1.0)
-    assert float(clone.learning_rate) == pytest.approx(0.2)
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (
-            {"momentum": -0.1},
-            r"`momentum` must be a finite number >= 0 and <= 1. Received: momentum=-0.1",
-        ),
-        ({"momentum": 2}, r"Received: momentum=2"),
-        ({"nesterov": "yes"}, r"`nesterov` must be a boolean. Received: nesterov='yes'"),
-    ],
-)
-def test_errors(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        SGD(**kwargs)

@@ -1,0 +1,92 @@
+"""The tests mirror `src/` (tests/README.md): which modules still lack a test module of their name.
+
+The test of `src/lossscale/a/b.py` is `tests/a/test_b.py`; for
+`lossscale.torch` and `lossscale.tensorflow`, whose folders would shadow the
+frameworks, `tests/test_torch_b.py` (`tests/test_tensorflow_b.py`) or
+`tests/test_b.py`. `UNMIRRORED` lists the modules without one today (their
+behaviour is tested elsewhere, under another name or through the API that
+uses them): a new module joins the list only on purpose, and a module that
+gets its test module leaves it.
+"""
+
+import pathlib
+
+import lossscale
+
+SRC = pathlib.Path(lossscale.__file__).parent
+TESTS = pathlib.Path(__file__).parent
+
+UNMIRRORED = {
+    "__main__.py",
+    "backends/jax/kernels.py",
+    "backends/kernel.py",
+    "backends/numpy/kernels.py",
+    "backends/protocol.py",
+    "backends/tensorflow/replicas.py",
+    "backends/torch/dtensors.py",
+    "backends/torch/kernels.py",
+    "bench/__main__.py",
+    "bench/cli.py",
+    "bench/frameworks.py",
+    "bench/impl_diagnostics.py",
+    "bench/impl_keras.py",
+    "bench/impl_lossscale.py",
+    "bench/impl_tensorflow.py",
+    "bench/impl_torch.py",
+    "bench/impl_torch_diagnostics.py",
+    "bench/runner.py",
+    "bench/worker.py",
+    "demo/models/jax_mlp.py",
+    "demo/models/numpy_mlp.py",
+    "demo/models/tensorflow_mlp.py",
+    "demo/models/torch_mlp.py",
+    "demo/run.py",
+    "keras/callback.py",
+    "keras/gates.py",
+    "keras/step.py",
+    "mixed_precision/loss_scale.py",
+    "mixed_precision/policy.py",
+    "mixed_precision/state.py",
+    "optimizers/config.py",
+    "optimizers/loss_scale_diagnostics.py",
+    "optimizers/loss_scale_optimizer.py",
+    "optimizers/pipeline.py",
+    "optimizers/slots.py",
+    "optimizers/stateless.py",
+    "pytree/_flatten.py",
+    "pytree/_state.py",
+    "pytree/_templates.py",
+    "pytree/_transform.py",
+    "schedules/base.py",
+    "torch/gradients.py",
+    "torch/native_messages.py",
+    "torch/native_state.py",
+    "torch/optimizer_state.py",
+    "torch/scaler_checks.py",
+    "torch/scaler_diagnostics.py",
+}
+
+
+def _test_modules(module):
+    """Where the test module of `module` (relative to src/lossscale) may stand."""
+    *folders, name = module.parts
+    yield TESTS.joinpath(*folders, f"test_{name}")
+    if folders and folders[0] in ("torch", "tensorflow"):
+        yield TESTS / f"test_{folders[0]}_{name}"
+        yield TESTS / f"test_{name}"
+
+
+def _unmirrored():
+    return {
+        module.as_posix()
+        for module in (p.relative_to(SRC) for p in SRC.rglob("*.py"))
+        if module.name != "__init__.py" and not any(p.is_file() for p in _test_modules(module))
+    }
+
+
+def test_every_module_without_a_test_module_of_its_name_is_listed():
+    assert sorted(_unmirrored() - UNMIRRORED) == []
+
+
+def test_every_listed_module_still_exists_and_still_lacks_one():
+    assert sorted(UNMIRRORED - _unmirrored()) == []
