@@ -63,13 +63,13 @@ def test_the_first_adapter_that_accepts_wins(registry):
 
 
 def test_a_loaded_library_registers_its_adapter_on_first_use():
-    # The real registry: lossscale.torch.native registers there, once.
+    # The real registry: lossscale.torch.adapter registers there, once.
     import torch
 
-    from lossscale.torch.native import TorchOptimizer
+    from lossscale.torch.adapter import TorchAdapter
 
     parameter = torch.nn.Parameter(torch.ones(2))
     native = torch.optim.SGD([parameter], lr=0.1)
     adapted = adapters.adapt(native)
-    assert type(adapted) is TorchOptimizer
-    assert adapters.ADAPTER_MODULES["torch"] == TorchOptimizer.__module__
+    assert type(adapted) is TorchAdapter
+    assert adapters.ADAPTER_MODULES["torch"] == TorchAdapter.__module__

@@ -2,7 +2,7 @@
 
 The shared loop (tests/grad_scaler_cases.py) is a float16-autocast
 transformer whose first steps overflow; every comparison runs it with
-torch's scaler and with ours. State dicts are in test_scaler_state.py,
+torch's scaler and with ours. State dicts are in test_scaler_host.py,
 Lightning, Accelerate and torch.distributed in test_grad_scaler_integrations.py.
 """
 

@@ -58,10 +58,10 @@ UNMIRRORED = {
     "pytree/_templates.py",
     "pytree/_transform.py",
     "schedules/base.py",
+    "torch/adapter_checkpoint.py",
+    "torch/adapter_messages.py",
     "torch/gradients.py",
-    "torch/native_messages.py",
-    "torch/native_state.py",
-    "torch/optimizer_state.py",
+    "torch/optimizer_checkpoint.py",
     "torch/scaler_checks.py",
     "torch/scaler_diagnostics.py",
 }
