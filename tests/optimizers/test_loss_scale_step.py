@@ -17,18 +17,18 @@ import lossscale as ls
 
 # The fused paths: a step's every operation, 16 parameters in one group.
 # torch.amp.GradScaler + torch.optim.Adam(fused=True) dispatches 13.
-# The fused kernels derive their `found_inf` from the step's `keep` flag
-# (`aten.where.self`); Adam's step size writes `1 - beta**t` into a kept
+# The fused kernels take the AMP check's own `found_inf` (the explicit
+# `found_inf` of `_step`: no select of a new one from `keep`); Adam's step size writes `1 - beta**t` into a kept
 # pair whose elements are views made once (no `unbind`); AdamW's decay
 # factor is kept while the learning rate does not change (a select of it
 # under `keep`, and one multiplication per group).
 FUSED_OPS = {
-    "sgd": 10,
-    "sgd_momentum": 11,
-    "sgd_nesterov": 11,
-    "adam": 16,
-    "adam_amsgrad": 16,
-    "adamw": 18,
+    "sgd": 9,
+    "sgd_momentum": 10,
+    "sgd_nesterov": 10,
+    "adam": 15,
+    "adam_amsgrad": 15,
+    "adamw": 17,
 }
 
 
@@ -76,8 +76,7 @@ def test_the_adam_step_names_its_operations():
         "aten.sqrt.default",
         "aten.mul.Tensor",  # alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)
         "aten.div.Tensor",
-        "aten.where.self",  # found_inf: 1.0 where the step's `keep` flag is False
-        "aten._fused_adam_.tensor_lr",  # skips itself where found_inf is 1
+        "aten._fused_adam_.tensor_lr",  # skips itself where the check's found_inf is 1
         "aten.add_.Tensor",  # iterations += finite
         "aten._amp_update_scale_.default",  # the scale and the counter, in place
         "aten.mul.Tensor",
@@ -90,7 +89,7 @@ def test_the_adamw_step_adds_the_decay_select_and_multiplication():
     adamw = ops_per_step(OPTIMIZERS["adamw"], 16)
     at = adam.index("aten.add.out")  # the decay runs before the Adam update
     assert adamw == adam[:at] + ["aten.where.self", "aten._foreach_mul_.Tensor"] + adam[at:]
-    assert len(adamw) == FUSED_OPS["adamw"] == 18
+    assert len(adamw) == FUSED_OPS["adamw"] == 17
 
 
 def test_the_sgd_momentum_step_names_its_operations():
@@ -103,8 +102,7 @@ def test_the_sgd_momentum_step_names_its_operations():
         # `-lr * g` (`-lr` kept while the learning rate is unchanged): the
         # term Keras subtracts, which torch's buffer then accumulates.
         "aten._foreach_mul.Tensor",
-        "aten.where.self",  # found_inf: 1.0 where the step's `keep` flag is False
-        "aten._fused_sgd_.default",  # skips itself where found_inf is 1
+        "aten._fused_sgd_.default",  # skips itself where the check's found_inf is 1
         "aten.add_.Tensor",  # iterations += finite
         "aten._amp_update_scale_.default",
         "aten.mul.Tensor",

@@ -6,7 +6,8 @@ declares the slot lists (`kernel_slots`) it keeps; each backend's
 per variable). The optimizer calls it with everything it reads and writes:
 
 ```
-kernel(params, grads, slots, hyper, *, iterations, lr, rule, keep=None, grad_scale=None)
+kernel(params, grads, slots, hyper, *, iterations, lr, rule, keep=None, grad_scale=None,
+       found_inf=None)
 ```
 
 - `params`: the `Variable`s of this step; `grads`: their gradients, aligned.
@@ -22,6 +23,11 @@ kernel(params, grads, slots, hyper, *, iterations, lr, rule, keep=None, grad_sca
   reads it on the host).
 - `grad_scale`: None, or a loss scale still multiplied into `grads`, which a
   kernel with `takes_grad_scale` divides out as it reads them.
+- `found_inf`: None, or `keep` in torch's AMP form (a float32 0-d flag, 1.0
+  where the step is skipped) where the caller's check made it: a kernel
+  with `takes_found_inf` hands it to torch's fused kernels instead of making
+  it again from `keep`. Given only together with `keep`, and only to such
+  a kernel.
 
 A kernel reads no attribute of an optimizer: the arguments are the whole
 contract. Each registered kernel has a test proving it equals `update_step`.
@@ -44,11 +50,13 @@ class Kernel:
         folds_keep: Whether it honours `keep` itself (in its arithmetic or
             its writes), so a gated step needs no `ops.cond`.
         takes_grad_scale: Whether it accepts `grad_scale`.
+        takes_found_inf: Whether it accepts `found_inf`.
     """
 
     fn: Callable
     folds_keep: bool = False
     takes_grad_scale: bool = False
+    takes_found_inf: bool = False
 
     def __call__(self, params, grads, slots, hyper, **kwargs):
         return self.fn(params, grads, slots, hyper, **kwargs)

@@ -100,7 +100,7 @@ class LossScaleStepMixin:
             skip = None
         # The inner optimizer's validated entry: `apply` has checked the
         # gradients and variables already.
-        inner._step(grads, variables, keep=keep, grad_scale=grad_scale)
+        inner._step(grads, variables, keep=keep, grad_scale=grad_scale, found_inf=skip)
         if not self._stateless:  # never keep a traced value
             self._last_applied = keep
             self._notify_observers(agreed, state.steps)

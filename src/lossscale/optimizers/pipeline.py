@@ -56,7 +56,7 @@ class PipelineMixin:
     # as hyperparameters (fixed numbers of the rule).
     kernel_hyperparameters: tuple = ()
 
-    def _step(self, grads, variables, keep=None, grad_scale=None):
+    def _step(self, grads, variables, keep=None, grad_scale=None, found_inf=None):
         """One step on validated input: the contract wrappers call.
 
         Args:
@@ -70,6 +70,10 @@ class PipelineMixin:
             grad_scale: None, or a scale still multiplied into `grads`, for
                 an optimizer whose `_takes_grad_scale(variables)` is True
                 (its kernel divides it out as it reads each gradient).
+            found_inf: None, or `keep` in torch's AMP form (float32, 1.0
+                where the step is skipped), where the caller's check made
+                it: a kernel that takes one (`takes_found_inf`) uses it
+                instead of making it again. Ignored without `keep`.
         """
         if keep is not None and not self._folds_keep(variables):
             self._ops.cond(
@@ -79,7 +83,7 @@ class PipelineMixin:
                 self._state_variables(),
             )
             return
-        self._apply_validated(grads, variables, grad_scale, keep)
+        self._apply_validated(grads, variables, grad_scale, keep, found_inf)
 
     def _takes_grad_scale(self, variables):
         """Whether `_apply_validated` can divide a loss scale out inside its kernel.
@@ -120,10 +124,11 @@ class PipelineMixin:
             and not any(v.overwrite_with_gradient or v.constraint for v in variables)
         )
 
-    def _apply_validated(self, grads, variables, grad_scale=None, keep=None):
+    def _apply_validated(self, grads, variables, grad_scale=None, keep=None, found_inf=None):
         """Runs one step on validated input.
 
-        `grad_scale`, `keep`: see `_step` (`keep` only where `_folds_keep`).
+        `grad_scale`, `keep`, `found_inf`: see `_step` (`keep` only where
+        `_folds_keep`).
         """
         ops = self._ops
         grads, variables = overwrite.take_gradients(self, ops, grads, variables)
@@ -134,7 +139,7 @@ class PipelineMixin:
             if self.gradient_accumulation_steps:
                 self._accumulate_or_update(ops, grads, variables)
             else:  # `grad_scale` only where `_takes_grad_scale`, `keep` where `_folds_keep`
-                self._update(ops, grads, variables, grad_scale, keep)
+                self._update(ops, grads, variables, grad_scale, keep, found_inf)
             for v in variables:
                 if v.constraint is not None:
                     v.assign(v.constraint(v.value))
@@ -144,7 +149,7 @@ class PipelineMixin:
         # an integer: on torch one kernel).
         self._iterations.assign_add(1 if keep is None else keep)
 
-    def _update(self, ops, grads, variables, grad_scale=None, keep=None):
+    def _update(self, ops, grads, variables, grad_scale=None, keep=None, found_inf=None):
         grads = clipping.clip_gradients(
             ops, grads, self.clipnorm, self.clipvalue, self.global_clipnorm
         )
@@ -159,9 +164,11 @@ class PipelineMixin:
                 self._kernel_cache,
                 keep,
             )
-        self._update_variables(grads, variables, learning_rate, grad_scale, keep)
+        self._update_variables(grads, variables, learning_rate, grad_scale, keep, found_inf)
 
-    def _update_variables(self, grads, variables, learning_rate, grad_scale=None, keep=None):
+    def _update_variables(
+        self, grads, variables, learning_rate, grad_scale=None, keep=None, found_inf=None
+    ):
         """Runs the update rule on every variable.
 
         A backend may hold a fused (multi-tensor) kernel for this exact
@@ -177,6 +184,8 @@ class PipelineMixin:
         options = {}
         if keep is not None:
             options["keep"] = keep
+            if found_inf is not None and kernel.takes_found_inf:
+                options["found_inf"] = found_inf
         if grad_scale is not None:
             options["grad_scale"] = grad_scale
         kernel(

@@ -247,7 +247,7 @@ class TorchAdapter(AdapterCheckpointMixin, Optimizer):
         # so no `ops.cond` over them could skip it.
         return True
 
-    def _update(self, ops, grads, variables, grad_scale=None, keep=None):
+    def _update(self, ops, grads, variables, grad_scale=None, keep=None, found_inf=None):
         grads = clipping.clip_gradients(
             ops, grads, self.clipnorm, self.clipvalue, self.global_clipnorm
         )
@@ -259,7 +259,7 @@ class TorchAdapter(AdapterCheckpointMixin, Optimizer):
                 p.grad = None
             for p, g in zip(params, grads):
                 p.grad = g.detach().to(dtype=p.dtype)
-            self._native_step(keep)
+            self._native_step(keep, found_inf)
         finally:
             for p, g in zip(everything, saved):
                 p.grad = g
@@ -271,12 +271,18 @@ class TorchAdapter(AdapterCheckpointMixin, Optimizer):
             raise NotImplementedError(STATELESS_MESSAGE)
         return p
 
-    def _native_step(self, keep):
-        """Steps the native optimizer; only where `keep` holds, if it is given."""
+    def _native_step(self, keep, found_inf=None):
+        """Steps the native optimizer; only where `keep` holds, if it is given.
+
+        `found_inf`: `keep` in torch's AMP form where the caller's check made
+        it (else it is made here from `keep`).
+        """
         if keep is None:
             self.optimizer.step()
         elif self._uses_found_inf and self._fused_momentum_ready():
-            self._step_with_found_inf((~keep).to(_torch().float32))
+            if found_inf is None:
+                found_inf = (~keep).to(_torch().float32)
+            self._step_with_found_inf(found_inf)
         elif bool(keep):  # the one host read of the flag (see the module doc)
             self.optimizer.step()
 

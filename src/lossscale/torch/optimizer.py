@@ -163,7 +163,7 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)  # set by a GradScaler's `step`
         found_inf = getattr(self, "found_inf", None)
-        keep = None
+        keep = flag = None
         for group, rule in zip(self.param_groups, self._rules):
             pairs = [
                 (p.grad, v)
@@ -175,6 +175,7 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
             if found_inf is not None and keep is None:
                 # A gradient lives on its parameter's device (no read of the variable).
                 keep = _keep(found_inf, pairs[0][0].device)
+                flag = found_inf.reshape(()) if found_inf.ndim else found_inf
             self._sync(group, rule)
             grads = [g for g, _ in pairs]
             variables = [v for _, v in pairs]
@@ -189,7 +190,7 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
             else:
                 variables = rule._prepare(grads, variables)
                 with rule._ops.quiet():
-                    rule._step(grads, variables, keep=keep, grad_scale=folded)
+                    rule._step(grads, variables, keep=keep, grad_scale=folded, found_inf=flag)
         self.last_step_applied = True if found_inf is None else keep
         return loss
 

@@ -78,18 +78,21 @@ def adam(
     update_step=None,
     keep=None,
     grad_scale=None,
+    found_inf=None,
 ):
     """`Adam.update_step` (and `AdamW`'s, which is the same) on every variable.
 
     Under `keep` the kernel itself skips the update where it is False
     (`found_inf`): no select afterwards, no host read. `grad_scale`: None,
     or a scale still multiplied into `grads`, divided out in the kernel.
+    `found_inf`: None, or `keep` in torch's AMP form, made by the caller's
+    check (used as it is: not made again from `keep`).
     """
     del update_step  # every variable takes a kernel
     with torch.no_grad():
         for group in plans.plan(params, slots, cache).groups:
             group_lr = foreach.scalar(lr, group)
-            write = plans.Writer(keep, group.device)
+            write = plans.Writer(keep, group.device, found_inf)
             if not _fusable(group):
                 group_grads = _unscaled(group, grads, grad_scale)
                 foreach.adam(hyper, group, group_grads, group_lr, write, iterations)
@@ -169,18 +172,20 @@ def sgd(
     update_step=None,
     keep=None,
     grad_scale=None,
+    found_inf=None,
 ):
     """`SGD.update_step` (plain, momentum, Nesterov) on every variable.
 
     `grad_scale`: None, or a scale still multiplied into `grads`: plain SGD
     divides it out in the kernel; with momentum the gradients are divided
     first, since Keras's `lr * g` must be formed from the unscaled `g`.
+    `found_inf`: as for `adam`.
     """
     del update_step  # every variable takes a kernel
     with torch.no_grad():
         for group in plans.plan(params, slots, cache).groups:
             group_lr = foreach.scalar(lr, group)
-            write = plans.Writer(keep, group.device)
+            write = plans.Writer(keep, group.device, found_inf)
             if not _fusable(group):
                 group_grads = _unscaled(group, grads, grad_scale)
                 foreach.sgd(hyper, group, group_grads, group_lr, write, iterations)

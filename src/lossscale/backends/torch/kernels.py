@@ -15,10 +15,11 @@ from lossscale.backends.kernel import Kernel
 from lossscale.backends.torch import adamw, float16_range, foreach, fused
 
 # Every kernel here honours the step's `keep` flag itself: torch's fused
-# kernels as `found_inf`, the others in `plans.Writer`'s selects.
+# kernels as `found_inf` (the caller's own, where it has one), the others in
+# `plans.Writer`'s selects.
 KERNELS = {
-    "adam": Kernel(fused.adam, folds_keep=True),
-    "sgd": Kernel(fused.sgd, folds_keep=True),
+    "adam": Kernel(fused.adam, folds_keep=True, takes_found_inf=True),
+    "sgd": Kernel(fused.sgd, folds_keep=True, takes_found_inf=True),
     **{
         name: Kernel(foreach.make_kernel(getattr(foreach, name)), folds_keep=True)
         for name in ("rmsprop", "adagrad", "adadelta", "adamax", "nadam", "lion", "ftrl", "lamb")

@@ -193,9 +193,12 @@ class Writer:
     Args:
         keep: None (write), or the step's boolean 0-d tensor.
         device: The device of the tensors written.
+        found_inf: None, or `keep` as torch's AMP flag (float32, 1.0: skip),
+            made by the caller's check: `found_inf()` returns it.
     """
 
-    def __init__(self, keep, device):
+    def __init__(self, keep, device, found_inf=None):
+        self._found_inf = found_inf
         if keep is not None:
             if keep.dtype != torch.bool:
                 keep = keep.to(torch.bool)
@@ -250,6 +253,9 @@ class Writer:
         """
         if self.keep is None:
             return None
+        if self._found_inf is not None:  # the caller's check made it: no select
+            found = self._found_inf
+            return found if found.device == self.device else found.to(self.device)
         # One kernel: a select between two cached constants.
         return torch.where(
             self.keep,
