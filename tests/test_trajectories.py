@@ -15,9 +15,11 @@ Recorded at 585d749, before the seam's redesign (which left every
 trajectory bitwise as it was), and recorded again for two intended changes
 merged beside it: JAX's exact finite check (the NaN step, `NAN_STEP`, in
 the (300, 250) gradient was applied before: 0.1.0's bug) and torch's
-decoupled weight decay as Keras on torch rounds it (AdamW). Each is held
-to its reference elsewhere (test_skip_guarantee.py, tests/backends/torch/
-test_adamw.py).
+decoupled weight decay as Keras on torch rounds it (AdamW); then for
+torch's SGD with momentum (not Nesterov) on CPU, also as Keras on torch
+rounds it (`sgd_ema`'s float32 cases, recorded on an AVX2 machine). Each is
+held to its reference elsewhere (test_skip_guarantee.py, tests/backends/
+torch/test_adamw.py, tests/backends/torch/test_fused.py).
 
 Bits depend on the CPU as well as on the code: torch's vectorised kernels
 (and the math libraries under them) and XLA's CPU code generation round

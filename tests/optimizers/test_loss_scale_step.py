@@ -24,7 +24,7 @@ import lossscale as ls
 # under `keep`, and one multiplication per group).
 FUSED_OPS = {
     "sgd": 9,
-    "sgd_momentum": 10,
+    "sgd_momentum": 9,
     "sgd_nesterov": 10,
     "adam": 15,
     "adam_amsgrad": 15,
@@ -99,9 +99,8 @@ def test_the_sgd_momentum_step_names_its_operations():
         "aten.zeros.default",  # the found_inf flag
         "aten._amp_foreach_non_finite_check_and_unscale_.default",
         "aten.eq.Scalar",  # the flag as a boolean, for the step counter
-        # `-lr * g` (`-lr` kept while the learning rate is unchanged): the
-        # term Keras subtracts, which torch's buffer then accumulates.
-        "aten._foreach_mul.Tensor",
+        # `-lr` as `1 - dampening` (the CPU rate read on the host once, kept
+        # while the learning rate is unchanged): no `-lr * g` tensors.
         "aten._fused_sgd_.default",  # skips itself where the check's found_inf is 1
         "aten.add_.Tensor",  # iterations += finite
         "aten._amp_update_scale_.default",

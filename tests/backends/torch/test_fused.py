@@ -232,10 +232,13 @@ def test_the_kernels_that_divide_a_grad_scale():
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_sgd_momentum_takes_a_learning_rate_set_in_place_bit_for_bit(nesterov):
-    # The kernel keeps `-lr` while the learning-rate tensor is unwritten:
-    # a rate set between steps (written into the same tensor) must be seen.
-    # Checked against Keras's formula on the same float32 values: bit for
-    # bit without Nesterov; torch's Nesterov step rounds its sum its own way.
+    # The kernel keeps `-lr` (its host value without Nesterov) while the
+    # learning-rate tensor is unwritten: a rate set between steps (written
+    # into the same tensor) must be seen. Checked on the same float32 values
+    # against Keras on torch without Nesterov, bit for bit: its
+    # `_foreach_mul_(m, momentum)`, `_foreach_add_(m, g, alpha=-lr)`; with
+    # Nesterov against `update_step`'s formula (torch's Nesterov step rounds
+    # its sum its own way).
     rng = np.random.default_rng(11)
     start = rng.normal(size=(64, 33)).astype(np.float32)
     w = torch.tensor(start)
@@ -249,10 +252,57 @@ def test_sgd_momentum_takes_a_learning_rate_set_in_place_bit_for_bit(nesterov):
         assert opt.learning_rate is lr_tensor  # the same tensor, written in place
         g = torch.tensor(rng.normal(size=(64, 33)).astype(np.float32))
         opt.apply([g], [w])
-        lr = torch.tensor(rate)
-        m = m * 0.9 - g * lr
-        want = want + (m * 0.9 - g * lr if nesterov else m)
         if nesterov:
+            lr = torch.tensor(rate)
+            m = m * 0.9 - g * lr
+            want = want + (m * 0.9 - g * lr)
             torch.testing.assert_close(w, want, rtol=1e-6, atol=1e-7)
         else:
+            torch._foreach_mul_([m], 0.9)
+            torch._foreach_add_([m], [g], alpha=-float(rate))
+            torch._foreach_add_([want], [m])
             assert torch.equal(w, want), step
+
+
+@pytest.mark.parametrize(
+    "rate, as_dampening",
+    [
+        (0.05, True),
+        (2.0**-29 * 1.2345678, True),  # the smallest exponent where `1 + lr` is exact
+        (2.0**-30 * 1.2345678, False),  # its last bits would be lost: `-lr * g` tensors
+        (3.0, True),
+    ],
+)
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_momentum_takes_the_rate_as_dampening_only_where_that_is_exact(
+    monkeypatch, rate, as_dampening, nesterov
+):
+    """On each side of the exactness limit, the one-pass kernel or the product path, each exact."""
+    rate = float(np.float32(rate))
+    seen = []
+    fused_sgd = torch._fused_sgd_
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["dampening"])
+        return fused_sgd(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_sgd_", spy)
+    rng = np.random.default_rng(3)
+    start = rng.normal(size=(48, 40)).astype(np.float32)
+    w, opt = torch.tensor(start), SGD(rate, momentum=0.5, nesterov=nesterov)
+    want, m = torch.tensor(start), torch.zeros(48, 40)
+    for _ in range(3):
+        g = torch.tensor((rng.normal(size=(48, 40)) * 10.0 ** rng.integers(-3, 4)).astype(np.float32))
+        opt.apply([g], [w])
+        if as_dampening and not nesterov:  # Keras on torch
+            torch._foreach_mul_([m], 0.5)
+            torch._foreach_add_([m], [g], alpha=-rate)
+            want += m
+        else:  # `update_step`'s formula, and torch's Nesterov sum
+            m = m * 0.5 - g * torch.tensor(rate)
+            want = want + (m * 0.5 - g * torch.tensor(rate) if nesterov else m)
+    assert seen == [1.0 + rate if as_dampening and not nesterov else 0.0] * 3
+    if nesterov:
+        torch.testing.assert_close(w, want, rtol=1e-6, atol=1e-7)
+    else:
+        assert torch.equal(w, want)

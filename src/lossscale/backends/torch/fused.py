@@ -23,11 +23,13 @@ optimizers do: the same division as `torch._foreach_div_`, bit for bit
 (tests/backends/torch/test_fused.py), and no pass of its own over the gradients.
 
 SGD. Keras keeps `m = momentum * m - lr * g` and adds `m` to the weights;
-torch keeps `buf = momentum * buf + g` and subtracts `lr * buf`. Given the
-gradient `-lr * g` and a learning rate of -1, torch's buffer is Keras's `m`
-and its step is Keras's (Nesterov included), also when the learning rate
-changes between steps. `is_first_step` stays False: Keras's momentum starts
-at zero, and `momentum * 0 + g` is `g`.
+torch keeps `buf = momentum * buf + (1 - dampening) * g` and subtracts
+`lr * buf`. With a learning rate of -1 torch's buffer is Keras's `m`, also
+when the learning rate changes between steps, given either the dampening
+`1 + lr` (on CPU, without Nesterov: Keras-on-torch's rounding, one pass) or
+the gradient `-lr * g` (Nesterov, a rate on a GPU: Keras's `update_step`
+rounding, a pass more). `is_first_step` stays False: Keras's momentum
+starts at zero, and `momentum * 0 + g` is `g`.
 
 The fused kernels compute in float32 (or float64) internally, so they round
 a little differently from the step-by-step generic path (about 1e-7
@@ -176,9 +178,10 @@ def sgd(
 ):
     """`SGD.update_step` (plain, momentum, Nesterov) on every variable.
 
-    `grad_scale`: None, or a scale still multiplied into `grads`: plain SGD
-    divides it out in the kernel; with momentum the gradients are divided
-    first, since Keras's `lr * g` must be formed from the unscaled `g`.
+    `grad_scale`: None, or a scale still multiplied into `grads`: plain SGD,
+    and momentum on a host-readable rate (`_lr_as_dampening`), divide it out
+    in the kernel; otherwise the gradients are divided first, since Keras's
+    `lr * g` must be formed from the unscaled `g`.
     `found_inf`: as for `adam`.
     """
     del update_step  # every variable takes a kernel
@@ -206,6 +209,23 @@ def sgd(
                     found_inf=write.found_inf(),
                 )
                 continue
+            dampening = _lr_as_dampening(hyper, group, group_lr, cache)
+            if dampening is not None:
+                torch._fused_sgd_(
+                    group.params,
+                    group.grads(grads),
+                    group.slots["momentums"],
+                    weight_decay=0.0,
+                    momentum=float(hyper.momentum),
+                    lr=-1.0,
+                    dampening=dampening,
+                    nesterov=False,
+                    maximize=False,
+                    is_first_step=False,
+                    grad_scale=_kernel_scale(grad_scale, group),
+                    found_inf=write.found_inf(),
+                )
+                continue
             # `g * (-lr)` is `-(g * lr)` exactly, the term Keras subtracts;
             # `-lr` is kept while the learning rate does not change.
             key = ("torch negated lr", group.device, group.dtype)
@@ -223,6 +243,25 @@ def sgd(
                 is_first_step=False,
                 found_inf=write.found_inf(),
             )
+
+
+def _lr_as_dampening(hyper, group, lr, cache):
+    """`1 + lr`, read on the host, where torch's `1 - dampening` is then exactly `-lr`; else None.
+
+    torch's buffer update is `momentum * buf + (1 - dampening) * g`: given
+    that dampening it is Keras-on-torch's `_foreach_mul_(m, momentum)` then
+    `_foreach_add_(m, g, alpha=-lr)`, in the kernel's one pass, with no
+    `-lr * g` tensors (a write and a read of every gradient fewer). Only
+    without Nesterov (torch's Nesterov term adds the raw gradient), for a
+    learning rate on a `HOST_READABLE` device (reading it waits for
+    nothing; kept while the tensor is unwritten), and where `1 + lr` is
+    exact in double precision: a float32 rate from 2**-29 up.
+    """
+    if hyper.nesterov or group.device.type not in multi.HOST_READABLE:
+        return None
+    value = plans.derived(cache, ("torch host lr", group.device, group.dtype), lr, float)
+    dampening = 1.0 + value
+    return dampening if dampening - 1.0 == value else None
 
 
 def update_scale(
