@@ -292,7 +292,9 @@ def test_sgd_momentum_takes_the_rate_as_dampening_only_where_that_is_exact(
     w, opt = torch.tensor(start), SGD(rate, momentum=0.5, nesterov=nesterov)
     want, m = torch.tensor(start), torch.zeros(48, 40)
     for _ in range(3):
-        g = torch.tensor((rng.normal(size=(48, 40)) * 10.0 ** rng.integers(-3, 4)).astype(np.float32))
+        g = torch.tensor(
+            (rng.normal(size=(48, 40)) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+        )
         opt.apply([g], [w])
         if as_dampening and not nesterov:  # Keras on torch
             torch._foreach_mul_([m], 0.5)
