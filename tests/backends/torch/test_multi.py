@@ -268,3 +268,28 @@ def test_unscale_checked_of_gradients_in_an_autograd_graph_does_not_write_them()
     grad = leaf * 4.0
     out, finite, _, _ = _checked([grad], 2.0)
     assert finite and out[0].tolist() == [2.0] * 3 and grad.tolist() == [4.0] * 3
+
+
+def test_compiled_finite_check_finds_one_bad_value_in_packed_and_lone_tensors(monkeypatch):
+    # Under torch.compile, small tensors are concatenated and checked at
+    # once; tensors of PACK_BELOW elements or more, and those past the
+    # capacity, alone. Sizes on both sides of both thresholds, in float32
+    # and bfloat16 groups; the bad value first, last and at a random place.
+    below = 64
+    monkeypatch.setattr(torch_multi, "PACK_BELOW", below)
+    monkeypatch.setattr(torch_multi, "PACK_CAPACITY", 2 * below)
+    sizes = [below - 1, 1, below, below + 1, 60, 7, 3]  # 7 would pass the capacity: alone
+    assert torch_multi.split_small([torch.empty(n) for n in sizes]) == ([0, 1, 4, 6], [2, 3, 5])
+    check = torch.compile(lambda arrays: torch_multi.finite_flags(arrays), fullgraph=True)
+    rng = np.random.default_rng(17)
+    dtypes = [torch.float32] * len(sizes) + [torch.bfloat16, torch.bfloat16]
+    start = [torch.tensor(rng.normal(size=n)).to(d) for n, d in zip(sizes + [5, below], dtypes)]
+    finite, skip = check([a.clone() for a in start])
+    assert bool(finite) and float(skip) == 0.0
+    for k, a in enumerate(start):
+        for at in sorted({0, a.numel() - 1, int(rng.integers(a.numel()))}):
+            for bad in (np.inf, -np.inf, np.nan):
+                arrays = [b.clone() for b in start]
+                arrays[k][at] = bad
+                finite, skip = check(arrays)
+                assert not bool(finite) and float(skip) == 1.0, (k, at, bad)

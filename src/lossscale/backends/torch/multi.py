@@ -111,13 +111,23 @@ def finite_flags(arrays):
     if torch.compiler.is_compiling():
         # The compiler fuses these reductions into the loops that wrote
         # `arrays`; the AMP kernel would be an opaque call on functional
-        # copies of every array. Chained with `&`, not stacked: Inductor's
-        # wrapper then allocates one 0-d buffer per array, where a stack
-        # cost two buffer calls per array and one more.
+        # copies of every array. Small arrays are concatenated first, as
+        # `_cpu_peak` packs them: Inductor's CPU code opens a parallel
+        # region per reduction, which for a small array costs more than
+        # its bytes. Chained with `&`, not stacked: Inductor's wrapper then
+        # allocates one 0-d buffer per reduction, where a stack cost two
+        # buffer calls per reduction and one more.
         finite = None
         for _, _, indices in groups(arrays):
-            for i in indices:
-                flag = torch.isfinite(arrays[i]).all()
+            group = [arrays[i] for i in indices]
+            small, large = split_small(group)
+            parts = [group[i] for i in large]
+            if len(small) > 1:
+                parts.append(torch.cat([group[i].reshape(-1) for i in small]))
+            else:
+                parts += [group[i] for i in small]
+            for part in parts:
+                flag = torch.isfinite(part).all()
                 finite = flag if finite is None else finite & flag.to(finite.device)
         return finite, (~finite).to(torch.float32)
     skip = None
@@ -304,18 +314,29 @@ _PACKS = threading.local()
 _PACKS_KEPT = 4
 
 
+def split_small(tensors):
+    """`(small, large)`: the positions of the tensors to pack together, and of the others.
+
+    Tensors under `PACK_BELOW` elements, in order, while the packed total
+    stays within `PACK_CAPACITY`.
+    """
+    small, large, packed = [], [], 0
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if n < PACK_BELOW and packed + n <= PACK_CAPACITY:
+            small.append(i)
+            packed += n
+        else:
+            large.append(i)
+    return small, large
+
+
 def _cpu_peak(group):
     """Largest |x| over one CPU (dtype) group, as a float32 scalar; NaN if any NaN."""
     # torch's inf-norm is a slow generic reduction on CPU; min and max in one
     # pass are not (NaN propagates through both).
-    small, reduced, packed = [], [], 0
-    for a in group:
-        n = a.numel()
-        if n < PACK_BELOW and packed + n <= PACK_CAPACITY:
-            small.append(a)
-            packed += n
-        else:
-            reduced.append(a)
+    positions, others = split_small(group)
+    small, reduced = [group[i] for i in positions], [group[i] for i in others]
     if len(small) > 1 and not torch.compiler.is_compiling() and not dtensors.is_dtensor(small[0]):
         reduced.append(_packed(small))
     else:
