@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 
 from lossscale import optimizers
 from lossscale.optimizers import LossScaleOptimizer
@@ -54,6 +53,7 @@ def test_replace_returns_a_copy_and_names_must_exist():
 
 def test_repr_names_dtypes_and_shapes_on_each_backend():
     import jax.numpy as jnp
+    import torch
 
     state = OptimizerState(
         {

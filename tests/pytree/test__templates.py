@@ -1,7 +1,6 @@
 """A transform's built copies of its optimizer: clones, signatures, concrete and abstract builds."""
 
 import numpy as np
-import torch
 
 from lossscale import optimizers
 from lossscale.optimizers import LossScaleOptimizer
@@ -37,6 +36,7 @@ def test_build_names_the_variables_after_the_paths():
 
 def test_signature_is_the_structure_and_each_leafs_backend_shape_and_dtype():
     import jax.numpy as jnp
+    import torch
 
     def signature(tree):
         leaves, treedef, _ = _flatten.flatten(tree, "params", use_jax=False)
