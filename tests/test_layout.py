@@ -18,11 +18,7 @@ TESTS = pathlib.Path(__file__).parent
 
 UNMIRRORED = {
     "__main__.py",
-    "backends/jax/kernels.py",
-    "backends/kernel.py",
-    "backends/numpy/kernels.py",
     "backends/protocol.py",
-    "backends/torch/kernels.py",
     "bench/__main__.py",
     "bench/cli.py",
     "bench/frameworks.py",
@@ -47,11 +43,9 @@ UNMIRRORED = {
     "optimizers/slots.py",
     "optimizers/stateless.py",
     "torch/adapter_checkpoint.py",
-    "torch/adapter_messages.py",
     "torch/gradients.py",
     "torch/optimizer_checkpoint.py",
     "torch/scaler_checks.py",
-    "torch/scaler_diagnostics.py",
 }
 
 
