@@ -158,7 +158,7 @@ TF_MIRRORED = textwrap.dedent("""
         for k, position in enumerate((0, n - 1, int(rng.integers(n)))):
             cases.append((i, position, (np.nan, np.inf, -np.inf)[(i + k) % 3]))
 
-    # XLA refuses a step over two logical CPUs (test_tensorflow_replicas.py):
+    # XLA refuses a step over two logical CPUs (tests/backends/tensorflow/test_replicas.py):
     # eager and traced steps.
     for compiled in (False, True):
         with strategy.scope():

@@ -1,7 +1,7 @@
 """optimizers/loss_scale_step.py on torch: operations per step, torch.compile, CUDA graphs.
 
 The semantics of the step (unscale, check, skip, scale update) are tested on
-every backend in tests/test_loss_scale_optimizer.py; here the shape of the
+every backend in tests/optimizers/test_loss_scale_optimizer.py; here the shape of the
 torch step: how many operations it dispatches (each is a kernel launch on a
 GPU) and that it compiles into one graph that never recompiles.
 """

@@ -1,4 +1,4 @@
-"""Two-rank FSDP2 (`fully_shard`) runs for tests/test_torch_dtensors.py.
+"""Two-rank FSDP2 (`fully_shard`) runs for tests/backends/torch/test_dtensors.py.
 
 Run as `python tests/workers/fsdp2_worker.py OUT_DIR PORT`: spawns two gloo ranks on
 127.0.0.1, trains the same small model with each interface, and writes

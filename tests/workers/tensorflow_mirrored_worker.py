@@ -1,7 +1,7 @@
 """Runs lossscale under `tf.distribute.MirroredStrategy` on two logical CPUs (not a test module).
 
 TensorFlow splits a CPU into logical devices only before it first runs an
-op, so `tests/test_tensorflow_replicas.py` runs this file in a fresh
+op, so `tests/backends/tensorflow/test_replicas.py` runs this file in a fresh
 process: `python tensorflow_mirrored_worker.py SCENARIO...` prints one JSON
 line, `{scenario: what it observed}`.
 

@@ -385,7 +385,7 @@ import warnings  # noqa: E402
 
 from conftest import BACKENDS, Backend  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
-from test_loss_scale import STEPS, Model, policies  # noqa: E402
+from mixed_precision.test_loss_scale import STEPS, Model, policies  # noqa: E402
 
 from lossscale.mixed_precision import (  # noqa: E402
     LossScaleError,
@@ -778,7 +778,7 @@ def test_save_load_own_variables_with_telemetry(backend, rng):
         np.testing.assert_array_equal(backend.numpy(a), backend.numpy(b))
 
 
-# The whole optimizer against the model of tests/test_loss_scale.py: random
+# The whole optimizer against the model of tests/mixed_precision/test_loss_scale.py: random
 # options and step sequences, stateful and stateless, on every backend.
 KIND = {True: "f", False: "inf", None: None}
 

@@ -49,35 +49,6 @@ def test_random_sequences_numpy(initial, growth, pattern):
     run(Backend("numpy"), LossScalePolicy(initial, growth), pattern)
 
 
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"initial_scale": 0}, "`initial_scale` must be a finite number > 0"),
-        ({"initial_scale": F32_MAX * 2}, "`initial_scale` must be a finite number > 0 and <= "),
-        (
-            {"dynamic_growth_steps": 0},
-            "`dynamic_growth_steps` must be an integer >= 1. Received: dynamic_growth_steps=0",
-        ),
-        (
-            {"growth_factor": 1.0},
-            "`growth_factor` must be a finite number > 1. Received: growth_factor=1.0",
-        ),
-        (
-            {"backoff_factor": 1.0},
-            "`backoff_factor` must be a finite number > 0 and < 1. Received: backoff_factor=1.0",
-        ),
-    ],
-)
-def test_policy_validation(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        LossScalePolicy(**kwargs)
-
-
-def test_policy_is_frozen():
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        LossScalePolicy().initial_scale = 3.0
-
-
 # --- beyond Keras: every option, against a pure-Python model -----------------
 
 import dataclasses  # noqa: E402
@@ -315,7 +286,7 @@ def check_against_model(backend, policy, steps):
 
 
 # Driving the pure function directly is cheap: most of the examples per run
-# are here, as many on each backend; tests/test_loss_scale_optimizer.py runs
+# are here, as many on each backend; tests/optimizers/test_loss_scale_optimizer.py runs
 # fewer through the whole optimizer, stateful and stateless.
 @settings(max_examples=260, deadline=None)
 @given(policy=policies(), steps=STEPS)
@@ -409,98 +380,6 @@ def test_next_loss_scale_argument_errors():
         next_loss_scale(ops, state, np.bool_(True), LossScalePolicy(), variable_finite=(1, 2))
 
 
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"hysteresis": 0}, "`hysteresis` must be an integer >= 1. Received: hysteresis=0"),
-        ({"hysteresis": 1.5}, "Received: hysteresis=1.5"),
-        (
-            {"min_scale": 0.0},
-            r"`min_scale` must be a finite number >= 1.17549\d*e-38 and <= "
-            r"3.40282\d*e\+38 or None. Received: min_scale=0.0",
-        ),
-        ({"max_scale": float("inf")}, "Received: max_scale=inf"),
-        (
-            {"max_consecutive_skips": -1},
-            "`max_consecutive_skips` must be an integer >= 0 or None. "
-            "Received: max_consecutive_skips=-1",
-        ),
-        (
-            {"growth_policy": "adaptive"},
-            r"`growth_policy` must be one of \('fixed', 'headroom', 'statistics'\). "
-            "Received: growth_policy='adaptive'",
-        ),
-        ({"telemetry": 1}, "`telemetry` must be a boolean. Received: telemetry=1"),
-        (
-            {"diagnostics_every": 0},
-            "`diagnostics_every` must be an integer >= 1 or None. Received: diagnostics_every=0",
-        ),
-        (
-            {"history_length": 31},
-            "`history_length` must be an integer >= 1 and <= 30. Received: history_length=31",
-        ),
-        (
-            {"growth_policy": "statistics"},
-            r'`growth_policy="statistics"` decides from the measured float16 range: set '
-            r"`diagnostics_every` \(for example 100\) as well. Received: "
-            r'growth_policy="statistics", diagnostics_every=None',
-        ),
-        (
-            {"min_scale": 2.0**16},
-            r"`min_scale` <= `initial_scale` <= `max_scale` and `min_scale` "
-            r"< `max_scale`. Received: min_scale=65536.0, "
-            r"initial_scale=32768.0, max_scale=None",
-        ),
-        ({"max_scale": 1.0}, "Received: min_scale=None, initial_scale=32768.0, max_scale=1.0"),
-        (
-            {"initial_scale": 4.0, "min_scale": 4.0, "max_scale": 4.0},
-            "Received: min_scale=4.0, initial_scale=4.0, max_scale=4.0",
-        ),
-    ],
-)
-def test_new_policy_validation(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        LossScalePolicy(**kwargs)
-
-
-def test_tracked_fields_follow_the_policy():
-    names = lambda policy: [f.name for f in ls_module.state_fields(policy)]  # noqa: E731
-    assert names(LossScalePolicy()) == ["scale", "counter"]
-    assert names(LossScalePolicy(hysteresis=2)) == ["scale", "counter", "consecutive_skips"]
-    telemetry = [
-        "scale",
-        "counter",
-        "consecutive_skips",
-        "steps",
-        "skipped",
-        "last_overflow_step",
-        "scale_history",
-        "nonfinite",
-    ]
-    window = ["loss_finite", "overflow_steps", "overflow_loss", "overflow_bits"]
-    assert names(LossScalePolicy(telemetry=True)) == telemetry + window
-    failing = telemetry + ["error", "error_step"] + window
-    assert names(LossScalePolicy(max_consecutive_skips=3)) == failing
-    assert names(LossScalePolicy(min_scale=1.0)) == failing
-    measured = ["range_zero", "range_subnormal", "range_near_max", "range_max_abs", "range_step"]
-    assert names(LossScalePolicy(diagnostics_every=5)) == ["scale", "counter", "steps"] + measured
-    assert LossScalePolicy(diagnostics_every=5).is_plain  # the step count beside the kernel
-    assert not LossScalePolicy(diagnostics_every=5, growth_policy="statistics").is_plain
-
-
-def test_non_default_settings():
-    assert LossScalePolicy().non_default_settings() == {
-        "initial_scale": 2.0**15,
-        "dynamic_growth_steps": 2000,
-    }
-    assert LossScalePolicy(hysteresis=2, telemetry=True).non_default_settings() == {
-        "initial_scale": 2.0**15,
-        "dynamic_growth_steps": 2000,
-        "hysteresis": 2,
-        "telemetry": True,
-    }
-
-
 def test_jit_traces_every_option():
     import jax
     import jax.numpy as jnp
@@ -552,19 +431,3 @@ def test_jit_traces_every_option():
         assert read_state(backend, state, policy) == model.expected()
     assert model.error == ls_module.BELOW_MIN_SCALE
     assert len(traces) == 1
-
-
-def test_plain_policies_are_keras_with_float32_factors_at_most():
-    assert LossScalePolicy().is_plain
-    assert LossScalePolicy(growth_factor=4.0, backoff_factor=0.25).is_plain
-    for kwargs in [
-        dict(hysteresis=2),
-        dict(telemetry=True),
-        dict(min_scale=1.0),
-        dict(max_scale=2.0**20),
-        dict(max_consecutive_skips=3),
-        dict(growth_policy="headroom"),
-        dict(backoff_factor=0.7),
-        dict(growth_factor=1.1),
-    ]:
-        assert not LossScalePolicy(**kwargs).is_plain, kwargs

@@ -19,7 +19,8 @@ import tensorflow as tf
 
 from lossscale.backends.tensorflow import replicas
 
-WORKER = pathlib.Path(__file__).parent / "workers" / "tensorflow_mirrored_worker.py"
+TESTS = pathlib.Path(__file__).resolve().parents[2]
+WORKER = TESTS / "workers" / "tensorflow_mirrored_worker.py"
 # One test process runs the strategy scenarios (one subprocess).
 pytestmark = pytest.mark.xdist_group("tensorflow_mirrored")
 PATTERN = [None, 1, None, 0, None, None, 1, None]
@@ -27,7 +28,7 @@ TRAINED = ["adam", "sgd", "adam-headroom", "eager"]
 
 
 def _run_worker(*scenarios):
-    src = str(pathlib.Path(__file__).resolve().parent.parent / "src")
+    src = str(TESTS.parent / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, str(WORKER), *scenarios],

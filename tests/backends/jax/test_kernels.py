@@ -1,0 +1,44 @@
+"""The JAX backend's kernel registry (`backends/jax/kernels.py`): names, capabilities, hooks.
+
+That each kernel equals its optimizer's `update_step` is tests/backends/jax/test_fused.py's; here the
+registry itself: every name is declared by an optimizer class, every entry
+says what it can take, and the other hooks return what the backend has.
+"""
+
+import pytest
+
+import lossscale as ls
+from lossscale.backends import get_ops
+from lossscale.backends.jax import float16_range, fused, kernels
+
+DECLARED = {
+    cls.update_kernel
+    for cls in vars(ls.optimizers).values()
+    if isinstance(cls, type) and issubclass(cls, ls.optimizers.Optimizer)
+} - {None}
+
+
+def test_every_name_is_one_an_optimizer_class_declares():
+    assert set(kernels.KERNELS) <= DECLARED
+    assert sorted(kernels.KERNELS) == ["adam", "sgd"]
+
+
+def test_fused_update_returns_the_entry_or_none():
+    for name, kernel in kernels.KERNELS.items():
+        assert kernels.fused_update(name) is kernel
+    for name in sorted(DECLARED - set(kernels.KERNELS)) + ["no_such_kernel"]:
+        assert kernels.fused_update(name) is None
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_the_kernels_fold_the_skip_and_divide_the_scale_out(name):
+    kernel = kernels.KERNELS[name]
+    assert kernel.fn is getattr(fused, name)
+    assert kernel.folds_keep and kernel.takes_grad_scale and not kernel.takes_found_inf
+
+
+def test_the_other_hooks():
+    assert kernels.fused_weight_decay() is fused.weight_decay
+    assert kernels.fused_scale_update() is None
+    assert kernels.fused_float16_range() is float16_range.measure
+    assert get_ops("jax").fused_update("sgd") is kernels.KERNELS["sgd"]
