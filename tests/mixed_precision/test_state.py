@@ -90,3 +90,13 @@ def test_replaced_carries_every_field():
     state = LossScaleState(*(np.int32(i) for i in range(len(names))))
     new = state_module.replaced(state, counter=np.int32(-1))
     assert [int(getattr(new, n)) for n in names] == [0, -1, *range(2, len(names))]
+
+
+def test_replaced_refuses_a_name_that_is_not_a_field():
+    state = LossScaleState(np.float32(8.0), np.int32(3))
+    with pytest.raises(TypeError) as info:
+        state_module.replaced(state, scales=np.float32(4.0), counter=np.int32(0))
+    assert str(info.value) == (
+        "`replaced` got unknown `LossScaleState` fields: ['scales']. "
+        f"Expected names among: {list(state_module.STATE_FIELD_NAMES)}."
+    )

@@ -117,5 +117,15 @@ def per_variable(field) -> bool:
 
 
 def replaced(state, **changes):
-    """`state` with some fields changed (`dataclasses.replace`, traceable by torch.compile)."""
+    """`state` with some fields changed (`dataclasses.replace`, traceable by torch.compile).
+
+    Raises:
+        TypeError: a name in `changes` is not a field (as `dataclasses.replace`).
+    """
+    unknown = sorted(set(changes) - set(STATE_FIELD_NAMES))
+    if unknown:
+        raise TypeError(
+            f"`replaced` got unknown `LossScaleState` fields: {unknown}. "
+            f"Expected names among: {list(STATE_FIELD_NAMES)}."
+        )
     return LossScaleState(**{n: changes.get(n, getattr(state, n)) for n in STATE_FIELD_NAMES})
