@@ -26,8 +26,9 @@ def validate_gradients(grads, variables):
     """Checks gradients against variables before anything is written.
 
     Runs on every step, so the common case (a native array of the right
-    shape and kind) costs one type check, one shape comparison and two dtype
-    reads per gradient.
+    shape and kind) costs one type check, one shape comparison and one
+    dictionary lookup of its dtype per gradient: a dtype's kind is found
+    once per call (a step's gradients share one or two dtypes).
 
     A float variable takes only a floating-point gradient, on every backend:
     an integer or boolean one is refused rather than cast (NumPy and
@@ -39,6 +40,7 @@ def validate_gradients(grads, variables):
             "No gradients provided for any variable. Received: grads=" + repr([None] * len(grads))
         )
     is_native, dtype_name = variables[0]._ops.is_native, variables[0]._ops.dtype_name
+    floats = {}  # native dtype -> whether it is a float dtype
     for g, v in zip(grads, variables):
         if g is None:
             continue
@@ -54,8 +56,11 @@ def validate_gradients(grads, variables):
                 f"The gradient for variable {v.path!r} must have the variable's shape "
                 f"{v.shape}. Received: gradient shape {tuple(g.shape)}"
             )
-        got = dtype_name(g)
-        if dtype_kind(got) != "float" and dtype_kind(v.dtype) == "float":
+        is_float = floats.get(g.dtype)  # every backend's native arrays have one
+        if is_float is None:
+            is_float = floats[g.dtype] = dtype_kind(dtype_name(g)) == "float"
+        if not is_float and dtype_kind(v.dtype) == "float":
+            got = dtype_name(g)
             raise ValueError(
                 f"The gradient for variable {v.path!r} must have a floating-point dtype, as "
                 f"the variable does ({v.dtype}); integer and boolean gradients are not cast. "

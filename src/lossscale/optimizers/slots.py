@@ -30,13 +30,16 @@ class SlotsMixin:
         if isinstance(x, Variable):
             return x
         wrapped = self._wrappers.get(id(x))
-        if wrapped is not None and wrapped.source is x:
-            wrapped.sync_from_source()  # a keras.Variable, maybe assigned since (JAX)
-        elif wrapped is None or wrapped._storage is not x:
-            # A keras.Variable keeps its own name and path; a raw array gets one.
-            name = None if is_keras_variable(x) else f"param_{len(self._wrappers)}"
-            wrapped = Variable(x, name=name)
-            self._wrappers[id(x)] = wrapped
+        if wrapped is not None:
+            if wrapped._storage is x:  # a raw array wrapped before: every step's case
+                return wrapped
+            if wrapped.source is x:  # a keras.Variable, maybe assigned since (JAX)
+                wrapped.sync_from_source()
+                return wrapped
+        # A keras.Variable keeps its own name and path; a raw array gets one.
+        name = None if is_keras_variable(x) else f"param_{len(self._wrappers)}"
+        wrapped = Variable(x, name=name)
+        self._wrappers[id(x)] = wrapped
         return wrapped
 
     def _as_variables(self, xs, argname="trainable_variables"):
