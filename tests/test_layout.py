@@ -17,7 +17,6 @@ SRC = pathlib.Path(lossscale.__file__).parent
 TESTS = pathlib.Path(__file__).parent
 
 UNMIRRORED = {
-    "__main__.py",
     "backends/jax/kernels.py",
     "backends/kernel.py",
     "backends/numpy/kernels.py",
@@ -25,17 +24,6 @@ UNMIRRORED = {
     "backends/tensorflow/replicas.py",
     "backends/torch/dtensors.py",
     "backends/torch/kernels.py",
-    "bench/__main__.py",
-    "bench/cli.py",
-    "bench/frameworks.py",
-    "bench/impl_diagnostics.py",
-    "bench/impl_keras.py",
-    "bench/impl_lossscale.py",
-    "bench/impl_tensorflow.py",
-    "bench/impl_torch.py",
-    "bench/impl_torch_diagnostics.py",
-    "bench/runner.py",
-    "bench/worker.py",
     "demo/models/jax_mlp.py",
     "demo/models/numpy_mlp.py",
     "demo/models/tensorflow_mlp.py",
