@@ -11,7 +11,12 @@ import numpy as np
 import pytest
 from workers.bench_row_worker import final_params, keras_adam, torch_adam
 
-from lossscale.bench import impl_diagnostics, registry, workloads
+from lossscale.bench import registry, workloads
+
+# The registry first, in the table's order: importing an implementation
+# module first would register its rows first (tests/bench/test_registry.py).
+registry.load()
+from lossscale.bench import impl_diagnostics  # noqa: E402
 
 WORKLOAD = workloads.get("large", quick=True)
 # 100 float32 steps of parameters in [0.5, 1.5); the other epsilon
