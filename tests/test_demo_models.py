@@ -1,4 +1,8 @@
-"""The demo's networks: gradients against a float64 autograd oracle, float16 behaviour."""
+"""The demo's networks, every backend at once: gradients against a float64 autograd oracle.
+
+What each backend's model does on its own (training, shapes, its variables,
+its threads) is in tests/demo/models/test_<backend>_mlp.py.
+"""
 
 import numpy as np
 import pytest
@@ -108,27 +112,6 @@ def test_variables_are_the_master_weights(backend, weights):
     values = _shared_layout(backend, [v.value for v in model.variables])
     for value, w in zip(values, weights):
         np.testing.assert_array_equal(value, w)
-
-
-def test_torch_variables_wrap_the_module_parameters_in_place(weights, batch):
-    import torch
-
-    model = make_model("torch", weights)
-    for v, p in zip(model.variables, model.net.parameters()):
-        assert v._storage is p
-    model.variables[1].assign(np.ones(16, np.float32))
-    assert torch.equal(model.net.hidden.bias.detach(), torch.ones(16))
-
-
-def test_tensorflow_variables_hold_tf_variables_updated_in_place(weights):
-    import tensorflow as tf
-
-    model = make_model("tensorflow", weights)
-    storages = [v._storage for v in model.variables]
-    assert all(isinstance(s, tf.Variable) for s in storages)
-    model.variables[1].assign(np.ones(16, np.float32))
-    assert model.variables[1]._storage is storages[1]
-    np.testing.assert_array_equal(storages[1].numpy(), np.ones(16, np.float32))
 
 
 def test_bad_precision_and_backend(weights, batch):

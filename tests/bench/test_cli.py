@@ -1,4 +1,4 @@
-"""`lossscale bench` end to end (tiny `--quick` mode), its CLI errors and the runner.
+"""bench/cli.py: `lossscale bench` end to end (tiny `--quick` mode), its arguments and report.
 
 Timings are never asserted: only the report's shape.
 """
@@ -8,7 +8,7 @@ import re
 import pytest
 
 from lossscale import bench
-from lossscale.bench import runner, table, worker
+from lossscale.bench import runner, table
 
 ROW = re.compile(r"^\| (\S+) \| (\S+) \| (\d+\.\d{3}) \| (\d+\.\d\dx) \| (\d+\.\d\dx) \|$")
 
@@ -61,39 +61,6 @@ def test_an_interleaved_run_times_a_workload_in_one_process(capsys):
     ]
     assert "interleaved: side by side in one process per workload" in out
     assert out.count(" on tiny: ") == 2  # each with its two rounds' medians
-
-
-def test_worker_runs_a_step_job_in_process():
-    result = worker.run(
-        {
-            "kind": "step",
-            "impl": "lossscale-numpy",
-            "workload": "large",
-            "quick": True,
-            "repeats": 3,
-            "warmup": 1,
-            "warmup_seconds": 0.0,
-        }
-    )
-    assert result["steps"] == 3
-    assert 0 < result["min_ms"] <= result["median_ms"] <= result["max_ms"]
-    assert set(result["versions"]) == {"lossscale", "numpy"}
-
-
-def test_runner_reports_a_failing_worker():
-    result = runner.run_job(
-        {
-            "kind": "step",
-            "impl": "no-such-impl",
-            "workload": "large",
-            "quick": True,
-            "repeats": 1,
-            "warmup": 0,
-            "warmup_seconds": 0.0,
-        }
-    )
-    assert set(result) == {"error"}
-    assert "KeyError" in result["error"] and "no-such-impl" in result["error"]
 
 
 @pytest.mark.parametrize(
@@ -198,48 +165,6 @@ def test_failures_give_exit_status_one_and_a_row(monkeypatch, capsys):
     assert rows == ["| lossscale-numpy | large | failed: exit status 1: boom | - | - |"]
 
 
-def _load_script(name):
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_gpu_script_fails_loudly_without_cuda(monkeypatch, capsys):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert _load_script("gpu").main([]) == 2
-    assert "benchmarks/gpu.py: error: CUDA is not available" in capsys.readouterr().err
-
-
-def test_gpu_script_runs_the_gpu_workloads_with_its_defaults(monkeypatch):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    seen = []
-    monkeypatch.setattr(bench, "main", lambda argv: seen.append(argv) or 0)
-    assert _load_script("gpu").main(["--repeats", "50"]) == 0
-    assert seen == [
-        [
-            "--workload",
-            "gpu",
-            "--repeats",
-            "20",
-            "--warmup",
-            "4",
-            "--timeout",
-            "150",
-            "--repeats",
-            "50",
-        ]
-    ]
-
-
 def test_rows_disturbed_by_other_processes_are_flagged(monkeypatch, capsys):
     monkeypatch.setattr(
         runner,
@@ -260,44 +185,6 @@ def test_rows_disturbed_by_other_processes_are_flagged(monkeypatch, capsys):
         "while these ran: keras-jax on large (0.75). Rerun on an idle machine."
     ) in out
     assert "optax-jmp on large (" not in out
-
-
-def test_others_cores_is_busy_time_minus_the_jobs_own():
-    # 4 s of wall time; the machine was busy 6 CPU-seconds, 5 of them the job's.
-    assert runner._others_cores((10.0, 100.0, 1.0), (14.0, 106.0, 6.0)) == 0.25
-    assert runner._others_cores((10.0, 100.0, 1.0), (14.0, 104.0, 6.0)) == 0.0
-    assert runner._others_cores(None, (14.0, 106.0, 6.0)) is None
-    sample = runner._cpu_seconds()
-    assert sample is None or len(sample) == 3
-
-
-def test_disturbed_runs_are_retried_after_waiting_for_idle(monkeypatch):
-    results = iter(
-        [
-            {"median_ms": 5.0, "others_cores": 0.9},
-            {"median_ms": 3.0, "others_cores": 0.3},
-            {"median_ms": 4.0, "others_cores": 0.5},
-        ]
-    )
-    waits = []
-    monkeypatch.setattr(runner, "wait_for_idle", lambda: waits.append(1) or True)
-    monkeypatch.setattr(runner, "run_job", lambda job, env=None, timeout=None: next(results))
-    assert runner.run_job_retrying({}, retries=2) == {"median_ms": 3.0, "others_cores": 0.3}
-    assert len(waits) == 3
-    # An undisturbed first run ends it; no retries means no waiting.
-    monkeypatch.setattr(runner, "run_job", lambda job, env=None, timeout=None: {"others_cores": 0})
-    waits.clear()
-    assert runner.run_job_retrying({}, retries=0) == {"others_cores": 0} and waits == []
-    assert runner.run_job_retrying({}, retries=5) == {"others_cores": 0} and waits == [1]
-
-
-def test_wait_for_idle_returns_once_the_cpus_are_quiet(monkeypatch):
-    samples = iter([(0.0, 0.0, 0), (3.0, 5.0, 0), (3.0, 5.0, 0), (6.0, 5.1, 0)])
-    monkeypatch.setattr(runner, "_cpu_seconds", lambda: next(samples))
-    monkeypatch.setattr(runner.time, "sleep", lambda s: None)
-    assert runner.wait_for_idle() is True
-    monkeypatch.setattr(runner, "_cpu_seconds", lambda: None)
-    assert runner.wait_for_idle() is False
 
 
 def test_rounds_alternate_the_order_and_report_the_median_of_medians(monkeypatch, capsys):

@@ -1,4 +1,7 @@
-"""End to end: `lossscale demo --quick`, as the README's first command runs it."""
+"""demo/run.py: `run_demo` end to end, through `lossscale demo --quick` as the README runs it.
+
+Also the check that names every missing package before anything runs.
+"""
 
 import doctest
 import json
@@ -9,6 +12,8 @@ import sys
 import pytest
 
 import lossscale.demo
+from lossscale.demo import run as demo_run
+from lossscale.demo.config import DemoConfig
 from lossscale.demo.report import COLUMNS
 
 LABELS = (
@@ -99,3 +104,48 @@ def test_loss_scaling_matches_float32_and_unscaled_float16_loses_gradients(quick
 def test_docstring_example():
     result = doctest.testmod(lossscale.demo, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize(
+    "backend, missing, message",
+    [
+        (
+            "numpy",
+            {"tqdm"},
+            "`lossscale demo --backend numpy` needs tqdm, which is not installed. "
+            "Install the demo extra: pip install 'lossscale[demo]'",
+        ),
+        (
+            "tensorflow",
+            {"matplotlib", "tensorflow"},
+            "`lossscale demo --backend tensorflow` needs matplotlib, tensorflow-cpu, which are "
+            "not installed. Install the demo extra: pip install 'lossscale[demo]' tensorflow-cpu",
+        ),
+        (
+            "jax",
+            {"sklearn", "jax"},
+            "`lossscale demo --backend jax` needs scikit-learn, jax, which are not installed. "
+            "Install the demo extra: pip install 'lossscale[demo]' jax",
+        ),
+    ],
+)
+def test_a_missing_package_is_named_before_anything_runs(
+    monkeypatch, tmp_path, backend, missing, message
+):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a)
+    )
+    out = tmp_path / "out"
+    config = DemoConfig(steps=5, backend=backend, out=str(out), progress=False)
+    with pytest.raises(demo_run.MissingDependencyError) as info:
+        demo_run.run_demo(config)
+    assert str(info.value) == message
+    assert not out.exists()
+
+
+def test_every_backend_has_what_it_needs_here():
+    for backend in ("torch", "numpy", "jax", "tensorflow"):
+        demo_run.check_dependencies(backend)
