@@ -42,10 +42,7 @@ UNMIRRORED = {
     "optimizers/pipeline.py",
     "optimizers/slots.py",
     "optimizers/stateless.py",
-    "torch/adapter_checkpoint.py",
     "torch/gradients.py",
-    "torch/optimizer_checkpoint.py",
-    "torch/scaler_checks.py",
 }
 
 
