@@ -38,10 +38,6 @@ UNMIRRORED = {
     "keras/callback.py",
     "keras/gates.py",
     "keras/step.py",
-    "optimizers/loss_scale_diagnostics.py",
-    "optimizers/pipeline.py",
-    "optimizers/slots.py",
-    "optimizers/stateless.py",
     "torch/gradients.py",
 }
 
