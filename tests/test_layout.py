@@ -18,7 +18,6 @@ TESTS = pathlib.Path(__file__).parent
 
 UNMIRRORED = {
     "__main__.py",
-    "backends/protocol.py",
     "bench/__main__.py",
     "bench/cli.py",
     "bench/frameworks.py",
@@ -38,7 +37,6 @@ UNMIRRORED = {
     "keras/callback.py",
     "keras/gates.py",
     "keras/step.py",
-    "torch/gradients.py",
 }
 
 
