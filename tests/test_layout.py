@@ -34,9 +34,6 @@ UNMIRRORED = {
     "demo/models/tensorflow_mlp.py",
     "demo/models/torch_mlp.py",
     "demo/run.py",
-    "keras/callback.py",
-    "keras/gates.py",
-    "keras/step.py",
 }
 
 
