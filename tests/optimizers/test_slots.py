@@ -137,3 +137,11 @@ def test_raw_arrays_of_two_backends_are_refused_naming_the_argument():
         r"'torch'. Convert them to one array library first.$",
     ):
         SGD()._as_variables([np.ones(2, np.float32), torch.ones(2)])
+
+
+def test_a_slot_is_named_after_its_variable_s_path_with_underscores():
+    kernel = ls.Variable(np.ones((2, 2), np.float32), name="kernel")
+    kernel.path = "model/dense/kernel"  # as a Keras variable's path reads
+    slot = SGD(name="opt").add_variable_from_reference(kernel, "momentum")
+    assert slot.name == "model_dense_kernel_momentum"
+    assert slot.path == "opt/model_dense_kernel_momentum"
