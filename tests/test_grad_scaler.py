@@ -2,8 +2,10 @@
 
 The shared loop (tests/grad_scaler_cases.py) is a float16-autocast
 transformer whose first steps overflow; every comparison runs it with
-torch's scaler and with ours. State dicts are in test_scaler_host.py,
-Lightning, Accelerate and torch.distributed in test_grad_scaler_integrations.py.
+torch's scaler and with ours. The guards where ours differs (a gradient that
+overflows only once unscaled, fail-fast skips) are in test_torch_scaler_checks.py,
+state dicts in test_scaler_host.py,
+Lightning, Accelerate and torch.distributed in test_grad_scaler_ecosystem.py.
 """
 
 import doctest
@@ -170,73 +172,6 @@ def test_the_default_cuda_scaler_is_enabled_only_with_cuda_as_torchs():
 # -- where our guards differ from torch's ---------------------------------------
 
 
-def _one_step_at(cls, scale, grad, path):
-    p = torch.nn.Parameter(torch.ones(3))
-    opt = torch.optim.AdamW([p], lr=0.1, fused=path == "fused", foreach=path != "fused")
-    scaler = cls("cpu", init_scale=scale)
-    scaler.scale(torch.ones(()))
-    p.grad = torch.tensor(grad)
-    if path == "unscale_":
-        scaler.unscale_(opt)
-    scaler.step(opt)
-    scaler.update()
-    return p.detach().clone(), scaler.get_scale()
-
-
-@pytest.mark.parametrize("path", ["fused", "foreach", "unscale_"])
-def test_a_gradient_that_overflows_only_when_unscaled_skips_the_step(path):
-    """At a scale of 1/4 a gradient of 3e38 is finite, and 1.2e39 once unscaled."""
-    theirs = _one_step_at(torch.amp.GradScaler, 0.25, [3e38, 1.0, -2.0], path)
-    ours = _one_step_at(lt.GradScaler, 0.25, [3e38, 1.0, -2.0], path)
-    assert not torch.isfinite(theirs[0]).all() and theirs[1] == 0.25  # torch steps with inf
-    assert ours[0].tolist() == [1.0, 1.0, 1.0] and ours[1] == 0.125  # we skip and back off
-    # Non-finite both before and after unscaling: one flag of 1 (a fused
-    # kernel skips only on exactly 1), not the two checks' sum.
-    for scale in (0.25, 4.0):
-        params, new_scale = _one_step_at(lt.GradScaler, scale, [float("inf"), 1.0, 2.0], path)
-        assert params.tolist() == [1.0, 1.0, 1.0] and new_scale == scale / 2
-
-
-@pytest.mark.parametrize("how", ["backoffs", "new_scale", "load_state_dict"])
-def test_the_guard_follows_a_scale_that_reached_below_one(how):
-    """The host's bound on the scale follows backoffs and settings without reading it."""
-    scaler = lt.GradScaler("cpu", init_scale=2.0)
-    p = torch.nn.Parameter(torch.ones(3))
-    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
-    if how == "backoffs":  # 2 -> 1 -> 0.5
-        for _ in range(2):
-            scaler.scale(torch.ones(()))
-            p.grad = torch.full((3,), float("nan"))
-            scaler.step(opt)
-            scaler.update()
-    else:
-        scaler.scale(torch.ones(()))
-        if how == "new_scale":
-            p.grad = torch.ones(3)
-            scaler.step(opt)
-            scaler.update(new_scale=0.5)
-        else:
-            scaler.load_state_dict({**scaler.state_dict(), "scale": 0.5})
-    scaler.scale(torch.ones(()))
-    p.grad = torch.tensor([3e38, 1.0, 2.0])
-    before = p.detach().clone()
-    scaler.step(opt)
-    scaler.update()
-    assert torch.equal(p.detach(), before) and scaler.get_scale() == 0.25
-
-
-def test_ordinary_gradients_at_a_scale_below_one_match_torch():
-    """Below 1 the extra check runs; without an overflow it changes nothing."""
-    for kind in ("fused", "foreach"):
-        theirs, ours = (
-            cls("cpu", init_scale=2.0**-3, growth_interval=4)
-            for cls in (torch.amp.GradScaler, lt.GradScaler)
-        )
-        a, b = cases.train(theirs, kind, steps=10), cases.train(ours, kind, steps=10)
-        assert a["scales"] == b["scales"] and not any(a["skipped"])
-        assert cases.same_weights(a["params"], b["params"])
-
-
 def test_backoff_stops_at_the_smallest_normal_float32():
     theirs, ours = (
         cls("cpu", init_scale=2.0**-124) for cls in (torch.amp.GradScaler, lt.GradScaler)
@@ -373,31 +308,6 @@ def test_max_consecutive_skips_raises_and_later_steps_stay_skipped():
     with pytest.raises(lossscale.LossScaleError, match="at step 2:"):
         ours.check()
     assert ours.summary()["error_step"] == 2 and ours.summary()["steps"] == 3
-
-
-@pytest.mark.parametrize("kind", ["fused", "foreach"])
-def test_after_a_crossed_limit_finite_steps_are_skipped_too(kind):
-    scaler = lt.GradScaler("cpu", init_scale=8.0, max_consecutive_skips=1)
-    p = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.AdamW([p], lr=0.1, fused=kind == "fused", foreach=kind != "fused")
-    for k, grad in enumerate((float("nan"), float("nan"), 1.0, 1.0)):
-        scaler.scale(torch.ones(()))
-        p.grad = torch.full((2,), grad)
-        scaler.step(opt)
-        if k == 0:
-            scaler.update()
-            continue
-        with pytest.raises(lossscale.LossScaleError, match="Loss scaling failed at step 1"):
-            scaler.update()
-    # Caught and continued: the state stays as it was at the failure, and
-    # finite steps are skipped until the state is restored.
-    assert p.tolist() == [1.0, 1.0] and scaler.get_scale() == 2.0
-    assert scaler.summary()["steps"] == 2
-    scaler.load_state_dict(lt.GradScaler("cpu", init_scale=8.0).state_dict())
-    scaler.scale(torch.ones(()))
-    scaler.step(opt)
-    scaler.update()
-    assert p.tolist() != [1.0, 1.0]
 
 
 def test_telemetry_summary_and_check():
@@ -597,15 +507,6 @@ def test_update_with_a_bad_new_scale_is_an_error_and_writes_nothing(new_scale, m
     assert scaler.get_scale() == 8.0
     scaler.update()  # the step's check is still there: nothing was cleared
     assert scaler.get_scale() == 8.0 and scaler._get_growth_tracker() == 1
-
-
-def test_process_group_without_torch_distributed_fails_before_unscaling():
-    scaler, p, opt = _one_param_scaler(process_group=object())
-    scaler.scale(torch.ones(()))
-    p.grad = torch.full((2,), 4.0)
-    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
-        scaler.step(opt)
-    assert p.grad.tolist() == [4.0, 4.0]  # still scaled
 
 
 def test_a_step_and_update_dispatch_three_operations_more_than_torchs():

@@ -3,10 +3,9 @@
 The test of `src/lossscale/a/b.py` is `tests/a/test_b.py`; for
 `lossscale.torch` and `lossscale.tensorflow`, whose folders would shadow the
 frameworks, `tests/test_torch_b.py` (`tests/test_tensorflow_b.py`) or
-`tests/test_b.py`. `UNMIRRORED` lists the modules without one today (their
-behaviour is tested elsewhere, under another name or through the API that
-uses them): a new module joins the list only on purpose, and a module that
-gets its test module leaves it.
+`tests/test_b.py`. `UNMIRRORED` lists the modules without one (today none): a new module
+joins the list only on purpose, and a module that gets its test module
+leaves it.
 """
 
 import pathlib
@@ -16,20 +15,7 @@ import lossscale
 SRC = pathlib.Path(lossscale.__file__).parent
 TESTS = pathlib.Path(__file__).parent
 
-UNMIRRORED = {
-    "backends/protocol.py",
-    "keras/callback.py",
-    "keras/gates.py",
-    "keras/step.py",
-    "optimizers/loss_scale_diagnostics.py",
-    "optimizers/pipeline.py",
-    "optimizers/slots.py",
-    "optimizers/stateless.py",
-    "torch/adapter_checkpoint.py",
-    "torch/gradients.py",
-    "torch/optimizer_checkpoint.py",
-    "torch/scaler_checks.py",
-}
+UNMIRRORED = set()
 
 
 def _test_modules(module):

@@ -4,8 +4,10 @@ The measurement against a float64 NumPy count of the same values, on every
 backend, at sizes on both sides of the backends' reduction thresholds, with
 inf and NaN at the edges and at random positions; then what the wrapper
 does with it (`diagnostics_every`, `summary()["float16_range"]`), the
-overflow window (`history_length`, the loss's own flag), the error message,
-`growth_policy="statistics"`, observers, and the absence of host reads.
+overflow window (`history_length`, the loss's own flag), the error message
+and `growth_policy="statistics"`. How the wrapper records the loss's flag,
+observers, snapshots and the measurement's cadence (and its host reads) is
+in tests/optimizers/test_loss_scale_diagnostics.py.
 """
 
 import warnings
@@ -203,28 +205,6 @@ def test_the_error_tells_a_nan_loss_from_an_overflow(name):
     assert "  step 1: gradients overflowed (the loss was finite), non-finite in ['v2']" in message
 
 
-def test_a_traced_loss_is_not_recorded():
-    # Inside `jax.grad` the loss is a tracer, which no variable may keep.
-    import jax
-    import jax.numpy as jnp
-
-    variables, opt = build(Backend("jax"), telemetry=True)
-    jax.grad(lambda w: opt.scale_loss(jnp.sum(w)))(jnp.ones(3))
-    assert int(opt._state["loss_finite"].value) == -1
-
-
-@pytest.mark.parametrize("name", BACKENDS)
-def test_snapshot_is_a_copy_later_steps_leave_alone(name):
-    backend = Backend(name)
-    variables, opt = build(backend, telemetry=True)
-    opt.scale_loss(1.0)
-    rng = np.random.default_rng(6)
-    first = opt.snapshot()
-    opt.apply([backend.array(g * np.inf) for g in scaled_grads(rng, 1.0)], variables)
-    assert first["dynamic_scale"] == 2.0**10 and first["overflows"] == []
-    assert opt.snapshot()["dynamic_scale"] == 2.0**9
-
-
 # --- growth_policy="statistics" ------------------------------------------------
 
 
@@ -267,88 +247,3 @@ def test_the_statistics_policy_skips_fewer_steps_and_keeps_the_scale_normal():
 def test_the_statistics_policy_needs_the_measurement():
     with pytest.raises(ValueError, match="set `diagnostics_every`"):
         ls.LossScaleOptimizer(ls.optimizers.SGD(), growth_policy="statistics")
-
-
-# --- observers, and the torch step's host reads ------------------------------------
-
-
-class Recorder:
-    """An observer: the steps it was told of, and a module for each overflow."""
-
-    def __init__(self):
-        self.calls = []
-
-    def on_step(self, finite, step):
-        self.calls.append((finite, step))
-
-    def modules_at(self, steps):
-        return {s: f"block{s}" for s in steps}
-
-
-def test_observers_hear_every_step_and_name_the_module():
-    backend = Backend("numpy")
-    variables, opt = build(backend, telemetry=True)
-    recorder = Recorder()
-    handle = opt.register_step_observer(recorder)
-    rng = np.random.default_rng(7)
-    opt.scale_loss(1.0)
-    for bad in (False, True):
-        grads = scaled_grads(rng, float(opt.dynamic_scale))
-        grads[0][0, 0] = np.inf if bad else grads[0][0, 0]
-        opt.apply([backend.array(g) for g in grads], variables)
-    assert [(bool(f), int(s)) for f, s in recorder.calls] == [(True, 0), (False, 1)]
-    assert opt.summary()["overflows"][0]["module"] == "block1"
-    handle.remove()
-    opt.apply([backend.array(g) for g in scaled_grads(rng, 1.0)], variables)
-    assert len(recorder.calls) == 2
-    assert opt.summary()["overflows"][0]["module"] is None
-
-
-def test_no_host_read_in_a_torch_step_with_diagnostics_and_telemetry():
-    import torch
-    from torch_cases import count_ops
-
-    def reads(**settings):
-        params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
-        opt = ls.LossScaleOptimizer(ls.optimizers.Adam(1e-3), initial_scale=1024.0, **settings)
-        opt.build(params)
-        counts = []
-        for _ in range(3):  # the first step is measured
-            grads = [torch.randn(s) * 1024 for s in SHAPES]
-            with count_ops() as seen:
-                opt.scale_loss(torch.tensor(1.0))
-                opt.apply(grads, params)
-            counts.append(seen.count("aten._local_scalar_dense.default"))
-        return counts
-
-    # The CPU scale read by the fused Adam step (tests/optimizers/test_loss_scale_step.py),
-    # and nothing more: the cadence is counted on the host.
-    plain = reads()
-    assert reads(diagnostics_every=2) == plain
-    assert reads(diagnostics_every=1, telemetry=True) == reads(telemetry=True)
-
-
-def test_a_compiled_torch_step_decides_on_the_device_and_never_recompiles():
-    # A host count would be a guard of the compiled step, which changes
-    # every step: under torch.compile the cadence is the device's.
-    import torch
-
-    torch.compiler.reset()
-    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
-    eager = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    settings = dict(initial_scale=8.0, diagnostics_every=2, telemetry=True)
-    compiled_opt = ls.LossScaleOptimizer(ls.optimizers.SGD(1e-3), **settings)
-    eager_opt = ls.LossScaleOptimizer(ls.optimizers.SGD(1e-3), **settings)
-    for opt, ps in ((compiled_opt, params), (eager_opt, eager)):
-        opt.scale_loss(1.0)
-        opt.build(ps)
-    step = torch.compile(lambda g: compiled_opt.apply(g, params), fullgraph=True, backend="eager")
-    rng = np.random.default_rng(9)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for _ in range(5):
-            grads = [torch.from_numpy(g) for g in scaled_grads(rng, 8.0)]
-            step([g.clone() for g in grads])
-            eager_opt.apply([g.clone() for g in grads], eager)
-    torch.compiler.reset()
-    assert compiled_opt.summary() == eager_opt.summary()
-    assert compiled_opt.summary()["float16_range_step"] == 4

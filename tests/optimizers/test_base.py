@@ -1,10 +1,14 @@
-"""The base optimizer pipeline, on every backend, against the float64 oracle."""
+"""optimizers/base.py: the `Optimizer` base class, on every backend, against the float64 oracle.
+
+The pipeline's stages are in `test_pipeline.py`, variable creation in `test_slots.py`,
+`stateless_apply` in `test_stateless.py`.
+"""
 
 import warnings
 
 import numpy as np
 import pytest
-from reference import ReferenceOptimizer, adam_rule, sgd_rule
+from reference import ReferenceOptimizer, sgd_rule
 
 import lossscale as ls
 from lossscale.backends import ops_for
@@ -25,47 +29,6 @@ def random_grads(rng, shapes=SHAPES, scale=1.0):
 def assert_close(backend, variables, expected, rtol=1e-5, atol=1e-6):
     for v, e in zip(variables, expected):
         np.testing.assert_allclose(backend.numpy(v), e, rtol=rtol, atol=atol)
-
-
-PIPELINES = {
-    "plain": {},
-    "weight_decay": {"weight_decay": 0.1},
-    "clipnorm": {"clipnorm": 0.5},
-    "clipvalue": {"clipvalue": 0.3},
-    "global_clipnorm": {"global_clipnorm": 0.7},
-    "ema": {"use_ema": True, "ema_momentum": 0.9, "ema_overwrite_frequency": 3},
-    "accumulation": {"gradient_accumulation_steps": 3},
-    "accumulation_ema": {
-        "gradient_accumulation_steps": 2,
-        "use_ema": True,
-        "ema_momentum": 0.8,
-        "ema_overwrite_frequency": 2,
-    },
-    "loss_scale_factor": {"loss_scale_factor": 128.0},
-}
-
-
-@pytest.mark.parametrize("pipeline", sorted(PIPELINES))
-@pytest.mark.parametrize("rule", ["sgd", "adam"])
-def test_pipeline_matches_reference(backend, rng, pipeline, rule):
-    kwargs = PIPELINES[pipeline]
-    init, variables = make_vars(backend, rng)
-    if rule == "sgd":
-        opt = SGD(learning_rate=0.05, momentum=0.9, nesterov=True, **kwargs)
-        ref = ReferenceOptimizer(sgd_rule(momentum=0.9, nesterov=True), init, lr=0.05, **kwargs)
-    else:
-        opt = Adam(learning_rate=0.05, **kwargs)
-        ref = ReferenceOptimizer(adam_rule(), init, lr=0.05, **kwargs)
-    for _ in range(7):
-        grads = random_grads(rng, scale=kwargs.get("loss_scale_factor", 1.0))
-        opt.apply([backend.array(g) for g in grads], variables)
-        ref.apply(grads)
-        assert_close(backend, variables, ref.w)
-        assert int(np.asarray(backend.numpy(opt._iterations.value))) == ref.raw_iterations
-        assert int(np.asarray(backend.numpy(opt.iterations))) == ref.iterations
-    if kwargs.get("use_ema"):
-        opt.finalize_variable_values(variables)
-        assert_close(backend, variables, ref.avg)
 
 
 def test_weight_decay_exclusions(backend, rng):
@@ -102,14 +65,6 @@ def test_overwrite_with_gradient_accumulates_running_max(backend):
     np.testing.assert_array_equal(backend.numpy(v), [1.0, 5.0])  # not an update step
     opt.apply([backend.array(np.array([2.0, 4.0])), backend.array(np.array([1.0]))], [v, w])
     np.testing.assert_array_equal(backend.numpy(v), [3.0, 4.0])
-
-
-def test_constraint_applied_after_update(backend):
-    v = ls.Variable(
-        backend.array(np.array([1.0, -1.0])), name="w", constraint=lambda x: x * 0 + 0.25
-    )
-    SGD(learning_rate=0.1).apply([backend.array(np.array([1.0, 1.0]))], [v])
-    np.testing.assert_allclose(backend.numpy(v), [0.25, 0.25])
 
 
 def test_none_gradients_warn_and_skip(backend, rng):
@@ -217,90 +172,6 @@ def test_learning_rate_schedule_reads_raw_iterations(backend):
         opt.learning_rate = 0.1
 
 
-def test_add_variable_helpers(backend, rng):
-    _, variables = make_vars(backend, rng)
-    variables[2].overwrite_with_gradient = True
-    opt = SGD()
-    opt.build(variables)
-    ref = opt.add_variable_from_reference(variables[0], "slot", initializer="ones")
-    assert ref.name == "kernel_slot" and ref.path == "sgd/kernel_slot"
-    assert ref.shape == (3, 4) and ref.dtype == "float32" and ref.backend == backend.name
-    np.testing.assert_array_equal(backend.numpy(ref), np.ones((3, 4)))
-    a, b = opt.add_optimizer_variables(variables, ["a", "b"], initializer=["zeros", "ones"])
-    assert [x.name if x is not None else None for x in a] == ["kernel_a", "bias_a", None]
-    np.testing.assert_array_equal(backend.numpy(b[1]), np.ones(5))
-    single = opt.add_optimizer_variables(variables, "c")
-    assert isinstance(single, list) and len(single) == 3
-    with pytest.raises(ValueError, match="number of provided names must match"):
-        opt.add_optimizer_variables(variables, ["a", "b"], initializer=["zeros"])
-    extra = opt.add_variable((2,), initializer=3.0, dtype="float32", name="extra")
-    np.testing.assert_array_equal(backend.numpy(extra), [3.0, 3.0])
-    assert extra.backend == backend.name
-
-
-def test_assign_helpers(backend):
-    v = ls.Variable(backend.array(np.array([1.0, 2.0])))
-    opt = SGD()
-    opt.assign(v, backend.array(np.array([3.0, 4.0])))
-    opt.assign_add(v, backend.array(np.array([1.0, 1.0])))
-    opt.assign_sub(v, backend.array(np.array([0.5, 0.5])))
-    np.testing.assert_array_equal(backend.numpy(v), [3.5, 4.5])
-
-
-def test_assign_on_raw_arrays():
-    import jax.numpy as jnp
-
-    x = np.array([1.0, 2.0])
-    SGD().assign_add(x, np.array([1.0, 1.0]))
-    np.testing.assert_array_equal(x, [2.0, 3.0])
-    with pytest.raises(TypeError, match="immutable"):
-        SGD().assign(jnp.ones(2), jnp.zeros(2))
-
-
-def test_stateless_apply_equals_apply_and_mutates_nothing(backend, rng):
-    init, variables = make_vars(backend, rng)
-    twin = [ls.Variable(backend.array(x), name=v.name) for x, v in zip(init, variables)]
-    kwargs = dict(
-        learning_rate=0.05,
-        weight_decay=0.01,
-        use_ema=True,
-        ema_overwrite_frequency=2,
-        gradient_accumulation_steps=2,
-    )
-    stateful, stateless = Adam(**kwargs), Adam(**kwargs)
-    stateless.build(twin)
-    opt_values = [v.value for v in stateless.variables]
-    model_values = [v.value for v in twin]
-    frozen = [backend.numpy(v).copy() for v in twin + stateless.variables]
-    for _ in range(5):
-        grads = [backend.array(g) for g in random_grads(rng)]
-        stateful.apply(grads, variables)
-        model_values, opt_values = stateless.stateless_apply(opt_values, grads, model_values)
-    for v, new in zip(variables + stateful.variables, model_values + opt_values):
-        np.testing.assert_allclose(backend.numpy(new), backend.numpy(v), rtol=1e-6)
-    for v, f in zip(twin + stateless.variables, frozen):
-        np.testing.assert_array_equal(backend.numpy(v), f)
-
-
-def test_stateless_apply_errors(backend, rng):
-    _, variables = make_vars(backend, rng)
-    opt = SGD()
-    with pytest.raises(ValueError, match="must be built"):
-        opt.stateless_apply([], [], [])
-    opt.build(variables)
-    values = [v.value for v in opt.variables]
-    with pytest.raises(
-        ValueError, match=r"`optimizer_variables` must be a list .* \(2 expected\). Received: 1"
-    ):
-        opt.stateless_apply(values[:1], [None] * 3, [v.value for v in variables])
-    with pytest.raises(
-        ValueError, match=r"`trainable_variables` entry for 'kernel' must have shape \(3, 4\)"
-    ):
-        opt.stateless_apply(
-            values, [None] * 3, [backend.array(np.ones(2))] + [v.value for v in variables[1:]]
-        )
-
-
 def test_constructor_errors():
     with pytest.raises(
         ValueError, match="Only one of `clipnorm`, `clipvalue` and `global_clipnorm`"
@@ -357,25 +228,6 @@ def test_iterations_setter(backend, rng):
     opt.build(variables)
     opt.iterations = 3
     assert int(backend.numpy(opt._iterations)) == 6 and int(backend.numpy(opt.iterations)) == 3
-
-
-def test_raw_tensors_are_wrapped_once_in_place():
-    import torch
-
-    model = torch.nn.Linear(4, 3)
-    params = list(model.parameters())
-    before = [p.detach().clone() for p in params]
-    opt = Adam(learning_rate=0.1)
-    for _ in range(2):
-        opt.apply([torch.ones_like(p) for p in params], params)
-    assert len(opt._trainable_variables) == 2 and len(opt._wrappers) == 2
-    assert all(v._storage is p for v, p in zip(opt._trainable_variables, params))
-    for p, b in zip(params, before):
-        assert p.requires_grad and p.grad is None
-        assert not torch.equal(p.detach(), b)
-    # Autograd still works on the updated parameters.
-    model(torch.ones(1, 4)).sum().backward()
-    assert params[0].grad is not None
 
 
 def test_no_warning_on_clean_step(backend, rng):

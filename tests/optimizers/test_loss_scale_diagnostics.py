@@ -1,0 +1,161 @@
+"""optimizers/loss_scale_diagnostics.py: what `LossScaleOptimizer` records about its steps.
+
+The loss's own flag (`scale_loss`: a scalar, a loss per example, a traced
+loss), `snapshot()`, step observers and their handles, and the cadence of
+the float16-range measurement: counted on the host where Python runs every
+step (no device read), decided on the device under `torch.compile`. The
+measurement itself is tested in tests/mixed_precision/test_diagnostics.py,
+whose model this file shares.
+"""
+
+import numpy as np
+import pytest
+from conftest import BACKENDS, Backend
+from mixed_precision.test_diagnostics import SHAPES, build, scaled_grads
+
+import lossscale as ls
+
+
+def test_a_traced_loss_is_not_recorded():
+    # Inside `jax.grad` the loss is a tracer, which no variable may keep.
+    import jax
+    import jax.numpy as jnp
+
+    variables, opt = build(Backend("jax"), telemetry=True)
+    jax.grad(lambda w: opt.scale_loss(jnp.sum(w)))(jnp.ones(3))
+    assert int(opt._state["loss_finite"].value) == -1
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_snapshot_is_a_copy_later_steps_leave_alone(name):
+    backend = Backend(name)
+    variables, opt = build(backend, telemetry=True)
+    opt.scale_loss(1.0)
+    rng = np.random.default_rng(6)
+    first = opt.snapshot()
+    opt.apply([backend.array(g * np.inf) for g in scaled_grads(rng, 1.0)], variables)
+    assert first["dynamic_scale"] == 2.0**10 and first["overflows"] == []
+    assert opt.snapshot()["dynamic_scale"] == 2.0**9
+
+
+class Recorder:
+    """An observer: the steps it was told of, and a module for each overflow."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_step(self, finite, step):
+        self.calls.append((finite, step))
+
+    def modules_at(self, steps):
+        return {s: f"block{s}" for s in steps}
+
+
+def test_observers_hear_every_step_and_name_the_module():
+    backend = Backend("numpy")
+    variables, opt = build(backend, telemetry=True)
+    recorder = Recorder()
+    handle = opt.register_step_observer(recorder)
+    rng = np.random.default_rng(7)
+    opt.scale_loss(1.0)
+    for bad in (False, True):
+        grads = scaled_grads(rng, float(opt.dynamic_scale))
+        grads[0][0, 0] = np.inf if bad else grads[0][0, 0]
+        opt.apply([backend.array(g) for g in grads], variables)
+    assert [(bool(f), int(s)) for f, s in recorder.calls] == [(True, 0), (False, 1)]
+    assert opt.summary()["overflows"][0]["module"] == "block1"
+    handle.remove()
+    opt.apply([backend.array(g) for g in scaled_grads(rng, 1.0)], variables)
+    assert len(recorder.calls) == 2
+    assert opt.summary()["overflows"][0]["module"] is None
+
+
+def test_no_host_read_in_a_torch_step_with_diagnostics_and_telemetry():
+    import torch
+    from torch_cases import count_ops
+
+    def reads(**settings):
+        params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+        opt = ls.LossScaleOptimizer(ls.optimizers.Adam(1e-3), initial_scale=1024.0, **settings)
+        opt.build(params)
+        counts = []
+        for _ in range(3):  # the first step is measured
+            grads = [torch.randn(s) * 1024 for s in SHAPES]
+            with count_ops() as seen:
+                opt.scale_loss(torch.tensor(1.0))
+                opt.apply(grads, params)
+            counts.append(seen.count("aten._local_scalar_dense.default"))
+        return counts
+
+    # The CPU scale read by the fused Adam step (tests/optimizers/test_loss_scale_step.py),
+    # and nothing more: the cadence is counted on the host.
+    plain = reads()
+    assert reads(diagnostics_every=2) == plain
+    assert reads(diagnostics_every=1, telemetry=True) == reads(telemetry=True)
+
+
+def test_a_compiled_torch_step_decides_on_the_device_and_never_recompiles():
+    # A host count would be a guard of the compiled step, which changes
+    # every step: under torch.compile the cadence is the device's.
+    import torch
+
+    torch.compiler.reset()
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    eager = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    settings = dict(initial_scale=8.0, diagnostics_every=2, telemetry=True)
+    compiled_opt = ls.LossScaleOptimizer(ls.optimizers.SGD(1e-3), **settings)
+    eager_opt = ls.LossScaleOptimizer(ls.optimizers.SGD(1e-3), **settings)
+    for opt, ps in ((compiled_opt, params), (eager_opt, eager)):
+        opt.scale_loss(1.0)
+        opt.build(ps)
+    step = torch.compile(lambda g: compiled_opt.apply(g, params), fullgraph=True, backend="eager")
+    rng = np.random.default_rng(9)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(5):
+            grads = [torch.from_numpy(g) for g in scaled_grads(rng, 8.0)]
+            step([g.clone() for g in grads])
+            eager_opt.apply([g.clone() for g in grads], eager)
+    torch.compiler.reset()
+    assert compiled_opt.summary() == eager_opt.summary()
+    assert compiled_opt.summary()["float16_range_step"] == 4
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("where", ["first", "last", "random", "none"])
+def test_a_loss_per_example_is_finite_only_if_every_entry_is(name, where):
+    backend = Backend(name)
+    _, opt = build(backend, telemetry=True)
+    losses = np.random.default_rng(11).standard_normal(257).astype(np.float32)
+    index = {"first": 0, "last": 256, "random": 93, "none": None}[where]
+    if index is not None:
+        losses[index] = np.nan if where == "random" else np.inf
+    opt.scale_loss(backend.array(losses))
+    assert int(backend.numpy(opt._state["loss_finite"])) == (index is None)
+    opt.scale_loss(backend.array(np.float32(2.0)))  # a scalar
+    assert int(backend.numpy(opt._state["loss_finite"])) == 1
+
+
+@pytest.mark.parametrize("loss", [1.5, float("nan"), float("-inf")])
+def test_a_python_number_loss_is_flagged_on_the_host(loss):
+    _, opt = build(Backend("torch"), telemetry=True)
+    opt.scale_loss(loss)
+    assert int(opt._state["loss_finite"].value) == int(np.isfinite(loss))
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch"])
+def test_observers_keep_each_step_s_index_though_the_state_is_written_in_place(name):
+    backend = Backend(name)
+    variables, opt = build(backend, telemetry=True)
+    first, second = Recorder(), Recorder()
+    handle = opt.register_step_observer(first)
+    opt.register_step_observer(second)
+    rng = np.random.default_rng(12)
+    opt.scale_loss(1.0)
+    for _ in range(3):
+        opt.apply([backend.array(g) for g in scaled_grads(rng, 1.0)], variables)
+    assert [int(backend.numpy(s)) for _, s in first.calls] == [0, 1, 2]
+    handle.remove()
+    handle.remove()  # a second time: nothing, and the other observer stays
+    opt.apply([backend.array(g) for g in scaled_grads(rng, 1.0)], variables)
+    assert len(first.calls) == 3 and len(second.calls) == 4
+    assert [int(backend.numpy(s)) for _, s in second.calls] == [0, 1, 2, 3]
