@@ -135,9 +135,10 @@ def test_a_loss_per_example_is_finite_only_if_every_entry_is(name, where):
     assert int(backend.numpy(opt._state["loss_finite"])) == 1
 
 
+@pytest.mark.parametrize("name", ["numpy", "torch"])
 @pytest.mark.parametrize("loss", [1.5, float("nan"), float("-inf")])
-def test_a_python_number_loss_is_flagged_on_the_host(loss):
-    _, opt = build(Backend("torch"), telemetry=True)
+def test_a_python_number_loss_is_flagged_on_the_host(name, loss):
+    _, opt = build(Backend(name), telemetry=True)
     opt.scale_loss(loss)
     assert int(opt._state["loss_finite"].value) == int(np.isfinite(loss))
 
