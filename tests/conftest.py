@@ -129,3 +129,27 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", f"left out: {len(_LEFT_OUT)} (tests/floors.py)")
         for line in _LEFT_OUT:
             terminalreporter.write_line(line)
+
+
+class GroupCheck:
+    """Fails the run where `--dist loadgroup` loses the `xdist_group` marks.
+
+    pytest-xdist groups by a "@name" it appends to each node id; pytest
+    9.2.0 keeps node ids elsewhere, so the groups were silently lost and
+    every module-scoped worker ran once per process.
+    """
+
+    def pytest_runtest_setup(self, item):
+        if not getattr(item.config.option, "loadgroup", False):
+            return
+        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
+            pytest.fail(
+                f"--dist loadgroup did not group {item.nodeid} (marked xdist_group): "
+                f"pytest {pytest.__version__} with this pytest-xdist does not keep the "
+                "group in the node id; constraints.txt pins one that does",
+                pytrace=False,
+            )
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(GroupCheck(), "lossscale-group-check")
