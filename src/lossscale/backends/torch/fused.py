@@ -209,38 +209,30 @@ def sgd(
                     found_inf=write.found_inf(),
                 )
                 continue
+            # Momentum: one kernel call, its gradients, dampening and scale
+            # chosen first.
             dampening = _lr_as_dampening(hyper, group, group_lr, cache)
             if dampening is not None:
-                torch._fused_sgd_(
-                    group.params,
-                    group.grads(grads),
-                    group.slots["momentums"],
-                    weight_decay=0.0,
-                    momentum=float(hyper.momentum),
-                    lr=-1.0,
-                    dampening=dampening,
-                    nesterov=False,
-                    maximize=False,
-                    is_first_step=False,
-                    grad_scale=_kernel_scale(grad_scale, group),
-                    found_inf=write.found_inf(),
-                )
-                continue
-            # `g * (-lr)` is `-(g * lr)` exactly, the term Keras subtracts;
-            # `-lr` is kept while the learning rate does not change.
-            key = ("torch negated lr", group.device, group.dtype)
-            negated = plans.derived(cache, key, group_lr, torch.neg)
+                step_grads, kernel_scale = group.grads(grads), _kernel_scale(grad_scale, group)
+            else:
+                # `g * (-lr)` is `-(g * lr)` exactly, the term Keras subtracts;
+                # `-lr` is kept while the learning rate does not change.
+                key = ("torch negated lr", group.device, group.dtype)
+                negated = plans.derived(cache, key, group_lr, torch.neg)
+                step_grads = torch._foreach_mul(_unscaled(group, grads, grad_scale), negated)
+                dampening, kernel_scale = 0.0, None
             torch._fused_sgd_(
                 group.params,
-                torch._foreach_mul(_unscaled(group, grads, grad_scale), negated),
+                step_grads,
                 group.slots["momentums"],
                 weight_decay=0.0,
                 momentum=float(hyper.momentum),
                 lr=-1.0,
-                dampening=0.0,
+                dampening=dampening,
                 nesterov=hyper.nesterov,
                 maximize=False,
                 is_first_step=False,
+                grad_scale=kernel_scale,
                 found_inf=write.found_inf(),
             )
 
