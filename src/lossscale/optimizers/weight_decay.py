@@ -33,6 +33,14 @@ class WeightDecayExclusions:
         )
 
 
+def partition_by_decay(variables, exclusions):
+    """`(decayed, excluded)`: the positions of the `variables` that decay, and of the others."""
+    decayed, excluded = [], []
+    for i, variable in enumerate(variables):
+        (decayed if exclusions.uses_weight_decay(variable) else excluded).append(i)
+    return decayed, excluded
+
+
 def apply_weight_decay(ops, variables, weight_decay, learning_rate, exclusions, cache, keep=None):
     """Decays each non-excluded variable in place (or rebinds on JAX).
 

@@ -42,7 +42,7 @@ dtype.
 
 import torch
 
-from lossscale.backends.torch import foreach, multi, ops, plans
+from lossscale.backends.torch import adamw, foreach, host, multi, ops, plans
 
 _FUSED_DTYPES = (torch.float32, torch.float64)
 _INFINITE_STEPS = {}
@@ -81,6 +81,7 @@ def adam(
     keep=None,
     grad_scale=None,
     found_inf=None,
+    weight_decay=None,
 ):
     """`Adam.update_step` (and `AdamW`'s, which is the same) on every variable.
 
@@ -88,29 +89,47 @@ def adam(
     (`found_inf`): no select afterwards, no host read. `grad_scale`: None,
     or a scale still multiplied into `grads`, divided out in the kernel.
     `found_inf`: None, or `keep` in torch's AMP form, made by the caller's
-    check (used as it is: not made again from `keep`).
+    check (used as it is: not made again from `keep`). `weight_decay`: None,
+    or the rate by which every parameter given decays first, as
+    Keras-on-torch decays it (`adamw`): inside `torch._fused_adamw_` where
+    that is exact (`adamw.folded_rate`), else as a kernel of its own.
     """
     del update_step  # every variable takes a kernel
+    purpose = "update" if weight_decay is None else "decayed update"
+    factor = None  # the decay's factor, made for the first group that needs it
     with torch.no_grad():
-        for group in plans.plan(params, slots, cache).groups:
+        for group in plans.plan(params, slots, cache, purpose).groups:
             group_lr = foreach.scalar(lr, group)
             write = plans.Writer(keep, group.device, found_inf)
-            if not _fusable(group):
+            fusable = _fusable(group)
+            alpha = fold = None
+            if fusable:
+                alpha = host.adam_step_size(
+                    hyper.beta_1, hyper.beta_2, iterations, group_lr, group, cache
+                )
+            if weight_decay is not None:
+                fold = adamw.folded_rate(weight_decay, lr, alpha, cache)
+                if fold is None:
+                    if factor is None:
+                        factor = adamw.step_factor(weight_decay, lr, cache, keep)
+                    adamw.decay(group, factor)
+            if not fusable:
                 group_grads = _unscaled(group, grads, grad_scale)
                 foreach.adam(hyper, group, group_grads, group_lr, write, iterations)
                 continue
             group_slots = group.slots
-            torch._fused_adam_(
+            kernel = torch._fused_adam_ if fold is None else torch._fused_adamw_
+            kernel(
                 group.params,
                 group.grads(grads),
                 group_slots["momentums"],
                 group_slots["velocities"],
                 group_slots.get("velocity_hats", []),
                 _infinite_steps(group),
-                lr=_adam_step_size(hyper, group, group_lr, iterations),
+                lr=_adam_step_size(hyper, group, group_lr, iterations) if alpha is None else alpha,
                 beta1=hyper.beta_1,
                 beta2=hyper.beta_2,
-                weight_decay=0.0,
+                weight_decay=0.0 if fold is None else fold,
                 eps=hyper.epsilon,
                 amsgrad=hyper.amsgrad,
                 maximize=False,
@@ -251,7 +270,7 @@ def _lr_as_dampening(hyper, group, lr, cache):
     """
     if hyper.nesterov or group.device.type not in multi.HOST_READABLE:
         return None
-    value = plans.derived(cache, ("torch host lr", group.device, group.dtype), lr, float)
+    value = host.learning_rate(lr, group, cache)
     dampening = 1.0 + value
     return dampening if dampening - 1.0 == value else None
 
