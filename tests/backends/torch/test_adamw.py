@@ -186,6 +186,7 @@ FOLD_SHAPES = [(300, 250), (70001,), (17, 33), (5,), ()]
 # decay on their own.
 FOLD_CASES = {
     "float32": dict(dtype="float32"),
+    "float64": dict(dtype="float64"),
     "float16": dict(dtype="float16"),
     "bfloat16": dict(dtype="bfloat16"),
     "excluded": dict(dtype="float32", exclude=(1, 3)),
@@ -299,6 +300,8 @@ def test_the_decay_folded_or_not_is_keras_on_torch_bit_for_bit(monkeypatch, case
         assert plain and not folded, spy.calls  # alpha is 0: nothing to fold
     elif case == "inexact":
         assert folded and plain, spy.calls  # both sides of the exactness check
+    elif case == "float64":  # the step size on the device, the decay its own pass
+        assert plain and not folded, spy.calls
     else:  # half precision takes the foreach rule, after a decay of its own
         assert not spy.calls
 
