@@ -350,3 +350,26 @@ def test_under_a_grad_scaler_adamw_takes_the_scale_into_its_kernel(monkeypatch, 
     # the scaler's own found_inf, not one made again), the step count.
     assert len(ours) == 11, ours
     assert "aten.where.self" not in ours[ours.index("aten.add.out") :], ours
+
+
+@pytest.mark.parametrize("all_have_grads", [True, False])
+def test_a_step_hands_the_rule_its_own_variable_list_when_every_parameter_has_a_gradient(
+    monkeypatch, all_have_grads
+):
+    # Then the rule resolves nothing (no `_as_variable` per parameter);
+    # where some parameter has no gradient it is given the others.
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(5)]
+    opt = lt.Optimizer(params, ls.optimizers.AdamW(1e-2))
+    rule = opt.rules[0]
+    resolved = []
+    as_variable = type(rule)._as_variable
+    monkeypatch.setattr(
+        type(rule), "_as_variable", lambda self, x: resolved.append(x) or as_variable(self, x)
+    )
+    before = [p.detach().clone() for p in params]
+    for p in params[: 5 if all_have_grads else 4]:
+        p.grad = torch.ones(4, 3)
+    opt.step()
+    assert len(resolved) == (0 if all_have_grads else 4)
+    changed = [not torch.equal(b, p) for b, p in zip(before, params)]
+    assert changed == [True] * 4 + [all_have_grads]
