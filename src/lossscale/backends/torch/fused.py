@@ -11,10 +11,14 @@ Adam. torch divides the step size by `1 - beta_1**step` and the root of the
 second moment by `sqrt(1 - beta_2**step)`. Each slot's `step` is given as
 `+inf`, so both corrections are exactly 1, and the learning rate given is
 Keras's own step size `alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)`,
-computed on the device as `Adam.update_step` computes it. The moments are
-the optimizer's own slot tensors; amsgrad's running maximum is
-`velocity_hat`. Weight decay is 0 here: AdamW's decoupled decay is applied by
-the base pipeline before the update, as for every other rule.
+computed as `Adam.update_step` computes it: on the device, or for float32
+parameters on the CPU on the host, bit for bit the same (`host`). The
+moments are the optimizer's own slot tensors; amsgrad's running maximum is
+`velocity_hat`. AdamW's decoupled decay (any Adam's `weight_decay`) is
+given to this kernel (`Kernel.folds_weight_decay`): with `alpha` on the
+host it goes into `torch._fused_adamw_` where that rounds as Keras-on-torch
+(`adamw.folded_rate`), else it is `adamw`'s own multi-tensor product
+before the update.
 
 Gradients still multiplied by a loss scale (`grad_scale`, what
 `torch.amp.GradScaler` hands a fused optimizer) are divided by it inside
