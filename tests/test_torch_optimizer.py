@@ -309,11 +309,19 @@ def test_accelerate_prepares_it_and_steps_it_with_our_scaler():
         GradientState._reset_state()
 
 
-def test_under_a_grad_scaler_adamw_takes_the_scale_into_its_kernel():
+@pytest.mark.parametrize("host_readable", [True, False], ids=["cpu", "device_path"])
+def test_under_a_grad_scaler_adamw_takes_the_scale_into_its_kernel(monkeypatch, host_readable):
     # No unscale pass of its own (`_foreach_div_`): the fused kernel divides
     # each gradient by `grad_scale` as it reads it, as torch's AdamW does.
+    # On the CPU the step size is computed on the host and the decay folded
+    # into torch's fused AdamW kernel; the device path (a GPU's) is forced
+    # by making the CPU not host-readable.
     from torch_cases import count_ops
 
+    from lossscale.backends.torch import multi
+
+    if not host_readable:
+        monkeypatch.setattr(multi, "HOST_READABLE", frozenset())
     generator = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(64, 32, generator=generator)) for _ in range(16)]
     opt = lt.Optimizer(params, ls.optimizers.AdamW(1e-2, weight_decay=0.1))
@@ -325,10 +333,43 @@ def test_under_a_grad_scaler_adamw_takes_the_scale_into_its_kernel():
         with count_ops() as ops:
             scaler.step(opt)
         scaler.update()
-    assert "aten._fused_adam_.tensor_lr" in ops
     assert not [op for op in ops if "div_" in op or "_foreach_div" in op], ops
     ours = [op for op in ops[ops.index("aten.eq.Scalar") :] if not op.startswith("profiler")]
+    if host_readable:
+        # The flag, the step count read on the host, Adam with the decay
+        # (given the scaler's own found_inf), the step count.
+        assert ours == [
+            "aten.eq.Scalar",
+            "aten._local_scalar_dense.default",
+            "aten._fused_adamw_.default",
+            "aten.add_.Tensor",
+        ]
+        return
+    assert "aten._fused_adam_.tensor_lr" in ops
     # The flag, the decay (select, multiply), the step size (6), Adam (given
     # the scaler's own found_inf, not one made again), the step count.
     assert len(ours) == 11, ours
     assert "aten.where.self" not in ours[ours.index("aten.add.out") :], ours
+
+
+@pytest.mark.parametrize("all_have_grads", [True, False])
+def test_a_step_hands_the_rule_its_own_variable_list_when_every_parameter_has_a_gradient(
+    monkeypatch, all_have_grads
+):
+    # Then the rule resolves nothing (no `_as_variable` per parameter);
+    # where some parameter has no gradient it is given the others.
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(5)]
+    opt = lt.Optimizer(params, ls.optimizers.AdamW(1e-2))
+    rule = opt.rules[0]
+    resolved = []
+    as_variable = type(rule)._as_variable
+    monkeypatch.setattr(
+        type(rule), "_as_variable", lambda self, x: resolved.append(x) or as_variable(self, x)
+    )
+    before = [p.detach().clone() for p in params]
+    for p in params[: 5 if all_have_grads else 4]:
+        p.grad = torch.ones(4, 3)
+    opt.step()
+    assert len(resolved) == (0 if all_have_grads else 4)
+    changed = [not torch.equal(b, p) for b, p in zip(before, params)]
+    assert changed == [True] * 4 + [all_have_grads]

@@ -18,18 +18,30 @@ import lossscale as ls
 # The fused paths: a step's every operation, 16 parameters in one group.
 # torch.amp.GradScaler + torch.optim.Adam(fused=True) dispatches 13.
 # The fused kernels take the AMP check's own `found_inf` (the explicit
-# `found_inf` of `_step`: no select of a new one from `keep`); Adam's step size writes `1 - beta**t` into a kept
-# pair whose elements are views made once (no `unbind`); AdamW's decay
-# factor is kept while the learning rate does not change (a select of it
-# under `keep`, and one multiplication per group).
+# `found_inf` of `_step`: no select of a new one from `keep`). On the CPU
+# Adam's step size is computed on the host from the step count (one read)
+# and AdamW's decay is folded into torch's fused AdamW kernel.
 FUSED_OPS = {
     "sgd": 9,
     "sgd_momentum": 9,
     "sgd_nesterov": 10,
-    "adam": 15,
-    "adam_amsgrad": 15,
-    "adamw": 17,
+    "adam": 10,
+    "adam_amsgrad": 10,
+    "adamw": 10,
 }
+# Where nothing is read on the host (a GPU, forced below by making the CPU
+# not host-readable): Adam's step size is six kernels (`1 - beta**t` written
+# into a kept pair whose elements are views made once: no `unbind`), and
+# AdamW's decay its own pass (the factor kept while the learning rate does
+# not change, a select of it under `keep`, one multiplication per group).
+DEVICE_OPS = {"adam": 15, "adamw": 17}
+
+
+def device_path(monkeypatch):
+    """Makes the CPU not host-readable: the step then takes the path it takes on a GPU."""
+    from lossscale.backends.torch import multi
+
+    monkeypatch.setattr(multi, "HOST_READABLE", frozenset())
 
 
 def ops_per_step(make, count, shape=(64, 32)):
@@ -70,13 +82,10 @@ def test_the_adam_step_names_its_operations():
         "aten.zeros.default",  # the found_inf flag
         "aten._amp_foreach_non_finite_check_and_unscale_.default",  # unscale, and check
         "aten.eq.Scalar",  # the flag as a boolean, for the step counter
-        "aten.add.out",  # t = iterations + 1, cast as it is stored
-        "aten.pow.Tensor_Tensor",  # (beta_1, beta_2) ** t
-        "aten.sub.out",  # 1 - that, into the kept pair (views of it made once)
-        "aten.sqrt.default",
-        "aten.mul.Tensor",  # alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)
-        "aten.div.Tensor",
-        "aten._fused_adam_.tensor_lr",  # skips itself where the check's found_inf is 1
+        # The step count, read on the host: the step size is computed there
+        # (the learning rate read once, kept while its tensor is unwritten).
+        "aten._local_scalar_dense.default",
+        "aten._fused_adam_.default",  # skips itself where the check's found_inf is 1
         "aten.add_.Tensor",  # iterations += finite
         "aten._amp_update_scale_.default",  # the scale and the counter, in place
         "aten.mul.Tensor",
@@ -84,12 +93,43 @@ def test_the_adam_step_names_its_operations():
     ]
 
 
-def test_the_adamw_step_adds_the_decay_select_and_multiplication():
+def test_the_adamw_step_folds_the_decay_into_the_kernel():
+    adam = ops_per_step(OPTIMIZERS["adam"], 16)
+    adamw = ops_per_step(OPTIMIZERS["adamw"], 16)
+    assert adamw == [op.replace("_fused_adam_", "_fused_adamw_") for op in adam]
+    assert len(adamw) == FUSED_OPS["adamw"] <= 13
+
+
+def test_the_device_adam_step_names_its_operations(monkeypatch):
+    device_path(monkeypatch)
+    ops = ops_per_step(OPTIMIZERS["adam"], 16)
+    assert ops == [
+        "aten._foreach_div_.Tensor",  # the scale is not read: divided, then checked at 1
+        "aten.zeros.default",  # the found_inf flag
+        "aten._amp_foreach_non_finite_check_and_unscale_.default",
+        "aten.eq.Scalar",
+        "aten.add.out",  # t = iterations + 1, cast as it is stored
+        "aten.pow.Tensor_Tensor",  # (beta_1, beta_2) ** t
+        "aten.sub.out",  # 1 - that, into the kept pair (views of it made once)
+        "aten.sqrt.default",
+        "aten.mul.Tensor",  # alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)
+        "aten.div.Tensor",
+        "aten._fused_adam_.tensor_lr",
+        "aten.add_.Tensor",
+        "aten._amp_update_scale_.default",
+        "aten.mul.Tensor",
+        "aten.clamp_min_.Tensor",
+    ]
+    assert len(ops) == DEVICE_OPS["adam"]
+
+
+def test_the_device_adamw_step_adds_the_decay_select_and_multiplication(monkeypatch):
+    device_path(monkeypatch)
     adam = ops_per_step(OPTIMIZERS["adam"], 16)
     adamw = ops_per_step(OPTIMIZERS["adamw"], 16)
     at = adam.index("aten.add.out")  # the decay runs before the Adam update
     assert adamw == adam[:at] + ["aten.where.self", "aten._foreach_mul_.Tensor"] + adam[at:]
-    assert len(adamw) == FUSED_OPS["adamw"] == 17
+    assert len(adamw) == DEVICE_OPS["adamw"]
 
 
 def test_the_sgd_momentum_step_names_its_operations():

@@ -4,7 +4,11 @@ import numpy as np
 
 import lossscale as ls
 from lossscale.backends import get_ops
-from lossscale.optimizers.weight_decay import WeightDecayExclusions, apply_weight_decay
+from lossscale.optimizers.weight_decay import (
+    WeightDecayExclusions,
+    apply_weight_decay,
+    partition_by_decay,
+)
 
 
 def test_decay_and_exclusions(backend):
@@ -22,3 +26,16 @@ def test_decay_and_exclusions(backend):
 
 def test_no_exclusions_by_default():
     assert WeightDecayExclusions().uses_weight_decay(ls.Variable(np.zeros(1), name="bias"))
+
+
+def test_partition_by_decay_on_each_side_of_the_no_exclusion_shortcut():
+    variables = [ls.Variable(np.zeros(1), name=n) for n in ("kernel", "bias", "gamma", "w")]
+    none = WeightDecayExclusions()
+    assert not none.excludes_any()
+    decayed, excluded = partition_by_decay(variables, none)
+    assert list(decayed) == [0, 1, 2, 3] and list(excluded) == []
+    some = WeightDecayExclusions(var_list=[variables[2]], var_names=["bias"])
+    assert some.excludes_any()
+    assert partition_by_decay(variables, some) == ([0, 3], [1, 2])
+    by_name = WeightDecayExclusions(var_names=["w"])  # a search: "w" is not in "kernel"
+    assert by_name.excludes_any() and partition_by_decay(variables, by_name) == ([0, 1, 2], [3])

@@ -7,7 +7,7 @@ per variable). The optimizer calls it with everything it reads and writes:
 
 ```
 kernel(params, grads, slots, hyper, *, iterations, lr, rule, keep=None, grad_scale=None,
-       found_inf=None)
+       found_inf=None, weight_decay=None)
 ```
 
 - `params`: the `Variable`s of this step; `grads`: their gradients, aligned.
@@ -51,12 +51,15 @@ class Kernel:
             its writes), so a gated step needs no `ops.cond`.
         takes_grad_scale: Whether it accepts `grad_scale`.
         takes_found_inf: Whether it accepts `found_inf`.
+        folds_weight_decay: Whether it accepts `weight_decay` (and decays
+            the parameters itself, as `fused_weight_decay()` would).
     """
 
     fn: Callable
     folds_keep: bool = False
     takes_grad_scale: bool = False
     takes_found_inf: bool = False
+    folds_weight_decay: bool = False
 
     def __call__(self, params, grads, slots, hyper, **kwargs):
         return self.fn(params, grads, slots, hyper, **kwargs)

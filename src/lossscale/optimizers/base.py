@@ -347,6 +347,8 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
                     "pass `trainable_variables`. Received: trainable_variables=None"
                 )
             variables, known = self._trainable_variables, True
+        elif trainable_variables is self._trainable_variables:  # its own list: nothing to resolve
+            variables, known = trainable_variables, True
         else:
             variables = [self._as_variable(x) for x in trainable_variables]
             known = self.built and all(id(v) in self._indices for v in variables)

@@ -7,6 +7,7 @@ None gradients dropped (a warning names them)
 accumulation: every `gradient_accumulation_steps` calls, the mean of the
               accumulated gradients (ops.cond); other calls only accumulate
 clip -> weight decay -> the backend's fused kernel, or update_step per variable
+       (a kernel may decay the variables itself: `folds_weight_decay`)
 constraints
 EMA (+ overwrite every ema_overwrite_frequency steps, ops.cond)
 iterations += 1
@@ -24,7 +25,7 @@ import collections
 import operator
 
 from lossscale.optimizers import accumulation, clipping, ema, gradients, overwrite
-from lossscale.optimizers.weight_decay import apply_weight_decay
+from lossscale.optimizers.weight_decay import apply_weight_decay, partition_by_decay
 
 # Optimizer class -> the named tuple type of its hyperparameters.
 _HYPER_TYPES = {}
@@ -154,27 +155,51 @@ class PipelineMixin:
             ops, grads, self.clipnorm, self.clipvalue, self.global_clipnorm
         )
         learning_rate = self.learning_rate
-        if self.weight_decay is not None:
-            apply_weight_decay(
-                ops,
-                variables,
-                self.weight_decay,
-                learning_rate,
-                self._exclusions,
-                self._kernel_cache,
-                keep,
-            )
-        self._update_variables(grads, variables, learning_rate, grad_scale, keep, found_inf)
+        rest = (learning_rate, grad_scale, keep, found_inf)
+        if self.weight_decay is None:
+            self._update_variables(grads, variables, *rest)
+            return
+        kernel = self._fused_kernel()
+        if kernel is not None and kernel.folds_weight_decay:
+            # The kernel decays the variables it is given as it updates
+            # them: the decayed ones in one call, the excluded ones in another.
+            decayed, excluded = partition_by_decay(variables, self._exclusions)
+            for positions, rate in ((decayed, self.weight_decay), (excluded, None)):
+                if len(positions) == len(variables):
+                    self._update_variables(grads, variables, *rest, weight_decay=rate)
+                elif positions:
+                    part_grads = [grads[i] for i in positions]
+                    part = [variables[i] for i in positions]
+                    self._update_variables(part_grads, part, *rest, weight_decay=rate)
+            return
+        apply_weight_decay(
+            ops,
+            variables,
+            self.weight_decay,
+            learning_rate,
+            self._exclusions,
+            self._kernel_cache,
+            keep,
+        )
+        self._update_variables(grads, variables, *rest)
 
     def _update_variables(
-        self, grads, variables, learning_rate, grad_scale=None, keep=None, found_inf=None
+        self,
+        grads,
+        variables,
+        learning_rate,
+        grad_scale=None,
+        keep=None,
+        found_inf=None,
+        weight_decay=None,
     ):
         """Runs the update rule on every variable.
 
         A backend may hold a fused (multi-tensor) kernel for this exact
         optimizer class; it must equal the per-variable `update_step`, which
         its tests check. It gets the step's state as arguments
-        (`backends/kernel.py`).
+        (`backends/kernel.py`). `weight_decay`: None, or a rate for a kernel
+        that `folds_weight_decay`, decaying every one of `variables`.
         """
         kernel = self._fused_kernel()
         if kernel is None:  # then `grad_scale` and `keep` are None (see `_step`)
@@ -188,6 +213,8 @@ class PipelineMixin:
                 options["found_inf"] = found_inf
         if grad_scale is not None:
             options["grad_scale"] = grad_scale
+        if weight_decay is not None:
+            options["weight_decay"] = weight_decay
         kernel(
             variables,
             grads,

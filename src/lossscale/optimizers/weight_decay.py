@@ -22,6 +22,10 @@ class WeightDecayExclusions:
         """Settles, once, which of an optimizer's variables are decayed (a name search each)."""
         self._decided = {id(v): self._matches(v) for v in variables}
 
+    def excludes_any(self):
+        """Whether any variable may be excluded (some given, or some name pattern)."""
+        return bool(self._ids) or self._pattern is not None
+
     def uses_weight_decay(self, variable):
         """Returns whether weight decay applies to `variable`."""
         decided = self._decided.get(id(variable))
@@ -31,6 +35,16 @@ class WeightDecayExclusions:
         return id(variable) not in self._ids and not (
             self._pattern is not None and self._pattern.search(variable.name)
         )
+
+
+def partition_by_decay(variables, exclusions):
+    """`(decayed, excluded)`: the positions of the `variables` that decay, and of the others."""
+    if not exclusions.excludes_any():  # the common case: no look-up per variable
+        return range(len(variables)), ()
+    decayed, excluded = [], []
+    for i, variable in enumerate(variables):
+        (decayed if exclusions.uses_weight_decay(variable) else excluded).append(i)
+    return decayed, excluded
 
 
 def apply_weight_decay(ops, variables, weight_decay, learning_rate, exclusions, cache, keep=None):

@@ -178,7 +178,10 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
                 flag = found_inf.reshape(()) if found_inf.ndim else found_inf
             self._sync(group, rule)
             grads = [g for g, _ in pairs]
-            variables = [v for _, v in pairs]
+            if len(pairs) == len(rule._trainable_variables):  # every one has a gradient
+                variables = rule._trainable_variables  # (the rule then resolves nothing)
+            else:
+                variables = [v for _, v in pairs]
             folded = None
             if grad_scale is not None:  # still scaled
                 if _divides_grad_scale(rule):

@@ -173,3 +173,205 @@ def test_a_number_learning_rate_gives_a_number_factor():
     assert torch_adamw.decay_factor(0.5, 0.25) == 0.875
     factor = torch_adamw.decay_factor(0.371, torch.tensor(0.923))
     assert factor.dtype == torch.float32 and factor.shape == ()
+
+
+# --- the decay folded into torch's fused AdamW kernel (float32, on the CPU) ---------
+
+# Real sizes (a tensor past `multi.PACK_BELOW` among them), and small odd ones.
+FOLD_SHAPES = [(300, 250), (70001,), (17, 33), (5,), ()]
+
+# Runs of a wrapped AdamW, each a setting that moves a branch of the fold.
+# "inexact": `wd * lr` near 2/3, where the float32 factor's last place is
+# finer than the kernel's rate can be set for some step sizes: those steps
+# decay on their own.
+FOLD_CASES = {
+    "float32": dict(dtype="float32"),
+    "float64": dict(dtype="float64"),
+    "float16": dict(dtype="float16"),
+    "bfloat16": dict(dtype="bfloat16"),
+    "excluded": dict(dtype="float32", exclude=(1, 3)),
+    "all_excluded": dict(dtype="float32", exclude=(0, 1, 2, 3, 4)),
+    "rate_zero": dict(dtype="float32", learning_rate=0.0),
+    "schedule": dict(dtype="float32", schedule=True),
+    "lr_in_place": dict(dtype="float32", lr_steps=(0.05, 0.02, 0.3, 0.3, 0.001, 0.0)),
+    "weight_decay_changed": dict(dtype="float32", wd_steps=(0.1, 0.5, 0.5, 0.0, 0.02, 1.0)),
+    "inexact": dict(dtype="float32", learning_rate=0.5, weight_decay=1.3),
+}
+
+
+def fold_run(library, case, to_tensor, make_variable, zero_grads):
+    """Six steps of a wrapped AdamW (the third skipped), with the case's settings.
+
+    With `zero_grads` the Adam update is exactly zero and each step is its
+    decay alone: torch's fused Adam kernel rounds its update differently
+    from Keras-on-torch's multi-tensor one (see `fused`), its decay not.
+    Returns the variables' final values as torch tensors (bfloat16 ones cast
+    to float32, exactly, for NumPy).
+    """
+    settings = FOLD_CASES[case]
+    dtype = settings["dtype"]
+    rng = np.random.default_rng(23)
+    start = [np.asarray(rng.normal(size=s), np.float32) for s in FOLD_SHAPES]
+    variables = [make_variable(v, dtype, f"w{i}") for i, v in enumerate(start)]
+    rate = settings.get("learning_rate", 0.05)
+    if settings.get("schedule"):
+        schedules = keras.optimizers.schedules if library is keras else ls.schedules
+        rate = schedules.ExponentialDecay(0.05, decay_steps=1, decay_rate=0.7)
+    inner = library.optimizers.AdamW(
+        learning_rate=rate, weight_decay=settings.get("weight_decay", 0.1)
+    )
+    if "exclude" in settings:
+        inner.exclude_from_weight_decay(var_list=[variables[i] for i in settings["exclude"]])
+    optimizer = library.optimizers.LossScaleOptimizer(inner, initial_scale=4.0)
+    optimizer.scale_loss(1.0)  # (lossscale warns of gradients of an unscaled loss)
+    for step in range(6):
+        if "lr_steps" in settings:
+            inner.learning_rate = settings["lr_steps"][step]
+        if "wd_steps" in settings:
+            inner.weight_decay = settings["wd_steps"][step]
+        grads = [np.asarray(4.0 * rng.normal(size=s), np.float32) for s in FOLD_SHAPES]
+        if zero_grads:
+            grads = [np.zeros_like(g) for g in grads]
+        if step == 2:
+            grads[1][-1] = np.inf  # the whole step is skipped, decay included
+        optimizer.apply([to_tensor(g, dtype) for g in grads], variables)
+    values = [v.value.detach() for v in variables]
+    return [v.float() if v.dtype == torch.bfloat16 else v for v in values]
+
+
+def keras_fold_run(case, zero_grads):
+    return fold_run(
+        keras,
+        case,
+        lambda g, dtype: keras.ops.cast(keras.ops.convert_to_tensor(g), dtype),
+        lambda v, dtype, name: keras.Variable(v, dtype=dtype, name=name),
+        zero_grads,
+    )
+
+
+def lossscale_fold_run(case, zero_grads):
+    return fold_run(
+        ls,
+        case,
+        lambda g, dtype: torch.from_numpy(g).to(getattr(torch, dtype)),
+        lambda v, dtype, name: ls.Variable(
+            torch.from_numpy(v).to(getattr(torch, dtype)), name=name
+        ),
+        zero_grads,
+    )
+
+
+class KernelSpy:
+    """Records which fused Adam kernel each step's groups ran (`_fused_adam_` or `_fused_adamw_`)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in ("_fused_adam_", "_fused_adamw_"):
+            original = getattr(torch, name)
+            monkeypatch.setattr(torch, name, self._spy(name, original))
+
+    def _spy(self, name, original):
+        def spy(*args, **kwargs):
+            self.calls.append((name, kwargs["weight_decay"]))
+            return original(*args, **kwargs)
+
+        return spy
+
+
+# Keras 3.x on torch cannot exclude every variable (its multi-tensor decay is
+# given an empty list); lossscale's run of that case is held to the device path.
+@pytest.mark.parametrize("case", sorted(set(FOLD_CASES) - {"all_excluded"}))
+def test_the_decay_folded_or_not_is_keras_on_torch_bit_for_bit(monkeypatch, case):
+    spy = KernelSpy(monkeypatch)
+    got = lossscale_fold_run(case, zero_grads=True)
+    want = keras_fold_run(case, zero_grads=True)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(bits(a), bits(b)), case
+    folded = [wd for name, wd in spy.calls if name == "_fused_adamw_"]
+    plain = [wd for name, wd in spy.calls if name == "_fused_adam_"]
+    assert all(wd == 0.0 for wd in plain)
+    if case in ("float32", "schedule", "weight_decay_changed"):
+        assert len(folded) == 6 and not plain, spy.calls  # every step folded, at every rate
+    elif case == "lr_in_place":  # folded at each rate, but the last, 0: nothing to fold
+        assert len(folded) == 5 and len(plain) == 1 and spy.calls[-1][0] == "_fused_adam_"
+    elif case == "excluded":  # the decayed ones folded, the excluded ones plain
+        assert len(folded) == len(plain) == 6, spy.calls
+    elif case == "rate_zero":
+        assert plain and not folded, spy.calls  # alpha is 0: nothing to fold
+    elif case == "inexact":
+        assert folded and plain, spy.calls  # both sides of the exactness check
+    elif case == "float64":  # the step size on the device, the decay its own pass
+        assert plain and not folded, spy.calls
+    else:  # half precision takes the foreach rule, after a decay of its own
+        assert not spy.calls
+
+
+@pytest.mark.parametrize("case", sorted(FOLD_CASES))
+def test_the_host_path_equals_the_device_path_bit_for_bit(monkeypatch, case):
+    # Real gradients: the step size computed on the host and the decay
+    # folded are the device path's arithmetic, bit for bit.
+    from lossscale.backends.torch import multi
+
+    spy = KernelSpy(monkeypatch)
+    host_run = lossscale_fold_run(case, zero_grads=False)
+    if case == "all_excluded":
+        assert {name for name, _ in spy.calls} == {"_fused_adam_"}
+    monkeypatch.setattr(multi, "HOST_READABLE", frozenset())
+    spy.calls.clear()
+    device_run = lossscale_fold_run(case, zero_grads=False)
+    assert "_fused_adamw_" not in {name for name, _ in spy.calls}
+    for a, b in zip(host_run, device_run):
+        assert torch.equal(bits(a), bits(b)), case
+
+
+def test_a_learning_rate_given_as_a_number_is_not_folded(monkeypatch):
+    # A callable rate may hand a Python number: Keras's factor is then a
+    # number too, and the decay stays a kernel of its own.
+    spy = KernelSpy(monkeypatch)
+    w = torch.ones(8)
+    opt = ls.optimizers.AdamW(lambda: 0.01, weight_decay=0.1)
+    opt.apply([torch.ones(8)], [w])
+    assert spy.calls == [("_fused_adam_", 0.0)]
+
+
+@pytest.mark.parametrize("kind", ["inf", "nan", "-inf"])
+@pytest.mark.parametrize("position", ["first", "last", "random"])
+def test_a_skipped_step_on_the_folded_path_changes_nothing(monkeypatch, kind, position):
+    spy = KernelSpy(monkeypatch)
+    rng = np.random.default_rng(31)
+    params = [torch.tensor(rng.normal(size=s), dtype=torch.float32) for s in FOLD_SHAPES]
+    opt = ls.LossScaleOptimizer(ls.optimizers.AdamW(0.05, weight_decay=0.1), initial_scale=8.0)
+    opt.scale_loss(1.0)
+    grads = [torch.tensor(8 * rng.normal(size=s), dtype=torch.float32) for s in FOLD_SHAPES]
+    opt.apply(grads, params)
+    params[0].view(-1)[:2] = torch.tensor([-0.0, 0.0])  # a decay would keep their signs
+    inner = opt.inner_optimizer.variables  # (the loss scale itself backs off)
+    state = [p.clone() for p in params] + [v.value.clone() for v in inner]
+    for which in range(len(FOLD_SHAPES)):
+        grads = [torch.tensor(8 * rng.normal(size=s), dtype=torch.float32) for s in FOLD_SHAPES]
+        flat = grads[which].view(-1)
+        at = {"first": 0, "last": flat.numel() - 1}.get(position)
+        at = int(rng.integers(flat.numel())) if at is None else at
+        flat[at] = float(kind)
+        opt.apply(grads, params)
+        for b, a in zip(state, params + [v.value for v in inner]):
+            assert torch.equal(bits(b), bits(a)), (which, position)
+    assert {name for name, _ in spy.calls} == {"_fused_adamw_"}
+
+
+def test_folded_rate_on_each_side_of_its_conditions(monkeypatch):
+    from lossscale.backends.torch import multi
+
+    lr = torch.tensor(0.05)
+    factor = float(torch_adamw.decay_factor(0.1, lr))
+    rate = torch_adamw.folded_rate(0.1, lr, 0.0123, {})
+    assert rate is not None and np.float32(1.0 - 0.0123 * rate) == np.float32(factor)
+    assert torch_adamw.folded_rate(0.1, lr, None, {}) is None  # the step size on the device
+    assert torch_adamw.folded_rate(0.1, lr, 0.0, {}) is None  # a rate of 0
+    assert torch_adamw.folded_rate(0.1, 0.05, 0.0123, {}) is None  # a Python number
+    assert torch_adamw.folded_rate(0.1, lr.double(), 0.0123, {}) is None
+    # Inexact: the factor's last place (about 0.33) finer than the rate can set.
+    inexact = torch.tensor(0.43241938948631287)
+    assert torch_adamw.folded_rate(1.538176028484857, inexact, 0.021039754152297974, {}) is None
+    monkeypatch.setattr(multi, "HOST_READABLE", frozenset())
+    assert torch_adamw.folded_rate(0.1, lr, 0.0123, {}) is None

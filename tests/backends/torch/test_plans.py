@@ -6,6 +6,7 @@ import torch
 from torch_cases import SHAPES, count_ops, random_grads
 
 import lossscale as ls
+from lossscale.backends.torch import multi as torch_multi
 from lossscale.backends.torch import plans as torch_plans
 from lossscale.optimizers import Adam, RMSprop
 
@@ -127,7 +128,7 @@ def test_masked_writes_of_many_small_tensors_are_packed(monkeypatch, taken):
     # Small tensors are selected in one packed copy, a large one on its own:
     # bit for bit what one `where` per tensor gives (signed zeros and NaNs
     # included), and a constant number of kernels however many tensors.
-    monkeypatch.setattr(torch_plans, "PACK_BELOW", 8)
+    monkeypatch.setattr(torch_multi, "PACK_BELOW", 8)
     rng = np.random.default_rng(3)
 
     def tensors(n):

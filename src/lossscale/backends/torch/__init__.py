@@ -8,6 +8,8 @@ from the modules that implement them:
 - `multi`: multi-tensor unscale, finite check and norms, by (device, dtype);
 - `float16_range`: many gradients' float16 range in a fixed number of operations;
 - `plans`: an optimizer's tensor lists per (device, dtype), cached between steps;
+- `host`: a step's scalars computed on the host where their tensors live there
+  (Adam's step size on the CPU);
 - `foreach`: `torch._foreach_*` versions of the update rules;
 - `adamw`: decoupled weight decay as Keras 3's torch backend rounds it;
 - `fused`: Adam, AdamW and SGD on torch's fused kernels, and the loss-scale

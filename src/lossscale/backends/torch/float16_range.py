@@ -101,14 +101,7 @@ def measure(grads, subnormal_below, near_from):
 
 def _chunks(grads):
     """(indices packed into one buffer, indices measured alone), in order."""
-    packed, alone, total = [], [], 0
-    for i, g in enumerate(grads):
-        n = g.numel()
-        if n < multi.PACK_BELOW and total + n <= multi.PACK_CAPACITY:
-            packed.append(i)
-            total += n
-        else:
-            alone.append(i)
+    packed, alone = multi.split_small(grads)
     if len(packed) == 1:
         return [], packed + alone
     return packed, alone

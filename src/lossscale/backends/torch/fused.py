@@ -11,10 +11,14 @@ Adam. torch divides the step size by `1 - beta_1**step` and the root of the
 second moment by `sqrt(1 - beta_2**step)`. Each slot's `step` is given as
 `+inf`, so both corrections are exactly 1, and the learning rate given is
 Keras's own step size `alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)`,
-computed on the device as `Adam.update_step` computes it. The moments are
-the optimizer's own slot tensors; amsgrad's running maximum is
-`velocity_hat`. Weight decay is 0 here: AdamW's decoupled decay is applied by
-the base pipeline before the update, as for every other rule.
+computed as `Adam.update_step` computes it: on the device, or for float32
+parameters on the CPU on the host, bit for bit the same (`host`). The
+moments are the optimizer's own slot tensors; amsgrad's running maximum is
+`velocity_hat`. AdamW's decoupled decay (any Adam's `weight_decay`) is
+given to this kernel (`Kernel.folds_weight_decay`): with `alpha` on the
+host it goes into `torch._fused_adamw_` where that rounds as Keras-on-torch
+(`adamw.folded_rate`), else it is `adamw`'s own multi-tensor product
+before the update.
 
 Gradients still multiplied by a loss scale (`grad_scale`, what
 `torch.amp.GradScaler` hands a fused optimizer) are divided by it inside
@@ -42,7 +46,7 @@ dtype.
 
 import torch
 
-from lossscale.backends.torch import foreach, multi, ops, plans
+from lossscale.backends.torch import adamw, foreach, host, multi, ops, plans
 
 _FUSED_DTYPES = (torch.float32, torch.float64)
 _INFINITE_STEPS = {}
@@ -81,6 +85,7 @@ def adam(
     keep=None,
     grad_scale=None,
     found_inf=None,
+    weight_decay=None,
 ):
     """`Adam.update_step` (and `AdamW`'s, which is the same) on every variable.
 
@@ -88,29 +93,47 @@ def adam(
     (`found_inf`): no select afterwards, no host read. `grad_scale`: None,
     or a scale still multiplied into `grads`, divided out in the kernel.
     `found_inf`: None, or `keep` in torch's AMP form, made by the caller's
-    check (used as it is: not made again from `keep`).
+    check (used as it is: not made again from `keep`). `weight_decay`: None,
+    or the rate by which every parameter given decays first, as
+    Keras-on-torch decays it (`adamw`): inside `torch._fused_adamw_` where
+    that is exact (`adamw.folded_rate`), else as a kernel of its own.
     """
     del update_step  # every variable takes a kernel
+    purpose = "update" if weight_decay is None else "decayed update"
+    factor = None  # the decay's factor, made for the first group that needs it
     with torch.no_grad():
-        for group in plans.plan(params, slots, cache).groups:
+        for group in plans.plan(params, slots, cache, purpose).groups:
             group_lr = foreach.scalar(lr, group)
             write = plans.Writer(keep, group.device, found_inf)
-            if not _fusable(group):
+            fusable = _fusable(group)
+            alpha = fold = None
+            if fusable:
+                alpha = host.adam_step_size(
+                    hyper.beta_1, hyper.beta_2, iterations, group_lr, group, cache
+                )
+            if weight_decay is not None:
+                fold = adamw.folded_rate(weight_decay, lr, alpha, cache)
+                if fold is None:
+                    if factor is None:
+                        factor = adamw.step_factor(weight_decay, lr, cache, keep)
+                    adamw.decay(group, factor)
+            if not fusable:
                 group_grads = _unscaled(group, grads, grad_scale)
                 foreach.adam(hyper, group, group_grads, group_lr, write, iterations)
                 continue
             group_slots = group.slots
-            torch._fused_adam_(
+            kernel = torch._fused_adam_ if fold is None else torch._fused_adamw_
+            kernel(
                 group.params,
                 group.grads(grads),
                 group_slots["momentums"],
                 group_slots["velocities"],
                 group_slots.get("velocity_hats", []),
                 _infinite_steps(group),
-                lr=_adam_step_size(hyper, group, group_lr, iterations),
+                lr=_adam_step_size(hyper, group, group_lr, iterations) if alpha is None else alpha,
                 beta1=hyper.beta_1,
                 beta2=hyper.beta_2,
-                weight_decay=0.0,
+                weight_decay=0.0 if fold is None else fold,
                 eps=hyper.epsilon,
                 amsgrad=hyper.amsgrad,
                 maximize=False,
@@ -209,38 +232,30 @@ def sgd(
                     found_inf=write.found_inf(),
                 )
                 continue
+            # Momentum: one kernel call, its gradients, dampening and scale
+            # chosen first.
             dampening = _lr_as_dampening(hyper, group, group_lr, cache)
             if dampening is not None:
-                torch._fused_sgd_(
-                    group.params,
-                    group.grads(grads),
-                    group.slots["momentums"],
-                    weight_decay=0.0,
-                    momentum=float(hyper.momentum),
-                    lr=-1.0,
-                    dampening=dampening,
-                    nesterov=False,
-                    maximize=False,
-                    is_first_step=False,
-                    grad_scale=_kernel_scale(grad_scale, group),
-                    found_inf=write.found_inf(),
-                )
-                continue
-            # `g * (-lr)` is `-(g * lr)` exactly, the term Keras subtracts;
-            # `-lr` is kept while the learning rate does not change.
-            key = ("torch negated lr", group.device, group.dtype)
-            negated = plans.derived(cache, key, group_lr, torch.neg)
+                step_grads, kernel_scale = group.grads(grads), _kernel_scale(grad_scale, group)
+            else:
+                # `g * (-lr)` is `-(g * lr)` exactly, the term Keras subtracts;
+                # `-lr` is kept while the learning rate does not change.
+                key = ("torch negated lr", group.device, group.dtype)
+                negated = plans.derived(cache, key, group_lr, torch.neg)
+                step_grads = torch._foreach_mul(_unscaled(group, grads, grad_scale), negated)
+                dampening, kernel_scale = 0.0, None
             torch._fused_sgd_(
                 group.params,
-                torch._foreach_mul(_unscaled(group, grads, grad_scale), negated),
+                step_grads,
                 group.slots["momentums"],
                 weight_decay=0.0,
                 momentum=float(hyper.momentum),
                 lr=-1.0,
-                dampening=0.0,
+                dampening=dampening,
                 nesterov=hyper.nesterov,
                 maximize=False,
                 is_first_step=False,
+                grad_scale=kernel_scale,
                 found_inf=write.found_inf(),
             )
 
@@ -259,7 +274,7 @@ def _lr_as_dampening(hyper, group, lr, cache):
     """
     if hyper.nesterov or group.device.type not in multi.HOST_READABLE:
         return None
-    value = plans.derived(cache, ("torch host lr", group.device, group.dtype), lr, float)
+    value = host.learning_rate(lr, group, cache)
     dampening = 1.0 + value
     return dampening if dampening - 1.0 == value else None
 

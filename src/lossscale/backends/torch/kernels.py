@@ -18,7 +18,9 @@ from lossscale.backends.torch import adamw, float16_range, foreach, fused
 # kernels as `found_inf` (the caller's own, where it has one), the others in
 # `plans.Writer`'s selects.
 KERNELS = {
-    "adam": Kernel(fused.adam, folds_keep=True, takes_found_inf=True),
+    # Adam decays its parameters itself: inside torch's fused AdamW kernel
+    # where that is exact (`fused.adam`).
+    "adam": Kernel(fused.adam, folds_keep=True, takes_found_inf=True, folds_weight_decay=True),
     "sgd": Kernel(fused.sgd, folds_keep=True, takes_found_inf=True),
     **{
         name: Kernel(foreach.make_kernel(getattr(foreach, name)), folds_keep=True)

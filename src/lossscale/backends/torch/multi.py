@@ -318,7 +318,8 @@ def split_small(tensors):
     """`(small, large)`: the positions of the tensors to pack together, and of the others.
 
     Tensors under `PACK_BELOW` elements, in order, while the packed total
-    stays within `PACK_CAPACITY`.
+    stays within `PACK_CAPACITY`. The one packing rule of the backend: the
+    finite check's peak and `plans.Writer`'s selects both follow it.
     """
     small, large, packed = [], [], 0
     for i, t in enumerate(tensors):

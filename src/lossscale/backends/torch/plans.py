@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from lossscale.backends.torch import dtensors, ops
+from lossscale.backends.torch import dtensors, multi, ops
 
 _storage_of = operator.attrgetter("_storage")
 
@@ -174,11 +174,10 @@ def derived(cache, key, source, make):
 # Under a `keep` flag, the small tensors of a write are gathered into one flat
 # buffer pair and selected there at once: four kernels whatever their number
 # (a launch per tensor would make a step of many small tensors launch-bound).
-# A tensor this large takes its own `where`, which is then memory-bound;
-# at most PACK_CAPACITY elements are packed (two float32 buffers of 16 MiB,
-# kept between steps, per thread, for the last few tensor lists).
-PACK_BELOW = 1 << 16
-PACK_CAPACITY = 1 << 22
+# A tensor too large to pack takes its own `where`, which is then memory-bound.
+# Which tensors are packed is `multi.split_small`'s rule, the finite check's
+# (two float32 buffers of at most `multi.PACK_CAPACITY` elements, kept between
+# steps, per thread, for the last few tensor lists).
 _SELECT_BUFFERS = threading.local()
 _BUFFERS_KEPT = 4
 
@@ -229,7 +228,7 @@ class Writer:
         # torch has no multi-tensor select: small tensors are selected in a
         # packed copy, large ones each in its own memory.
         keep = self.keep
-        small, large = _split(targets)
+        small, large = multi.split_small(targets)
         # Packing copies into plain buffers: not for DTensors (sharded state),
         # nor while torch.compile traces (the compiler fuses the selects).
         packable = not torch.compiler.is_compiling() and not dtensors.is_dtensor(targets[0])
@@ -262,19 +261,6 @@ class Writer:
             ops.constant(0.0, torch.float32, self.device),
             ops.constant(1.0, torch.float32, self.device),
         )
-
-
-def _split(targets):
-    """Positions of the tensors to pack, and of the others."""
-    small, large, packed = [], [], 0
-    for i, t in enumerate(targets):
-        n = t.numel()
-        if n < PACK_BELOW and packed + n <= PACK_CAPACITY:
-            small.append(i)
-            packed += n
-        else:
-            large.append(i)
-    return small, large
 
 
 def _buffers(tensors):
