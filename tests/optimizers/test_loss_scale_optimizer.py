@@ -783,7 +783,7 @@ def test_save_load_own_variables_with_telemetry(backend, rng):
 KIND = {True: "f", False: "inf", None: None}
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(policy=policies(), steps=STEPS)
 @pytest.mark.parametrize("name", BACKENDS)  # as many examples on each backend
 def test_optimizer_matches_model(name, policy, steps):
