@@ -14,10 +14,11 @@ import os
 # (other backends run in subprocesses), so it is set before anything else.
 os.environ["KERAS_BACKEND"] = "torch"
 
-import floors  # noqa: E402
 import numpy as np
 import pytest
 from hypothesis import settings
+
+from tests import floors  # noqa: E402
 
 BACKENDS = floors.backends()
 

@@ -13,13 +13,13 @@ import subprocess
 import sys
 import warnings
 
-import grad_scaler_cases as cases
 import numpy as np
 import pytest
 import torch
 
 import lossscale
 import lossscale.torch as lt
+from tests import grad_scaler_cases as cases
 
 TINY = float(np.finfo(np.float32).tiny)
 
@@ -512,7 +512,7 @@ def test_update_with_a_bad_new_scale_is_an_error_and_writes_nothing(new_scale, m
 def test_a_step_and_update_dispatch_three_operations_more_than_torchs():
     # The flag as a boolean (`eq`), and the backoff floor torch's scaler
     # lacks (`mul`, `clamp_min_`): nothing per parameter.
-    from torch_cases import count_ops
+    from tests.torch_cases import count_ops
 
     counts = {}
     for cls in (torch.amp.GradScaler, lt.GradScaler):

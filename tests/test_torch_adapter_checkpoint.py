@@ -13,9 +13,9 @@ import io
 
 import pytest
 import torch
-from test_torch_adapter import INITIAL_SCALE, STEPS, make_params, run, state_tensors, wrapped
 
 from lossscale.torch import TorchAdapter
+from tests.test_torch_adapter import INITIAL_SCALE, STEPS, make_params, run, state_tensors, wrapped
 
 pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
 

@@ -5,10 +5,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from torch_cases import OPTIMIZERS, no_host_reads
 
 import lossscale as ls
 import lossscale.torch as lt
+from tests.torch_cases import OPTIMIZERS, no_host_reads
 
 SHAPES = [(6, 4), (4,), (4, 3)]
 
@@ -312,7 +312,7 @@ def test_accelerate_prepares_it_and_steps_it_with_our_scaler():
 def test_under_a_grad_scaler_adamw_takes_the_scale_into_its_kernel():
     # No unscale pass of its own (`_foreach_div_`): the fused kernel divides
     # each gradient by `grad_scale` as it reads it, as torch's AdamW does.
-    from torch_cases import count_ops
+    from tests.torch_cases import count_ops
 
     generator = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(64, 32, generator=generator)) for _ in range(16)]

@@ -11,10 +11,10 @@ import io
 
 import pytest
 import torch
-from test_torch_optimizer import grads_for, make_params, set_grads
 
 import lossscale as ls
 import lossscale.torch as lt
+from tests.test_torch_optimizer import grads_for, make_params, set_grads
 
 
 def test_state_dict_round_trip_resumes_exactly():

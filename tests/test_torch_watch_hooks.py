@@ -5,13 +5,13 @@ The hooks are driven through their observer protocol (`on_step`,
 runs them under `GradScaler` and `LossScaleOptimizer`.
 """
 
-import grad_scaler_cases as cases
 import pytest
 import torch
 import torch.nn.functional as F
-from torch_cases import no_host_reads
 
 from lossscale.torch.watch_hooks import Watch
+from tests import grad_scaler_cases as cases
+from tests.torch_cases import no_host_reads
 
 SCALE = 2.0**16
 
