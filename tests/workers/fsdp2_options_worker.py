@@ -1,4 +1,4 @@
-"""Two-rank FSDP2 runs with every `LossScalePolicy` option, for tests/test_torch_fsdp2_options.py.
+"""Two-rank FSDP2 runs with every `LossScalePolicy` option, for tests/torch/test_fsdp2_options.py.
 
 Run as `python -m tests.workers.fsdp2_options_worker OUT_DIR PORT`: spawns two gloo
 ranks on 127.0.0.1 and trains `fsdp2_worker`'s model, sharded with

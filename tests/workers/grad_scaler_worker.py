@@ -1,4 +1,4 @@
-"""Two-rank gloo runs of `GradScaler` for tests/test_grad_scaler_ecosystem.py.
+"""Two-rank gloo runs of `GradScaler` for tests/torch/test_grad_scaler_ecosystem.py.
 
 Run as `python -m tests.workers.grad_scaler_worker OUT_DIR PORT`; spawns two gloo
 ranks on 127.0.0.1 and writes `OUT_DIR/rank{r}.npz`. At step `POISONED` one

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import lossscale.torch as lt
 from tests import workers
 
-WORKER = Path(__file__).parent / "workers" / "grad_scaler_worker.py"
+WORKER = Path(__file__).parents[1] / "workers" / "grad_scaler_worker.py"
 
 
 # -- torch.distributed ----------------------------------------------------------
