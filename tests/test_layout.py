@@ -60,7 +60,7 @@ def test_no_folder_or_module_of_tests_shadows_a_package():
     # where it is not installed (the minimum-versions leg), fails.
     names = sorted(p.stem for p in TESTS.iterdir() if p.is_dir() or p.suffix == ".py")
     assert {"torch", "tensorflow", "keras", "optax", "workers"} <= set(names)
-    for name in (n for n in names if n not in ("__init__", "__pycache__")):
+    for name in (n for n in names if n.isidentifier() and not n.startswith("__")):
         spec = importlib.util.find_spec(name)
         if spec is None:
             with pytest.raises(ModuleNotFoundError):
