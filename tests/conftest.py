@@ -98,7 +98,7 @@ def pytest_ignore_collect(collection_path, config):
     missing = floors.module_needs_missing(collection_path)
     if missing is None:
         return None
-    _LEFT_OUT.append(f"{collection_path.name} (imports {missing})")
+    _LEFT_OUT.append(f"{collection_path.relative_to(config.rootpath)} (imports {missing})")
     return True
 
 
