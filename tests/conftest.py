@@ -14,10 +14,11 @@ import os
 # (other backends run in subprocesses), so it is set before anything else.
 os.environ["KERAS_BACKEND"] = "torch"
 
-import floors  # noqa: E402
 import numpy as np
 import pytest
 from hypothesis import settings
+
+from tests import floors  # noqa: E402
 
 BACKENDS = floors.backends()
 
@@ -97,7 +98,7 @@ def pytest_ignore_collect(collection_path, config):
     missing = floors.module_needs_missing(collection_path)
     if missing is None:
         return None
-    _LEFT_OUT.append(f"{collection_path.name} (imports {missing})")
+    _LEFT_OUT.append(f"{collection_path.relative_to(config.rootpath)} (imports {missing})")
     return True
 
 

@@ -52,8 +52,15 @@ def _imported(tree, top_level_only):
 
 
 def _helper(name):
-    """The file of the tests/ helper module or package the dotted `name` is, or None."""
-    path = _TESTS.joinpath(*name.split("."))
+    """The file of the helper module or package of `tests` the dotted `name` is, or None.
+
+    `tests` is a package (tests/README.md): its helpers are imported by their
+    full names (`tests.reference`, `tests.workers.fsdp2_worker`); any other
+    name is an installed package's, never a folder of tests/.
+    """
+    if name.split(".")[0] != "tests":
+        return None
+    path = _TESTS.parent.joinpath(*name.split("."))
     for candidate in (path.with_name(path.name + ".py"), path / "__init__.py"):
         if candidate.is_file():
             return candidate
@@ -72,7 +79,7 @@ def _missing(names, seen):
                 if found:
                     return found
         elif _helper(top) is not None:
-            continue  # a name inside a helper (`from optimizer_table import ROWS`)
+            continue  # a name inside a helper (`from tests.optimizer_table import ROWS`)
         elif importlib.util.find_spec(top) is None:
             return top
     return None

@@ -15,7 +15,6 @@ import math
 from typing import Any
 
 import numpy as np
-import optimizer_cases as cases
 
 from lossscale import optimizers
 from lossscale.optimizers import (
@@ -31,6 +30,7 @@ from lossscale.optimizers import (
     Nadam,
     RMSprop,
 )
+from tests import optimizer_cases as cases
 
 # ---------------------------------------------------------------------------
 # The float64 rules.

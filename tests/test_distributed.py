@@ -14,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from workers import distributed_worker as worker
+
+from tests import workers
+from tests.workers import distributed_worker as worker
 
 WORKER = Path(worker.__file__)
 
@@ -57,8 +59,8 @@ def launch(command, finished, attempts=2, **kwargs):
 
 def run_ranks(scenario, tmp_path):
     paths = [tmp_path / f"{scenario}_rank{r}.npz" for r in (0, 1)]
-    command = [sys.executable, str(WORKER), scenario, str(tmp_path), str(free_port())]
-    proc = launch(command, finished=lambda: all(p.exists() for p in paths))
+    command = workers.command(WORKER, scenario, tmp_path, free_port())
+    proc = launch(command, finished=lambda: all(p.exists() for p in paths), cwd=workers.ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [dict(np.load(path)) for path in paths]
 

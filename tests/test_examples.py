@@ -117,7 +117,7 @@ def _two_ranks(example, tmp_path):
     launcher = tmp_path / "launch.py"
     launcher.write_text(DDP_LAUNCHER)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    from test_distributed import launch  # retries once after a gloo teardown abort
+    from tests.test_distributed import launch  # retries once after a gloo teardown abort
 
     proc = launch(
         [sys.executable, str(launcher), str(EXAMPLES / example), str(port)],

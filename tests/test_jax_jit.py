@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import ReferenceLossScale, ReferenceOptimizer, adam_rule
 
 import lossscale as ls
 from lossscale import optimizers, schedules
 from lossscale.optimizers import LossScaleOptimizer
+from tests.reference import ReferenceLossScale, ReferenceOptimizer, adam_rule
 
 # The tests feed gradients that are already scaled, as `jax.grad` of a scaled
 # loss would give them, so the stateful wrapper's reminder does not apply.

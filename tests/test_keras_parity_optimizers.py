@@ -14,12 +14,12 @@ import re
 os.environ["KERAS_BACKEND"] = "torch"
 
 import keras  # noqa: E402
-import keras_scenarios  # noqa: E402
 import numpy as np  # noqa: E402
-import optimizer_cases as cases  # noqa: E402
 import pytest  # noqa: E402
 
 import lossscale as ls  # noqa: E402
+from tests import keras_scenarios  # noqa: E402
+from tests import optimizer_cases as cases  # noqa: E402
 
 SCENARIOS, KINDS = keras_scenarios.SCENARIOS, keras_scenarios.KINDS
 

@@ -13,10 +13,10 @@ os.environ["KERAS_BACKEND"] = "torch"
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import schedule_cases as cases  # noqa: E402
 import torch  # noqa: E402
 
 import lossscale as ls  # noqa: E402
+from tests import schedule_cases as cases  # noqa: E402
 
 STEPS = range(0, 160)
 SETTINGS = [

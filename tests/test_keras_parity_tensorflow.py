@@ -14,15 +14,14 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 
-import keras_scenarios
 import numpy as np
-import optimizer_cases as cases
 import pytest
 import tensorflow as tf
 
 import lossscale as ls
+from tests import keras_scenarios, workers
+from tests import optimizer_cases as cases
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::lossscale.mixed_precision.UnscaledLossWarning", "ignore::UserWarning"
@@ -101,7 +100,8 @@ def keras_results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("keras_tensorflow")
     (folder / "specs.json").write_text(json.dumps(SPECS))
     proc = subprocess.run(
-        [sys.executable, str(WORKER), str(folder / "specs.json"), str(folder / "out.json")],
+        workers.command(WORKER, folder / "specs.json", folder / "out.json"),
+        cwd=workers.ROOT,
         capture_output=True,
         text=True,
         timeout=600,

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import optax_zoo
 import pytest
 
 import lossscale.optax as lso
+from tests import optax_zoo
 
 ZOO = optax_zoo.zoo()
 SCALE = 2.0**10

@@ -7,11 +7,11 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import Backend
 
 import lossscale as ls
 from lossscale import saving
 from lossscale.optimizers import SGD, Adam, LossScaleOptimizer
+from tests.conftest import Backend
 
 SHAPES = [(5, 3), (3,), (3, 2)]
 

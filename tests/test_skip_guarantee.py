@@ -205,7 +205,7 @@ class Wrapper(Interface):
         return None
 
     def snapshot(self, state):
-        from conftest import Backend
+        from tests.conftest import Backend
 
         read = Backend(self.backend).numpy
         values = {f"param {i}": read(v) for i, v in enumerate(self.variables)}

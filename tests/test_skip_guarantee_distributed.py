@@ -17,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_distributed import free_port, launch
+
+from tests import workers
+from tests.test_distributed import free_port, launch
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 
@@ -37,8 +39,9 @@ def test_two_ranks_skip_a_bad_value_on_rank_1_only(tmp_path):
     worker = Path(__file__).parent / "workers" / "skip_guarantee_worker.py"
     paths = [tmp_path / f"rank{r}.npz" for r in (0, 1)]
     proc = launch(
-        [sys.executable, str(worker), str(tmp_path), str(free_port())],
+        workers.command(worker, tmp_path, free_port()),
         lambda: all(p.exists() for p in paths),
+        cwd=workers.ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [np.load(p) for p in paths]

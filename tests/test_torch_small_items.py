@@ -1,6 +1,9 @@
-"""Inputs torch users pass: bfloat16 parameters, dtype objects, torch LR schedulers (issue 29)."""
+"""Inputs torch users pass: bfloat16 parameters, dtype objects, torch LR schedulers (issue 29).
 
-import numpy as np
+What `lossscale.torch.GradScaler` accepts as torch's scaler does is in
+tests/torch/test_grad_scaler.py.
+"""
+
 import pytest
 import torch
 
@@ -54,65 +57,3 @@ def test_a_torch_lr_scheduler_on_a_loss_scale_optimizer_points_at_the_torch_opti
     with pytest.raises(AttributeError, match=r"lossscale\.torch\.Optimizer"):
         torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0)
     assert not hasattr(opt, "param_groups")
-
-
-# --- lossscale.torch.GradScaler: what torch's scaler accepts, checked alike --------
-
-
-def _scaler(**kwargs):
-    import lossscale.torch
-
-    return lossscale.torch.GradScaler("cpu", **kwargs)
-
-
-@pytest.mark.parametrize("enabled", [1, 0, True, False, np.bool_(True)])
-def test_enabled_accepts_what_torch_accepts(enabled):
-    ours, theirs = _scaler(enabled=enabled), torch.amp.GradScaler("cpu", enabled=enabled)
-    assert ours.is_enabled() == theirs.is_enabled() == bool(enabled)
-    loss = torch.tensor(3.0)
-    assert float(ours.scale(loss)) == float(theirs.scale(loss))
-
-
-@pytest.mark.parametrize("enabled", [2, -1, "yes", None, 1.0])
-def test_enabled_refuses_other_values(enabled):
-    with pytest.raises(ValueError, match=r"`enabled` must be a boolean \(or 0 or 1\)"):
-        _scaler(enabled=enabled)
-
-
-def test_a_tensor_init_scale_is_taken_as_torch_takes_it():
-    ours = _scaler(init_scale=torch.tensor(8.0))
-    theirs = torch.amp.GradScaler("cpu", init_scale=torch.tensor(8.0))
-    loss = torch.tensor(3.0)
-    assert float(ours.scale(loss)) == float(theirs.scale(loss)) == 24.0
-    assert ours.get_scale() == theirs.get_scale() == 8.0
-    with pytest.raises(
-        ValueError, match=r"`init_scale` must be a positive number or a one-element"
-    ):
-        _scaler(init_scale=torch.ones(2))
-    with pytest.raises(ValueError, match=r"init_scale"):
-        _scaler(init_scale=torch.tensor(-8.0))
-
-
-@pytest.mark.parametrize("bad", [-8.0, 0.0, float("nan"), float("inf")])
-def test_a_tensor_new_scale_is_checked_as_a_float_is(bad):
-    scaler = _scaler(init_scale=8.0)
-    scaler.scale(torch.tensor(1.0))
-    for new_scale in (bad, torch.tensor(bad)):
-        with pytest.raises(ValueError, match=r"`new_scale` must be"):
-            scaler.update(new_scale)
-        assert scaler.get_scale() == 8.0  # nothing written
-    scaler.update(torch.tensor(4.0))
-    assert scaler.get_scale() == 4.0
-
-
-def test_unscale_grads_before_scale_is_a_clear_error():
-    scaler = _scaler()
-    param = torch.nn.Parameter(torch.ones(3))
-    param.grad = torch.ones(3)
-    opt = torch.optim.SGD([param], lr=0.1)
-    found_inf = torch.zeros(1)
-    with pytest.raises(
-        RuntimeError, match=r"`GradScaler._unscale_grads_\(\)` needs the loss scale"
-    ):
-        scaler._unscale_grads_(opt, torch.ones(()), found_inf, False)
-    assert torch.equal(param.grad, torch.ones(3))

@@ -9,9 +9,9 @@ diagnostics-off row: measuring changes no update.
 
 import numpy as np
 import pytest
-from workers.bench_row_worker import final_params, keras_adam, torch_adam
 
 from lossscale.bench import registry, workloads
+from tests.workers.bench_row_worker import final_params, keras_adam, torch_adam
 
 # The registry first, in the table's order: importing an implementation
 # module first would register its rows first (tests/bench/test_registry.py).

@@ -8,9 +8,9 @@ rule on the unscaled gradients; torch's Adam rule is 1.4e-5 away.
 """
 
 import numpy as np
-from workers.bench_row_worker import final_params, keras_adam, launch
 
 from lossscale.bench import registry, workloads
+from tests.workers.bench_row_worker import final_params, keras_adam, launch
 
 STEPS = 3
 ATOL = 5e-7

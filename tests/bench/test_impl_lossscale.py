@@ -9,9 +9,9 @@ torch's own Adam rule (epsilon after the bias correction) is 1.4e-5 away.
 
 import numpy as np
 import pytest
-from workers.bench_row_worker import final_params, keras_adam, sgd_momentum
 
 from lossscale.bench import registry, workloads
+from tests.workers.bench_row_worker import final_params, keras_adam, sgd_momentum
 
 STEPS = 3
 ATOL = 5e-7

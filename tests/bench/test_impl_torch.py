@@ -9,9 +9,9 @@ Keras's Adam rule (epsilon before the bias correction) is 1.4e-5 away.
 
 import numpy as np
 import pytest
-from workers.bench_row_worker import final_params, sgd_momentum, torch_adam
 
 from lossscale.bench import registry, workloads
+from tests.workers.bench_row_worker import final_params, sgd_momentum, torch_adam
 
 # The registry first, in the table's order: importing an implementation
 # module first would register its rows first (tests/bench/test_registry.py).

@@ -10,9 +10,9 @@ parameters with `watch(model, scaler)` as without: the hooks only observe.
 import numpy as np
 import pytest
 import torch
-from workers.bench_row_worker import final_params, torch_adam
 
 from lossscale.bench import frameworks, registry, workloads
+from tests.workers.bench_row_worker import final_params, torch_adam
 
 # The registry first, in the table's order: importing an implementation
 # module first would register its rows first (tests/bench/test_registry.py).

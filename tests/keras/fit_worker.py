@@ -1,7 +1,7 @@
 """`model.fit` with lossscale.keras and with Keras's own wrapper, on one backend (not a test module).
 
 Keras reads `KERAS_BACKEND` once, at import, so `tests/keras/test_fit.py`
-runs this file in a subprocess per backend: `python fit_worker.py OUT.json`.
+runs this file in a subprocess per backend: `python -m tests.keras.fit_worker OUT.json`.
 Each scenario trains tiny models for a few steps and writes what the tests
 compare: weights, loss-scale trajectories (read after every batch), logs,
 errors, configs.

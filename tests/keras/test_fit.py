@@ -13,10 +13,11 @@ import os
 import pathlib
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+from tests import workers
 
 WORKER = pathlib.Path(__file__).with_name("fit_worker.py")
 BACKENDS = ("tensorflow", "jax", "torch")
@@ -42,7 +43,8 @@ def _run_worker(backend, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"keras_{backend}") / "out.json"
     env = {**os.environ, "KERAS_BACKEND": backend, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(WORKER), str(out)],
+        workers.command(WORKER, out),
+        cwd=workers.ROOT,
         capture_output=True,
         text=True,
         timeout=600,

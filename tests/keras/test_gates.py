@@ -15,9 +15,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from torch_cases import no_host_reads  # noqa: E402
 
 from lossscale.keras import gates  # noqa: E402
+from tests.torch_cases import no_host_reads  # noqa: E402
 
 RNG = np.random.default_rng(5)
 VALUES = [RNG.standard_normal(s).astype("float32") for s in [(4, 3), (3,)]]

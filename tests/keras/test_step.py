@@ -14,12 +14,12 @@ os.environ["KERAS_BACKEND"] = "torch"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from conftest import Backend  # noqa: E402
 
 from lossscale.backends import get_ops  # noqa: E402
 from lossscale.keras import step  # noqa: E402
 from lossscale.mixed_precision import LossScalePolicy, LossScaleState, diagnostics  # noqa: E402
 from lossscale.mixed_precision.loss_scale import next_loss_scale  # noqa: E402
+from tests.conftest import Backend  # noqa: E402
 
 SHAPES = [(64, 33), (7,), (4097,)]
 

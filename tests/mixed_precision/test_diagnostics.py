@@ -14,11 +14,11 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import BACKENDS, Backend
 
 import lossscale as ls
 from lossscale.backends import get_ops
 from lossscale.mixed_precision import LossScaleError, diagnostics
+from tests.conftest import BACKENDS, Backend
 
 # Both sides of every size a backend's reductions branch on (JAX 4096 and
 # 2^18, NumPy's blocks 2^14, torch's packing 2^16).

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import F32_MAX, F32_TINY, ReferenceLossScale
 
 from lossscale.backends import get_ops
 from lossscale.mixed_precision import LossScalePolicy, LossScaleState, next_loss_scale
+from tests.reference import F32_MAX, F32_TINY, ReferenceLossScale
 
 
 def run(backend, policy, pattern):
@@ -44,7 +44,7 @@ def test_guards_at_both_ends(backend):
     pattern=st.lists(st.booleans(), max_size=30),
 )
 def test_random_sequences_numpy(initial, growth, pattern):
-    from conftest import Backend
+    from tests.conftest import Backend
 
     run(Backend("numpy"), LossScalePolicy(initial, growth), pattern)
 
@@ -54,10 +54,10 @@ def test_random_sequences_numpy(initial, growth, pattern):
 import dataclasses  # noqa: E402
 import math  # noqa: E402
 
-from conftest import BACKENDS, Backend  # noqa: E402
 from hypothesis import assume  # noqa: E402
 
 from lossscale.mixed_precision import loss_scale as ls_module  # noqa: E402
+from tests.conftest import BACKENDS, Backend  # noqa: E402
 
 F16_MAX = 65504.0
 f32 = np.float32

@@ -5,11 +5,11 @@ import math
 
 import numpy as np
 import pytest
-from reference import F32_MAX, F32_TINY
 
 from lossscale.mixed_precision import LossScalePolicy
 from lossscale.mixed_precision import loss_scale as ls_module
 from lossscale.mixed_precision import policy as policy_module
+from tests.reference import F32_MAX, F32_TINY
 
 
 @pytest.mark.parametrize(

@@ -99,7 +99,7 @@ def test_restore_refuses_a_bad_loss_scale_value_and_writes_nothing(backend, rng,
 
 
 def test_valid_edge_values_restore(rng, tmp_path):
-    from conftest import Backend
+    from tests.conftest import Backend
 
     numpy = Backend("numpy")
     _, opt = trained_optimizer(numpy, rng)

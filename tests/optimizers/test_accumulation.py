@@ -2,11 +2,11 @@
 
 import numpy as np
 import pytest
-from conftest import BACKENDS, Backend
 
 import lossscale as ls
 from lossscale.backends import get_ops
 from lossscale.optimizers import accumulation
+from tests.conftest import BACKENDS, Backend
 
 
 def test_accumulate_mean_reset(backend):

@@ -1,10 +1,10 @@
 """Adadelta: one step by hand; the shared scenarios are `test_rules.py`'s."""
 
 import numpy as np
-import optimizer_cases as cases
 
 import lossscale as ls
 from lossscale.optimizers import Adadelta
+from tests import optimizer_cases as cases
 
 
 def test_one_step_by_hand(backend):

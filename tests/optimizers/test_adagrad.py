@@ -1,10 +1,10 @@
 """Adagrad: two steps by hand; the shared scenarios are `test_rules.py`'s."""
 
 import numpy as np
-import optimizer_cases as cases
 
 import lossscale as ls
 from lossscale.optimizers import Adagrad
+from tests import optimizer_cases as cases
 
 
 def test_two_steps_by_hand(backend):

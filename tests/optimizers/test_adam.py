@@ -4,10 +4,10 @@ import math
 
 import numpy as np
 import pytest
-from reference import ReferenceOptimizer, adam_rule
 
 import lossscale as ls
 from lossscale.optimizers import Adam
+from tests.reference import ReferenceOptimizer, adam_rule
 
 
 def test_first_step_is_lr_times_sign(backend):

@@ -8,11 +8,11 @@ import warnings
 
 import numpy as np
 import pytest
-from reference import ReferenceOptimizer, sgd_rule
 
 import lossscale as ls
 from lossscale.backends import ops_for
 from lossscale.optimizers import SGD, Adam, Optimizer
+from tests.reference import ReferenceOptimizer, sgd_rule
 
 SHAPES = [(3, 4), (5,), ()]
 

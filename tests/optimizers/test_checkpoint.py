@@ -7,13 +7,13 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import BACKENDS, Backend
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lossscale as ls
 from lossscale.mixed_precision import UnscaledLossWarning
 from lossscale.optimizers import SGD, Adam, LossScaleOptimizer, Nadam, RMSprop
+from tests.conftest import BACKENDS, Backend
 
 SHAPES = [(3, 2), (2,)]
 

@@ -3,10 +3,10 @@
 import functools
 
 import numpy as np
-import optimizer_cases as cases
-from optimizer_table import FtrlRule
 
 from lossscale.optimizers import Ftrl
+from tests import optimizer_cases as cases
+from tests.optimizer_table import FtrlRule
 
 
 def test_l1_keeps_small_linear_terms_at_zero(backend):

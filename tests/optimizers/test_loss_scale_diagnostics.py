@@ -10,10 +10,10 @@ whose model this file shares.
 
 import numpy as np
 import pytest
-from conftest import BACKENDS, Backend
-from mixed_precision.test_diagnostics import SHAPES, build, scaled_grads
 
 import lossscale as ls
+from tests.conftest import BACKENDS, Backend
+from tests.mixed_precision.test_diagnostics import SHAPES, build, scaled_grads
 
 
 def test_a_traced_loss_is_not_recorded():
@@ -72,7 +72,8 @@ def test_observers_hear_every_step_and_name_the_module():
 
 def test_no_host_read_in_a_torch_step_with_diagnostics_and_telemetry():
     import torch
-    from torch_cases import count_ops
+
+    from tests.torch_cases import count_ops
 
     def reads(**settings):
         params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]

@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-from reference import F32_MAX, F32_TINY, ReferenceLossScale, ReferenceOptimizer, adam_rule
 
 import lossscale as ls
 from lossscale.optimizers import SGD, Adam, LossScaleOptimizer
+from tests.reference import F32_MAX, F32_TINY, ReferenceLossScale, ReferenceOptimizer, adam_rule
 
 SHAPES = [(4, 3), (3,)]
 
@@ -383,9 +383,7 @@ import inspect  # noqa: E402
 import re  # noqa: E402
 import warnings  # noqa: E402
 
-from conftest import BACKENDS, Backend  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
-from mixed_precision.test_loss_scale import STEPS, Model, policies  # noqa: E402
 
 from lossscale.mixed_precision import (  # noqa: E402
     LossScaleError,
@@ -394,6 +392,8 @@ from lossscale.mixed_precision import (  # noqa: E402
     diagnostics,
 )
 from lossscale.mixed_precision.telemetry import summarize  # noqa: E402
+from tests.conftest import BACKENDS, Backend  # noqa: E402
+from tests.mixed_precision.test_loss_scale import STEPS, Model, policies  # noqa: E402
 
 
 def grads_for(backend, scale, kinds, magnitude=1.0):

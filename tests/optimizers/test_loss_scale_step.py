@@ -11,9 +11,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from torch_cases import OPTIMIZERS, count_ops
 
 import lossscale as ls
+from tests.torch_cases import OPTIMIZERS, count_ops
 
 # The fused paths: a step's every operation, 16 parameters in one group.
 # torch.amp.GradScaler + torch.optim.Adam(fused=True) dispatches 13.

@@ -1,10 +1,10 @@
 """Nadam: its running product is optimizer state; the shared scenarios are `test_rules.py`'s."""
 
-import optimizer_cases as cases
 import pytest
 
 import lossscale as ls
 from lossscale.optimizers import Nadam
+from tests import optimizer_cases as cases
 
 
 def test_u_product_is_a_variable_on_the_model_backend(backend):

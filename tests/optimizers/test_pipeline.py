@@ -8,10 +8,10 @@ step writes nothing, whether the kernel folds `keep` or runs under `cond`.
 
 import numpy as np
 import pytest
-from reference import ReferenceOptimizer, adam_rule, sgd_rule
 
 import lossscale as ls
 from lossscale.optimizers import SGD, Adam
+from tests.reference import ReferenceOptimizer, adam_rule, sgd_rule
 
 from .test_base import assert_close, make_vars, random_grads
 

@@ -1,8 +1,7 @@
 """RMSprop: the order of its slots; the shared scenarios are `test_rules.py`'s."""
 
-import optimizer_cases as cases
-
 from lossscale.optimizers import RMSprop
+from tests import optimizer_cases as cases
 
 
 def test_slots_follow_options():

@@ -10,9 +10,10 @@ to one optimizer stays in `test_<name>.py`.
 import functools
 import re
 
-import optimizer_cases as cases
 import pytest
-from optimizer_table import ROWS
+
+from tests import optimizer_cases as cases
+from tests.optimizer_table import ROWS
 
 
 def _grid():

@@ -4,10 +4,10 @@ import math
 import re
 
 import pytest
-import schedule_cases as cases
 
 from lossscale.schedules import CosineDecay, CosineDecayRestarts
 from lossscale.schedules import cosine_decay as cosine_decay_module
+from tests import schedule_cases as cases
 
 STEPS = [0, 1, 3, 5, 7, 8, 9, 15, 20, 27, 28, 29, 100]
 DECAY_SETTINGS = [

@@ -4,10 +4,10 @@ import math
 import re
 
 import pytest
-import schedule_cases as cases
 
 from lossscale.schedules import ExponentialDecay
 from lossscale.schedules import exponential_decay as exponential_decay_module
+from tests import schedule_cases as cases
 
 STEPS = [0, 1, 6, 7, 8, 20, 100]
 SETTINGS = [

@@ -4,10 +4,10 @@ import math
 import re
 
 import pytest
-import schedule_cases as cases
 
 from lossscale.schedules import InverseTimeDecay
 from lossscale.schedules import inverse_time_decay as inverse_time_decay_module
+from tests import schedule_cases as cases
 
 STEPS = [0, 1, 2, 3, 4, 10, 1000]
 SETTINGS = [

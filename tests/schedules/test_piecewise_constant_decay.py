@@ -6,10 +6,10 @@ import re
 
 import numpy as np
 import pytest
-import schedule_cases as cases
 
 from lossscale.schedules import PiecewiseConstantDecay
 from lossscale.schedules import piecewise_constant_decay as piecewise_constant_decay_module
+from tests import schedule_cases as cases
 
 STEPS = [0, 4, 5, 6, 10, 11, 20, 21, 1000]
 SETTINGS = [

@@ -4,10 +4,10 @@ import math
 import re
 
 import pytest
-import schedule_cases as cases
 
 from lossscale.schedules import PolynomialDecay
 from lossscale.schedules import polynomial_decay as polynomial_decay_module
+from tests import schedule_cases as cases
 
 STEPS = [0, 1, 4, 8, 9, 10, 17, 18, 19, 50]
 SETTINGS = [

@@ -1,6 +1,6 @@
 """Steps `lossscale bench` rows and reads their parameters back, for tests/bench/test_impl_*.py.
 
-Run as `python tests/workers/bench_row_worker.py WORKLOAD STEPS NAME...` in
+Run as `python -m tests.workers.bench_row_worker WORKLOAD STEPS NAME...` in
 a process started with the rows' environment (`KERAS_BACKEND`): steps each
 row `STEPS` times on the `quick` version of `WORKLOAD` and prints
 `RESULT_PREFIX` and `{name: [parameter as a nested list, ...]}` as JSON on
@@ -21,15 +21,12 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 from unittest import mock
 
-if __package__ in (None, ""):  # run as a script: tests/ on the path, as under pytest
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from lossscale.bench import frameworks, registry, workloads  # noqa: E402
+from lossscale.bench import frameworks, registry, workloads
+from tests.workers import ROOT, command
 
 RESULT_PREFIX = "BENCH_ROW_RESULT "
 LEARNING_RATE = 1e-3
@@ -148,7 +145,8 @@ def sgd_momentum(workload, steps, momentum=0.9):
 def launch(keras_backend, workload, steps, names):
     """Runs this script with `KERAS_BACKEND=keras_backend`; `{name: float64 parameters}`."""
     proc = subprocess.run(
-        [sys.executable, __file__, workload, str(steps), *names],
+        command(__file__, workload, steps, *names),
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,

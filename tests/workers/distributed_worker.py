@@ -1,6 +1,6 @@
 """Two-process torch.distributed scenarios for tests/test_distributed.py.
 
-Run as `python tests/workers/distributed_worker.py SCENARIO OUT_DIR PORT`; spawns two
+Run as `python -m tests.workers.distributed_worker SCENARIO OUT_DIR PORT`; spawns two
 gloo ranks on 127.0.0.1 and writes `OUT_DIR/SCENARIO_rank{r}.npz`.
 """
 

@@ -1,6 +1,6 @@
-"""Two-rank FSDP2 runs with every `LossScalePolicy` option, for tests/test_torch_fsdp2_options.py.
+"""Two-rank FSDP2 runs with every `LossScalePolicy` option, for tests/torch/test_fsdp2_options.py.
 
-Run as `python tests/workers/fsdp2_options_worker.py OUT_DIR PORT`: spawns two gloo
+Run as `python -m tests.workers.fsdp2_options_worker OUT_DIR PORT`: spawns two gloo
 ranks on 127.0.0.1 and trains `fsdp2_worker`'s model, sharded with
 `fully_shard`, once per (interface, option): `LossScaleOptimizer`,
 `lossscale.torch.Optimizer` under `lossscale.torch.GradScaler`, and a torch
@@ -13,18 +13,14 @@ parameters.
 
 import sys
 import warnings
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: tests/ on the path, as under pytest
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
+import torch
+import torch.distributed as dist
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import lossscale as ls  # noqa: E402
-import lossscale.torch as lt  # noqa: E402
-from workers.fsdp2_worker import BATCH, POISONED, STEPS, data, make_model  # noqa: E402
+import lossscale as ls
+import lossscale.torch as lt
+from tests.workers.fsdp2_worker import BATCH, POISONED, STEPS, data, make_model
 
 INITIAL = 2.0**6  # grows at step 1 (every 2 finite steps), backs off at POISONED
 

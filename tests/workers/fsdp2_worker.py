@@ -1,6 +1,6 @@
 """Two-rank FSDP2 (`fully_shard`) runs for tests/backends/torch/test_dtensors.py.
 
-Run as `python tests/workers/fsdp2_worker.py OUT_DIR PORT`: spawns two gloo ranks on
+Run as `python -m tests.workers.fsdp2_worker OUT_DIR PORT`: spawns two gloo ranks on
 127.0.0.1, trains the same small model with each interface, and writes
 `OUT_DIR/rank{r}.npz` (the full parameters after every run, gathered from the
 shards, and each run's loss scales). At step `POISONED` rank 1's shard of the

@@ -1,6 +1,6 @@
-"""Two-rank gloo runs of `GradScaler` for tests/test_grad_scaler_ecosystem.py.
+"""Two-rank gloo runs of `GradScaler` for tests/torch/test_grad_scaler_ecosystem.py.
 
-Run as `python tests/workers/grad_scaler_worker.py OUT_DIR PORT`; spawns two gloo
+Run as `python -m tests.workers.grad_scaler_worker OUT_DIR PORT`; spawns two gloo
 ranks on 127.0.0.1 and writes `OUT_DIR/rank{r}.npz`. At step `POISONED` one
 gradient element on rank 1 only is set to inf.
 

@@ -1,6 +1,6 @@
 """Two gloo ranks, one bad gradient value on rank 1 only: every rank skips (SPEC section 5).
 
-Run as `python tests/workers/skip_guarantee_worker.py OUT_DIR PORT` for
+Run as `python -m tests.workers.skip_guarantee_worker OUT_DIR PORT` for
 tests/test_skip_guarantee_distributed.py. Parameters of sizes on both sides
 of the backends' thresholds, split between the ranks in two ways:
 

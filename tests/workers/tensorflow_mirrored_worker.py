@@ -2,7 +2,7 @@
 
 TensorFlow splits a CPU into logical devices only before it first runs an
 op, so `tests/backends/tensorflow/test_replicas.py` runs this file in a fresh
-process: `python tensorflow_mirrored_worker.py SCENARIO...` prints one JSON
+process: `python -m tests.workers.tensorflow_mirrored_worker SCENARIO...` prints one JSON
 line, `{scenario: what it observed}`.
 
 Every step all-reduces the gradients (a mean over the replicas, as a

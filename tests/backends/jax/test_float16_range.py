@@ -4,12 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from float16_range_cases import EDGES, SUBNORMAL, gradient_values
 
 from lossscale.backends import jax as jax_ops
 from lossscale.backends.jax import float16_range
 from lossscale.bench import workloads
 from lossscale.mixed_precision import diagnostics
+from tests.float16_range_cases import EDGES, SUBNORMAL, gradient_values
 
 PACK_UP_TO, CAPACITY = float16_range.PACK_UP_TO, float16_range.PACK_CAPACITY
 TINY = np.finfo(np.float32).tiny

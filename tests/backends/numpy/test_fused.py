@@ -16,7 +16,6 @@ import weakref
 
 import numpy as np
 import pytest
-from conftest import force_numpy_threads
 
 import lossscale as ls
 from lossscale.backends.kernel import Kernel
@@ -25,6 +24,7 @@ from lossscale.backends.numpy import kernels as numpy_kernels
 from lossscale.backends.numpy import ops as numpy_ops
 from lossscale.backends.numpy import parallel as numpy_parallel
 from lossscale.optimizers import SGD, Adam, AdamW
+from tests.conftest import force_numpy_threads
 
 SHAPES = [(3, 4), (7,), (), (0, 3), (37, 29), (1500,)]
 

@@ -9,10 +9,10 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import force_numpy_threads
 
 import lossscale as ls
 from lossscale.backends.numpy import ops as ops
+from tests.conftest import force_numpy_threads
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])

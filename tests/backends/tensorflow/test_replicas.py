@@ -11,13 +11,13 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from lossscale.backends.tensorflow import replicas
+from tests import workers
 
 TESTS = pathlib.Path(__file__).resolve().parents[2]
 WORKER = TESTS / "workers" / "tensorflow_mirrored_worker.py"
@@ -31,7 +31,8 @@ def _run_worker(*scenarios):
     src = str(TESTS.parent / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, str(WORKER), *scenarios],
+        workers.command(WORKER, *scenarios),
+        cwd=workers.ROOT,
         capture_output=True,
         text=True,
         timeout=600,

@@ -127,7 +127,7 @@ def test_weight_decay_under_keep_is_the_factor_or_nothing(dtype, skipped):
 
 
 def test_weight_decay_without_keep_uses_one_kernel_per_group():
-    from torch_cases import count_ops
+    from tests.torch_cases import count_ops
 
     params = [ls.Variable(torch.randn(4, 3)) for _ in range(16)]
     params += [ls.Variable(torch.randn(4, 3, dtype=torch.float16)) for _ in range(16)]

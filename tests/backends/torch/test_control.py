@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 import torch
-from torch_cases import SHAPES, apply, inject, random_grads
 
 import lossscale as ls
 import lossscale.backends.torch as torch_backend
 from lossscale.backends.torch import control
 from lossscale.optimizers import SGD, Adam, RMSprop
+from tests.torch_cases import SHAPES, apply, inject, random_grads
 
 
 def variable(values, dtype=torch.float32):

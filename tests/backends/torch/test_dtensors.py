@@ -8,17 +8,17 @@ inf in rank 1's shard alone makes both ranks skip, and the float32 runs end
 where the same model trained unsharded in one process ends.
 """
 
-import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from workers import fsdp2_worker as worker
 
 import lossscale as ls
 from lossscale.backends.torch import dtensors
+from tests import workers
+from tests.workers import fsdp2_worker as worker
 
 WORKER = Path(worker.__file__)
 
@@ -27,12 +27,13 @@ WORKER = Path(worker.__file__)
 # modules interleave with these in it (a module fixture is set up again then).
 @pytest.fixture(scope="session")
 def ranks(tmp_path_factory):
-    from test_distributed import free_port, launch
+    from tests.test_distributed import free_port, launch
 
     out = tmp_path_factory.mktemp("fsdp2")
     proc = launch(
-        [sys.executable, str(WORKER), str(out), str(free_port())],
+        workers.command(WORKER, out, free_port()),
         finished=lambda: all((out / f"rank{r}.npz").exists() for r in (0, 1)),
+        cwd=workers.ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [dict(np.load(out / f"rank{r}.npz")) for r in (0, 1)]

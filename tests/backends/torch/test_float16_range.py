@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-from float16_range_cases import EDGES, SUBNORMAL, gradient_values
 
 import lossscale as ls
 from lossscale.backends import torch as torch_ops
@@ -11,6 +10,7 @@ from lossscale.backends.torch import float16_range
 from lossscale.backends.torch import multi as torch_multi
 from lossscale.bench import workloads
 from lossscale.mixed_precision import diagnostics
+from tests.float16_range_cases import EDGES, SUBNORMAL, gradient_values
 
 PACK_BELOW, CAPACITY = torch_multi.PACK_BELOW, torch_multi.PACK_CAPACITY
 
@@ -82,7 +82,7 @@ def test_other_gradients_are_left_to_measure():
 
 def test_a_due_step_dispatches_a_fixed_number_of_operations():
     """Not about thirty per gradient as `measure` alone: 37 more than a plain step, for 28 and 56."""
-    from torch_cases import count_ops
+    from tests.torch_cases import count_ops
 
     counts = []
     for copies in (1, 2):

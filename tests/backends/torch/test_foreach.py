@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 import torch
-from torch_cases import OPTIMIZERS, assert_same_run, generic_path, train
 
 from lossscale.backends.torch import foreach as torch_foreach
 from lossscale.backends.torch import kernels as torch_kernels
 from lossscale.optimizers import SGD
+from tests.torch_cases import OPTIMIZERS, assert_same_run, generic_path, train
 
 FOREACH = [
     "rmsprop",

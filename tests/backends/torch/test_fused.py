@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 import torch
-from torch_cases import (
+
+import lossscale as ls
+from lossscale.backends.torch import fused as torch_fused
+from lossscale.backends.torch import kernels as torch_kernels
+from lossscale.optimizers import SGD, Adam, AdamW
+from lossscale.schedules import ExponentialDecay
+from tests.torch_cases import (
     OPTIMIZERS,
     SHAPES,
     apply,
@@ -13,12 +19,6 @@ from torch_cases import (
     random_grads,
     train,
 )
-
-import lossscale as ls
-from lossscale.backends.torch import fused as torch_fused
-from lossscale.backends.torch import kernels as torch_kernels
-from lossscale.optimizers import SGD, Adam, AdamW
-from lossscale.schedules import ExponentialDecay
 
 FUSED = ["sgd", "sgd_momentum", "sgd_nesterov", "adam", "adam_amsgrad", "adamw"]
 

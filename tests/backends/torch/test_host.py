@@ -51,7 +51,7 @@ def test_the_step_size_is_the_device_ones_bit_for_bit(betas):
 
 
 def test_a_python_int_count_and_a_learning_rate_read_once():
-    from torch_cases import count_ops
+    from tests.torch_cases import count_ops
 
     params = [ls.Variable(torch.ones(3))]
     group = plans.plan(params, {}, {}).groups[0]

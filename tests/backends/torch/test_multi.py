@@ -186,7 +186,7 @@ ONE_PASS = [
 
 
 def _checked(grads, value, in_place=True):
-    from torch_cases import count_ops
+    from tests.torch_cases import count_ops
 
     scale = torch.tensor(value)
     torch_multi.unscale_checked([torch.ones(1)], scale, True)  # caches the constants

@@ -5,7 +5,6 @@ tests/backends/torch/test_control.py)."""
 import numpy as np
 import pytest
 import torch
-from torch_cases import no_host_reads
 
 import lossscale as ls
 import lossscale.backends.torch as torch_backend
@@ -13,6 +12,7 @@ from lossscale.backends.torch import fused as torch_fused
 from lossscale.backends.torch import kernels as torch_kernels
 from lossscale.backends.torch import ops as torch_ops
 from lossscale.optimizers import SGD, Adam, RMSprop
+from tests.torch_cases import no_host_reads
 
 
 def storage(values, dtype=torch.float32):

@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 import torch
-from torch_cases import SHAPES, count_ops, random_grads
 
 import lossscale as ls
 from lossscale.backends.torch import multi as torch_multi
 from lossscale.backends.torch import plans as torch_plans
 from lossscale.optimizers import Adam, RMSprop
+from tests.torch_cases import SHAPES, count_ops, random_grads
 
 
 def built(opt, dtypes=None):

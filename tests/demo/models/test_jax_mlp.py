@@ -1,7 +1,8 @@
 """demo/models/jax_mlp.py: the network under `jax.grad` and `jax.jit` trains, in float32 and float16."""
 
 import pytest
-from demo_model_cases import (
+
+from tests.demo_model_cases import (
     batch,
     check_gradients_have_the_variables_shapes_and_the_pass_dtype,
     check_single_threaded_limits_the_pools_and_restores_them,

@@ -9,7 +9,6 @@
   saved and loaded with `save_state` / `load_state`.
 """
 
-import sys
 import warnings
 from pathlib import Path
 
@@ -19,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 import lossscale.torch as lt
+from tests import workers
 
-WORKER = Path(__file__).parent / "workers" / "grad_scaler_worker.py"
+WORKER = Path(__file__).parents[1] / "workers" / "grad_scaler_worker.py"
 
 
 # -- torch.distributed ----------------------------------------------------------
@@ -30,13 +30,14 @@ WORKER = Path(__file__).parent / "workers" / "grad_scaler_worker.py"
 # modules interleave with these in it (a module fixture is set up again then).
 @pytest.fixture(scope="session")
 def ranks(tmp_path_factory):
-    from test_distributed import free_port, launch  # retries once after a gloo teardown abort
-    from workers import grad_scaler_worker as worker
+    from tests.test_distributed import free_port, launch  # retries once after a gloo teardown abort
+    from tests.workers import grad_scaler_worker as worker
 
     out = tmp_path_factory.mktemp("grad_scaler_ranks")
     proc = launch(
-        [sys.executable, str(WORKER), str(out), str(free_port())],
+        workers.command(WORKER, out, free_port()),
         finished=lambda: all((out / f"rank{r}.npz").exists() for r in (0, 1)),
+        cwd=workers.ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [dict(np.load(out / f"rank{r}.npz")) for r in (0, 1)]

@@ -8,12 +8,12 @@ after a crossed fail-fast limit every step is skipped. The rest of the
 scaler is compared with `torch.amp.GradScaler` in test_grad_scaler.py.
 """
 
-import grad_scaler_cases as cases
 import pytest
 import torch
 
 import lossscale
 import lossscale.torch as lt
+from tests import grad_scaler_cases as cases
 
 
 def _one_step_at(cls, scale, grad, path):

@@ -4,11 +4,11 @@ import copy
 import io
 import pickle
 
-import grad_scaler_cases as cases
 import pytest
 import torch
 
 import lossscale.torch as lt
+from tests import grad_scaler_cases as cases
 
 SETTINGS = dict(init_scale=cases.INIT_SCALE, growth_interval=cases.GROWTH_INTERVAL)
 HALF = cases.STEPS // 2

@@ -14,11 +14,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from torch_cases import no_host_reads
 
 import lossscale as ls
 from lossscale.torch import TorchAdapter
 from lossscale.torch import adapter as torch_adapter
+from tests.torch_cases import no_host_reads
 
 pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
 

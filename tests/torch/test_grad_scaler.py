@@ -3,7 +3,7 @@
 The shared loop (tests/grad_scaler_cases.py) is a float16-autocast
 transformer whose first steps overflow; every comparison runs it with
 torch's scaler and with ours. The guards where ours differs (a gradient that
-overflows only once unscaled, fail-fast skips) are in test_torch_scaler_checks.py,
+overflows only once unscaled, fail-fast skips) are in test_scaler_checks.py,
 state dicts in test_scaler_host.py,
 Lightning, Accelerate and torch.distributed in test_grad_scaler_ecosystem.py.
 """
@@ -13,13 +13,13 @@ import subprocess
 import sys
 import warnings
 
-import grad_scaler_cases as cases
 import numpy as np
 import pytest
 import torch
 
 import lossscale
 import lossscale.torch as lt
+from tests import grad_scaler_cases as cases
 
 TINY = float(np.finfo(np.float32).tiny)
 
@@ -512,7 +512,7 @@ def test_update_with_a_bad_new_scale_is_an_error_and_writes_nothing(new_scale, m
 def test_a_step_and_update_dispatch_three_operations_more_than_torchs():
     # The flag as a boolean (`eq`), and the backoff floor torch's scaler
     # lacks (`mul`, `clamp_min_`): nothing per parameter.
-    from torch_cases import count_ops
+    from tests.torch_cases import count_ops
 
     counts = {}
     for cls in (torch.amp.GradScaler, lt.GradScaler):
@@ -535,3 +535,65 @@ def test_a_step_and_update_dispatch_three_operations_more_than_torchs():
         "aten.mul.Tensor",
         "aten.clamp_min_.Tensor",
     ]
+
+
+# --- lossscale.torch.GradScaler: what torch's scaler accepts, checked alike --------
+
+
+def _scaler(**kwargs):
+    import lossscale.torch
+
+    return lossscale.torch.GradScaler("cpu", **kwargs)
+
+
+@pytest.mark.parametrize("enabled", [1, 0, True, False, np.bool_(True)])
+def test_enabled_accepts_what_torch_accepts(enabled):
+    ours, theirs = _scaler(enabled=enabled), torch.amp.GradScaler("cpu", enabled=enabled)
+    assert ours.is_enabled() == theirs.is_enabled() == bool(enabled)
+    loss = torch.tensor(3.0)
+    assert float(ours.scale(loss)) == float(theirs.scale(loss))
+
+
+@pytest.mark.parametrize("enabled", [2, -1, "yes", None, 1.0])
+def test_enabled_refuses_other_values(enabled):
+    with pytest.raises(ValueError, match=r"`enabled` must be a boolean \(or 0 or 1\)"):
+        _scaler(enabled=enabled)
+
+
+def test_a_tensor_init_scale_is_taken_as_torch_takes_it():
+    ours = _scaler(init_scale=torch.tensor(8.0))
+    theirs = torch.amp.GradScaler("cpu", init_scale=torch.tensor(8.0))
+    loss = torch.tensor(3.0)
+    assert float(ours.scale(loss)) == float(theirs.scale(loss)) == 24.0
+    assert ours.get_scale() == theirs.get_scale() == 8.0
+    with pytest.raises(
+        ValueError, match=r"`init_scale` must be a positive number or a one-element"
+    ):
+        _scaler(init_scale=torch.ones(2))
+    with pytest.raises(ValueError, match=r"init_scale"):
+        _scaler(init_scale=torch.tensor(-8.0))
+
+
+@pytest.mark.parametrize("bad", [-8.0, 0.0, float("nan"), float("inf")])
+def test_a_tensor_new_scale_is_checked_as_a_float_is(bad):
+    scaler = _scaler(init_scale=8.0)
+    scaler.scale(torch.tensor(1.0))
+    for new_scale in (bad, torch.tensor(bad)):
+        with pytest.raises(ValueError, match=r"`new_scale` must be"):
+            scaler.update(new_scale)
+        assert scaler.get_scale() == 8.0  # nothing written
+    scaler.update(torch.tensor(4.0))
+    assert scaler.get_scale() == 4.0
+
+
+def test_unscale_grads_before_scale_is_a_clear_error():
+    scaler = _scaler()
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    opt = torch.optim.SGD([param], lr=0.1)
+    found_inf = torch.zeros(1)
+    with pytest.raises(
+        RuntimeError, match=r"`GradScaler._unscale_grads_\(\)` needs the loss scale"
+    ):
+        scaler._unscale_grads_(opt, torch.ones(()), found_inf, False)
+    assert torch.equal(param.grad, torch.ones(3))

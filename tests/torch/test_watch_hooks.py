@@ -1,17 +1,17 @@
 """`lossscale.torch.watch`'s hooks on their own: which module each overflow started in.
 
 The hooks are driven through their observer protocol (`on_step`,
-`modules_at`) as a target calls it; tests/test_torch_scaler_diagnostics.py
+`modules_at`) as a target calls it; tests/torch/test_scaler_diagnostics.py
 runs them under `GradScaler` and `LossScaleOptimizer`.
 """
 
-import grad_scaler_cases as cases
 import pytest
 import torch
 import torch.nn.functional as F
-from torch_cases import no_host_reads
 
 from lossscale.torch.watch_hooks import Watch
+from tests import grad_scaler_cases as cases
+from tests.torch_cases import no_host_reads
 
 SCALE = 2.0**16
 

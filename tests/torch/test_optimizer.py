@@ -5,10 +5,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from torch_cases import OPTIMIZERS, no_host_reads
 
 import lossscale as ls
 import lossscale.torch as lt
+from tests.torch_cases import OPTIMIZERS, no_host_reads
 
 SHAPES = [(6, 4), (4,), (4, 3)]
 
@@ -316,9 +316,8 @@ def test_under_a_grad_scaler_adamw_takes_the_scale_into_its_kernel(monkeypatch, 
     # On the CPU the step size is computed on the host and the decay folded
     # into torch's fused AdamW kernel; the device path (a GPU's) is forced
     # by making the CPU not host-readable.
-    from torch_cases import count_ops
-
     from lossscale.backends.torch import multi
+    from tests.torch_cases import count_ops
 
     if not host_readable:
         monkeypatch.setattr(multi, "HOST_READABLE", frozenset())

@@ -4,17 +4,17 @@ torch's layout (parameters numbered across the groups, each group's rule
 variables in its entry): a round trip through `torch.save` with a torch
 scheduler resumes exactly, the dict is a snapshot, and a dict that does not
 fit raises, naming what is wrong, before anything is written. The
-parameter and gradient helpers are test_torch_optimizer.py's.
+parameter and gradient helpers are test_optimizer.py's.
 """
 
 import io
 
 import pytest
 import torch
-from test_torch_optimizer import grads_for, make_params, set_grads
 
 import lossscale as ls
 import lossscale.torch as lt
+from tests.torch.test_optimizer import grads_for, make_params, set_grads
 
 
 def test_state_dict_round_trip_resumes_exactly():

@@ -8,14 +8,14 @@ with everything on reads nothing on the host; with diagnostics on, the run
 is the run without them.
 """
 
-import grad_scaler_cases as cases
 import numpy as np
 import pytest
 import torch
-from torch_cases import no_host_reads
 
 import lossscale as ls
 import lossscale.torch as lt
+from tests import grad_scaler_cases as cases
+from tests.torch_cases import no_host_reads
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 TINY16 = float(np.finfo(np.float16).smallest_normal)

@@ -9,12 +9,13 @@ and a torch optimizer under our `GradScaler`.
 """
 
 import ast
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from workers import fsdp2_options_worker as worker
+
+from tests import workers
+from tests.workers import fsdp2_options_worker as worker
 
 WORKER = Path(worker.__file__)
 K = worker.POISONED
@@ -33,12 +34,13 @@ EXPECTED = {
 # modules interleave with these in it (a module fixture is set up again then).
 @pytest.fixture(scope="session")
 def ranks(tmp_path_factory):
-    from test_distributed import free_port, launch
+    from tests.test_distributed import free_port, launch
 
     out = tmp_path_factory.mktemp("fsdp2_options")
     proc = launch(
-        [sys.executable, str(WORKER), str(out), str(free_port())],
+        workers.command(WORKER, out, free_port()),
         finished=lambda: all((out / f"rank{r}.npz").exists() for r in (0, 1)),
+        cwd=workers.ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [dict(np.load(out / f"rank{r}.npz")) for r in (0, 1)]

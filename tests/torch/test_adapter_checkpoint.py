@@ -5,7 +5,7 @@ and a wrapper's own variables (`extra_variables`): round trips through
 `torch.save` resume the trajectory bit for bit, a fresh wrapper (built or
 not) loads and resumes, the dict is a snapshot both ways, and a bad dict
 raises, naming what is wrong, before anything is written. The trajectory
-helpers are test_torch_adapter.py's.
+helpers are test_adapter.py's.
 """
 
 import copy
@@ -13,9 +13,9 @@ import io
 
 import pytest
 import torch
-from test_torch_adapter import INITIAL_SCALE, STEPS, make_params, run, state_tensors, wrapped
 
 from lossscale.torch import TorchAdapter
+from tests.torch.test_adapter import INITIAL_SCALE, STEPS, make_params, run, state_tensors, wrapped
 
 pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
 

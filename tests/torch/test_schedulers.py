@@ -9,10 +9,10 @@
 
 import pytest
 import torch
-from torch_cases import no_host_reads
 
 import lossscale as ls
 import lossscale.torch as lt
+from tests.torch_cases import no_host_reads
 
 OVERFLOW_AT = {2, 5}
 
