@@ -221,6 +221,7 @@ LAYERS = {
         "multi",
         "float16_range",
         "plans",
+        "host",
         "foreach",
         "adamw",
         "fused",
