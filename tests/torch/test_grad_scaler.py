@@ -509,32 +509,84 @@ def test_update_with_a_bad_new_scale_is_an_error_and_writes_nothing(new_scale, m
     assert scaler.get_scale() == 8.0 and scaler._get_growth_tracker() == 1
 
 
-def test_a_step_and_update_dispatch_three_operations_more_than_torchs():
-    # The flag as a boolean (`eq`), and the backoff floor torch's scaler
-    # lacks (`mul`, `clamp_min_`): nothing per parameter.
+def _counted_step_and_update(cls, steps, grads=None, **kwargs):
+    """The aten operations of the last of `steps` fused-AdamW steps and updates, 16 parameters."""
     from tests.torch_cases import count_ops
 
-    counts = {}
-    for cls in (torch.amp.GradScaler, lt.GradScaler):
-        params = [torch.nn.Parameter(torch.randn(64, 32)) for _ in range(16)]
-        opt = torch.optim.AdamW(params, fused=True)
-        scaler = cls("cpu", init_scale=1024.0)
-        scaler.scale(torch.ones(()))
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(64, 32) * 1024
-            with count_ops() as seen:
-                scaler.step(opt)
-                scaler.update()
-        counts[cls] = seen
-    ours, theirs = counts[lt.GradScaler], counts[torch.amp.GradScaler]
-    assert len(ours) == len(theirs) + 3, ours
-    assert ours[-4:] == [
-        "aten.eq.Scalar",
-        "aten._amp_update_scale_.default",
-        "aten.mul.Tensor",
-        "aten.clamp_min_.Tensor",
-    ]
+    params = [torch.nn.Parameter(torch.randn(64, 32)) for _ in range(16)]
+    opt = torch.optim.AdamW(params, fused=True)
+    scaler = cls("cpu", **kwargs)
+    scaler.scale(torch.ones(()))
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(64, 32) * 1024 if grads is None else grads.clone()
+        with count_ops() as seen:
+            scaler.step(opt)
+            scaler.update()
+    return seen, scaler
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_step_and_update_dispatch_torchs_operations(steps):
+    # A plain policy's update is torch's kernel alone while the host's lower
+    # bound of the scale shows a backoff cannot reach the floor.
+    ours, _ = _counted_step_and_update(lt.GradScaler, steps, init_scale=1024.0)
+    theirs, _ = _counted_step_and_update(torch.amp.GradScaler, steps, init_scale=1024.0)
+    # The two 0-d flags are made by `ones` and `zeros` where torch calls `full`.
+    assert ours[:2] == ["aten.ones.default", "aten.zeros.default"]
+    assert ours[2:] == theirs[2:] and len(ours) == len(theirs)
+    assert ours[-1] == "aten._amp_update_scale_.default"
+
+
+@pytest.mark.parametrize(
+    "init_scale, steps, floor_ops",
+    [
+        (4 * TINY, 3, ["aten.clamp_min_.default"]),  # the bound at the floor: one operation
+        # Below it: floored on overflow only; the first backoff reaches the
+        # floor, and the bound (read while the scale is below 1) follows.
+        (1e-40, 1, ["aten.mul.Tensor", "aten.clamp_min_.Tensor"]),
+        (1e-40, 2, ["aten.clamp_min_.default"]),
+    ],
+)
+def test_the_floor_costs_operations_only_where_the_bound_is_near_it(init_scale, steps, floor_ops):
+    # (A scale below 1 also checks the unscaled gradients: more operations before.)
+    ours, scaler = _counted_step_and_update(lt.GradScaler, steps, init_scale=init_scale)
+    update = ours[ours.index("aten._amp_update_scale_.default") :]
+    assert update == ["aten._amp_update_scale_.default", *floor_ops]
+    assert scaler.get_scale() >= min(init_scale, TINY)
+
+
+@pytest.mark.parametrize("optimizer", ["fused", "foreach"])
+@pytest.mark.parametrize("init_scale", [2.0**16, 2.0**-118, 3 * TINY, 1e-40])
+def test_the_plain_update_follows_the_reference_rule(optimizer, init_scale):
+    """The one-kernel update of a plain policy against `next_loss_scale`'s generic selects.
+
+    `telemetry=True` takes the generic path (`_advance`). Overflows at
+    random steps and in runs drive the scale to the floor and back up,
+    through every tier of the host's bound (a fused optimizer never
+    refreshes it; a non-fused one reads it each step), from a scale far
+    above the floor, just above it and below it.
+    """
+    rng = np.random.default_rng(11)
+    pattern = rng.random(400) < 0.45
+    pattern[50:200] = True  # a run of overflows long enough to reach the floor from 2**16
+    trails = []
+    for extras in ({}, {"telemetry": True}):
+        p = torch.nn.Parameter(torch.ones(8))
+        opt = torch.optim.Adam([p], fused=optimizer == "fused", foreach=optimizer == "foreach")
+        scaler = lt.GradScaler("cpu", init_scale=init_scale, growth_interval=3, **extras)
+        trail = []
+        for overflow in pattern:
+            scaler.scale(torch.ones(()))
+            p.grad = torch.full((8,), float("nan") if overflow else 1.0)
+            scaler.step(opt)
+            scaler.update()
+            trail.append((scaler._scale.item(), scaler._growth_tracker.item()))
+        trails.append(trail)
+    assert trails[0] == trails[1]
+    assert min(s for s, _ in trails[0][50:200]) == TINY  # the floor, reached
+    assert max(s for s, _ in trails[0][200:]) > 2 * TINY  # and left
+    assert scaler.last_step_skipped == bool(pattern[-1])
 
 
 # --- lossscale.torch.GradScaler: what torch's scaler accepts, checked alike --------

@@ -23,6 +23,7 @@ from lossscale import validation
 from lossscale.backends import get_ops
 from lossscale.mixed_precision.loss_scale import (
     MAX_SCALE,
+    MIN_SCALE,
     NO_ERROR,
     LossScalePolicy,
     LossScaleState,
@@ -212,7 +213,7 @@ class GradScaler(
         self._policy = policy
         self._process_group = process_group
         self._allow_fp16_gradients = allow_fp16_gradients
-        self._last_finite = None  # the last update's verdict, a device boolean
+        self._last_skip = None  # the last update's overflow flag, on the device (1.0: skipped)
         # The extra state fields: Python values until the scale exists, then
         # 0-d tensors beside it (see `scaler_host`).
         self._extra_start = scaler_host.initial_values(policy)
@@ -316,12 +317,16 @@ class GradScaler(
             )
         # Each flag is 0 or 1 (torch's kernel, or `_agreed`): torch's AMP form.
         skip = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
+        self._last_skip = skip
+        if self._policy.is_plain and not self._policy.diagnoses:
+            states.clear()
+            self._update_plain(skip)
+            return
         finite = skip == 0
         peak = None
         if self._policy.growth_policy == "headroom":
             peak = torch.stack([s["peak"] for s in states.values() if "peak" in s]).amax()
         new = self._advance(states, finite, peak, skip)
-        self._last_finite = finite
         if new.scale is not self._scale:  # else updated in place by the fused kernel
             self._scale.copy_(new.scale)
         if new.counter is not self._growth_tracker:
@@ -338,6 +343,31 @@ class GradScaler(
             if error != NO_ERROR:
                 raise LossScaleError(self._failure_message())
 
+    def _update_plain(self, skip):
+        """`update()` of a plain policy without diagnostics: torch's kernel and the floor.
+
+        `next_loss_scale` would run the same kernel (`fused_scale_update`)
+        with nothing else to advance; called directly, the update costs no
+        state to build, and the host's lower bound of the scale decides
+        whether the floor needs an operation (see `update_scale`).
+        """
+        policy = self._policy
+        _OPS.fused_scale_update()(
+            self._scale,
+            self._growth_tracker,
+            None,
+            policy.dynamic_growth_steps,
+            policy.growth_factor,
+            policy.backoff_factor,
+            MIN_SCALE,
+            skip=skip if skip.dtype == torch.float32 else skip.to(torch.float32),
+            in_place=True,
+            scale_at_least=self._scale_bound,
+        )
+        bound = self._scale_bound * policy.backoff_factor * _ROUNDING
+        # A scale at or above the floor stays there: the kernel floors every backoff.
+        self._scale_bound = max(bound, MIN_SCALE) if self._scale_bound >= MIN_SCALE else bound
+
     @property
     def last_step_skipped(self) -> bool | None:
         """Whether the step before the last `update()` was skipped (an overflow), or None.
@@ -348,9 +378,9 @@ class GradScaler(
         Accelerate's `step_was_skipped`, cannot see it). Reading it waits
         for the device: one host read, when asked.
         """
-        if self._last_finite is None:
+        if self._last_skip is None:
             return None
-        return not bool(self._last_finite)
+        return bool(self._last_skip != 0)
 
     def _set_scale(self, new_scale):
         if isinstance(new_scale, torch.Tensor):
@@ -377,7 +407,7 @@ class GradScaler(
             self._scale.fill_(float(new_scale))
             self._scale_bound = float(np.float32(new_scale))
         self._per_optimizer_states.clear()
-        self._last_finite = None
+        self._last_skip = None
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled); reads the device."""

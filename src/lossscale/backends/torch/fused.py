@@ -289,6 +289,7 @@ def update_scale(
     floor,
     skip=None,
     in_place=False,
+    scale_at_least=0.0,
 ):
     """The plain loss-scale update in torch's `_amp_update_scale_` kernel.
 
@@ -299,10 +300,17 @@ def update_scale(
     is applied after it, on overflowing steps only (`max(scale, skip *
     floor)`: the scale is positive). It works in place on an int32 counter
     and a float32 scale: with `in_place` it updates those given, else copies.
+
+    `scale_at_least` is a lower bound of `scale` known on the host (0.0:
+    none). Where it shows that a backoff cannot take the scale below `floor`
+    the floor is not applied (no operation); where it shows the scale is at
+    least `floor`, a growth or an unchanged scale stays above it, so the
+    floor is applied on every step (one operation, not two). `finite` may
+    be None where `skip` is given.
     """
-    scale, counter, finite = ops.unwrap(scale), ops.unwrap(counter), ops.unwrap(finite)
+    scale, counter = ops.unwrap(scale), ops.unwrap(counter)
     if skip is None:
-        skip = (~finite).to(torch.float32)
+        skip = (~ops.unwrap(finite)).to(torch.float32)
     if in_place and scale.dtype == torch.float32 and counter.dtype == torch.int32:
         new_scale, new_counter = scale, counter
     else:
@@ -313,7 +321,11 @@ def update_scale(
     torch._amp_update_scale_(
         new_scale, new_counter, skip, growth_factor, backoff_factor, growth_steps
     )
-    new_scale.clamp_min_(skip * floor)
+    # Rounding the backed-off scale to float32 keeps it at or above `floor`
+    # (a float32 number) where the exact product is; the host's product is
+    # shrunk past its own double-precision rounding (2**-53 per operation).
+    if scale_at_least * backoff_factor * (1 - 2.0**-50) < floor:
+        new_scale.clamp_min_(floor if scale_at_least >= floor else skip * floor)
     if new_scale is scale:  # updated in place: nothing to cast back (a call saved per step)
         return new_scale, new_counter
     return new_scale.to(scale.dtype), new_counter.to(counter.dtype)
