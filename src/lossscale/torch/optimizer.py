@@ -116,6 +116,8 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
         }
         defaults.update({key: _read(optimizer, key) for key in self._tunable})
         self._rules = []
+        # Each group's float "lr" as its rule last received it (a change is assigned).
+        self._rule_lrs = []
         self.last_step_applied = None
         super().__init__(params, defaults)
 
@@ -143,8 +145,8 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
             [Variable(p, name=f"group{index}_param{j}") for j, p in enumerate(group["params"])]
         )
         rule.weight_decay = config["weight_decay"] or None  # 0: not decayed at all
-        rule._group_lr = group["lr"]
         self._rules.append(rule)
+        self._rule_lrs.append(group["lr"])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -164,7 +166,7 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
         grad_scale = getattr(self, "grad_scale", None)  # set by a GradScaler's `step`
         found_inf = getattr(self, "found_inf", None)
         keep = flag = None
-        for group, rule in zip(self.param_groups, self._rules):
+        for index, (group, rule) in enumerate(zip(self.param_groups, self._rules)):
             pairs = [
                 (p.grad, v)
                 for p, v in zip(group["params"], rule._trainable_variables)
@@ -176,7 +178,7 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
                 # A gradient lives on its parameter's device (no read of the variable).
                 keep = _keep(found_inf, pairs[0][0].device)
                 flag = found_inf.reshape(()) if found_inf.ndim else found_inf
-            self._sync(group, rule)
+            self._sync(index, group, rule)
             grads = [g for g, _ in pairs]
             if len(pairs) == len(rule._trainable_variables):  # every one has a gradient
                 variables = rule._trainable_variables  # (the rule then resolves nothing)
@@ -197,14 +199,14 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
         self.last_step_applied = True if found_inf is None else keep
         return loss
 
-    def _sync(self, group, rule):
+    def _sync(self, index, group, rule):
         """Gives the rule the group's current hyperparameters (a scheduler may have moved them)."""
         lr = group["lr"]
         if torch.is_tensor(lr):  # a scheduler may fill it in place: copied every step
             rule._learning_rate.assign(lr)
-        elif lr != rule._group_lr:
+        elif lr != self._rule_lrs[index]:
             rule.learning_rate = lr
-            rule._group_lr = lr
+            self._rule_lrs[index] = lr
         for key, value in _rule_settings(group, self._tunable).items():
             if key == "weight_decay":
                 value = value or None
