@@ -56,10 +56,10 @@ def measure(grads, subnormal_below, near_from):
     edges = (jnp.float32(subnormal_below), jnp.float32(near_from))
     flat = [g.astype(jnp.float32).ravel() for g in grads]
     # Each gradient padded with zeros to whole rows: the padding is counted
-    # as zero (and below normal) and taken off again below. NumPy zeros are
-    # constants of the trace, so the concatenation stays one operation (a
-    # `jnp.pad` is one more per gradient), and the absolute value is taken
-    # inside the reduction.
+    # as zero (and below normal) and taken off again below. Zeros only where
+    # a size is not a multiple of ROW (XLA fills each with one operation; a
+    # `jnp.pad` would be one per gradient), and the absolute value is taken
+    # inside the reduction, so the concatenation is one operation.
     padding = [-x.size % ROW for x in flat]
     pieces = [y for x, p in zip(flat, padding) for y in (x, np.zeros(p, np.float32)) if y.size]
     rows = jnp.concatenate(pieces).reshape(-1, ROW)
