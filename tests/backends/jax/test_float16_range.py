@@ -11,7 +11,8 @@ from lossscale.bench import workloads
 from lossscale.mixed_precision import diagnostics
 from tests.float16_range_cases import EDGES, SUBNORMAL, gradient_values
 
-PACK_UP_TO, CAPACITY = float16_range.PACK_UP_TO, float16_range.PACK_CAPACITY
+# The old packing threshold (2^17 elements): sizes around it stay covered.
+PACK_UP_TO = 1 << 17
 TINY = np.finfo(np.float32).tiny
 
 
@@ -74,17 +75,10 @@ def test_sizes_on_both_sides_of_the_packing_threshold_match_measure(sizes):
     _assert_as_measure(grads, 2.0)
 
 
-def test_gradients_from_the_packing_threshold_on_are_measured_alone():
-    sizes = [PACK_UP_TO, PACK_UP_TO + 1, 3, PACK_UP_TO + 2, 4]
-    assert float16_range._chunks(sizes) == [[1], [3], [0, 2, 4]]
-
-
-def test_past_the_packing_capacity_a_new_chunk(monkeypatch):
-    monkeypatch.setattr(float16_range, "PACK_CAPACITY", 300)
-    # 100 + 199 + 1 fill the capacity exactly; the next ones start a chunk.
-    assert float16_range._chunks([100, 199, 1, 150, 1]) == [[0, 1, 2], [3, 4]]
+def test_many_sizes_in_one_measurement():
+    sizes = [100, 199, 1, 150, 1]
     rng = np.random.default_rng(3)
-    grads = [_gradient(rng, (n,), jnp.float32, 2.0) for n in (100, 199, 1, 150, 1)]
+    grads = [_gradient(rng, (n,), jnp.float32, 2.0) for n in sizes]
     _assert_as_measure(grads, 2.0)
 
 
@@ -104,3 +98,30 @@ def test_inf_and_nan_together_give_nan_as_max_abs():
 
 def test_no_gradients_are_left_to_measure():
     assert float16_range.measure([], SUBNORMAL, 1.0) is None
+
+
+def test_the_number_of_operations_does_not_grow_with_the_gradients():
+    # XLA on CPU pays for each operation of a conditional branch on every
+    # step, taken or not: the measurement must stay a few operations.
+    def count(n):
+        # Whole rows: a gradient of another size adds one operation (its padding).
+        grads = [jnp.zeros((i + 1, float16_range.ROW), jnp.float32) for i in range(n)]
+
+        def run(grads):
+            return float16_range.measure(grads, SUBNORMAL, 1e4)
+
+        text = jax.jit(run).lower(grads).compile().as_text()
+        entry = text[text.index("ENTRY") :].splitlines()[1:]
+        # A bitcast (a reshape of a parameter) is a view: no work.
+        return sum(" parameter(" not in line and " bitcast(" not in line for line in entry)
+
+    assert count(40) == count(10)
+
+
+def test_rows_of_padding_and_a_gradient_shorter_than_a_row():
+    row = float16_range.ROW
+    rng = np.random.default_rng(4)
+    sizes = [1, row - 1, row, row + 1, 3 * row, 2]
+    grads = [_gradient(rng, (n,), jnp.float32, 2.0) for n in sizes]
+    _assert_as_measure(grads, 2.0)
+    _assert_as_measure([jnp.zeros((row + 1,))], 2.0)  # padding is not counted as zero

@@ -6,8 +6,8 @@ from the modules that implement them:
 - `ops`: arrays (placed like their neighbours), writes that return the new
   array, elementwise math, reductions, `cond` as `lax.cond`;
 - `multi`: unscale, the finite check and norms over lists of arrays;
-- `float16_range`: many gradients' float16 range in a few operations (the
-  diagnostics' measurement);
+- `float16_range`: many gradients' float16 range, one fused pass over each
+  (the diagnostics' measurement);
 - `fused`: Adam, AdamW and SGD with the loss-scale skip folded into their
   arithmetic;
 - `kernels`: the registry of fused update rules, by the name an optimizer

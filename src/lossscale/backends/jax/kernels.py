@@ -34,5 +34,5 @@ def fused_scale_update():
 
 
 def fused_float16_range():
-    """Many gradients' float16 range in a few operations (see `float16_range`)."""
+    """Many gradients' float16 range, one fused pass each (see `float16_range`)."""
     return float16_range.measure
