@@ -308,3 +308,49 @@ def test_sgd_momentum_takes_the_rate_as_dampening_only_where_that_is_exact(
         torch.testing.assert_close(w, want, rtol=1e-6, atol=1e-7)
     else:
         assert torch.equal(w, want)
+
+
+# --- torch.compile: the traced step calls lossscale::fused_adam_ -------------------
+
+
+def _adam_run(name, compiled, graphs=None):
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(6, 4), (4,), (3,)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in shapes]
+    opt = ls.LossScaleOptimizer(OPTIMIZERS[name](), initial_scale=64.0, dynamic_growth_steps=2)
+    opt.scale_loss(1.0)
+    opt.build(params)
+
+    def step(grads):
+        opt.apply(grads, params)
+
+    if compiled:
+
+        def capture(graph_module, example_inputs):
+            graphs.append(graph_module)
+            return torch._dynamo.backends.debugging.aot_eager(graph_module, example_inputs)
+
+        step = torch.compile(step, fullgraph=True, backend=capture)
+    for kind in ["f", "f", "inf", "f", "nan", "f", "f", "f"]:
+        grads = [torch.randn(p.shape, generator=generator) * 64 for p in params]
+        if kind != "f":
+            grads[1][0] = float(kind)
+        step(grads)
+    return [p.detach().clone() for p in params + [v.value for v in opt.variables]]
+
+
+@pytest.mark.parametrize("name", ["adam", "adam_amsgrad", "adamw"])
+def test_a_compiled_adam_step_equals_the_eager_one_bit_for_bit(name):
+    """Traced on the CPU, Adam is one opaque call that runs the eager step (`fused._opaque`)."""
+    graphs = []
+    torch.compiler.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = _adam_run(name, True, graphs)
+    torch.compiler.reset()
+    eager = _adam_run(name, False)
+    assert len(compiled) == len(eager)
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b), (a, b)
+    (graph,) = graphs
+    targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert targets.count("lossscale.fused_adam_.default") == 1, targets

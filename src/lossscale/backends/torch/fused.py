@@ -41,12 +41,15 @@ relative per step, tested at 1e-5 over many steps). For float16 and
 bfloat16 parameters that difference would be large, since the generic path
 rounds every intermediate to half precision: such groups take the
 `foreach` rules, which reproduce `update_step` in the parameters'
-dtype.
+dtype. Under `torch.compile` on the CPU, Adam is one opaque operation,
+`lossscale::fused_adam_`, that runs the eager step (`_opaque`).
 """
+
+import collections
 
 import torch
 
-from lossscale.backends.torch import adamw, foreach, host, multi, ops, plans
+from lossscale.backends.torch import adamw, dtensors, foreach, host, multi, ops, plans
 
 _FUSED_DTYPES = (torch.float32, torch.float64)
 _INFINITE_STEPS = {}
@@ -57,10 +60,27 @@ def _fusable(group):
 
     Not in half precision (see the module doc), and not under
     `torch.compile`: torch has no fake implementation of the fused
-    optimizer kernels to trace them with; the compiler fuses the `foreach`
-    rule itself.
+    optimizer kernels to trace them with (but see `_opaque`).
     """
     return group.dtype in _FUSED_DTYPES and not torch.compiler.is_compiling()
+
+
+def _opaque(group, iterations):
+    """Whether a traced Adam step on `group` calls `lossscale::fused_adam_` (`_traced_adam`).
+
+    While `torch.compile` traces, on a `HOST_READABLE` device, for float32
+    and float64 (not DTensors, not a step count given as a number). Elsewhere
+    the compiler fuses the `foreach` rule itself: on a GPU that is its
+    strength; on the CPU its loops recomputed the step size's two powers
+    and root for every eight elements, and opened a loop per tensor.
+    """
+    return (
+        torch.compiler.is_compiling()
+        and group.dtype in _FUSED_DTYPES
+        and group.device.type in multi.HOST_READABLE
+        and isinstance(ops.unwrap(iterations), torch.Tensor)
+        and not dtensors.is_dtensor(group.params[0])
+    )
 
 
 def _infinite_steps(group):
@@ -117,29 +137,96 @@ def adam(
                     if factor is None:
                         factor = adamw.step_factor(weight_decay, lr, cache, keep)
                     adamw.decay(group, factor)
+            slots = [group.slots[n] for n in ("momentums", "velocities")]
+            slots.append(group.slots.get("velocity_hats", []))
+            if _opaque(group, iterations):  # traced: one opaque call, run as eager
+                _traced_adam(
+                    group.params,
+                    _unscaled(group, grads, grad_scale),
+                    *slots,
+                    group_lr,
+                    ops.unwrap(iterations),
+                    hyper.beta_1,
+                    hyper.beta_2,
+                    hyper.epsilon,
+                    hyper.amsgrad,
+                    write.found_inf(),
+                )
+                continue
             if not fusable:
                 group_grads = _unscaled(group, grads, grad_scale)
                 foreach.adam(hyper, group, group_grads, group_lr, write, iterations)
                 continue
-            group_slots = group.slots
-            kernel = torch._fused_adam_ if fold is None else torch._fused_adamw_
-            kernel(
-                group.params,
-                group.grads(grads),
-                group_slots["momentums"],
-                group_slots["velocities"],
-                group_slots.get("velocity_hats", []),
-                _infinite_steps(group),
-                lr=_adam_step_size(hyper, group, group_lr, iterations) if alpha is None else alpha,
-                beta1=hyper.beta_1,
-                beta2=hyper.beta_2,
-                weight_decay=0.0 if fold is None else fold,
-                eps=hyper.epsilon,
-                amsgrad=hyper.amsgrad,
-                maximize=False,
+            if alpha is None:
+                alpha = _adam_step_size(hyper, group, group_lr, iterations)
+            _fused_adam(
+                group,
+                (group.grads(grads), *slots),
+                alpha,
+                hyper,
+                fold=fold,
                 grad_scale=_kernel_scale(grad_scale, group),
                 found_inf=write.found_inf(),
             )
+
+
+def _fused_adam(group, tensors, alpha, hyper, fold=None, grad_scale=None, found_inf=None):
+    """`torch._fused_adam_` (`_fused_adamw_` given a `fold`) on `group`, at step size `alpha`.
+
+    `tensors`: the group's gradients, momentums, velocities and (amsgrad)
+    velocity maxima. `hyper`: anything with `beta_1`, `beta_2`, `epsilon`
+    and `amsgrad`.
+    """
+    kernel = torch._fused_adam_ if fold is None else torch._fused_adamw_
+    kernel(
+        group.params,
+        *tensors,
+        _infinite_steps(group),
+        lr=alpha,
+        beta1=hyper.beta_1,
+        beta2=hyper.beta_2,
+        weight_decay=0.0 if fold is None else fold,
+        eps=hyper.epsilon,
+        amsgrad=hyper.amsgrad,
+        maximize=False,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+    )
+
+
+# `lossscale::fused_adam_`: a traced Adam step on the CPU as one call the
+# compiler leaves alone. It runs as the eager step runs (the step size on
+# the host, torch's fused kernel), so a compiled step equals the eager one
+# bit for bit. Its schema names what it writes; Inductor calls it on the
+# tensors themselves (no copies).
+_LIBRARY = torch.library.Library("lossscale", "FRAGMENT")
+_LIBRARY.define(
+    "fused_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentums, "
+    "Tensor(c!)[] velocities, Tensor(d!)[] velocity_hats, Tensor lr, Tensor iterations, "
+    "float beta_1, float beta_2, float epsilon, bool amsgrad, Tensor? found_inf) -> ()"
+)
+# The host's step size by beta_2 (`host._root`'s block of roots), kept
+# between calls. The rate itself is read on every call: the tensor the
+# compiled code passes may be written without a version bump.
+_OPAQUE_CACHE = {}
+
+
+def _opaque_adam(params, grads, momentums, velocities, velocity_hats, lr, iterations, *rest):
+    hyper, found_inf = _AdamHyper(*rest[:4]), rest[4]
+    group = plans.Group(params[0].device, params[0].dtype, None, params, {}, True)
+    _OPAQUE_CACHE.pop(("torch host lr", group.device, group.dtype), None)
+    with torch.no_grad():
+        alpha = host.adam_step_size(*hyper[:2], iterations, lr, group, _OPAQUE_CACHE)
+        if alpha is None:
+            alpha = _adam_step_size(hyper, group, lr, iterations)
+        tensors = (grads, momentums, velocities, velocity_hats)
+        _fused_adam(group, tensors, alpha, hyper, found_inf=found_inf)
+
+
+_AdamHyper = collections.namedtuple("_AdamHyper", "beta_1 beta_2 epsilon amsgrad")
+_LIBRARY.impl("fused_adam_", _opaque_adam, "CPU")
+torch.library.register_fake("lossscale::fused_adam_", lambda *args: None, lib=_LIBRARY)
+_traced_adam = torch.ops.lossscale.fused_adam_.default
 
 
 def _unscaled(group, grads, grad_scale):
