@@ -218,6 +218,7 @@ LAYERS = {
         "control",
         "dtensors",
         "ops",
+        "scale_update",
         "multi",
         "float16_range",
         "plans",

@@ -7,6 +7,7 @@ import torch
 import lossscale as ls
 from lossscale.backends.torch import fused as torch_fused
 from lossscale.backends.torch import kernels as torch_kernels
+from lossscale.backends.torch import scale_update
 from lossscale.optimizers import SGD, Adam, AdamW
 from lossscale.schedules import ExponentialDecay
 from tests.torch_cases import (
@@ -29,7 +30,7 @@ def test_table_entries():
     assert kernel(AdamW.update_kernel).fn is torch_fused.adam
     assert kernel(SGD.update_kernel).fn is torch_fused.sgd
     assert kernel("adam").folds_keep and not kernel("adam").takes_grad_scale
-    assert torch_kernels.fused_scale_update() is torch_fused.update_scale
+    assert torch_kernels.fused_scale_update() is scale_update.update_scale
 
 
 @pytest.mark.parametrize("name", FUSED)

@@ -10,7 +10,7 @@ import torch
 
 import lossscale as ls
 from lossscale.backends import ops_for
-from lossscale.backends.torch import adamw, float16_range, fused, kernels
+from lossscale.backends.torch import adamw, float16_range, fused, kernels, scale_update
 
 DECLARED = {
     cls.update_kernel
@@ -68,6 +68,6 @@ def test_the_foreach_kernels_fold_the_skip_only():
 
 def test_the_other_hooks():
     assert kernels.fused_weight_decay() is adamw.weight_decay
-    assert kernels.fused_scale_update() is fused.update_scale
+    assert kernels.fused_scale_update() is scale_update.update_scale
     assert kernels.fused_float16_range() is float16_range.measure
     assert ops_for(torch.zeros(1)).fused_update("lion") is kernels.KERNELS["lion"]

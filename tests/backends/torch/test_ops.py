@@ -7,9 +7,6 @@ import pytest
 import torch
 
 import lossscale as ls
-import lossscale.backends.torch as torch_backend
-from lossscale.backends.torch import fused as torch_fused
-from lossscale.backends.torch import kernels as torch_kernels
 from lossscale.backends.torch import ops as torch_ops
 from lossscale.optimizers import SGD, Adam, RMSprop
 from tests.torch_cases import no_host_reads
@@ -155,62 +152,6 @@ def test_compiled_training_step_matches_eager():
     assert steps == eager_steps == 4
     torch.testing.assert_close(losses, eager_losses)
     torch.testing.assert_close(params, eager_params)
-
-
-# --- the loss-scale update kernel -------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "initial,growth,backoff,steps",
-    [
-        (2.0**15, 2.0, 0.5, 3),
-        (1.0, 4.0, 0.25, 2),
-        (2.0**126, 2.0, 0.5, 1),  # growth past float32's range is not taken
-        (4 * float(np.finfo(np.float32).tiny), 2.0, 0.5, 4),  # backoff stops at the floor
-        (1e-40, 2.0, 0.5, 3),  # a scale below the floor only moves up to it on overflow
-    ],
-)
-def test_fused_scale_update_equals_the_generic_selects(
-    monkeypatch, initial, growth, backoff, steps
-):
-    from lossscale.mixed_precision import LossScalePolicy, LossScaleState, next_loss_scale
-
-    policy = LossScalePolicy(2.0**15, steps, growth_factor=growth, backoff_factor=backoff)
-    assert policy.is_plain
-    pattern = np.random.default_rng(7).random(60) < 0.8
-    calls = []
-
-    def run(kernel, counter_dtype):
-        monkeypatch.setattr(torch_backend, "fused_scale_update", lambda: kernel)
-        state = LossScaleState(
-            torch.tensor(initial, dtype=torch.float32), torch.tensor(0, dtype=counter_dtype)
-        )
-        trail = []
-        for finite in pattern:
-            state = next_loss_scale(torch_backend, state, torch.tensor(bool(finite)), policy)
-            trail.append(
-                (state.scale.item(), state.counter.item(), state.scale.dtype, state.counter.dtype)
-            )
-        return trail
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return torch_fused.update_scale(*args, **kwargs)
-
-    generic = run(None, torch.int32)
-    assert run(counting, torch.int32) == generic and len(calls) == len(pattern)
-    assert [t[:2] for t in run(counting, torch.int64)] == [t[:2] for t in generic]
-    assert run(counting, torch.int64)[-1][3] == torch.int64  # the state keeps its dtypes
-
-
-def test_fused_scale_update_reads_nothing_on_the_host():
-    scale, counter = torch.tensor(8.0), torch.tensor(1, dtype=torch.int32)
-    with no_host_reads():
-        new_scale, new_counter = torch_kernels.fused_scale_update()(
-            scale, counter, torch.tensor(True), 2, 2.0, 0.5, 1e-38
-        )
-    assert (float(new_scale), int(new_counter)) == (16.0, 0)
-    assert (float(scale), int(counter)) == (8.0, 1)  # inputs untouched
 
 
 def test_the_constant_cache_is_bounded(monkeypatch):

@@ -5,6 +5,7 @@ from the modules that implement them:
 
 - `control`: branches on device values (`cond`), undone where not taken;
 - `ops`: tensors, in-place writes, elementwise math;
+- `scale_update`: the plain loss-scale update on `torch._amp_update_scale_`;
 - `multi`: multi-tensor unscale, finite check and norms, by (device, dtype);
 - `float16_range`: many gradients' float16 range in a fixed number of operations;
 - `plans`: an optimizer's tensor lists per (device, dtype), cached between steps;
@@ -12,8 +13,8 @@ from the modules that implement them:
   (Adam's step size on the CPU);
 - `foreach`: `torch._foreach_*` versions of the update rules;
 - `adamw`: decoupled weight decay as Keras 3's torch backend rounds it;
-- `fused`: Adam, AdamW and SGD on torch's fused kernels, and the loss-scale
-  update on `torch._amp_update_scale_`;
+- `fused`: Adam, AdamW and SGD on torch's fused kernels (traced on the CPU:
+  one opaque `lossscale::fused_adam_`);
 - `kernels`: the registry of those kernels, by the name an optimizer declares.
 
 Each module imports only those above it in this list.

@@ -12,7 +12,7 @@ declares and its hyperparameters' names are the whole contract.
 """
 
 from lossscale.backends.kernel import Kernel
-from lossscale.backends.torch import adamw, float16_range, foreach, fused
+from lossscale.backends.torch import adamw, float16_range, foreach, fused, scale_update
 
 # Every kernel here honours the step's `keep` flag itself: torch's fused
 # kernels as `found_inf` (the caller's own, where it has one), the others in
@@ -54,8 +54,8 @@ def fused_weight_decay():
 
 
 def fused_scale_update():
-    """The plain loss-scale update in torch's `_amp_update_scale_` (see `fused.update_scale`)."""
-    return fused.update_scale
+    """The plain loss-scale update in torch's `_amp_update_scale_` (`scale_update`)."""
+    return scale_update.update_scale
 
 
 def fused_float16_range():
