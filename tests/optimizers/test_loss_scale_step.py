@@ -160,8 +160,10 @@ def test_a_step_compiles_into_one_graph_that_never_recompiles(name):
     torch.compiler.reset()
     (compiled_trail, compiled_params), (eager_trail, eager_params) = runs
     assert compiled_trail == eager_trail
-    # Compiled, Adam and SGD take their foreach rules (torch cannot trace its
-    # fused kernels), which round a little differently from the fused ones.
+    # Compiled on the CPU, Adam runs the eager step as one opaque operation
+    # (`lossscale::fused_adam_`, bit for bit: tests/backends/torch/test_fused.py);
+    # SGD takes its foreach rule (torch cannot trace its fused kernels), which
+    # rounds a little differently from the fused one.
     for a, b in zip(compiled_params, eager_params):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
