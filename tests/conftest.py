@@ -14,6 +14,24 @@ import os
 # (other backends run in subprocesses), so it is set before anything else.
 os.environ["KERAS_BACKEND"] = "torch"
 
+# JAX compiles a program again whenever it is traced anew: a fresh `jax.jit`
+# of the same step in every test, eager Keras's `lax.cond` of fresh closures
+# at every step. One compilation cache for the run serves the repeats (the
+# same executables, keyed by the program and the compiler's options), shared
+# by both test processes and the subprocesses they start, which inherit the
+# environment; it starts empty, as on CI, and goes at the end of the run.
+# JAX reads these variables at import, which comes after this.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _JAX_CACHE = tempfile.mkdtemp(prefix="lossscale-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
 import numpy as np
 import pytest
 from hypothesis import settings

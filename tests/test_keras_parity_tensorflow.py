@@ -23,9 +23,14 @@ import lossscale as ls
 from tests import keras_scenarios, workers
 from tests import optimizer_cases as cases
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore::lossscale.mixed_precision.UnscaledLossWarning", "ignore::UserWarning"
-)
+pytestmark = [
+    pytest.mark.filterwarnings(
+        "ignore::lossscale.mixed_precision.UnscaledLossWarning", "ignore::UserWarning"
+    ),
+    # One test process runs this module: Keras's TensorFlow subprocess (the
+    # `keras_results` fixture) runs once, not once in each.
+    pytest.mark.xdist_group("keras_parity_tensorflow"),
+]
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "keras_tensorflow_worker.py"
 

@@ -23,13 +23,13 @@ WORKER = pathlib.Path(__file__).with_name("fit_worker.py")
 BACKENDS = ("tensorflow", "jax", "torch")
 
 
-# One test process runs this module (xdist's marks on fixture parameters do
-# not group), and each backend's subprocess once there, however pytest
-# orders the tests of the three parameters.
-pytestmark = pytest.mark.xdist_group("keras_fit")
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
+# Each backend's tests are one xdist group: one test process runs them, and
+# that backend's subprocess once there, however pytest orders the tests of
+# the three parameters; the three subprocesses run in both test processes.
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(b, marks=pytest.mark.xdist_group(f"keras_fit_{b}")) for b in BACKENDS],
+)
 def run(request, tmp_path_factory):
     if request.param not in _RESULTS:
         _RESULTS[request.param] = _run_worker(request.param, tmp_path_factory)

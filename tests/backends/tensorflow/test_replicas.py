@@ -45,9 +45,11 @@ def _run_worker(*scenarios):
 
 # Session-scoped: set up once per test process, however the tests of other
 # modules interleave with these in it (a module fixture is set up again then).
+# `no_merge_call` comes last: it switches the process's strategy into
+# replica-context collectives and makes every later merge_call raise.
 @pytest.fixture(scope="session")
 def results():
-    return _run_worker(*TRAINED, "xla_one_device", "xla_two_devices", "lazy_build")
+    return _run_worker(*TRAINED, "xla_one_device", "xla_two_devices", "lazy_build", "no_merge_call")
 
 
 @pytest.mark.parametrize("scenario", TRAINED)
@@ -71,11 +73,11 @@ def test_replicas_take_the_same_skip_when_one_overflows(results, scenario):
     assert iterations == [1, 1, 2, 2, 3, 4, 4, 5]
 
 
-def test_the_step_takes_no_merge_call():
+def test_the_step_takes_no_merge_call(results):
     # MirroredStrategy under XLA on GPUs runs without merge_call (Keras's
     # wrapper crashes there, keras-team/keras#21366): the worker switches
     # the strategy into that mode on CPU and makes merge_call raise.
-    result = _run_worker("no_merge_call")["no_merge_call"]
+    result = results["no_merge_call"]
     iterations = [step["iterations"] for step in result["history"]]
     assert iterations == [[i, i] for i in (1, 1, 2, 2, 3, 4, 4, 5)]
     for step, want in zip(result["history"], result["reference"]):
