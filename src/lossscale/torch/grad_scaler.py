@@ -333,9 +333,7 @@ class GradScaler(
             self._growth_tracker.copy_(new.counter)
         self._extras = {name: getattr(new, name) for name in self._extras}
         states.clear()
-        self._scale_bound *= self._policy.backoff_factor * _ROUNDING
-        if self._policy.max_scale is not None:
-            self._scale_bound = min(self._scale_bound, self._policy.max_scale)
+        self._scale_bound = _bound_after_update(self._scale_bound, self._policy)
         if self._policy.fails_fast:
             # The one host read the limits cost per step (as in LossScaleOptimizer).
             code = self._extras["error"].to(torch.float32)
@@ -364,9 +362,7 @@ class GradScaler(
             in_place=True,
             scale_at_least=self._scale_bound,
         )
-        bound = self._scale_bound * policy.backoff_factor * _ROUNDING
-        # A scale at or above the floor stays there: the kernel floors every backoff.
-        self._scale_bound = max(bound, MIN_SCALE) if self._scale_bound >= MIN_SCALE else bound
+        self._scale_bound = _bound_after_update(self._scale_bound, policy)
 
     @property
     def last_step_skipped(self) -> bool | None:
@@ -382,36 +378,17 @@ class GradScaler(
             return None
         return bool(self._last_skip != 0)
 
-    def _set_scale(self, new_scale):
-        if isinstance(new_scale, torch.Tensor):
-            if (
-                not new_scale.is_floating_point()
-                or new_scale.numel() != 1
-                or new_scale.requires_grad
-                or new_scale.device != self._scale.device
-            ):
-                raise ValueError(
-                    "`new_scale` must be a Python float or a one-element floating-point "
-                    f"tensor on the scale's device ({self._scale.device}) that does not "
-                    f"require grad. Received: new_scale=tensor of shape "
-                    f"{tuple(new_scale.shape)}, dtype {new_scale.dtype}, on "
-                    f"{new_scale.device}, requires_grad={new_scale.requires_grad}"
-                )
-            # Checked as a float is (one host read: `update(new_scale)` is rare).
-            value = float(new_scale.detach().reshape(()).to(torch.float32))
-            validation.check_number("new_scale", value, low=0, low_open=True, high=MAX_SCALE)
-            self._scale.copy_(new_scale.detach().reshape(()))
-            self._scale_bound = value
-        else:
-            validation.check_number("new_scale", new_scale, low=0, low_open=True, high=MAX_SCALE)
-            self._scale.fill_(float(new_scale))
-            self._scale_bound = float(np.float32(new_scale))
-        self._per_optimizer_states.clear()
-        self._last_skip = None
 
-    def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled); reads the device."""
-        value = super().get_scale()
-        if self._enabled and self._scale is not None:
-            self._scale_bound = value
-        return value
+def _bound_after_update(bound, policy):
+    """The host's lower bound of the scale after one `update()`, from the one before it.
+
+    A backoff multiplies the scale by at least `backoff_factor` (up to
+    float32 rounding); `max_scale` caps it; under a plain policy a scale at
+    or above `MIN_SCALE` stays there (its kernel floors every backoff).
+    """
+    new = bound * policy.backoff_factor * _ROUNDING
+    if policy.max_scale is not None:
+        new = min(new, policy.max_scale)
+    if policy.is_plain and bound >= MIN_SCALE:
+        new = max(new, MIN_SCALE)
+    return new

@@ -29,7 +29,7 @@ import torch
 
 from lossscale import validation
 from lossscale.mixed_precision import loss_scale
-from lossscale.mixed_precision.loss_scale import NO_ERROR
+from lossscale.mixed_precision.loss_scale import MAX_SCALE, NO_ERROR
 from lossscale.mixed_precision.state import per_variable
 from lossscale.mixed_precision.telemetry import LossScaleError, failure_message, summarize
 
@@ -224,6 +224,40 @@ class ScalerHostMixin:
         super().set_growth_interval(new_interval)
 
     # -- state dicts and pickling ---------------------------------------------
+
+    def _set_scale(self, new_scale):
+        if isinstance(new_scale, torch.Tensor):
+            if (
+                not new_scale.is_floating_point()
+                or new_scale.numel() != 1
+                or new_scale.requires_grad
+                or new_scale.device != self._scale.device
+            ):
+                raise ValueError(
+                    "`new_scale` must be a Python float or a one-element floating-point "
+                    f"tensor on the scale's device ({self._scale.device}) that does not "
+                    f"require grad. Received: new_scale=tensor of shape "
+                    f"{tuple(new_scale.shape)}, dtype {new_scale.dtype}, on "
+                    f"{new_scale.device}, requires_grad={new_scale.requires_grad}"
+                )
+            # Checked as a float is (one host read: `update(new_scale)` is rare).
+            value = float(new_scale.detach().reshape(()).to(torch.float32))
+            validation.check_number("new_scale", value, low=0, low_open=True, high=MAX_SCALE)
+            self._scale.copy_(new_scale.detach().reshape(()))
+            self._scale_bound = value
+        else:
+            validation.check_number("new_scale", new_scale, low=0, low_open=True, high=MAX_SCALE)
+            self._scale.fill_(float(new_scale))
+            self._scale_bound = float(np.float32(new_scale))
+        self._per_optimizer_states.clear()
+        self._last_skip = None
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled); reads the device."""
+        value = super().get_scale()
+        if self._enabled and self._scale is not None:
+            self._scale_bound = value
+        return value
 
     def state_dict(self) -> dict[str, Any]:
         """torch's five entries, and the extra state fields under `"lossscale"` if any.
