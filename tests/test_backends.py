@@ -220,6 +220,7 @@ LAYERS = {
         "ops",
         "scale_update",
         "multi",
+        "traced_unscale",
         "float16_range",
         "plans",
         "host",
