@@ -220,7 +220,6 @@ LAYERS = {
         "ops",
         "scale_update",
         "multi",
-        "traced_unscale",
         "float16_range",
         "plans",
         "host",

@@ -7,8 +7,6 @@ from the modules that implement them:
 - `ops`: tensors, in-place writes, elementwise math;
 - `scale_update`: the plain loss-scale update on `torch._amp_update_scale_`;
 - `multi`: multi-tensor unscale, finite check and norms, by (device, dtype);
-- `traced_unscale`: the unscale and check of a traced CPU step, one opaque
-  `lossscale::unscale_checked_`;
 - `float16_range`: many gradients' float16 range in a fixed number of operations;
 - `plans`: an optimizer's tensor lists per (device, dtype), cached between steps;
 - `host`: a step's scalars computed on the host where their tensors live there
@@ -38,6 +36,7 @@ from lossscale.backends.torch.multi import (
     global_norm,
     max_abs,
     unscale,
+    unscale_checked,
 )
 from lossscale.backends.torch.ops import (
     INT_DTYPE,
@@ -79,7 +78,6 @@ from lossscale.backends.torch.ops import (
     to_numpy,
     where,
 )
-from lossscale.backends.torch.traced_unscale import unscale_checked
 
 # `warnings.warn` cannot be traced: in a compiled step the unscaled-loss
 # warning is run once, at trace time, as a constant (see `telemetry`).
