@@ -133,3 +133,37 @@ def test_a_gradient_of_another_shape_is_refused_before_anything_is_written():
         opt.apply([tf.ones((3, 2))], [w])
     for got, want in zip([v.numpy() for v in opt.variables] + [w.numpy()], before):
         np.testing.assert_array_equal(got, want)
+
+
+def test_autograph_calls_lossscale_as_written():
+    """lossscale is on autograph's list of libraries it does not rewrite, as Keras is.
+
+    A step traced in a `tf.function` then runs lossscale's code as written
+    (its branches on tensors are `cond`s already), and a user's own code is
+    still rewritten.
+    """
+    from tensorflow.python.autograph.core import config
+    from tensorflow.python.autograph.impl import conversion
+
+    assert conversion.is_allowlisted(ls.LossScaleOptimizer.apply)
+    assert conversion.is_allowlisted(ops.assign)
+    assert sum(r.matches("lossscale") for r in config.CONVERSION_RULES) == 1
+
+    def users_step(x):
+        if x > 0:  # a Python `if` on a tensor: rewritten into a graph branch
+            return x
+        return -x
+
+    assert not conversion.is_allowlisted(users_step)
+    v = ls.Variable(tf.constant([1.0, -2.0]))
+    opt = ls.LossScaleOptimizer(ls.optimizers.SGD(0.5), initial_scale=4.0)
+    opt.build([v])
+
+    @tf.function
+    def step(g):
+        grad = users_step(g) * tf.constant([1.0, 2.0]) * opt.scale_loss(tf.constant(1.0))
+        opt.apply([grad], [v])
+
+    step(tf.constant(-2.0))
+    np.testing.assert_array_equal(ops.to_numpy(v.value), [0.0, -4.0])
+    assert int(opt.iterations) == 1
