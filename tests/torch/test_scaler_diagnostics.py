@@ -320,3 +320,35 @@ def test_telemetry_names_the_overflowing_parameter_beside_an_empty_one(growth_po
     summary = scaler.summary()
     assert summary["skipped_steps"] == 1
     assert summary["overflows"][-1]["variables"] == ["w32"]
+
+
+def test_between_measurements_a_plain_policy_updates_with_torchs_kernel():
+    """`diagnostics_every=N` and nothing else: an update off a measuring step is the plain one.
+
+    The same run bit for bit, the count of steps kept (so each N-th step
+    measures), and off a measuring step the operations of the plain update
+    (torch's kernel) and the count's one `add_`.
+    """
+    from tests.torch_cases import count_ops
+
+    plain = lt.GradScaler("cpu", init_scale=cases.INIT_SCALE, growth_interval=3)
+    measured = lt.GradScaler(
+        "cpu", init_scale=cases.INIT_SCALE, growth_interval=3, diagnostics_every=5
+    )
+    want, run = cases.train(plain), cases.train(measured)
+    assert run["scales"] == want["scales"] and run["skipped"] == want["skipped"]
+    assert any(run["skipped"]) and not all(run["skipped"])
+    assert cases.same_weights(run["params"], want["params"])
+    summary = measured.summary()
+    assert summary["steps"] == cases.STEPS and summary["float16_range_step"] == 30
+    assert len(summary["float16_range"]) == len(list(run["model"].parameters()))
+    updates = {}
+    for name, scaler, result in (("plain", plain, want), ("measured", measured, run)):
+        result["optimizer"].zero_grad()
+        cases.loss_of(result["model"], *cases.batch()).backward()  # an unscaled step: finite
+        scaler.step(result["optimizer"])
+        with count_ops() as seen:
+            scaler.update()
+        updates[name] = seen
+    assert updates["plain"][0] == "aten._amp_update_scale_.default"
+    assert updates["measured"] == ["aten.add_.Tensor", *updates["plain"]]

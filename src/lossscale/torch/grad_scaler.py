@@ -318,7 +318,7 @@ class GradScaler(
         # Each flag is 0 or 1 (torch's kernel, or `_agreed`): torch's AMP form.
         skip = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
         self._last_skip = skip
-        if self._policy.is_plain and not self._policy.diagnoses:
+        if self._policy.is_plain and not self._observers and not self._reads_per_variable():
             states.clear()
             self._update_plain(skip)
             return
@@ -342,14 +342,18 @@ class GradScaler(
                 raise LossScaleError(self._failure_message())
 
     def _update_plain(self, skip):
-        """`update()` of a plain policy without diagnostics: torch's kernel and the floor.
+        """`update()` of a plain policy off a measuring step: torch's kernel and the floor.
 
         `next_loss_scale` would run the same kernel (`fused_scale_update`)
-        with nothing else to advance; called directly, the update costs no
-        state to build, and the host's lower bound of the scale decides
-        whether the floor needs an operation (see `update_scale`).
+        and, with diagnostics, count the step; called directly, the update
+        costs no state to build, and the host's lower bound of the scale
+        decides whether the floor needs an operation (see `update_scale`).
         """
         policy = self._policy
+        steps = self._extras.get("steps")
+        if steps is not None:  # diagnostics: the count `next_loss_scale` keeps, in place
+            steps.add_(1)
+        self._host_steps += 1
         _OPS.fused_scale_update()(
             self._scale,
             self._growth_tracker,

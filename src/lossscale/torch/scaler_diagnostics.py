@@ -217,7 +217,7 @@ class ScalerDiagnosticsMixin:
         on the host.
         """
         names, per_variable, variable_finite, measured = (), {}, (), None
-        if self._policy.records_details or self._policy.diagnoses:
+        if self._reads_per_variable():
             names, per_variable, variable_finite, measured = self._per_variable_state(states)
         state = self._state(per_variable)
         new = next_loss_scale(
@@ -238,6 +238,20 @@ class ScalerDiagnosticsMixin:
                 observer.on_step(finite, state.steps)
         self._host_steps += 1
         return new
+
+    def _reads_per_variable(self):
+        """Whether this update reads and writes the per-parameter fields.
+
+        With telemetry, every update (each parameter's overflow flag); with
+        diagnostics alone, a measuring update, or every one under the
+        statistics policy, which reads the last measurement. Elsewhere the
+        fields stay as they are, and building them for a hundred-odd
+        parameters would cost more than the update.
+        """
+        policy = self._policy
+        if policy.records_details:
+            return True
+        return policy.diagnoses and (self._measures_now() or policy.growth_policy == "statistics")
 
     def _keep_per_variable(self, names, new):
         for f in per_variable_fields(self._policy):
