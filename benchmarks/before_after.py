@@ -6,10 +6,10 @@ OLD_COMMIT is checked out into a temporary git worktree; each round runs,
 per workload, one `lossscale bench` process of each tree (by default
 `lossscale-torch`, `lossscale-jax`, `lossscale-numpy`:
 `LossScaleOptimizer(Adam)` on each backend; `--impl` names others, e.g.
-`lossscale-torch-compiled`), the older first in odd rounds and this checkout first in even
-ones, so that a drift of the machine's speed falls on both alike. Every
-round's median ms per step is printed, then a table of the medians of the
-rounds and their ratio (this checkout / older).
+`lossscale-torch-compiled`), the older first in odd rounds and this
+checkout first in even ones, so that a drift of the machine's speed falls
+on both alike. Every round's median ms per step is printed, then a table
+of the medians of the rounds and their ratio (this checkout / older).
 """
 
 import json

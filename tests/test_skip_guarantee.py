@@ -8,8 +8,9 @@ position; NaN, +inf, -inf, and a finite value that overflows only once
 divided by a scale below 1 (TensorFlow's interfaces, whose backend
 branches on no size, two of the positions per size); half, single and
 double precision (where the backend has them), contiguous and strided
-gradients, one bad tensor among many. After every such step the parameters, the optimizer's state and its
-step counter are bitwise what they were, and the scale is halved.
+gradients, one bad tensor among many. After every such step the
+parameters, the optimizer's state and its step counter are bitwise what
+they were, and the scale is halved.
 
 One optimizer per interface and dtype holds a tensor of each size, so each
 step reads every size at once and its one bad value sits in one of them.
@@ -57,12 +58,12 @@ def bad_cases(sizes, seed, sampled=False):
     rng = np.random.default_rng(seed)
     distinct = [i for i, n in enumerate(sizes) if n != 1021]
     cases = []
-    for k, i in enumerate(distinct):
+    for nth, i in enumerate(distinct):
         n = sizes[i]
         boundary = next((b for b in BOUNDARIES if b < n), n // 2)
         positions = [0, n - 1, boundary, int(rng.integers(n))]
         if sampled:
-            positions = [positions[k % 2], positions[2 + (k + 1) % 2]]
+            positions = [positions[nth % 2], positions[2 + (nth + 1) % 2]]
         positions = dict.fromkeys(positions)
         for k, position in enumerate(positions):
             cases.append((i, position, VALUES[(i + k) % len(VALUES)]))

@@ -318,7 +318,7 @@ class GradScaler(
         # Each flag is 0 or 1 (torch's kernel, or `_agreed`): torch's AMP form.
         skip = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
         self._last_skip = skip
-        if self._policy.is_plain and not self._observers and not self._reads_per_variable():
+        if self._policy.is_plain and not self._reads_per_variable():
             states.clear()
             self._update_plain(skip)
             return
