@@ -7,6 +7,7 @@ skipped there; a missing one fails the test instead of hiding it.
 """
 
 import os
+import sys
 
 # Keras reads `KERAS_BACKEND` once, at its first import, which may come
 # from any module collected before the Keras tests (TensorFlow's own
@@ -64,6 +65,24 @@ def force_numpy_threads(monkeypatch, workers=3):
     monkeypatch.setattr(numpy_parallel, "MIN_ELEMENTS_PER_WORKER", 128)
     monkeypatch.setattr(numpy_parallel, "MIN_MEAN_BLOCK_FOR_THREADS", 1)
     monkeypatch.setattr(numpy_parallel, "cpu_count", lambda: workers)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """Fails a test that leaves torch's intra-op thread count changed.
+
+    The count is the process's share of the cores (above); a test, or
+    library code it runs, that raises it for the rest of the process slows
+    every later torch test there by up to a hundred times (`bench.floor`
+    once did).
+    """
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and before is not None:
+        after = torch.get_num_threads()
+        assert after == before, f"torch's thread count changed from {before} to {after}"
 
 
 # Property tests draw the same examples on every run, like every other seeded

@@ -25,6 +25,18 @@ def test_quick_measurement_returns_a_positive_rate(measure):
     assert result["method"].startswith(expected) and "threads" in result["method"]
 
 
+def test_the_torch_measurement_leaves_torchs_thread_count_as_it_was():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        floor._measure_torch_cpu(torch, quick=True)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_device():
     with pytest.raises(
         ValueError, match="`device` must be 'cpu' or 'cuda'. Received: device='tpu'"

@@ -73,11 +73,16 @@ def _sizes(quick, full):
 
 def _measure_torch_cpu(torch, quick):
     n, repeats = _sizes(quick, 1 << 26)  # 256 MiB per array, far beyond any L3
-    threads = _cpus()
+    threads, previous = _cpus(), torch.get_num_threads()
+    # Every core for the copy, then the caller's count back: a process that
+    # runs torch beside others (a test worker, a training job) keeps its share.
     torch.set_num_threads(threads)
-    src = torch.empty(n, dtype=torch.float32).uniform_(0.5, 1.5)
-    dst = torch.empty_like(src)
-    rate = _best_rate(lambda: dst.copy_(src), 4 * n, repeats)
+    try:
+        src = torch.empty(n, dtype=torch.float32).uniform_(0.5, 1.5)
+        dst = torch.empty_like(src)
+        rate = _best_rate(lambda: dst.copy_(src), 4 * n, repeats)
+    finally:
+        torch.set_num_threads(previous)
     return {"gb_per_s": rate, "method": f"torch copy_, {threads} threads", "bytes": 4 * n}
 
 
