@@ -21,6 +21,15 @@ def _gradient(rng, shape, dtype, growth_factor):
     return torch.from_numpy(values).to(dtype).reshape(shape)
 
 
+@pytest.fixture(autouse=True, params=["counted on the host", "device histogram"])
+def counting(request, monkeypatch):
+    """Every test on both ways of counting: NumPy's on the CPU, and the
+    histogram a GPU runs (on the CPU too once no host read is allowed)."""
+    if request.param == "device histogram":
+        monkeypatch.setattr(torch_multi, "HOST_READABLE", frozenset())
+    return request.param
+
+
 def _assert_as_measure(grads, growth_factor):
     out = float16_range.measure(grads, SUBNORMAL, diagnostics.near_max_limit(growth_factor))
     assert out is not None

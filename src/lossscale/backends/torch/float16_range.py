@@ -16,6 +16,10 @@ about fifteen operations for any number of gradients:
 - the class plus five times the gradient's index is counted into one
   integer histogram (`index_add_`: no host read, where `bincount` reads its
   input's maximum on CUDA);
+- on a device whose memory the host reads without waiting (the CPU:
+  `multi.HOST_READABLE`), NumPy counts the classes instead, in the
+  buffers' own memory (`_counted_on_the_host`): the same counts, three to
+  four times faster than torch's CPU kernels;
 - the counts are divided by the sizes and the largest magnitudes come
   from `torch._foreach_max`, one `torch.stack` making them a vector.
 
@@ -28,6 +32,7 @@ alone, in buffers of their own, so no buffer kept between steps grows past
 import struct
 import threading
 
+import numpy as np
 import torch
 
 from lossscale.backends.torch import dtensors, multi
@@ -111,16 +116,47 @@ def _packed(tensors, steps):
     """`((n, 3) float32 shares, n largest magnitudes)` of n small tensors, at once."""
     buffers = _buffers(tensors)
     torch._foreach_copy_(buffers.views, tensors)  # float32, as `measure` rounds
-    counts = _histogram(buffers.flat.abs_(), buffers.offsets, len(tensors), steps)
-    # The views now hold the magnitudes.
+    magnitudes = buffers.flat.abs_()  # the views now hold the magnitudes
+    if magnitudes.device.type in multi.HOST_READABLE:
+        counts = _counted_on_the_host(magnitudes, buffers.starts, steps)
+    else:
+        counts = _histogram(magnitudes, buffers.offsets, len(tensors), steps)
     return counts.float() / buffers.sizes, torch._foreach_max(buffers.views)
 
 
 def _alone(tensor, steps):
     """`((1, 3) float32 shares, largest magnitude)` of one tensor."""
     flat = tensor.reshape(-1).to(torch.float32, copy=True).abs_()
-    counts = _histogram(flat, None, 1, steps)
+    if flat.device.type in multi.HOST_READABLE:
+        counts = _counted_on_the_host(flat, None, steps)
+    else:
+        counts = _histogram(flat, None, 1, steps)
     return counts.float() / float(flat.numel()), flat.max()
+
+
+def _counted_on_the_host(magnitudes, starts, steps):
+    """`(n, 3)` int64 counts of zero, subnormal and near elements, as `_histogram`'s.
+
+    Of the n tensors whose elements start at the NumPy indices `starts` in
+    the CPU tensor `magnitudes` (None: one tensor), read off how many bit
+    patterns lie above each step (an element's class is the number of
+    steps below it). NumPy compares and counts the tensor's own memory
+    three to four times faster than torch's CPU kernels build and count
+    the classes.
+    """
+    bits = magnitudes.view(torch.int32).numpy()
+    if starts is None:
+        above = np.array([[np.count_nonzero(bits > k)] for k in steps], np.int64)
+        sizes = np.array([bits.size], np.int64)
+    else:
+        # Booleans summed per tensor, in 32 bits (a pack holds far fewer
+        # than 2**31 elements): half the time of 64-bit sums.
+        above = np.stack(
+            [np.add.reduceat((bits > k).view(np.uint8), starts, dtype=np.int32) for k in steps]
+        ).astype(np.int64)
+        sizes = np.diff(starts, append=bits.size)
+    counts = np.stack([sizes - above[0], above[0] - above[1], above[2] - above[3]], axis=1)
+    return torch.from_numpy(counts)
 
 
 def _histogram(magnitudes, offsets, count, steps):
@@ -152,6 +188,8 @@ class _Buffers:
         rows = torch.arange(0, len(sizes) * _CLASSES, _CLASSES, dtype=torch.int32)
         self.offsets = torch.repeat_interleave(rows, torch.tensor(sizes)).to(device)
         self.sizes = torch.tensor(sizes, dtype=torch.float32).to(device)[:, None]
+        # Where each tensor's elements start (NumPy's counts on the CPU).
+        self.starts = np.cumsum([0, *sizes[:-1]])
 
 
 def _buffers(tensors):
