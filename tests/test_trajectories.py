@@ -27,12 +27,19 @@ differently on AVX2-only and on AVX-512 machines (float16 arithmetic
 included). Each case therefore holds one recorded trajectory per kind of
 machine it was recorded on, and a run must equal one of them exactly.
 
+Bits also depend on torch's intra-op thread count: its parallel
+reductions (Lamb's norms, Ftrl's) split the work by it. Every trajectory
+was recorded with `RECORDED_TORCH_THREADS` threads (a 2-core machine's
+default), so the torch cases run with that many, whatever the process's
+share of the cores (tests/conftest.py gives each test process one here).
+
 Record again (only for an intended change of a trajectory) with
 `LOSSSCALE_RECORD_TRAJECTORIES=1 pytest tests/test_trajectories.py`; add
 this machine's trajectories of unchanged code (a new kind of CPU) with
 `LOSSSCALE_RECORD_TRAJECTORIES=add`.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -49,6 +56,7 @@ ADD = os.environ.get("LOSSSCALE_RECORD_TRAJECTORIES") == "add"
 # One tensor above every backend's packing threshold (NumPy 2**14, torch 2**16).
 SHAPES = ((3, 5), (7,), (300, 250))
 STEPS = 6
+RECORDED_TORCH_THREADS = 2
 # Gradients of these steps hold an inf / a NaN (wrapped runs only).
 INF_STEP, NAN_STEP = 2, 4
 
@@ -262,13 +270,33 @@ pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.Unsca
     "name, backend, dtype, wrapped", CASES, ids=[_case_id(*case) for case in CASES]
 )
 def test_trajectory_is_bitwise_the_recorded_one(name, backend, dtype, wrapped):
-    _check(_case_id(name, backend, dtype, wrapped), _run(name, backend, dtype, wrapped))
+    with _torch_threads(backend == "torch"):
+        digests = _run(name, backend, dtype, wrapped)
+    _check(_case_id(name, backend, dtype, wrapped), digests)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", SCALER_RULES)
 def test_torch_optimizer_under_grad_scaler_is_bitwise_the_recorded_one(name, dtype):
-    _check(f"{name}-torch_grad_scaler-{dtype}", _run_scaler(name, dtype))
+    with _torch_threads(True):
+        digests = _run_scaler(name, dtype)
+    _check(f"{name}-torch_grad_scaler-{dtype}", digests)
+
+
+@contextlib.contextmanager
+def _torch_threads(pinned):
+    """Runs with torch's thread count at `RECORDED_TORCH_THREADS` (if `pinned`), then restores it."""
+    if not pinned:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(RECORDED_TORCH_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_every_case_is_recorded():
