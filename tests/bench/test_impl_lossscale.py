@@ -25,6 +25,7 @@ ROWS = {
     "lossscale-jax": ("tiny", keras_adam, {}),
     # torch.compile's first call compiles for seconds per tensor shape: two tensors.
     "lossscale-torch-compiled": ("large", keras_adam, {}),
+    "lossscale-torch-compiled-lean": ("large", keras_adam, {}),
 }
 
 
@@ -49,6 +50,7 @@ def test_the_registry_rows():
     assert "SGD(momentum=0.9)" in describe["lossscale-torch-sgd-momentum"]
     assert "lossscale.torch.Optimizer(AdamW)" in describe["lossscale-torch-optimizer-adamw"]
     assert "torch.compile(fullgraph=True)" in describe["lossscale-torch-compiled"]
+    assert "tensor guards only" in describe["lossscale-torch-compiled-lean"]
 
 
 @pytest.mark.parametrize("name", list(ROWS))

@@ -19,6 +19,7 @@ def test_every_requested_implementation_is_registered():
             "lossscale-torch-optimizer-adamw",
             "lossscale-jax",
             "lossscale-torch-compiled",
+            "lossscale-torch-compiled-lean",
             "lossscale-gradscaler-adamw-fused",
             "lossscale-optax",
             "lossscale-tensorflow",

@@ -168,6 +168,57 @@ def test_a_step_compiles_into_one_graph_that_never_recompiles(name):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
+# docs/torch.md's lean compile: Dynamo's tensor guards only, no Inductor size asserts.
+LEAN = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe, "size_asserts": False}
+
+
+@pytest.mark.parametrize("options", [{}, LEAN], ids=["default", "lean"])
+def test_an_inductor_compiled_adam_step_is_the_eager_step_bit_for_bit(options):
+    """Inductor itself, with and without the lean options: one graph, and the eager run exactly.
+
+    Compiled on the CPU, Adam's update is the eager step as one opaque
+    operation (`lossscale::fused_adam_`); the unscale and finite check are
+    Inductor's loops, over a gradient past torch's packing threshold and
+    small ones, with an inf and a NaN at either end of a gradient.
+    """
+    shapes = [(300, 250), (7,), (3, 5)]  # 75,000 elements: past PACK_BELOW (2**16)
+    bad = {2: (0, 0, float("inf")), 4: (0, -1, float("nan")), 5: (1, -1, float("-inf"))}
+    runs = []
+    for compiled in (True, False):
+        generator = torch.Generator().manual_seed(5)
+        params = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in shapes]
+        opt = ls.LossScaleOptimizer(
+            OPTIMIZERS["adam"](), initial_scale=64.0, dynamic_growth_steps=2
+        )
+        opt.scale_loss(1.0)
+        opt.build(params)
+
+        def step(grads, opt=opt, params=params):
+            opt.apply(grads, params)
+
+        if compiled:
+            torch.compiler.reset()
+            torch._dynamo.utils.counters.clear()
+            step = torch.compile(step, fullgraph=True, options=options)
+        trail = []
+        for k in range(7):
+            grads = [torch.randn(s, generator=generator) * 64 for s in shapes]
+            if k in bad:
+                which, at, value = bad[k]
+                grads[which].view(-1)[at] = value
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                step(grads)
+            trail.append((float(opt.dynamic_scale), int(opt.iterations)))
+        if compiled:
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+            torch.compiler.reset()
+        runs.append((trail, [p.detach().clone() for p in params]))
+    (compiled_trail, compiled_params), (eager_trail, eager_params) = runs
+    assert compiled_trail == eager_trail
+    assert [it for _, it in eager_trail] == [1, 2, 2, 3, 3, 3, 4]  # three skipped steps
+    assert all(torch.equal(a, b) for a, b in zip(compiled_params, eager_params))
+
+
 def test_the_unscaled_loss_warning_is_given_once_without_breaking_the_graph():
     # `scale_loss` never called: the warning is given while tracing (a
     # constant to the compiler), not replayed by the compiled step.

@@ -144,14 +144,34 @@ def jax_adam(workload):
     requires=("torch",),
     devices=("cpu", "cuda"),
 )
-def torch_adam_compiled(workload):
+def torch_adam_compiled(workload, options=None):
     torch, device, params, grads = frameworks.torch_tensors(workload)
     opt = _optimizer()
     opt.build(params)  # outside the compiled function: creating state is not traced
     live = [g.clone() for g in grads]
-    compiled = torch.compile(lambda: opt.apply(live, params), fullgraph=True)
+    compiled = torch.compile(lambda: opt.apply(live, params), fullgraph=True, options=options)
     return Stepper(
         step=compiled,
         sync=frameworks.torch_sync(torch, device),
         prepare=lambda: torch._foreach_copy_(live, grads),
+    )
+
+
+@implementation(
+    "lossscale-torch-compiled-lean",
+    "ours",
+    "lossscale LossScaleOptimizer(Adam), opt.apply in torch.compile(fullgraph=True) with "
+    "Dynamo's tensor guards only and no Inductor size asserts (docs/torch.md)",
+    requires=("torch",),
+    devices=("cpu", "cuda"),
+)
+def torch_adam_compiled_lean(workload):
+    import torch
+
+    return torch_adam_compiled(
+        workload,
+        options={
+            "guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe,
+            "size_asserts": False,
+        },
     )
