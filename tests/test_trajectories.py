@@ -270,7 +270,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.Unsca
     "name, backend, dtype, wrapped", CASES, ids=[_case_id(*case) for case in CASES]
 )
 def test_trajectory_is_bitwise_the_recorded_one(name, backend, dtype, wrapped):
-    with _torch_threads(backend == "torch"):
+    with _torch_threads() if backend == "torch" else contextlib.nullcontext():
         digests = _run(name, backend, dtype, wrapped)
     _check(_case_id(name, backend, dtype, wrapped), digests)
 
@@ -278,17 +278,14 @@ def test_trajectory_is_bitwise_the_recorded_one(name, backend, dtype, wrapped):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", SCALER_RULES)
 def test_torch_optimizer_under_grad_scaler_is_bitwise_the_recorded_one(name, dtype):
-    with _torch_threads(True):
+    with _torch_threads():
         digests = _run_scaler(name, dtype)
     _check(f"{name}-torch_grad_scaler-{dtype}", digests)
 
 
 @contextlib.contextmanager
-def _torch_threads(pinned):
-    """Runs with torch's thread count at `RECORDED_TORCH_THREADS` (if `pinned`), then restores it."""
-    if not pinned:
-        yield
-        return
+def _torch_threads():
+    """Runs with torch's thread count at `RECORDED_TORCH_THREADS`, then restores it."""
     import torch
 
     before = torch.get_num_threads()

@@ -116,22 +116,29 @@ def _packed(tensors, steps):
     """`((n, 3) float32 shares, n largest magnitudes)` of n small tensors, at once."""
     buffers = _buffers(tensors)
     torch._foreach_copy_(buffers.views, tensors)  # float32, as `measure` rounds
-    magnitudes = buffers.flat.abs_()  # the views now hold the magnitudes
-    if magnitudes.device.type in multi.HOST_READABLE:
-        counts = _counted_on_the_host(magnitudes, buffers.starts, steps)
-    else:
-        counts = _histogram(magnitudes, buffers.offsets, len(tensors), steps)
+    # The views now hold the magnitudes.
+    counts = _counts(buffers.flat.abs_(), buffers.starts, buffers.offsets, steps)
     return counts.float() / buffers.sizes, torch._foreach_max(buffers.views)
 
 
 def _alone(tensor, steps):
     """`((1, 3) float32 shares, largest magnitude)` of one tensor."""
     flat = tensor.reshape(-1).to(torch.float32, copy=True).abs_()
-    if flat.device.type in multi.HOST_READABLE:
-        counts = _counted_on_the_host(flat, None, steps)
-    else:
-        counts = _histogram(flat, None, 1, steps)
+    counts = _counts(flat, None, None, steps)
     return counts.float() / float(flat.numel()), flat.max()
+
+
+def _counts(magnitudes, starts, offsets, steps):
+    """`(n, 3)` counts of zero, subnormal and near elements of the n tensors in `magnitudes`.
+
+    Counted by NumPy where the host reads the device's memory without
+    waiting, else by the device histogram. `starts` (NumPy element indices)
+    and `offsets` (`_histogram`'s) place the tensors; both None: one tensor.
+    """
+    if magnitudes.device.type in multi.HOST_READABLE:
+        return _counted_on_the_host(magnitudes, starts, steps)
+    count = 1 if offsets is None else len(starts)
+    return _histogram(magnitudes, offsets, count, steps)
 
 
 def _counted_on_the_host(magnitudes, starts, steps):
