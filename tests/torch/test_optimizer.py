@@ -224,6 +224,68 @@ def test_bad_input_raises_and_changes_nothing():
     assert torch.equal(opt.state_dict()["state"][0]["momentum"], after["state"][0]["momentum"])
 
 
+def _snapshot(opt, params):
+    """Host copies of everything a step writes: parameters, slots, step counts, rates."""
+    state = opt.state_dict()["state"]
+    return (
+        [p.detach().clone() for p in params],
+        {k: {n: t.clone() for n, t in v.items() if torch.is_tensor(t)} for k, v in state.items()},
+        [(float(r.iterations.numpy()), float(r.learning_rate.numpy())) for r in opt.rules],
+    )
+
+
+def _same(a, b):
+    return (
+        all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+        and a[1].keys() == b[1].keys()
+        and all(torch.equal(a[1][k][n], b[1][k][n]) for k in a[1] for n in a[1][k])
+        and a[2] == b[2]
+    )
+
+
+@pytest.mark.parametrize(
+    "bad", ["sparse gradient", "momentum to 0", "negative weight decay", "found_inf elsewhere"]
+)
+def test_a_bad_group_raises_before_any_group_is_written(bad):
+    # Group 0 comes first and is fine; nothing of it (parameters, slots,
+    # step count, its moved learning rate) changes when group 1 is refused.
+    params = make_params()
+    embedding = torch.nn.Embedding(10, 4)
+    opt = lt.Optimizer(
+        [{"params": params}, {"params": [embedding.weight], "lr": 0.5}],
+        ls.optimizers.SGD(0.01, momentum=0.9),
+    )
+    for step in range(2):
+        set_grads(params, grads_for(step))
+        embedding(torch.tensor([1, 2, step])).square().sum().backward()
+        opt.step()
+        embedding.weight.grad = None
+    set_grads(params, grads_for(2))
+    embedding(torch.tensor([3, 4])).square().sum().backward()
+    opt.param_groups[0]["lr"] = 0.25
+    if bad == "sparse gradient":  # as `Embedding(sparse=True)` makes it
+        embedding.weight.grad = embedding.weight.grad.to_sparse()
+        message = (
+            r"takes dense gradients only \(an embedding with `sparse=False`, say\)\. Received: "
+            r"a gradient with layout torch\.sparse_coo for parameter 0 of param group 1 "
+            r"\(shape \(10, 4\)\)$"
+        )
+    elif bad == "momentum to 0":
+        opt.param_groups[1]["momentum"] = 0.0
+        message = r"'momentum' cannot move .* Received: momentum=0.0 for a rule built with momentum=0.9$"
+    elif bad == "negative weight decay":
+        opt.param_groups[1]["weight_decay"] = -0.1
+        message = r"`weight_decay` must be .*0.* Received: weight_decay=-0.1"
+    else:  # as a scaler would set it, on a device other than the parameters'
+        opt.found_inf = torch.zeros((), device="meta")
+        message = r"`found_inf` must be on the parameters' device cpu.*Received: found_inf on meta"
+    before = _snapshot(opt, params + [embedding.weight])
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    opt.__dict__.pop("found_inf", None)
+    assert _same(_snapshot(opt, params + [embedding.weight]), before)
+
+
 def test_inside_lightning_with_its_16_mixed_precision():
     import pytorch_lightning as pl
     from pytorch_lightning.plugins.precision import MixedPrecision
@@ -352,11 +414,10 @@ def test_under_a_grad_scaler_adamw_takes_the_scale_into_its_kernel(monkeypatch, 
 
 
 @pytest.mark.parametrize("all_have_grads", [True, False])
-def test_a_step_hands_the_rule_its_own_variable_list_when_every_parameter_has_a_gradient(
-    monkeypatch, all_have_grads
-):
-    # Then the rule resolves nothing (no `_as_variable` per parameter);
-    # where some parameter has no gradient it is given the others.
+def test_a_step_hands_the_rule_its_own_variables_and_resolves_none(monkeypatch, all_have_grads):
+    # The rule resolves nothing (no `_as_variable` per parameter): it is
+    # given its own variable list, or, where some parameter has no
+    # gradient, its own variables of the others.
     params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(5)]
     opt = lt.Optimizer(params, ls.optimizers.AdamW(1e-2))
     rule = opt.rules[0]
@@ -369,6 +430,6 @@ def test_a_step_hands_the_rule_its_own_variable_list_when_every_parameter_has_a_
     for p in params[: 5 if all_have_grads else 4]:
         p.grad = torch.ones(4, 3)
     opt.step()
-    assert len(resolved) == (0 if all_have_grads else 4)
+    assert resolved == []
     changed = [not torch.equal(b, p) for b, p in zip(before, params)]
     assert changed == [True] * 4 + [all_have_grads]

@@ -165,20 +165,21 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)  # set by a GradScaler's `step`
         found_inf = getattr(self, "found_inf", None)
+        # Every group's gradients and settings are checked before anything is written.
+        steps = [
+            (index, group, rule, pairs)
+            for index, (group, rule) in enumerate(zip(self.param_groups, self._rules))
+            if (pairs := _gradients(index, group, rule))
+        ]
+        moved = [self._moved(index, group, rule) for index, group, rule, _ in steps]
         keep = flag = None
-        for index, (group, rule) in enumerate(zip(self.param_groups, self._rules)):
-            pairs = [
-                (p.grad, v)
-                for p, v in zip(group["params"], rule._trainable_variables)
-                if p.grad is not None
-            ]
-            if not pairs:
-                continue
-            if found_inf is not None and keep is None:
-                # A gradient lives on its parameter's device (no read of the variable).
-                keep = _keep(found_inf, pairs[0][0].device)
-                flag = found_inf.reshape(()) if found_inf.ndim else found_inf
-            self._sync(index, group, rule)
+        if found_inf is not None and steps:
+            # A gradient lives on its parameter's device (no read of the variable).
+            keep = _keep(found_inf, steps[0][3][0][0].device)
+            flag = found_inf.reshape(()) if found_inf.ndim else found_inf
+        for (index, _, rule, _), settings in zip(steps, moved):
+            self._take(index, rule, settings)
+        for _, _, rule, pairs in steps:
             grads = [g for g, _ in pairs]
             if len(pairs) == len(rule._trainable_variables):  # every one has a gradient
                 variables = rule._trainable_variables  # (the rule then resolves nothing)
@@ -190,23 +191,20 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
                     folded = grad_scale
                 else:  # unscaled in place, as fused kernels do
                     grads = _OPS.unscale(grads, grad_scale, in_place=True)
-            if keep is None and folded is None:
-                rule.apply(grads, variables)
-            else:
-                variables = rule._prepare(grads, variables)
-                with rule._ops.quiet():
-                    rule._step(grads, variables, keep=keep, grad_scale=folded, found_inf=flag)
+            # The rule's own variables, and gradients torch checked against
+            # them when it set each `p.grad` (shape, dtype, device): what its
+            # `apply` would check first is known, so the step runs as it is.
+            with rule._ops.quiet():
+                rule._step(grads, variables, keep=keep, grad_scale=folded, found_inf=flag)
         self.last_step_applied = True if found_inf is None else keep
         return loss
 
-    def _sync(self, index, group, rule):
-        """Gives the rule the group's current hyperparameters (a scheduler may have moved them)."""
-        lr = group["lr"]
-        if torch.is_tensor(lr):  # a scheduler may fill it in place: copied every step
-            rule._learning_rate.assign(lr)
-        elif lr != self._rule_lrs[index]:
-            rule.learning_rate = lr
-            self._rule_lrs[index] = lr
+    def _moved(self, index, group, rule):
+        """`{setting: value}` the group moved since the rule last took it (a scheduler, say).
+
+        Checked here; nothing is set (see `_take`).
+        """
+        moved = {}
         for key, value in _rule_settings(group, self._tunable).items():
             if key == "weight_decay":
                 value = value or None
@@ -218,7 +216,23 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
                     "the rule keeps momentum slots only when it starts with one. Received: "
                     f"momentum={value} for a rule built with momentum={rule.momentum}"
                 )
-            setattr(rule, key, value)
+            moved[key] = value
+        lr = group["lr"]
+        # A tensor lr may be filled in place by a scheduler: copied every step.
+        if torch.is_tensor(lr) or lr != self._rule_lrs[index]:
+            moved["learning_rate"] = lr
+        return moved
+
+    def _take(self, index, rule, moved):
+        """Sets the rule's settings that `_moved` found."""
+        for key, value in moved.items():
+            if key != "learning_rate":
+                setattr(rule, key, value)
+            elif torch.is_tensor(value):
+                rule._learning_rate.assign(value)
+            else:
+                rule.learning_rate = value
+                self._rule_lrs[index] = value
 
     @property
     def rules(self) -> list[LossscaleOptimizer]:
@@ -233,6 +247,27 @@ def _read(optimizer, key):
         return None if b1 is None or b2 is None else (b1, b2)
     value = getattr(optimizer, key, None)
     return value if isinstance(value, float | int) and not isinstance(value, bool) else None
+
+
+def _gradients(index, group, rule):
+    """`[(p.grad, variable), ...]` of the group's parameters that have a gradient.
+
+    Raises for a gradient that is not a dense (strided) tensor: no rule's
+    kernel takes a sparse one, as torch's Adam, AdamW and SGD(fused) take none.
+    """
+    pairs = []
+    for j, (p, v) in enumerate(zip(group["params"], rule._trainable_variables)):
+        g = p.grad
+        if g is None:
+            continue
+        if g.layout is not torch.strided:
+            raise ValueError(
+                "lossscale.torch.Optimizer takes dense gradients only (an embedding with "
+                "`sparse=False`, say). Received: a gradient with layout "
+                f"{g.layout} for parameter {j} of param group {index} (shape {tuple(p.shape)})"
+            )
+        pairs.append((g, v))
+    return pairs
 
 
 def _rule_settings(group, tunable):
