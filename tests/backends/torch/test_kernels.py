@@ -56,6 +56,24 @@ def test_adam_and_sgd_run_on_torchs_fused_kernels_with_its_found_inf(name):
     assert not kernel.takes_grad_scale and kernels.divides_grad_scale(name)
 
 
+def test_while_tracing_adam_and_sgd_take_the_scale(monkeypatch):
+    # Traced, the AMP pass would become a loop writing divided copies of
+    # the gradients (tests/optimizers/test_loss_scale_step.py): the kernels
+    # divide them as they read them instead. Nothing else changes.
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for name, kernel in kernels.KERNELS.items():
+        traced = kernels.fused_update(name)
+        if name in ("adam", "sgd"):
+            assert traced.takes_grad_scale and traced.fn is kernel.fn
+            assert (traced.folds_keep, traced.takes_found_inf, traced.folds_weight_decay) == (
+                kernel.folds_keep,
+                kernel.takes_found_inf,
+                kernel.folds_weight_decay,
+            )
+        else:
+            assert traced is kernel
+
+
 def test_the_foreach_kernels_fold_the_skip_only():
     for name, kernel in kernels.KERNELS.items():
         if name in ("adam", "sgd"):

@@ -293,3 +293,45 @@ def test_compiled_finite_check_finds_one_bad_value_in_packed_and_lone_tensors(mo
                 arrays[k][at] = bad
                 finite, skip = check(arrays)
                 assert not bool(finite) and float(skip) == 1.0, (k, at, bad)
+
+
+def test_compiled_peak_packs_small_tensors_and_finds_one_bad_value(monkeypatch):
+    # `finite_unscaled` (the compiled step's check where the kernel takes the
+    # scale): small tensors concatenated into one reduction while tracing,
+    # the others alone; the peak equals the eager one exactly, and one inf
+    # or NaN anywhere, or a finite value that overflows when divided by a
+    # scale under 1, is found.
+    below = 64
+    monkeypatch.setattr(torch_multi, "PACK_BELOW", below)
+    monkeypatch.setattr(torch_multi, "PACK_CAPACITY", 2 * below)
+    sizes = [below - 1, 1, below, below + 1, 60, 7, 3]
+    graphs = []
+
+    def capture(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    peak = torch.compile(lambda arrays: torch_multi.max_abs(arrays), fullgraph=True)
+    check = torch.compile(
+        lambda arrays, scale: torch_multi.finite_unscaled(arrays, scale),
+        fullgraph=True,
+        backend=capture,
+    )
+    rng = np.random.default_rng(19)
+    start = [torch.tensor(rng.normal(size=n), dtype=torch.float32) for n in sizes]
+    assert torch.equal(peak([a.clone() for a in start]), torch_multi.max_abs(start))
+    assert bool(check([a.clone() for a in start], torch.tensor(2.0**15)))
+    (graph,) = graphs
+    targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert sum("cat" in t for t in targets) == 1, targets
+    assert sum("aminmax" in t for t in targets) == 4, targets  # 3 alone, 1 packed
+    for k, a in enumerate(start):
+        for at in sorted({0, a.numel() - 1, int(rng.integers(a.numel()))}):
+            for bad in (np.inf, -np.inf, np.nan):
+                arrays = [b.clone() for b in start]
+                arrays[k][at] = bad
+                assert not bool(check(arrays, torch.tensor(2.0**15))), (k, at, bad)
+            arrays = [b.clone() for b in start]
+            arrays[k][at] = 3e38  # finite; past float32's maximum once divided by 1/4
+            assert bool(check(arrays, torch.tensor(4.0)))
+            assert not bool(check(arrays, torch.tensor(0.25))), (k, at)

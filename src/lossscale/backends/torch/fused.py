@@ -142,7 +142,7 @@ def adam(
             if _opaque(group, iterations):  # traced: one opaque call, run as eager
                 _traced_adam(
                     group.params,
-                    _unscaled(group, grads, grad_scale),
+                    group.grads(grads),
                     *slots,
                     group_lr,
                     ops.unwrap(iterations),
@@ -151,6 +151,7 @@ def adam(
                     hyper.epsilon,
                     hyper.amsgrad,
                     write.found_inf(),
+                    _kernel_scale(grad_scale, group),
                 )
                 continue
             if not fusable:
@@ -201,9 +202,10 @@ def _fused_adam(group, tensors, alpha, hyper, fold=None, grad_scale=None, found_
 # tensors themselves (no copies).
 _LIBRARY = torch.library.Library("lossscale", "FRAGMENT")
 _LIBRARY.define(
-    "fused_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentums, "
+    "fused_adam_(Tensor(a!)[] params, Tensor(e!)[] grads, Tensor(b!)[] momentums, "
     "Tensor(c!)[] velocities, Tensor(d!)[] velocity_hats, Tensor lr, Tensor iterations, "
-    "float beta_1, float beta_2, float epsilon, bool amsgrad, Tensor? found_inf) -> ()"
+    "float beta_1, float beta_2, float epsilon, bool amsgrad, Tensor? found_inf, "
+    "Tensor? grad_scale) -> ()"
 )
 # The host's step size by beta_2 (`host._root`'s block of roots), kept
 # between calls. The rate itself is read on every call: the tensor the
@@ -212,7 +214,7 @@ _OPAQUE_CACHE = {}
 
 
 def _opaque_adam(params, grads, momentums, velocities, velocity_hats, lr, iterations, *rest):
-    hyper, found_inf = _AdamHyper(*rest[:4]), rest[4]
+    hyper, found_inf, grad_scale = _AdamHyper(*rest[:4]), rest[4], rest[5]
     group = plans.Group(params[0].device, params[0].dtype, None, params, {}, True)
     _OPAQUE_CACHE.pop(("torch host lr", group.device, group.dtype), None)
     with torch.no_grad():
@@ -220,7 +222,7 @@ def _opaque_adam(params, grads, momentums, velocities, velocity_hats, lr, iterat
         if alpha is None:
             alpha = _adam_step_size(hyper, group, lr, iterations)
         tensors = (grads, momentums, velocities, velocity_hats)
-        _fused_adam(group, tensors, alpha, hyper, found_inf=found_inf)
+        _fused_adam(group, tensors, alpha, hyper, grad_scale=grad_scale, found_inf=found_inf)
 
 
 _AdamHyper = collections.namedtuple("_AdamHyper", "beta_1 beta_2 epsilon amsgrad")

@@ -338,10 +338,14 @@ def _cpu_peak(group):
     # pass are not (NaN propagates through both).
     positions, others = split_small(group)
     small, reduced = [group[i] for i in positions], [group[i] for i in others]
-    if len(small) > 1 and not torch.compiler.is_compiling() and not dtensors.is_dtensor(small[0]):
-        reduced.append(_packed(small))
-    else:
+    if len(small) < 2 or dtensors.is_dtensor(small[0]):
         reduced += small
+    elif torch.compiler.is_compiling():
+        # Concatenated as `finite_flags` does while tracing: Inductor's CPU
+        # code opens a parallel region per reduction (no buffer kept there).
+        reduced.append(torch.cat([t.reshape(-1) for t in small]))
+    else:
+        reduced.append(_packed(small))
     extremes = torch.stack([x for a in reduced for x in torch.aminmax(a)])
     return extremes.float().abs().max()
 
