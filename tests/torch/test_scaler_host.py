@@ -128,6 +128,25 @@ def test_deepcopy_and_pickle_between_iterations():
         pickle.dumps(scaler)  # torch's rule: not in the middle of an iteration
 
 
+def test_a_pickle_from_before_the_check_constants_still_steps_a_fused_optimizer():
+    # A scaler pickled by an earlier version has no `_check_units` (the
+    # scale-1 check's operands, made once per device): it makes them.
+    scaler = lt.GradScaler("cpu", **SETTINGS)
+    cases.train(scaler, steps=1)
+    state = scaler.__getstate__()
+    assert state["_check_units"] == {}  # device tensors are not pickled
+    del state["_check_units"]
+    old = lt.GradScaler.__new__(lt.GradScaler)
+    old.__setstate__(state)
+    # Fresh models and fused optimizers (a deep copy of torch's fused Adam
+    # loses `_step_supports_amp_scaling`, and would not reach the check).
+    a = cases.train(pickle.loads(pickle.dumps(scaler)), steps=4, poison=(2,))
+    b = cases.train(old, steps=4, poison=(2,))
+    assert getattr(b["optimizer"], "_step_supports_amp_scaling", False)
+    assert a["scales"] == b["scales"] and a["scales"][2] == a["scales"][1] / 2
+    assert cases.same_weights(a["params"], b["params"])
+
+
 def test_load_state_dict_on_a_disabled_scaler_does_nothing():
     scaler = lt.GradScaler("cpu", enabled=False)
     scaler.load_state_dict({"anything": 1})

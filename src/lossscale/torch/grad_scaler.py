@@ -226,6 +226,8 @@ class GradScaler(
         self._host_steps = self._extra_start.get("steps", 0)
         self._per_variable = {}
         self._observers = {}
+        # The scale-1 check's constant operands, by device (`_check_only`).
+        self._check_units = {}
 
     @property
     def policy(self) -> LossScalePolicy:

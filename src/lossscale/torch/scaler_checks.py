@@ -70,8 +70,15 @@ class ScalerChecksMixin:
         return state["found_inf_per_device"]
 
     def _check_only(self, optimizer):
+        # torch's `_unscale_grads_` only reads `one` and copies `zero` per
+        # device: both are made once per device (two allocations a step less).
         device = self._scale.device
-        one, zero = torch.ones((), device=device), torch.zeros((), device=device)
+        units = self._check_units.get(device)
+        if units is None:
+            with torch.inference_mode(False):  # usable in and out of inference mode
+                units = (torch.ones((), device=device), torch.zeros((), device=device))
+            self._check_units[device] = units
+        one, zero = units
         return super()._unscale_grads_(optimizer, one, zero, True)
 
     def _check_process_group(self):

@@ -321,7 +321,12 @@ class ScalerHostMixin:
             state["_extras"] = None
         # Observers hold hooks on a live model: a copy has none.
         state["_observers"] = {}
+        state["_check_units"] = {}  # device constants, made again where it is used
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_check_units", {})  # pickled before it existed
 
     # -- reading the state ---------------------------------------------------
 
