@@ -272,7 +272,9 @@ def test_a_bad_group_raises_before_any_group_is_written(bad):
         )
     elif bad == "momentum to 0":
         opt.param_groups[1]["momentum"] = 0.0
-        message = r"'momentum' cannot move .* Received: momentum=0.0 for a rule built with momentum=0.9$"
+        message = (
+            r"'momentum' cannot move .* Received: momentum=0.0 for a rule built with momentum=0.9$"
+        )
     elif bad == "negative weight decay":
         opt.param_groups[1]["weight_decay"] = -0.1
         message = r"`weight_decay` must be .*0.* Received: weight_decay=-0.1"
