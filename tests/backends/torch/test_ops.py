@@ -164,3 +164,26 @@ def test_the_constant_cache_is_bounded(monkeypatch):
     assert len(torch_ops._CONSTANTS) == 3
     assert torch_ops.constant(0.25, torch.float32, cpu) is not first  # dropped, made anew
     assert float(torch_ops.constant((0.9, 0.99), torch.float32, cpu)[1]) == pytest.approx(0.99)
+
+
+@pytest.mark.parametrize(
+    "write, on_ones, on_zeros",
+    [("assign", 2.0, 2.0), ("assign_add", 3.0, 2.0), ("assign_sub", -1.0, -2.0)],
+)
+def test_writes_record_no_autograd_history_with_or_without_no_grad(write, on_ones, on_zeros):
+    # `no_grad` is entered only where autograd would record the write: into
+    # a parameter, or of a value that requires grad. Plain state is written
+    # directly (the context costs about as much as a 0-d write).
+    value = torch.full((3,), 2.0, requires_grad=True)
+    param = torch.nn.Parameter(torch.ones(3))
+    getattr(torch_ops, write)(param, value)
+    assert param.is_leaf and param.requires_grad and param.grad_fn is None
+    assert param.detach().tolist() == [on_ones] * 3
+    for given in (value, value.detach(), 2.0):
+        state = torch.zeros(3)
+        getattr(torch_ops, write)(state, given)
+        assert state.grad_fn is None and not state.requires_grad
+        assert state.tolist() == [on_zeros] * 3
+    with torch.no_grad():  # already off: written directly
+        getattr(torch_ops, write)(param, 2.0)
+    assert param.is_leaf and param.grad_fn is None

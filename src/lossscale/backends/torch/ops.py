@@ -104,30 +104,49 @@ def read(storage):
     return storage.detach() if storage.requires_grad else storage
 
 
+def _records(storage, value):
+    """Whether autograd would record an in-place write of `value` into `storage`.
+
+    Only then does a write need `torch.no_grad()`, a Python context that
+    costs about as much as the write itself (1.9 us of 4.5 for a 0-d
+    `add_`): optimizer state, a step count, a loss scale need none.
+    """
+    return torch.is_grad_enabled() and (
+        storage.requires_grad or (isinstance(value, torch.Tensor) and value.requires_grad)
+    )
+
+
 def assign(storage, value):
     value = unwrap(value)
     if dtensors.is_dtensor(value) and not dtensors.is_dtensor(storage):
         # A replicated result of DTensor reductions (FSDP2's sharded
         # gradients) stored in plain state: the loss-scale telemetry.
         value = dtensors.plain(value)
-    with torch.no_grad():
-        if isinstance(value, torch.Tensor):
-            storage.copy_(value)
-        else:
-            storage.fill_(value)
+    write = storage.copy_ if isinstance(value, torch.Tensor) else storage.fill_
+    if _records(storage, value):
+        with torch.no_grad():
+            write(value)
+    else:
+        write(value)
     return storage
 
 
 def assign_add(storage, value):
     value = unwrap(value)
-    with torch.no_grad():
+    if _records(storage, value):
+        with torch.no_grad():
+            storage.add_(value)
+    else:
         storage.add_(value)
     return storage
 
 
 def assign_sub(storage, value):
     value = unwrap(value)
-    with torch.no_grad():
+    if _records(storage, value):
+        with torch.no_grad():
+            storage.sub_(value)
+    else:
         storage.sub_(value)
     return storage
 
