@@ -174,8 +174,10 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
         moved = [self._moved(index, group, rule) for index, group, rule, _ in steps]
         keep = flag = None
         if found_inf is not None and steps:
+            _, _, _, pairs = steps[0]
+            first_grad, _ = pairs[0]
             # A gradient lives on its parameter's device (no read of the variable).
-            keep = _keep(found_inf, steps[0][3][0][0].device)
+            keep = _keep(found_inf, first_grad.device)
             flag = found_inf.reshape(()) if found_inf.ndim else found_inf
         for (index, _, rule, _), settings in zip(steps, moved):
             self._take(index, rule, settings)

@@ -116,13 +116,8 @@ def _records(storage, value):
     )
 
 
-def assign(storage, value):
-    value = unwrap(value)
-    if dtensors.is_dtensor(value) and not dtensors.is_dtensor(storage):
-        # A replicated result of DTensor reductions (FSDP2's sharded
-        # gradients) stored in plain state: the loss-scale telemetry.
-        value = dtensors.plain(value)
-    write = storage.copy_ if isinstance(value, torch.Tensor) else storage.fill_
+def _write(write, storage, value):
+    """`write(value)`, an in-place method of `storage`, under `no_grad` only where needed."""
     if _records(storage, value):
         with torch.no_grad():
             write(value)
@@ -131,24 +126,22 @@ def assign(storage, value):
     return storage
 
 
-def assign_add(storage, value):
+def assign(storage, value):
     value = unwrap(value)
-    if _records(storage, value):
-        with torch.no_grad():
-            storage.add_(value)
-    else:
-        storage.add_(value)
-    return storage
+    if dtensors.is_dtensor(value) and not dtensors.is_dtensor(storage):
+        # A replicated result of DTensor reductions (FSDP2's sharded
+        # gradients) stored in plain state: the loss-scale telemetry.
+        value = dtensors.plain(value)
+    write = storage.copy_ if isinstance(value, torch.Tensor) else storage.fill_
+    return _write(write, storage, value)
+
+
+def assign_add(storage, value):
+    return _write(storage.add_, storage, unwrap(value))
 
 
 def assign_sub(storage, value):
-    value = unwrap(value)
-    if _records(storage, value):
-        with torch.no_grad():
-            storage.sub_(value)
-    else:
-        storage.sub_(value)
-    return storage
+    return _write(storage.sub_, storage, unwrap(value))
 
 
 def cast(x, dtype):
