@@ -13,7 +13,9 @@ keep=flag)` with the step's device flag, which the adapter takes itself
 - an optimizer that takes PyTorch's AMP `found_inf` protocol (fused Adam,
   AdamW, SGD and Adagrad: `_step_supports_amp_scaling`) gets
   `found_inf = ~keep` as a device tensor, exactly as `torch.amp.GradScaler`
-  passes it, and skips the update in its kernel: no synchronisation;
+  passes it, and skips the update in its kernel: no synchronisation (but
+  for a fused SGD with momentum before its first applied step, whose kernel
+  cannot skip: `lossscale.torch.fused_sgd`);
 - any other optimizer is stepped only if the flag, read on the host, is
   true: one device synchronisation per step, which is what `GradScaler`
   does for such optimizers too.
@@ -31,6 +33,7 @@ from lossscale import adapters, validation
 from lossscale.optimizers import clipping
 from lossscale.optimizers.base import Optimizer
 from lossscale.schedules.base import LearningRateSchedule
+from lossscale.torch import fused_sgd
 from lossscale.torch.adapter_checkpoint import AdapterCheckpointMixin
 from lossscale.torch.adapter_messages import STATELESS_MESSAGE, store_message
 from lossscale.typing import Array, Config
@@ -157,7 +160,6 @@ class TorchAdapter(AdapterCheckpointMixin, Optimizer):
             getattr(optimizer, "_step_supports_amp_scaling", False)
             and "grad_scaler" not in inspect.signature(optimizer.step).parameters
         )
-        self._momentum_ready = False
 
     # --- learning rate ------------------------------------------------------
     def _native_learning_rate(self):
@@ -279,7 +281,7 @@ class TorchAdapter(AdapterCheckpointMixin, Optimizer):
         """
         if keep is None:
             self.optimizer.step()
-        elif self._uses_found_inf and self._fused_momentum_ready():
+        elif self._uses_found_inf and not fused_sgd.makes_momentum_buffers(self.optimizer):
             if found_inf is None:
                 found_inf = (~keep).to(_torch().float32)
             self._step_with_found_inf(found_inf)
@@ -300,26 +302,6 @@ class TorchAdapter(AdapterCheckpointMixin, Optimizer):
                 del optimizer.found_inf
             else:
                 optimizer.found_inf = previous
-
-    def _fused_momentum_ready(self):
-        """False while a fused SGD with momentum has parameters without a buffer.
-
-        torch's fused SGD makes momentum buffers with `empty_like` on its
-        first step and fills them in the kernel; a first step skipped
-        through `found_inf` stores them uninitialised (`GradScaler` has the
-        same flaw). Until every buffer exists the flag is read on the host.
-        """
-        if self._momentum_ready:
-            return True
-        optimizer = self.optimizer
-        if isinstance(optimizer, _torch().optim.SGD):
-            for group in optimizer.param_groups:
-                if group["momentum"] != 0 and any(
-                    "momentum_buffer" not in optimizer.state.get(p, {}) for p in group["params"]
-                ):
-                    return False
-        self._momentum_ready = True
-        return True
 
     # --- what is not supported ------------------------------------------------
     def stateless_apply(

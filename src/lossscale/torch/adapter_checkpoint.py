@@ -102,4 +102,3 @@ class AdapterCheckpointMixin:
             if variable.backend != "torch":  # a fresh wrapper's scalars, made on NumPy
                 variable._move_to(anchor)
             variable.assign(saved[variable.path])
-        self._momentum_ready = False

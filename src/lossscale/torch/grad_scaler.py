@@ -29,7 +29,13 @@ from lossscale.mixed_precision.loss_scale import (
     LossScaleState,
 )
 from lossscale.mixed_precision.telemetry import LossScaleError
-from lossscale.torch import scaler_arguments, scaler_checks, scaler_diagnostics, scaler_host
+from lossscale.torch import (
+    scaler_arguments,
+    scaler_checks,
+    scaler_diagnostics,
+    scaler_host,
+    scaler_step,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -45,6 +51,7 @@ class GradScaler(
     scaler_host.ScalerHostMixin,
     scaler_diagnostics.ScalerDiagnosticsMixin,
     scaler_checks.ScalerChecksMixin,
+    scaler_step.ScalerStepMixin,
     torch.amp.GradScaler,
 ):
     """`torch.amp.GradScaler` with lossscale's dynamic loss scale.
@@ -265,18 +272,6 @@ class GradScaler(
         return LossScaleState(
             scale=scale, counter=self._growth_tracker, **self._extras, **(per_variable or {})
         )
-
-    # -- checking and unscaling ----------------------------------------------
-
-    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
-        # torch reads the overflow flag on the host here; the scale comes
-        # back in the same copy, which keeps `_scale_bound` exact.
-        device = self._scale.device
-        flags = [f.to(device).reshape(()) for f in optimizer_state["found_inf_per_device"].values()]
-        found, self._scale_bound = torch.stack([torch.stack(flags).sum(), self._scale]).tolist()
-        if not found:
-            return optimizer.step(*args, **kwargs)
-        return None
 
     # -- the update ----------------------------------------------------------
 
