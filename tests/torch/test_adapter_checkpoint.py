@@ -169,3 +169,21 @@ def test_a_fresh_wrapper_loads_nothing_when_any_part_is_wrong():
             twin.load_state_dict(state_dict)
         assert not twin_native.state and twin.dynamic_scale.backend == "numpy"
         assert float(twin.dynamic_scale) == INITIAL_SCALE and int(twin.iterations) == 0
+
+
+def test_a_never_stepped_wrapper_saves_tensors_that_weights_only_loading_reads():
+    import lossscale as ls
+
+    params = make_params()
+    opt = ls.LossScaleOptimizer(TorchAdapter(torch.optim.Adam(params, lr=0.01)), telemetry=True)
+    saved = opt.state_dict()
+    assert all(torch.is_tensor(v) for v in saved["optimizer_variables"].values())
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    fresh = ls.LossScaleOptimizer(
+        TorchAdapter(torch.optim.Adam(make_params(), lr=0.01)), telemetry=True
+    )
+    fresh.load_state_dict(loaded)
+    assert float(fresh.dynamic_scale.value) == float(opt.dynamic_scale.value)

@@ -6,6 +6,8 @@ import copy
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from lossscale.torch.adapter_messages import check_value
 
 if TYPE_CHECKING:
@@ -43,7 +45,7 @@ class AdapterCheckpointMixin:
         """
         state = copy.deepcopy(self.optimizer.state_dict())
         state["optimizer_variables"] = {
-            v.path: v._ops.copy(v.value) for v in [*extra_variables, self._iterations]
+            v.path: _tensor(v._ops.copy(v.value)) for v in [*extra_variables, self._iterations]
         }
         return state
 
@@ -102,3 +104,15 @@ class AdapterCheckpointMixin:
             if variable.backend != "torch":  # a fresh wrapper's scalars, made on NumPy
                 variable._move_to(anchor)
             variable.assign(saved[variable.path])
+
+
+def _tensor(value):
+    """`value` as a torch tensor: a wrapper never stepped holds its scalars on NumPy.
+
+    A state dict of tensors and plain values is what `torch.load(...,
+    weights_only=True)` reads; a NumPy array is not. `value` is a copy
+    already, so the tensor may share its memory.
+    """
+    import torch
+
+    return value if torch.is_tensor(value) else torch.from_numpy(np.asarray(value))
