@@ -11,6 +11,8 @@ optimizer at all, as for a non-fused optimizer; once a step has been
 applied, the buffers exist and every later step is torch's, with no read.
 """
 
+from typing import Any
+
 import torch
 from torch.amp.grad_scaler import OptState
 
@@ -20,7 +22,7 @@ from lossscale.torch import fused_sgd
 class ScalerStepMixin:
     """`step` and `_maybe_opt_step`: when the optimizer is stepped, and when it is not."""
 
-    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Steps `optimizer` unless this iteration's gradients overflowed (torch's `step`).
 
         Unscales the gradients first if `unscale_(optimizer)` was not called
