@@ -12,6 +12,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from lossscale import adapters
+from lossscale.mixed_precision.policy import state_fields
 from lossscale.typing import Array
 
 
@@ -58,20 +59,47 @@ class NativeInnerStateMixin:
         inner = getattr(self, "inner_optimizer", None)
         return inner if getattr(inner, "keeps_native_state", False) else None
 
+    def _build_over_native(self, inner) -> None:
+        """Builds the wrapper over `inner.parameters()` if its state needs them.
+
+        Telemetry and diagnostics keep variables per model variable (named
+        after it) or per model (sized by it), made by `build`. A torch
+        optimizer knows its parameters from the start, so a state dict
+        saved or loaded before the first step holds those too, as after
+        it: the wrapper builds itself, as its first step would with the
+        parameters in param-group order (their Variables are named
+        `param_0`, `param_1`, ...). A wrapper without such state stays
+        unbuilt.
+        """
+        if self.built or not any(
+            f.metadata["per"] in ("variable", "vector") for f in state_fields(self.policy)
+        ):
+            return
+        self.build(inner.parameters())
+
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state; with a native inner optimizer, its `state_dict()`
         carrying this wrapper's variables in `optimizer_variables`."""
         inner = self._native_inner()
         if inner is None:
             return super().state_dict()
+        self._build_over_native(inner)
         return inner.state_dict(extra_variables=self._variables)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores the state written by `state_dict()` (checked before writing)."""
+        """Restores the state written by `state_dict()` (checked before writing).
+
+        With a native inner optimizer, a wrapper never stepped whose
+        telemetry or diagnostics keep per-variable state builds itself
+        first (as `state_dict()` does), so it loads a dict saved before or
+        after any step; a dict that does not fit then leaves every
+        variable's value as it was.
+        """
         inner = self._native_inner()
         if inner is None:
             super().load_state_dict(state_dict)
             return
+        self._build_over_native(inner)
         inner.load_state_dict(state_dict, extra_variables=self._variables)
 
     def save_own_variables(self, store: MutableMapping[str, Array]) -> None:

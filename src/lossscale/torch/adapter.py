@@ -200,6 +200,18 @@ class TorchAdapter(AdapterCheckpointMixin, Optimizer):
                 group["lr"] = float(learning_rate)
 
     # --- building -----------------------------------------------------------
+    def parameters(self) -> list[torch.Tensor]:
+        """The native optimizer's parameters, group after group, in order.
+
+        What `build` must be given (as tensors or as Variables wrapping
+        them), and what a wrapper builds itself over when it must before
+        its first step.
+
+        Returns:
+            A new list of the tensors in `optimizer.param_groups`.
+        """
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
     def build(self, var_list: Sequence[Variable | Array]) -> None:
         """Checks that `var_list` is exactly the native optimizer's parameters."""
         if self.built:
@@ -217,7 +229,7 @@ class TorchAdapter(AdapterCheckpointMixin, Optimizer):
                 f"TorchAdapter works on torch tensors. Received: var_list of "
                 f"{variables[0].backend} arrays"
             )
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = self.parameters()
         by_id = {id(p): p for p in params}
         matched, strangers, seen = {}, [], set()
         for v in variables:
