@@ -20,7 +20,15 @@ def fresh_accelerate_state():
     GradientState._reset_state()
 
 
-def _run(fused, clip):
+def _optimizer(kind, params):
+    if kind == "lossscale":  # its step always runs, skipping itself, as a fused kernel does
+        import lossscale as ls
+
+        return lt.Optimizer(params, ls.optimizers.AdamW(learning_rate=0.1))
+    return torch.optim.AdamW(params, lr=0.1, fused=kind == "fused")
+
+
+def _run(kind, clip):
     """The recipe of docs/torch.md on CPU: five steps, an inf loss at step 1."""
     from accelerate import Accelerator
 
@@ -28,7 +36,7 @@ def _run(fused, clip):
     scaler = accelerator.scaler = lt.GradScaler("cpu", init_scale=SCALE, growth_interval=100)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+    optimizer = _optimizer(kind, model.parameters())
     model, optimizer = accelerator.prepare(model, optimizer)
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
     norms, true_norms, skipped, accelerate_skipped = [], [], [], []
@@ -53,24 +61,24 @@ def _run(fused, clip):
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
-@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
-def test_the_accelerate_recipe_clips_unscaled_gradients_and_sees_skipped_steps(fused):
-    norms, true_norms, skipped, accelerate_skipped, params = _run(fused, clip="helper")
+@pytest.mark.parametrize("kind", ["foreach", "fused", "lossscale"])
+def test_the_accelerate_recipe_clips_unscaled_gradients_and_sees_skipped_steps(kind):
+    norms, true_norms, skipped, accelerate_skipped, params = _run(kind, clip="helper")
     # The norm clipped is the unscaled gradients' (scaled it would be 1024x).
     finite = [k for k in range(5) if k != 1]
     for k in finite:
         assert norms[k] == pytest.approx(true_norms[k], rel=1e-6)
         assert 1.0 < true_norms[k] < 100.0
     assert skipped == [False, True, False, False, False]
-    # Accelerate's own flag watches `optimizer.step` calls; a fused
-    # optimizer is always called (its kernel skips itself): Accelerate's
-    # flag misses the skip there, the scaler's does not.
-    assert accelerate_skipped == ([False] * 5 if fused else skipped)
+    # Accelerate's own flag watches `optimizer.step` calls; a fused torch
+    # optimizer and `lossscale.torch.Optimizer` are always called (they skip
+    # themselves): Accelerate's flag misses the skip there, the scaler's does not.
+    assert accelerate_skipped == (skipped if kind == "foreach" else [False] * 5)
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    by_hand = _run(fused, clip="by hand")
+    by_hand = _run(kind, clip="by hand")
     assert torch.equal(
         torch.tensor(by_hand[0]).nan_to_num(-1.0), torch.tensor(norms).nan_to_num(-1.0)
     )

@@ -105,3 +105,64 @@ def test_bad_arguments():
     wrapped = lt.AppliedStepScheduler(torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), opt)
     with pytest.raises(ValueError, match=r"keys \['scheduler', 'skipped_steps'\]"):
         wrapped.load_state_dict({"x": 1})
+
+
+def _lightning_run(override):
+    """Six Lightning steps under our scaler, the loss inf at OVERFLOW_AT; the rates used."""
+    import warnings
+
+    import pytorch_lightning as pl
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    class Regression(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Linear(4, 1)
+            self.rates = []
+
+        def training_step(self, batch, batch_idx):
+            self.rates.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+            loss = self.net(batch[0]).float().square().mean()
+            return loss * (float("inf") if batch_idx in OVERFLOW_AT else 1.0)
+
+        def configure_optimizers(self):
+            opt = lt.Optimizer(self.parameters(), ls.optimizers.SGD(0.1))
+            schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+            schedule = lt.AppliedStepScheduler(schedule, opt)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+        if override:
+            # Lightning steps only torch's schedulers itself; it hands this
+            # method any other.
+            def lr_scheduler_step(self, scheduler, metric):
+                scheduler.step()
+
+    x = torch.randn(48, 4, generator=torch.Generator().manual_seed(1))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=lt.GradScaler("cpu", init_scale=8.0))],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = Regression()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on workers and logging
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=8)
+        trainer.fit(model, data)
+    return model.rates
+
+
+def test_under_lightning_applied_step_scheduler_needs_lr_scheduler_step():
+    from lightning_fabric.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match="doesn't follow PyTorch's LRScheduler"):
+        _lightning_run(override=False)
+    expected, k = [], 0
+    for step in range(6):
+        expected.append(0.1 * 0.5**k)
+        k += step not in OVERFLOW_AT
+    assert _lightning_run(override=True) == expected
