@@ -368,3 +368,55 @@ def test_the_earlier_name_is_the_adapter():
     import lossscale.optax as lso
 
     assert lso.OptaxOptimizer is lso.OptaxAdapter and "OptaxOptimizer" in lso.__all__
+
+
+# --- the parameters optax sees ------------------------------------------------
+def test_optax_sees_the_list_a_mask_over_the_users_tree_raises_with_a_note():
+    import lossscale.pytree
+
+    params = {"w": jnp.ones((64, 32)), "n": jnp.ones(32)}
+    for tx in (
+        optax.masked(optax.adam(0.1), {"w": True, "n": False}),
+        optax.multi_transform(
+            {"a": optax.adam(0.1), "z": optax.set_to_zero()}, {"w": "a", "n": "z"}
+        ),
+    ):
+        transform = lossscale.pytree.transform(ls.LossScaleOptimizer(OptaxAdapter(tx)))
+        with pytest.raises(ValueError) as raised:
+            transform.init(params)
+        assert any(
+            "OptaxAdapter gives the transformation the parameters as the list it is built "
+            "with (2 arrays; from lossscale.pytree.transform, the tree's leaves in "
+            "jax.tree_util order)" in note
+            for note in raised.value.__notes__
+        )
+
+
+def test_a_mask_over_the_list_equals_optax_masked_over_the_tree():
+    import lossscale.pytree
+
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(64, 32)), jnp.float32), "n": jnp.ones(32)}
+    reference = optax.masked(optax.adam(0.01), {"w": True, "n": False})
+    ours = optax.masked(optax.adam(0.01), [False, True])  # the leaves: n, then w
+    transform = lossscale.pytree.transform(
+        ls.LossScaleOptimizer(OptaxAdapter(ours), initial_scale=INITIAL_SCALE)
+    )
+    state, theirs = transform.init(params), reference.init(params)
+    step = transform.apply  # eager, as the reference: XLA fuses a jitted Adam its own way
+    expected = params
+    for k in range(5):
+        grads = jax.tree_util.tree_map(
+            lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params
+        )
+        scale = transform.scale_loss(jnp.float32(1.0), state)
+        scaled = {key: g * scale for key, g in grads.items()}
+        if k == 2:  # an overflow: skipped, the reference does not step
+            scaled["w"] = scaled["w"].at[63, 31].set(jnp.inf)
+            params, state = step(scaled, state, params)
+            continue
+        params, state = step(scaled, state, params)
+        updates, theirs = reference.update(grads, theirs, expected)
+        expected = optax.apply_updates(expected, updates)
+        assert_equal_trees(params, expected)
+    assert float(transform.loss_scale(state)) == INITIAL_SCALE / 2

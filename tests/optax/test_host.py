@@ -115,6 +115,19 @@ def test_scale_loss_refuses_what_is_not_a_number():
             lso.scale_loss(loss, state)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_scale_loss_takes_every_floating_loss_eagerly_and_under_grad(dtype):
+    # bfloat16 is no NumPy number (an ml_dtypes type): it was refused.
+    state = lso.dynamic_loss_scale(optax.sgd(0.1), initial_scale=2.0**15).init({"w": jnp.ones(2)})
+    loss = jnp.asarray(3.0, dtype)
+    scaled = lso.scale_loss(loss, state)
+    assert scaled.dtype == jnp.float32 and float(scaled) == 3.0 * 2.0**15
+    w = jnp.linspace(-1.0, 1.0, 1000, dtype=jnp.float32)
+    grad = jax.grad(lambda w: lso.scale_loss(jnp.sum(jnp.square(w).astype(dtype)), state))(w)
+    want = jax.grad(lambda w: jnp.sum(jnp.square(w).astype(dtype)).astype(jnp.float32) * 2.0**15)(w)
+    np.testing.assert_array_equal(grad, want)
+
+
 SETTINGS = dict(initial_scale=16.0, dynamic_growth_steps=2, max_consecutive_skips=1)
 
 

@@ -34,7 +34,10 @@ class OptaxAdapter(Optimizer):
     """Wraps an `optax.GradientTransformation` so lossscale (and `LossScaleOptimizer`) can drive it.
 
     The parameters are the list of variables the adapter is built with (JAX
-    arrays), in that order. Each `apply` does:
+    arrays), in that order: the transformation sees that list, so a mask or
+    label tree (`optax.masked`, `optax.multi_transform`) is a list too (for
+    masks over your own tree, `lossscale.optax.dynamic_loss_scale` runs the
+    transformation on the tree). Each `apply` does:
 
     ```
     updates, state = transformation.update(grads, state, params)
@@ -173,9 +176,20 @@ class OptaxAdapter(Optimizer):
                 f"transformation would update them like any parameter. Received: {overwrite}"
             )
         params = [v.value for v in variables]
-        state = placement.replicate_uncommitted(
-            self.transformation.init(params), placement.anchor(params)
-        )
+        try:
+            state = self.transformation.init(params)
+        except Exception as error:
+            # optax's own message names a tree it never saw (the user's).
+            error.add_note(
+                "OptaxAdapter gives the transformation the parameters as the list it is "
+                f"built with ({len(params)} arrays; from lossscale.pytree.transform, the "
+                "tree's leaves in jax.tree_util order): a mask or label tree (optax.masked, "
+                "optax.multi_transform, a weight-decay mask) must be that list or a function "
+                "of it. For masks over your own tree, use lossscale.optax.dynamic_loss_scale, "
+                "which runs the transformation on the tree itself."
+            )
+            raise
+        state = placement.replicate_uncommitted(state, placement.anchor(params))
         leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
         paths = [path for path, _ in leaves]
         learning_rate = _injected_learning_rate_index(state, paths)

@@ -191,7 +191,8 @@ def _numeric(x):
         dtype = np.result_type(x) if not hasattr(x, "dtype") else np.dtype(x.dtype)
     except TypeError:
         return False
-    return np.issubdtype(dtype, np.number) and not isinstance(x, (bool, np.bool_))
+    # JAX's lattice: NumPy's alone does not count bfloat16 (an ml_dtypes type) a number.
+    return jnp.issubdtype(dtype, jnp.number) and not isinstance(x, (bool, np.bool_))
 
 
 def _array(x):
