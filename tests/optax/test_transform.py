@@ -451,10 +451,31 @@ def test_errors():
             r"The inner transformation's `update` returned a state of another structure, dtype "
             r"or shape than it was given, which a skipped step cannot stand in for. A "
             r"transformation whose state changes on its first update \(optax.monitor\) can "
-            r"follow dynamic_loss_scale in an optax.chain instead. "
+            r"follow dynamic_loss_scale in an optax.chain instead; one whose float32 "
+            r"hyperparameters widen a lower-precision state \(optax.inject_hyperparams over "
+            r"bfloat16 or float16 parameters\) takes hyperparam_dtype=<that dtype>. "
             r"Received: \[\"\['t'\]: int32\[\] -> float32\[\]\"\]",
         )
     )
+    # optax itself widens Adam's bfloat16 `mu` on the first update here.
+    mixed = {"a": jnp.ones(8, jnp.float32), "h": jnp.ones(8, jnp.bfloat16)}
+    mixed_grads = {k: jnp.full(8, 0.5, v.dtype) for k, v in mixed.items()}
+    for dtype, message in [
+        (
+            None,
+            r"hyperparam_dtype=<that dtype>. Received: \[\"\.inner_state\[0\]\.mu\['h'\]: "
+            r"bfloat16\[8\] -> float32\[8\]",
+        ),
+        (jnp.bfloat16, None),
+    ]:
+        injected = lso.dynamic_loss_scale(
+            optax.inject_hyperparams(optax.adam, hyperparam_dtype=dtype)(learning_rate=1e-3)
+        )
+        call = lambda t=injected: t.update(mixed_grads, t.init(mixed), mixed)  # noqa: E731
+        if message is None:
+            call()
+        else:
+            cases.append((call, ValueError, message))
     for call, error, message in cases:
         with pytest.raises(error, match=message):
             call()

@@ -159,7 +159,9 @@ def inner_output_check(inner_state):
                 "The inner transformation's `update` returned a state of another structure, "
                 "dtype or shape than it was given, which a skipped step cannot stand in for. "
                 "A transformation whose state changes on its first update (optax.monitor) "
-                "can follow dynamic_loss_scale in an optax.chain instead. "
+                "can follow dynamic_loss_scale in an optax.chain instead; one whose float32 "
+                "hyperparameters widen a lower-precision state (optax.inject_hyperparams "
+                "over bfloat16 or float16 parameters) takes hyperparam_dtype=<that dtype>. "
                 f"Received: {changed or f'{old[1]} -> {new[1]}'}"
             )
 
