@@ -420,3 +420,31 @@ def test_a_mask_over_the_list_equals_optax_masked_over_the_tree():
         expected = optax.apply_updates(expected, updates)
         assert_equal_trees(params, expected)
     assert float(transform.loss_scale(state)) == INITIAL_SCALE / 2
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam"])
+def test_state_leaves_keep_the_dtype_init_gave_them(name):
+    # bfloat16 parameters: the wrapper unscales their gradients in float32,
+    # which widens a bfloat16 moment in optax's update; the adapter's
+    # variables keep init's dtype, so the leaf is rounded back each step.
+    rng = np.random.default_rng(3)
+    start = jnp.asarray(rng.normal(size=(256, 64)), jnp.bfloat16)
+    w = ls.Variable(start, name="w")
+    opt = ls.LossScaleOptimizer(OptaxAdapter(TRANSFORMATIONS[name]()), initial_scale=2.0**8)
+    tx = TRANSFORMATIONS[name]()
+    params, state = [start], tx.init([start])
+    for step in range(4):
+        grad = jnp.asarray(rng.normal(size=(256, 64)) * 1e-2, jnp.bfloat16)
+        opt.apply([grad * jnp.bfloat16(opt.scale_loss(1.0))], [w])
+        unscaled = [grad.astype(jnp.float32) * 2.0**8 / 2.0**8]
+        updates, new = tx.update(unscaled, state, params)
+        params = optax.apply_updates(params, updates)
+        state = jax.tree_util.tree_map(lambda n, o: n.astype(o.dtype), new, state)
+        np.testing.assert_array_equal(
+            np.asarray(w.value, np.float32), np.asarray(params[0], np.float32)
+        )
+        for variable, leaf in zip(
+            opt.inner_optimizer.variables[1:], jax.tree_util.tree_leaves(state)
+        ):
+            assert variable.dtype == jnp.dtype(leaf.dtype).name
+            np.testing.assert_array_equal(np.asarray(variable.value), np.asarray(leaf))
