@@ -433,7 +433,7 @@ def test_state_leaves_keep_the_dtype_init_gave_them(name):
     opt = ls.LossScaleOptimizer(OptaxAdapter(TRANSFORMATIONS[name]()), initial_scale=2.0**8)
     tx = TRANSFORMATIONS[name]()
     params, state = [start], tx.init([start])
-    for step in range(4):
+    for _ in range(4):
         grad = jnp.asarray(rng.normal(size=(256, 64)) * 1e-2, jnp.bfloat16)
         opt.apply([grad * jnp.bfloat16(opt.scale_loss(1.0))], [w])
         unscaled = [grad.astype(jnp.float32) * 2.0**8 / 2.0**8]
