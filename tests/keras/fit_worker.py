@@ -350,6 +350,72 @@ def variables():
     }
 
 
+def embedding():
+    """An Embedding (on TensorFlow its gradient is a sparse `tf.IndexedSlices`), rows repeated.
+
+    Keras's wrapper hands the inner optimizer the sparse gradient, divided;
+    so must ours, or the rows a batch repeats move otherwise (Keras's Adam
+    updates sparse rows its own way). Also run with the extras, whose
+    checks and measurements read the sparse gradients.
+    """
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    rng = np.random.default_rng(5)
+    vocabulary = 3000
+    x = rng.integers(0, 40, size=(6 * BATCH, 5)).astype("int32")  # many repeats
+    x[:, 0] = rng.integers(0, vocabulary, size=6 * BATCH)
+    y = rng.normal(size=(6 * BATCH, 1)).astype("float32")
+    y[2 * BATCH : 3 * BATCH] = np.nan  # batch 2 skipped
+
+    def embedding_model():
+        keras.utils.set_random_seed(3)
+        i = keras.Input((5,), dtype="int32")
+        h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(vocabulary, 16)(i))
+        return keras.Model(i, keras.layers.Dense(1, dtype="float32")(h))
+
+    out = {}
+    extras = dict(telemetry=True, diagnostics_every=2)
+    for jit in (False, True):
+        runs = {}
+        for name, wrapper, settings in (
+            ("keras", keras.optimizers.LossScaleOptimizer, {}),
+            ("ours", lsk.LossScaleOptimizer, {}),
+            ("ours_extras", lsk.LossScaleOptimizer, extras),
+        ):
+            if BACKEND == "torch":
+                import torch
+
+                # After the scenarios before, torch.compile's cache limits
+                # would run some frames of one run compiled and of the next
+                # eager, which round differently: each run starts afresh.
+                torch._dynamo.reset()
+            m = embedding_model()
+            inner = keras.optimizers.Adam(0.01)
+            kinds = set()
+            apply = inner.apply
+
+            def spy(grads, trainable_variables=None, apply=apply, kinds=kinds):
+                kinds.add(type(grads[0]).__name__)
+                return apply(grads, trainable_variables)
+
+            inner.apply = spy
+            m.compile(
+                optimizer=wrapper(inner, dynamic_growth_steps=2, **settings),
+                loss="mse",
+                jit_compile=jit,
+            )
+            trajectory = Trajectory()
+            m.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[trajectory])
+            runs[name] = {
+                "weights": weights(m),
+                "steps": trajectory.steps,
+                "inner": [numpy(v).tolist() for v in inner.variables],
+                "gradient_kinds": sorted(kinds),
+            }
+        out[f"jit={jit}"] = runs
+    keras.mixed_precision.set_dtype_policy("float32")
+    return out
+
+
 def mirrored():
     """MirroredStrategy over two logical CPUs, eagerly traced (not XLA-compiled).
 
@@ -397,6 +463,7 @@ if __name__ == "__main__":
         "diagnostics": diagnostics,
         "serialization": serialization,
         "variables": variables,
+        "embedding": embedding,
     }
     if BACKEND == "tensorflow":
         scenarios["mirrored"] = mirrored

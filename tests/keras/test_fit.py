@@ -72,6 +72,23 @@ def test_fit_matches_keras_bit_for_bit_with_overflows(run, jit):
     assert iterations[-1] < len(iterations)
 
 
+@pytest.mark.parametrize("jit", ["jit=False", "jit=True"])
+def test_an_embedding_trains_as_under_keras_its_sparse_gradient_kept(run, jit):
+    backend, results = run
+    runs = results["embedding"][jit]
+    keras_run = runs["keras"]
+    for name in ("ours", "ours_extras"):
+        assert runs[name]["steps"] == keras_run["steps"], name
+        assert runs[name]["weights"] == keras_run["weights"], name
+        assert runs[name]["inner"] == keras_run["inner"], name
+    scales = [s for s, _, _ in keras_run["steps"]]
+    assert scales[2] < scales[1]  # the NaN batch was skipped
+    if backend == "tensorflow":
+        # The inner optimizer gets the sparse gradient, as from Keras's wrapper.
+        for name in ("keras", "ours", "ours_extras"):
+            assert runs[name]["gradient_kinds"] == ["IndexedSlices"], name
+
+
 def test_keras_scale_reaches_inf_ours_keeps_training(run):
     _, results = run
     keras_run, ours = results["guards"]["inf"]["keras"], results["guards"]["inf"]["ours"]

@@ -175,3 +175,34 @@ def test_docstring_example():
 
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_float16_variable_s_gradient_is_unscaled_in_float32_where_keras_keeps_float16():
+    # Keras's wrapper on torch divides a half gradient by the float32 0-d
+    # scale, which torch computes in float16; ours unscales half gradients
+    # in float32 on every backend, so small values keep their precision.
+    rng = np.random.default_rng(2)
+    start = rng.normal(size=(64, 32)).astype("float16")
+    grad = torch.from_numpy((rng.normal(size=(64, 32)) * 2.0**-6).astype("float16"))
+    seen, values = {}, {}
+    for name, wrapper in (
+        ("keras", keras.optimizers.LossScaleOptimizer),
+        ("ours", lsk.LossScaleOptimizer),
+    ):
+        variable = keras.Variable(start.copy(), dtype="float16", name="w")
+        inner = keras.optimizers.SGD(1.0)
+        apply = inner.apply
+
+        def spy(grads, trainable_variables=None, apply=apply, name=name):
+            seen[name] = (grads[0].dtype, grads[0].clone())
+            return apply(grads, trainable_variables)
+
+        inner.apply = spy
+        opt = wrapper(inner, initial_scale=2.0**13)
+        opt.apply([grad * 2.0**13], [variable])
+        values[name] = np.asarray(variable.numpy(), np.float32)
+    assert seen["keras"][0] == torch.float16 and seen["ours"][0] == torch.float32
+    exact = grad.double() * 2.0**13 / 2.0**13
+    assert torch.equal(seen["ours"][1].double(), exact)
+    expected = (torch.from_numpy(start).float() - seen["ours"][1]).half().float().numpy()
+    np.testing.assert_array_equal(values["ours"], expected)

@@ -167,3 +167,23 @@ def test_autograph_calls_lossscale_as_written():
     step(tf.constant(-2.0))
     np.testing.assert_array_equal(ops.to_numpy(v.value), [0.0, -4.0])
     assert int(opt.iterations) == 1
+
+
+def test_a_sparse_gradient_is_read_dense_with_its_repeated_rows_summed():
+    # What an op on an embedding's gradient (a measurement, a peak) reads.
+    from lossscale.backends import get_ops
+    from lossscale.mixed_precision import diagnostics
+
+    rng = np.random.default_rng(6)
+    indices = rng.integers(0, 40, size=3000).astype(np.int32)  # repeats
+    values = (rng.normal(size=(3000, 32)) * 2.0**-14).astype(np.float32)
+    sparse = tf.IndexedSlices(tf.constant(values), tf.constant(indices), tf.constant([5000, 32]))
+    dense = np.zeros((5000, 32), np.float64)
+    np.add.at(dense, indices, values.astype(np.float64))
+    np.testing.assert_allclose(ops.cast(sparse, "float32").numpy(), dense, rtol=0, atol=1e-9)
+    backend = get_ops("tensorflow")
+    ours = diagnostics.measure_all(backend, [sparse], 2.0)
+    theirs = diagnostics.measure_all(backend, [tf.convert_to_tensor(sparse)], 2.0)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert float(ours[0][0]) > 0.99  # untouched rows count as zeros

@@ -149,7 +149,7 @@ def unscale(grads, scale, in_place=False):
     """`multi.unscale`, one traced call for a long eager list."""
     grads = list(grads)
     if _many(grads):
-        return list(_traced_unscale([ops._tensor(g) for g in grads], ops._tensor(scale)))
+        return list(_traced_unscale(multi.sparse_or_tensors(grads), ops._tensor(scale)))
     return multi.unscale(grads, scale, in_place)
 
 

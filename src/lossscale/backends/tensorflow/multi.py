@@ -16,18 +16,31 @@ def _tensors(arrays):
     return [ops._tensor(a) for a in arrays]
 
 
+def sparse_or_tensors(arrays):
+    """`_tensors(arrays)`, sparse gradients (`tf.IndexedSlices`) kept as they are."""
+    return [a if isinstance(a, tf.IndexedSlices) else ops._tensor(a) for a in arrays]
+
+
 def unscale(grads, scale, in_place=False):
     # Tensors are immutable: `in_place` has nothing to permit.
     scale = ops._tensor(scale)
     divisors = {}  # the scale cast once per gradient dtype
     out = []
-    for g in _tensors(grads):
-        if g.dtype.size < 4:
-            g = tf.cast(g, tf.float32)
-        divisor = divisors.get(g.dtype)
+    for g in sparse_or_tensors(grads):
+        # An embedding's gradient stays sparse, as Keras's `divide` keeps
+        # it: its values are divided, and the optimizer updates the rows.
+        values = g.values if isinstance(g, tf.IndexedSlices) else g
+        if values.dtype.size < 4:
+            values = tf.cast(values, tf.float32)
+        divisor = divisors.get(values.dtype)
         if divisor is None:
-            divisor = divisors[g.dtype] = tf.cast(scale, g.dtype)
-        out.append(g / divisor)
+            divisor = divisors[values.dtype] = tf.cast(scale, values.dtype)
+        values = values / divisor
+        out.append(
+            tf.IndexedSlices(values, g.indices, g.dense_shape)
+            if isinstance(g, tf.IndexedSlices)
+            else values
+        )
     return out
 
 

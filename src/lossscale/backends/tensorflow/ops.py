@@ -55,9 +55,18 @@ def is_variable(x):
 
 
 def _tensor(x):
-    """`x` as a tensor: a `tf.Variable` read, a Variable unwrapped; numbers pass through."""
+    """`x` as a tensor: a `tf.Variable` read, a Variable unwrapped; numbers pass through.
+
+    A sparse gradient (`tf.IndexedSlices`, an embedding's) is made dense,
+    rows it repeats summed: checks and measurements see the gradient the
+    update applies. Only `unscale` keeps it sparse (`multi.unscale`).
+    """
     x = unwrap(x)
-    return x.value() if isinstance(x, tf.Variable) else x
+    if isinstance(x, tf.Variable):
+        return x.value()
+    if isinstance(x, tf.IndexedSlices):
+        return tf.convert_to_tensor(x)
+    return x
 
 
 def asarray(x, dtype=None, like=None):
