@@ -71,12 +71,13 @@ def test_each_backend_has_every_function_with_a_compatible_signature(name):
         ("numpy", set()),
         ("torch", set()),
         ("jax", {"is_traced"}),
-        ("tensorflow", {"variable_storage"}),
+        ("tensorflow", {"variable_storage", "dense_gradient"}),
     ],
 )
 def test_the_optional_names_are_where_the_backends_need_them(name, optional):
-    # TensorFlow's state lives in its own variable objects; a JAX tracer
-    # may not be kept in a variable. (One backend a case: the
+    # TensorFlow's state lives in its own variable objects, and its
+    # gradients may be sparse; a JAX tracer may not be kept in a variable. (One backend a case: the
     # minimum-versions leg leaves out the backends it lacks.)
-    has = {n for n in ("variable_storage", "is_traced") if hasattr(get_ops(name), n)}
+    names = ("variable_storage", "is_traced", "dense_gradient")
+    has = {n for n in names if hasattr(get_ops(name), n)}
     assert has == optional

@@ -172,3 +172,6 @@ class BackendOps(Protocol):
     # with `getattr`; the other backends hold the array itself.
     # `is_traced(x)`: whether `x` is a value being traced (a JAX tracer),
     # which no variable may keep. Read with `getattr`; absent: never.
+    # `dense_gradient(x)`: on a backend whose autodiff gives sparse
+    # gradients (TensorFlow's `tf.IndexedSlices`), such a gradient as a
+    # dense native array, else None. Read with `getattr`; absent: none.

@@ -309,7 +309,7 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
         grads = list(grads)
         if not grads:
             return
-        variables = self._prepare(grads, trainable_variables)
+        grads, variables = self._prepare(grads, trainable_variables)
         with self._ops.quiet():
             self._apply_validated(grads, variables)
         if not self._ops.MUTABLE:
@@ -318,18 +318,18 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
                 v.sync_to_source()
 
     def _prepare(self, grads, trainable_variables):
-        """`apply`'s checks: returns the variables, built and checked, before any write.
+        """`apply`'s checks, before any write: `(grads, variables)`, built and checked.
 
-        A wrapper deciding on a device value whether to step (see `_step`)
-        calls `_step(grads, self._prepare(grads, variables), keep=...)`.
+        The gradients are `grads` itself, or a copy with sparse ones made
+        dense (see `gradients.validate_gradients`).
         """
         variables, known = self._resolve_variables(grads, trainable_variables)
-        gradients.validate_gradients(grads, variables)
+        grads = gradients.validate_gradients(grads, variables)
         if not self.built:
             self.build(variables)
         elif not known:
             self._check_known(variables)
-        return variables
+        return grads, variables
 
     def _resolve_variables(self, grads, trainable_variables):
         """`(variables, known)`: `known` when all are ones the optimizer was built with.

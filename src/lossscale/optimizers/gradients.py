@@ -23,12 +23,16 @@ def drop_missing(grads, variables):
 
 
 def validate_gradients(grads, variables):
-    """Checks gradients against variables before anything is written.
+    """Checks gradients against variables before anything is written; returns them.
 
     Runs on every step, so the common case (a native array of the right
     shape and kind) costs one type check, one shape comparison and one
     dictionary lookup of its dtype per gradient: a dtype's kind is found
     once per call (a step's gradients share one or two dtypes).
+
+    A sparse gradient the backend makes dense (`dense_gradient`:
+    TensorFlow's `tf.IndexedSlices`) is replaced by its dense form in a new
+    list; otherwise `grads` itself is returned.
 
     A float variable takes only a floating-point gradient, on every backend:
     an integer or boolean one is refused rather than cast (NumPy and
@@ -39,11 +43,17 @@ def validate_gradients(grads, variables):
         raise ValueError(
             "No gradients provided for any variable. Received: grads=" + repr([None] * len(grads))
         )
-    is_native, dtype_name = variables[0]._ops.is_native, variables[0]._ops.dtype_name
+    ops = variables[0]._ops
+    is_native, dtype_name = ops.is_native, ops.dtype_name
     floats = {}  # native dtype -> whether it is a float dtype
-    for g, v in zip(grads, variables):
+    checked = grads
+    for i, (g, v) in enumerate(zip(grads, variables)):
         if g is None:
             continue
+        if not is_native(g) and (dense := _dense(ops, g)) is not None:
+            if checked is grads:
+                checked = list(grads)
+            checked[i] = g = dense
         if not is_native(g):
             got = common_backend([g], what="`grads`")
             raise ValueError(
@@ -66,6 +76,13 @@ def validate_gradients(grads, variables):
                 f"the variable does ({v.dtype}); integer and boolean gradients are not cast. "
                 f"Received: gradient dtype {got}"
             )
+    return checked
+
+
+def _dense(ops, g):
+    """`g` made dense by the backend (a sparse gradient), or None."""
+    densify = getattr(ops, "dense_gradient", None)  # optional: TensorFlow's
+    return None if densify is None else densify(g)
 
 
 def check_values(argname, values, variables):

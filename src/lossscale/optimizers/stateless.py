@@ -59,7 +59,7 @@ class StatelessMixin:
         gradients.check_values("trainable_variables", trainable_variables, model)
         grads = list(grads)
         self._resolve_variables(grads, None)
-        gradients.validate_gradients(grads, model)
+        grads = gradients.validate_gradients(grads, model)
         ops = self._ops
         values = [
             ops.copy(x) if ops.MUTABLE else x for x in trainable_variables + optimizer_variables

@@ -44,6 +44,15 @@ def is_native(x):
     return isinstance(x, (tf.Tensor, tf.Variable))
 
 
+def dense_gradient(x):
+    """A sparse gradient (`tf.IndexedSlices`, an embedding lookup's) as a dense tensor.
+
+    The rows it repeats are summed, as the update of the dense gradient
+    needs; anything else gives None.
+    """
+    return tf.convert_to_tensor(x) if isinstance(x, tf.IndexedSlices) else None
+
+
 def host_control():
     """Whether a Python branch in a step is taken anew at each call: never (steps are traced)."""
     return False
