@@ -335,3 +335,31 @@ def test_compiled_peak_packs_small_tensors_and_finds_one_bad_value(monkeypatch):
             arrays[k][at] = 3e38  # finite; past float32's maximum once divided by 1/4
             assert bool(check(arrays, torch.tensor(4.0)))
             assert not bool(check(arrays, torch.tensor(0.25))), (k, at)
+
+
+@pytest.mark.parametrize("inner", ["lossscale_adam", "torch_sparse_adam"])
+@pytest.mark.parametrize("scale", [2.0**10, 10.0], ids=["one_pass", "divide_then_check"])
+def test_a_sparse_gradient_is_refused_by_name_and_nothing_is_written(inner, scale):
+    import lossscale as ls
+
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(50_000, 64, sparse=True)
+    head = torch.nn.Linear(64, 1)
+    params = [embedding.weight, *head.parameters()]
+    make = {
+        "lossscale_adam": lambda: ls.optimizers.Adam(0.01),
+        "torch_sparse_adam": lambda: torch.optim.SparseAdam([embedding.weight], lr=0.01),
+    }[inner]
+    opt = ls.LossScaleOptimizer(make(), initial_scale=scale)
+    ids = torch.randint(0, 50_000, (512,), generator=torch.Generator().manual_seed(1))
+    opt.scale_loss(head(embedding(ids)).square().mean()).backward()
+    before = [p.detach().clone() for p in params]
+    used = params if inner == "lossscale_adam" else params[:1]
+    with pytest.raises(
+        ValueError,
+        match=r"lossscale's optimizers take dense torch gradients\. For a sparse one .*"
+        r"use lossscale\.torch\.GradScaler .* Received: a torch\.sparse_coo gradient of shape "
+        r"\(50000, 64\)",
+    ):
+        opt.apply([p.grad for p in used], used)
+    assert all(torch.equal(p, q) for p, q in zip(params, before))

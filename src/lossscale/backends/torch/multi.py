@@ -210,9 +210,22 @@ def _amp_check(tensors, inverse, device):
     Returns its float32 flag: 1.0 where some value it read is inf or NaN.
     """
     found = torch.zeros((), dtype=torch.float32, device=device)
-    torch._amp_foreach_non_finite_check_and_unscale_(
-        tensors, found, ops.constant(inverse, torch.float32, device)
-    )
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            tensors, found, ops.constant(inverse, torch.float32, device)
+        )
+    except NotImplementedError:
+        # Asked only here, on failure: a layout test per gradient per step
+        # would cost microseconds on every step.
+        sparse = [t for t in tensors if t.layout != torch.strided]
+        if not sparse:
+            raise
+        raise ValueError(
+            "lossscale's optimizers take dense torch gradients. For a sparse one (an "
+            "nn.Embedding(sparse=True)'s), use lossscale.torch.GradScaler with a torch "
+            "optimizer that takes it (SGD, SparseAdam, Adagrad), or a dense embedding. "
+            f"Received: a {sparse[0].layout} gradient of shape {tuple(sparse[0].shape)}"
+        ) from None
     return found
 
 
