@@ -1,4 +1,4 @@
-"""The gradients a `GradScaler` checks, and the overflow flags it combines."""
+"""The process groups a `GradScaler`'s gradients span, and the overflow flags it combines."""
 
 import sys
 
@@ -13,27 +13,23 @@ def merge_flags(found, more):
     return merged
 
 
-def local_gradients(optimizer):
-    """The optimizer's gradients as local tensors, and the groups their shards span.
+def mesh_groups(optimizer):
+    """The process groups the optimizer's gradients' shards span.
 
-    A DTensor gradient (FSDP2) contributes its local shard, and the process
-    group of each mesh dimension it is not replicated over, so that a
-    reduction over those groups covers the whole gradient.
+    A DTensor gradient (FSDP2) spans the process group of each mesh
+    dimension it is not replicated over: a reduction over those groups
+    covers the whole gradient. Plain tensors span none.
     """
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    grads, groups = [], {}
+    if dtensor is None:  # not imported: no gradient is a DTensor
+        return []
+    groups = {}
     for param_group in optimizer.param_groups:
         for param in param_group["params"]:
             grad = param.grad
-            if grad is None:
-                continue
-            if dtensor is not None and isinstance(grad, dtensor):
+            if isinstance(grad, dtensor):
                 mesh = grad.device_mesh
                 for dim, placement in enumerate(grad.placements):
                     if not placement.is_replicate():
                         groups.setdefault((id(mesh), dim), mesh.get_group(dim))
-                grad = grad.to_local()
-            if grad.is_sparse:
-                grad = grad.coalesce()._values()
-            grads.append(grad)
-    return grads, list(groups.values())
+    return list(groups.values())

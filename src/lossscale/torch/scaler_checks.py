@@ -135,7 +135,7 @@ class ScalerChecksMixin:
             peaks.extend(n.float().to(self._scale.device, non_blocking=True) for n in norms)
             dtypes.extend([str(dtype).removeprefix("torch.")] * len(members))
         found = inspection.inspect(_OPS, peaks, dtypes, self._scale, policy)
-        mesh_groups = gradients.local_gradients(optimizer)[1]
+        mesh_groups = gradients.mesh_groups(optimizer)
         if found.variable_finite:
             bad = (~torch.stack(found.variable_finite)).to(torch.float32)
             for group in mesh_groups:
