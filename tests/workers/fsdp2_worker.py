@@ -73,6 +73,9 @@ RUNS = {
     "adam_per_variable": _wrapper(lambda: PerVariableAdam(1e-2)),
     "lion": _wrapper(lambda: ls.optimizers.Lion(1e-3)),
     "adamw_clipped": _wrapper(lambda: ls.optimizers.AdamW(1e-2, global_clipnorm=0.5)),
+    # DTensor has no sharding strategy for `_fused_sgd_`: shards take the foreach rule.
+    "sgd": _wrapper(lambda: ls.optimizers.SGD(1e-2)),
+    "sgd_nesterov": _wrapper(lambda: ls.optimizers.SGD(1e-2, momentum=0.9, nesterov=True)),
     "torch_optimizer": (_torch_optimizer, _torch_optimizer_step),
 }
 

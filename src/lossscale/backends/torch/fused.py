@@ -301,7 +301,9 @@ def sgd(
         for group in plans.plan(params, slots, cache).groups:
             group_lr = foreach.scalar(lr, group)
             write = plans.Writer(keep, group.device, found_inf)
-            if not _fusable(group):
+            # DTensor registers no sharding strategy for `_fused_sgd_` (it
+            # does for `_fused_adam_`): FSDP2's shards take the foreach rule.
+            if not _fusable(group) or dtensors.is_dtensor(group.params[0]):
                 group_grads = _unscaled(group, grads, grad_scale)
                 foreach.sgd(hyper, group, group_grads, group_lr, write, iterations)
                 continue
