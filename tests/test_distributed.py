@@ -90,17 +90,17 @@ def test_launch_retries_only_an_abort_after_the_results(tmp_path, how, finished,
     assert len((tmp_path / "runs").read_text()) == runs
 
 
-def single_process_sharded_reference():
+def single_process_sharded_reference(settings=None, boost=1.0):
     import torch
 
     import lossscale as ls
 
     params = worker.initial_parameters()
     opt = ls.LossScaleOptimizer(
-        ls.optimizers.Adam(0.01), initial_scale=2.0**10, dynamic_growth_steps=2
+        ls.optimizers.Adam(0.01), initial_scale=2.0**10, dynamic_growth_steps=2, **(settings or {})
     )
     scales = []
-    for grads in worker.gradient_sequence():
+    for grads in worker.gradient_sequence(boost):
         scale = np.float32(opt.scale_loss(1.0) if not opt.built else float(opt.dynamic_scale))
         opt.apply([torch.from_numpy(g * scale) for g in grads], params)
         scales.append(float(opt.dynamic_scale))
@@ -118,6 +118,19 @@ def test_sharded_gradients_skip_together(tmp_path):
             np.testing.assert_array_equal(result[f"param{i}"], p)
     for key in ranks[0]:
         np.testing.assert_array_equal(ranks[0][key], ranks[1][key])
+
+
+def test_the_statistics_policy_decides_on_every_rank_s_measurement(tmp_path):
+    # Rank 1's peak leaves no room to grow, rank 0's does: the ranks agree on
+    # the largest, as one process holding every parameter decides.
+    ranks = run_ranks("sharded_statistics", tmp_path)
+    scales, params = single_process_sharded_reference(worker.STATISTICS, boost=4.0)
+    for result in ranks:
+        np.testing.assert_array_equal(result["scales"], scales)
+        for i, p in enumerate(params):
+            np.testing.assert_array_equal(result[f"param{i}"], p)
+    alone, _ = single_process_sharded_reference(worker.STATISTICS)
+    assert scales != alone  # rank 1's gradients changed the decision
 
 
 def test_without_agreement_the_ranks_drift_apart(tmp_path):

@@ -27,6 +27,8 @@ EXPECTED = {
     "hysteresis": ([64, 128, 128, 128, 128, 256], -1),  # skipped without a backoff
     "max_consecutive_skips": ([64, 128, 128], K),
     "min_scale": ([64, 96, 96], K),
+    # Grows every measured step while the peak leaves room, not only every 2.
+    "statistics": ([128, 256, 512, 256, 512, 1024], -1),
 }
 
 

@@ -18,9 +18,17 @@ STEPS = 6
 INJECTIONS = [(2, 3, np.inf), (4, 2, np.nan)]
 
 
-def gradient_sequence():
+# The statistics policy's scenario: rank 1's gradients 4x larger, so that
+# at a scale of 2**10 its peak leaves no room to grow and rank 0's does.
+STATISTICS = dict(growth_policy="statistics", diagnostics_every=1)
+
+
+def gradient_sequence(boost=1.0):
     rng = np.random.default_rng(1)
     steps = [[rng.normal(size=s).astype(np.float32) for s in SHAPES] for _ in range(STEPS)]
+    for grads in steps:
+        grads[2] *= np.float32(boost)
+        grads[3] *= np.float32(boost)
     for step, index, value in INJECTIONS:
         steps[step][index].flat[0] = value
     return steps
@@ -31,17 +39,21 @@ def initial_parameters():
     return [torch.from_numpy(rng.normal(size=s).astype(np.float32)) for s in SHAPES]
 
 
-def sharded(rank, singleton_groups):
+def sharded(rank, singleton_groups, settings=None, boost=1.0):
     """ZeRO-style: each rank updates its own half of the parameters, then shares them."""
     params = initial_parameters()
     own = [2 * rank, 2 * rank + 1]
     groups = [dist.new_group([0]), dist.new_group([1])]
     group = groups[rank] if singleton_groups else None
     opt = ls.LossScaleOptimizer(
-        ls.optimizers.Adam(0.01), initial_scale=2.0**10, dynamic_growth_steps=2, process_group=group
+        ls.optimizers.Adam(0.01),
+        initial_scale=2.0**10,
+        dynamic_growth_steps=2,
+        process_group=group,
+        **(settings or {}),
     )
     scales = []
-    for grads in gradient_sequence():
+    for grads in gradient_sequence(boost):
         scale = np.float32(opt.scale_loss(1.0) if not opt.built else float(opt.dynamic_scale))
         opt.apply([torch.from_numpy(grads[i] * scale) for i in own], [params[i] for i in own])
         for i, p in enumerate(params):
@@ -101,6 +113,8 @@ def run(rank, scenario, out_dir, port):
     try:
         if scenario == "ddp":
             result = ddp(rank)
+        elif scenario == "sharded_statistics":
+            result = sharded(rank, False, STATISTICS, boost=4.0)
         else:
             result = sharded(rank, singleton_groups=scenario == "sharded_without_agreement")
         np.savez(f"{out_dir}/{scenario}_rank{rank}.npz", **result)

@@ -31,6 +31,8 @@ OPTIONS = {
     "min_scale": dict(min_scale=INITIAL, growth_factor=1.5),
     "headroom": dict(growth_policy="headroom", telemetry=True),
     "hysteresis": dict(hysteresis=2, telemetry=True),  # skipped, no backoff
+    # Decided on the float16 range each rank measures of its own shard.
+    "statistics": dict(growth_policy="statistics", diagnostics_every=1, telemetry=True),
 }
 
 

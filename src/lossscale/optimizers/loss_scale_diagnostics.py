@@ -78,6 +78,14 @@ class LossScaleDiagnosticsMixin:
 
         if host:
             write()
+            # Each rank measured its own gradients: the statistics policy
+            # decides on the near-maximum share and the peak, so every rank
+            # takes their largest, and decides alike (as the finite flag is
+            # agreed: over `process_group`, the default group if None; one
+            # process returns its own).
+            for name in ("range_near_max", "range_max_abs"):
+                field = self._state[name]
+                field.assign(ops.all_max(field.value, self.process_group))
             return True
         due = diagnostics.due(policy, self._state["steps"].value)
         ops.cond(due, write, None, fields)

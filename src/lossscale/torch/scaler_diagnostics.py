@@ -30,6 +30,7 @@ from lossscale.backends import get_ops
 from lossscale.mixed_precision import diagnostics, loss_scale
 from lossscale.mixed_precision.loss_scale import next_loss_scale
 from lossscale.mixed_precision.state import per_variable
+from lossscale.torch import gradients
 
 _OPS = get_ops("torch")
 
@@ -139,9 +140,18 @@ class ScalerDiagnosticsMixin:
         named = [(name, grad) for name, grad in named if grad.numel()]
         if not named:
             return {}
-        columns = diagnostics.measure_all(
-            _OPS, [grad for _, grad in named], self._policy.growth_factor
+        columns = list(
+            diagnostics.measure_all(_OPS, [grad for _, grad in named], self._policy.growth_factor)
         )
+        # Each rank measured its own gradients (an FSDP2 shard, a rank's
+        # batch): the statistics policy decides on the near-maximum share and
+        # the peak, so every rank takes their largest, and decides alike.
+        groups = gradients.mesh_groups(optimizer)
+        if self._process_group is not None:
+            groups.append(self._process_group)
+        for group in groups:
+            for k in (2, 3):  # near_max, max_abs
+                columns[k] = _OPS.all_max(columns[k], group)
         return {name: tuple(column[i] for column in columns) for i, (name, _) in enumerate(named)}
 
     def _named_gradients(self, optimizer, sparse_values=False):
