@@ -263,8 +263,8 @@ def _assign(optimizer, checkpoint):
                 f"but this optimizer's ({variable.path!r}) is {variable.dtype}",
             )
     _check_loss_scale_values(optimizer, checkpoint)
-    for variable, array in zip(variables, checkpoint.arrays):
-        variable.assign(array)
+    # Its public write: what an optimizer keeps on the host follows the load.
+    optimizer.set_weights(checkpoint.arrays)
 
 
 def _check_loss_scale_values(optimizer, checkpoint):

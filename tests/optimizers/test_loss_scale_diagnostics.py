@@ -162,3 +162,104 @@ def test_observers_keep_each_step_s_index_though_the_state_is_written_in_place(n
     opt.apply([backend.array(g) for g in scaled_grads(rng, 1.0)], variables)
     assert len(first.calls) == 3 and len(second.calls) == 4
     assert [int(backend.numpy(s)) for _, s in second.calls] == [0, 1, 2, 3]
+
+
+# --- resuming: the measuring steps are the uninterrupted run's -----------------
+def _statistics_run(make_params, load=None, split=3, steps=7):
+    """Seven steps of the statistics policy (measuring every 2nd); `load` resumes at `split`.
+
+    `load(opt, fresh, params)` moves the state of `opt` into `fresh`, built on
+    `params`. Returns the scales and the last measured step.
+    """
+    import torch
+
+    def make():
+        return ls.LossScaleOptimizer(
+            torch.optim.Adam(params, lr=0.01) if torch_native else ls.optimizers.Adam(0.01),
+            initial_scale=256.0,
+            dynamic_growth_steps=1,
+            growth_policy="statistics",
+            diagnostics_every=2,
+            telemetry=True,
+        )
+
+    rng = np.random.default_rng(0)
+    params, torch_native = make_params()
+    opt = make()
+    opt.scale_loss(1.0)
+    scales = []
+    for k in range(steps):
+        if load is not None and k == split:
+            params, _ = make_params(
+                [np.asarray(p.detach() if torch_native else p.numpy()) for p in params]
+            )
+            fresh = make()
+            load(opt, fresh, params)
+            opt = fresh
+            opt.scale_loss(1.0)
+        # Large gradients every third step: no room to grow there.
+        size = 20.0 if k % 3 == 0 else 0.01
+        grads = [rng.normal(size=64).astype(np.float32) * size * float(opt.dynamic_scale)]
+        if torch_native:
+            grads = [torch.from_numpy(g) for g in grads]
+        opt.apply(grads, params)
+        scales.append(float(opt.dynamic_scale))
+    return scales, opt.summary()["float16_range_step"]
+
+
+def _numpy_params(values=None):
+    values = values or [np.ones(64, np.float32)]
+    return [ls.Variable(v.copy(), name="w") for v in values], False
+
+
+def _torch_params(values=None):
+    import torch
+
+    values = values or [np.ones(64, np.float32)]
+    return [torch.nn.Parameter(torch.from_numpy(v.copy())) for v in values], True
+
+
+def _by_state_dict(opt, fresh, params):
+    if not getattr(fresh.inner_optimizer, "keeps_native_state", False):
+        fresh.build(params)  # a torch optimizer's wrapper loads unbuilt
+    fresh.load_state_dict(opt.state_dict())
+
+
+def _by_store(opt, fresh, params):
+    store = {}
+    opt.save_own_variables(store)
+    fresh.build(params)
+    fresh.load_own_variables(store)
+
+
+def _by_weights(opt, fresh, params):
+    fresh.build(params)
+    fresh.set_weights([v.numpy() for v in opt.variables])
+
+
+def _by_file(opt, fresh, params):
+    import tempfile
+
+    from lossscale import saving
+
+    with tempfile.TemporaryDirectory() as folder:
+        saving.save(opt, f"{folder}/opt.lossscale")
+        fresh.build(params)
+        saving.restore(fresh, f"{folder}/opt.lossscale")
+
+
+@pytest.mark.parametrize(
+    "make_params, load",
+    [
+        (_numpy_params, _by_state_dict),
+        (_numpy_params, _by_store),
+        (_numpy_params, _by_weights),
+        (_numpy_params, _by_file),
+        (_torch_params, _by_state_dict),  # the native optimizer's state dict
+    ],
+    ids=["state_dict", "own_variables", "set_weights", "saving", "torch_native"],
+)
+def test_a_resumed_run_measures_on_the_uninterrupted_run_s_steps(make_params, load):
+    uninterrupted = _statistics_run(make_params)
+    assert _statistics_run(make_params, load) == uninterrupted
+    assert uninterrupted[1] == 6

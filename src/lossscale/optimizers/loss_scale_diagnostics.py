@@ -16,7 +16,7 @@ else a branch on the device.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lossscale.mixed_precision import diagnostics
@@ -90,6 +90,32 @@ class LossScaleDiagnosticsMixin:
         due = diagnostics.due(policy, self._state["steps"].value)
         ops.cond(due, write, None, fields)
         return due
+
+    # --- loading: the host's count of steps follows the restored one ---------
+    def load_own_variables(self, store: Mapping[str, Array]) -> None:
+        """Restores the variables from `store` (see `Optimizer.load_own_variables`)."""
+        super().load_own_variables(store)
+        self._restart_host_count()
+
+    def set_weights(self, weights: Sequence[Array]) -> None:
+        """Sets every variable from `weights` (see `Optimizer.set_weights`)."""
+        super().set_weights(weights)
+        self._restart_host_count()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the state written by `state_dict()` (see `Optimizer.load_state_dict`)."""
+        super().load_state_dict(state_dict)
+        self._restart_host_count()
+
+    def _restart_host_count(self):
+        """Sets the host's count of steps (the cadence of `diagnostics_every`) to `steps`.
+
+        One host read, at a load: a resumed run measures on the steps the
+        uninterrupted one does.
+        """
+        steps = self._state.get("steps")
+        if self.policy.diagnoses and steps is not None:
+            self._host_steps = int(steps.numpy())
 
     def _notify_observers(self, finite: Array, step: Array | None) -> None:
         if not self._observers:

@@ -35,8 +35,8 @@ _INNER_ONLY = {
 
 
 class LossScaleOptimizer(
+    LossScaleDiagnosticsMixin,  # first: its loads wrap every other's
     NativeInnerStateMixin,
-    LossScaleDiagnosticsMixin,
     HostReadsMixin,
     LossScaleStepMixin,
     Optimizer,

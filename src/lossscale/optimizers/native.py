@@ -47,7 +47,7 @@ class NativeInnerStateMixin:
     A `TorchAdapter` keeps its state in the torch optimizer, not in
     `variables` (it says so with `keeps_native_state = True`). A wrapper
     holding one in `inner_optimizer` (`LossScaleOptimizer`) takes this mixin
-    first among its bases: `state_dict()` / `load_state_dict()` then go
+    before `Optimizer` among its bases: `state_dict()` / `load_state_dict()` then go
     through the inner optimizer's, with the wrapper's own variables carried
     in `optimizer_variables`, and `save_own_variables` /
     `load_own_variables` raise the inner optimizer's error instead of
