@@ -206,3 +206,37 @@ def test_a_float16_variable_s_gradient_is_unscaled_in_float32_where_keras_keeps_
     assert torch.equal(seen["ours"][1].double(), exact)
     expected = (torch.from_numpy(start).float() - seen["ours"][1]).half().float().numpy()
     np.testing.assert_array_equal(values["ours"], expected)
+
+
+def test_a_resumed_wrapper_measures_on_the_uninterrupted_run_s_steps():
+    # On torch the diagnostics cadence is a host count: a load sets it from `steps`.
+    def run(split=None):
+        rng = np.random.default_rng(0)
+
+        def make(value):
+            variable = keras.Variable(value, name="w")
+            opt = lsk.LossScaleOptimizer(
+                keras.optimizers.Adam(0.01),
+                256.0,
+                1,
+                growth_policy="statistics",
+                diagnostics_every=2,
+            )
+            opt.build([variable])
+            return variable, opt
+
+        variable, opt = make(np.ones(64, "float32"))
+        scales = []
+        for k in range(7):
+            if k == split:
+                store = {}
+                opt.save_own_variables(store)
+                variable, opt = make(variable.numpy())
+                opt.load_own_variables(store)
+            size = 20.0 if k % 3 == 0 else 0.01  # no room to grow on these
+            grad = rng.normal(size=64).astype("float32") * size * float(opt.dynamic_scale.numpy())
+            opt.apply([torch.from_numpy(grad)], [variable])
+            scales.append(float(opt.dynamic_scale.numpy()))
+        return scales
+
+    assert run(split=3) == run()

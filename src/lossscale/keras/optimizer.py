@@ -156,6 +156,13 @@ class LossScaleOptimizer(HostReadsMixin, keras.optimizers.LossScaleOptimizer):
                 )
         self._state = state
 
+    def load_own_variables(self, store: dict) -> None:
+        """Keras's load; then the host's step count (the diagnostics cadence) is the restored `steps`."""
+        super().load_own_variables(store)
+        steps = getattr(self, "_state", {}).get("steps")
+        if self.policy.diagnoses and steps is not None:
+            self._host_steps = int(keras.ops.convert_to_numpy(steps.value))
+
     def _state_variable(self, name, dtype, initial, shape=()):
         return self.add_variable(
             shape=shape,
