@@ -157,7 +157,7 @@ class LossScaleOptimizer(HostReadsMixin, keras.optimizers.LossScaleOptimizer):
         self._state = state
 
     def load_own_variables(self, store: dict) -> None:
-        """Keras's load; then the host's step count (the diagnostics cadence) is the restored `steps`."""
+        """Keras's load; the host's step count (diagnostics cadence) becomes the restored `steps`."""
         super().load_own_variables(store)
         steps = getattr(self, "_state", {}).get("steps")
         if self.policy.diagnoses and steps is not None:
