@@ -157,7 +157,11 @@ class LossScaleOptimizer(HostReadsMixin, keras.optimizers.LossScaleOptimizer):
         self._state = state
 
     def load_own_variables(self, store: dict) -> None:
-        """Keras's load; the host's step count (diagnostics cadence) becomes the restored `steps`."""
+        """Keras's load; the host's step count (diagnostics cadence) is then the restored `steps`.
+
+        Where Python runs every step (torch), that count picks the measuring
+        steps: a resumed run measures on the uninterrupted run's.
+        """
         super().load_own_variables(store)
         steps = getattr(self, "_state", {}).get("steps")
         if self.policy.diagnoses and steps is not None:
