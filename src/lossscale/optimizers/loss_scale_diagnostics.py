@@ -85,7 +85,9 @@ class LossScaleDiagnosticsMixin:
             # process returns its own).
             for name in ("range_near_max", "range_max_abs"):
                 field = self._state[name]
-                field.assign(ops.all_max(field.value, self.process_group))
+                agreed = ops.all_max(field.value, self.process_group)
+                if agreed is not field.value:  # one process: its own, nothing to write
+                    field.assign(agreed)
             return True
         due = diagnostics.due(policy, self._state["steps"].value)
         ops.cond(due, write, None, fields)
