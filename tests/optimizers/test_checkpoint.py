@@ -175,6 +175,39 @@ def test_unbuilt_optimizer_raises():
         r"variables.*Call `optimizer.build",
     ):
         Adam().load_state_dict({})
+    with pytest.raises(
+        ValueError,
+        match=r"^`state_variables\(\)` needs the optimizer's variables, which Adam creates when "
+        r"it is built. Call `optimizer.build\(trainable_variables\)` \(or take one step\) "
+        r"first.$",
+    ):
+        Adam().state_variables()
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_state_variables_are_state_dict_s_layout_live(backend, name):
+    rng = np.random.default_rng(2)
+    variables = make_vars(backend, rng)
+    opt = MAKERS[name]()
+    step(opt, backend, rng, variables)
+    slots, shared = opt.state_variables()
+    step(opt, backend, rng, variables, "inf")
+    step(opt, backend, rng, variables)
+    saved = opt.state_dict()  # copies, taken after the steps the live variables saw
+    assert sorted(slots) == sorted(saved["state"])
+    owned = {id(v) for v in opt.variables}
+    for i, named in slots.items():
+        assert named.keys() == saved["state"][i].keys()
+        for key, variable in named.items():
+            assert id(variable) in owned
+            np.testing.assert_array_equal(variable.numpy(), backend.numpy(saved["state"][i][key]))
+    assert shared.keys() == saved["optimizer_variables"].keys()
+    for path, variable in shared.items():
+        assert id(variable) in owned
+        value = saved["optimizer_variables"][path]
+        np.testing.assert_array_equal(variable.numpy(), backend.numpy(value))
+    count = sum(len(named) for named in slots.values()) + len(shared)
+    assert count == len(opt.variables)
 
 
 def _saved_and_target(backend):

@@ -43,6 +43,32 @@ def test_each_rule_runs_as_the_lossscale_optimizer_does(name):
         assert torch.equal(ours.value, theirs.value)
 
 
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_state_and_param_groups_name_the_rules_live_tensors(name):
+    params = make_params()
+    opt = lt.Optimizer([{"params": params[:2]}], OPTIMIZERS[name]())
+    opt.add_param_group({"params": params[2:], "lr": 0.5})
+    # Every parameter has an entry from the start (torch's distributed
+    # checkpoint steps an optimizer whose `state` is empty).
+    assert list(opt.state) == params
+    before = {id(p): dict(opt.state[p]) for p in params}
+    for step in range(2):
+        set_grads(params, grads_for(step))
+        opt.step()
+    saved = opt.state_dict()
+    for i, p in enumerate(params):
+        slots = opt.state[p]
+        assert sorted(slots) == sorted(saved["state"].get(i, {}))
+        for key, tensor in slots.items():
+            assert tensor is before[id(p)][key]  # the same tensors, written in place
+            assert torch.equal(tensor, saved["state"][i][key])
+    for group, saved_group in zip(opt.param_groups, saved["param_groups"]):
+        live, copies = group["optimizer_variables"], saved_group["optimizer_variables"]
+        assert live.keys() == copies.keys() and live
+        for path, tensor in live.items():
+            assert torch.equal(tensor, copies[path]) and tensor is not copies[path]
+
+
 def test_parameters_without_gradients_are_left_alone():
     params = make_params()
     opt = lt.Optimizer(params, ls.optimizers.Adam(0.1))

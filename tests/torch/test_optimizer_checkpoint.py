@@ -3,12 +3,17 @@
 torch's layout (parameters numbered across the groups, each group's rule
 variables in its entry): a round trip through `torch.save` with a torch
 scheduler resumes exactly, the dict is a snapshot, and a dict that does not
-fit raises, naming what is wrong, before anything is written. The
+fit raises, naming what is wrong, before anything is written. torch's
+distributed checkpoint (`get_state_dict` / `set_state_dict`, `dcp.save` /
+`dcp.load`, nested and flattened) saves without stepping the optimizer and
+resumes exactly, in one process and under FSDP2 on two ranks. The
 parameter and gradient helpers are test_optimizer.py's.
 """
 
 import io
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -124,15 +129,20 @@ BAD = {
         r"^`state_dict\['param_groups'\]\[1\]` has no 'optimizer_variables': this is not the "
         r"state dict of a Optimizer \(a torch optimizer's, say\). Received keys: \[",
     ),
-    "params_renumbered": (
+    "params_listed_twice": (
         _changed(_set(("param_groups", 1, "params"), [0, 1])),
+        r"^`state_dict\['param_groups'\]\[1\]\['params'\]` lists 0, which an earlier entry "
+        r"lists too: each parameter is listed once.$",
+    ),
+    "params_count": (
+        _changed(_set(("param_groups", 1, "params"), [1])),
         r"^`state_dict\['param_groups'\]\[1\]\['params'\]` must list the 2 parameters of "
-        r"group 1 \(1 to 2\). Received: \[0, 1\]$",
+        r"group 1, one id each. Received: \[1\]$",
     ),
     "unknown_parameter": (
         _changed(_set(("state", 3), {})),
-        r"^`state_dict\['state'\]` names parameters \[3\] that this optimizer does not have "
-        r"\(it has 3\).$",
+        r"^`state_dict\['state'\]` names parameters \[3\] that no group of "
+        r"`state_dict\['param_groups'\]` lists \(this optimizer has 3\).$",
     ),
     "slot_shape": (
         _changed(_set(("state", 2), {"momentum": torch.zeros(4, 3), "velocity": torch.zeros(3)})),
@@ -173,5 +183,162 @@ def test_a_load_restores_each_group_s_hyperparameters_as_torch_does():
     twin.load_state_dict(saved)
     assert [g["lr"] for g in twin.param_groups] == [0.01, 0.02]
     assert twin.param_groups[0]["initial_lr"] == 0.01 and "initial_lr" not in twin.param_groups[1]
-    assert all("optimizer_variables" not in g for g in twin.param_groups)
+    # Each live group names its rule's variables (not the saved copies).
+    for group, rule in zip(twin.param_groups, twin.rules):
+        live = {path: v.value for path, v in rule.state_variables()[1].items()}
+        assert group["optimizer_variables"].keys() == live.keys()
+        assert all(group["optimizer_variables"][k] is live[k] for k in live)
     assert [len(g["params"]) for g in twin.param_groups] == [1, 2]
+
+
+# --- torch's distributed checkpoint (DCP): the FSDP2 way to save ---------------
+RULES = {
+    "adamw": lambda: ls.optimizers.AdamW(0.01, weight_decay=0.1),
+    "adam_amsgrad": lambda: ls.optimizers.Adam(0.01, amsgrad=True),
+    "sgd_momentum": lambda: ls.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "sgd": lambda: ls.optimizers.SGD(0.05),  # no slots at all
+}
+
+
+def _model_and_optimizer(rule, seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(48, 96), torch.nn.GELU(), torch.nn.LayerNorm(96), torch.nn.Linear(96, 10)
+    )
+    decayed = [p for n, p in model.named_parameters() if n.endswith("weight") and p.ndim > 1]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.ndim > 1)]
+    groups = [{"params": decayed}, {"params": rest, "weight_decay": 0.0, "lr": 0.02}]
+    return model, lt.Optimizer(groups, RULES[rule]())
+
+
+def _train(model, opt, steps):
+    for step in steps:
+        inputs = torch.randn(32, 48, generator=torch.Generator().manual_seed(step))
+        model(inputs).square().mean().backward()
+        opt.step()
+        opt.zero_grad()  # grads None, as a checkpointing loop leaves them
+
+
+def _assert_same_state(a, b):
+    assert sorted(a["state"]) == sorted(b["state"])
+    for i, slots in a["state"].items():
+        assert slots.keys() == b["state"][i].keys()
+        for key, value in slots.items():
+            assert torch.equal(value, b["state"][i][key]), (i, key)
+    for ga, gb in zip(a["param_groups"], b["param_groups"]):
+        assert {k: v for k, v in ga.items() if k != "optimizer_variables"} == {
+            k: v for k, v in gb.items() if k != "optimizer_variables"
+        }
+        for path, value in ga["optimizer_variables"].items():
+            assert torch.equal(value, gb["optimizer_variables"][path]), path
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_distributed_checkpoint_saves_without_a_step_and_resumes_exactly(rule, flatten, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    options = dsd.StateDictOptions(flatten_optimizer_state_dict=flatten)
+    model, opt = _model_and_optimizer(rule, seed=0)
+    _train(model, opt, range(3))
+    before = opt.state_dict()
+    model_sd, optim_sd = dsd.get_state_dict(model, opt, options=options)
+    # Taking the dict steps nothing: torch's helper steps an optimizer whose
+    # `state` is empty (zero gradients, lr 0), which would decay the moments
+    # and count a step at every save.
+    _assert_same_state(opt.state_dict(), before)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path))
+    _train(model, opt, range(3, 6))
+
+    twin, twin_opt = _model_and_optimizer(rule, seed=1)  # other weights, fresh state
+    twin_model_sd, twin_optim_sd = dsd.get_state_dict(twin, twin_opt, options=options)
+    loaded = {"model": twin_model_sd, "optim": twin_optim_sd}
+    dcp.load(loaded, checkpoint_id=str(tmp_path))
+    dsd.set_state_dict(
+        twin,
+        twin_opt,
+        model_state_dict=loaded["model"],
+        optim_state_dict=loaded["optim"],
+        options=options,
+    )
+    _assert_same_state(twin_opt.state_dict(), before)
+    _train(twin, twin_opt, range(3, 6))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    _assert_same_state(twin_opt.state_dict(), opt.state_dict())
+
+
+def test_a_load_takes_the_groups_lr_over_the_lr_the_rule_was_saved_with():
+    params = make_params()
+    opt = lt.Optimizer(params, ls.optimizers.Adam(0.01))
+    set_grads(params, grads_for(0))
+    opt.step()
+    saved = opt.state_dict()
+    (lr_path,) = [p for p in saved["param_groups"][0]["optimizer_variables"] if "learning" in p]
+    saved["param_groups"][0]["optimizer_variables"][lr_path] = torch.tensor(0.0)
+    twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin = lt.Optimizer(twin_params, ls.optimizers.Adam(0.01))
+    twin.load_state_dict(saved)
+    for ps, o in ((params, opt), (twin_params, twin)):
+        set_grads(ps, grads_for(1))
+        o.step()
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+
+
+def test_a_load_maps_any_parameter_ids_by_position_as_torch_does():
+    opt = _two_groups()
+    saved = opt.state_dict()
+    names = {0: "a.weight", 1: "b.weight", 2: "b.bias"}
+    renamed = {
+        "state": {names[i]: slots for i, slots in saved["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]
+        ],
+    }
+    twin = _two_groups()
+    set_grads(twin.param_groups[0]["params"] + twin.param_groups[1]["params"], grads_for(5))
+    twin.step()  # now unlike `opt`
+    twin.load_state_dict(renamed)
+    _assert_same_state(twin.state_dict(), saved)
+
+
+# --- the same under FSDP2, two gloo ranks (tests/workers/fsdp2_checkpoint_worker.py) ---
+@pytest.fixture(scope="session")
+def sharded_ranks(tmp_path_factory):
+    from tests import workers
+    from tests.test_distributed import free_port, launch
+    from tests.workers import fsdp2_checkpoint_worker as worker
+
+    out = tmp_path_factory.mktemp("fsdp2_checkpoint")
+    proc = launch(
+        workers.command(Path(worker.__file__), out, free_port()),
+        finished=lambda: all((out / f"rank{r}.npz").exists() for r in (0, 1)),
+        cwd=workers.ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [dict(np.load(out / f"rank{r}.npz")) for r in (0, 1)]
+
+
+@pytest.mark.xdist_group("torch_distributed")
+@pytest.mark.parametrize("layout", ["nested", "flattened"])
+@pytest.mark.parametrize("rule", ["adamw", "sgd_momentum", "sgd"])
+def test_fsdp2_saves_with_dcp_and_resumes_exactly(sharded_ranks, rule, layout):
+    from tests.workers import fsdp2_checkpoint_worker as worker
+
+    key = f"{rule}-{layout}"
+    for rank in sharded_ranks:
+        assert not rank[f"{key}/changed_by_get"]
+        scales = rank[f"{key}/scales"]
+        # The poisoned step (an inf in rank 1's shard alone) was skipped by both.
+        assert scales[worker.POISONED] == scales[worker.POISONED - 1] / 2
+        assert list(rank[f"{key}/resumed_scales"]) == list(scales[worker.SAVED :])
+        count = len([k for k in rank if k.startswith(f"{key}/param")])
+        assert count == 4
+        for i in range(count):
+            assert np.array_equal(rank[f"{key}/param{i}"], rank[f"{key}/resumed_param{i}"])
+    for i in range(4):
+        assert np.array_equal(
+            sharded_ranks[0][f"{key}/param{i}"], sharded_ranks[1][f"{key}/param{i}"]
+        )

@@ -123,6 +123,25 @@ class CheckpointMixin:
             "optimizer_variables": {path: v._ops.copy(v.value) for path, v in shared.items()},
         }
 
+    def state_variables(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+        """The variables as `state_dict()` lays them out, live: the optimizer's own `Variable`s.
+
+        What a later step writes, they hold: for a view of the state that
+        tools read live, as `torch.optim.Optimizer.state` is.
+
+        Returns:
+            `({parameter index: {slot name: Variable}}, {path: Variable})`:
+            the layout of `state_dict()["state"]` (variables without slots
+            have no entry) and of `state_dict()["optimizer_variables"]`.
+        """
+        if not self.built:
+            raise ValueError(
+                f"`state_variables()` needs the optimizer's variables, which "
+                f"{type(self).__name__} creates when it is built. Call "
+                "`optimizer.build(trainable_variables)` (or take one step) first."
+            )
+        return _state_layout(self)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores the state written by `state_dict()`, continuing its trajectory.
 

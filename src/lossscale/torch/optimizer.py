@@ -54,7 +54,10 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
     A learning-rate schedule belongs to a torch scheduler on this optimizer
     (the rule's `learning_rate` must be a float). The state lives in the
     rules' variables: `state_dict()` holds copies of it in torch's layout
-    (see `OptimizerCheckpointMixin`); `self.state` stays empty.
+    (see `OptimizerCheckpointMixin`). `self.state[p]` names parameter `p`'s
+    slots (`{"momentum": tensor, ...}`, empty for a rule without any) and
+    each group's `"optimizer_variables"` its rule's other variables (step
+    counter, learning rate): the live tensors the rule writes in place.
 
     Args:
         params: The parameters (leaf tensors, each once) or param-group
@@ -147,6 +150,18 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
         rule.weight_decay = config["weight_decay"] or None  # 0: not decayed at all
         self._rules.append(rule)
         self._rule_lrs.append(group["lr"])
+        # `state` names each parameter's slots, and the group its rule's
+        # other variables, as the rule holds them (live tensors: the rule
+        # writes them in place). An entry per parameter, slots or none: a
+        # tool that sees an empty `state` takes the optimizer for unstarted
+        # and steps it to make one (torch's distributed checkpoint does,
+        # with zero gradients and lr 0, which would decay the moments and
+        # count a step at every save). Its flattened state dicts keep only
+        # the keys that `state` and `param_groups` show.
+        slots, shared = rule.state_variables()
+        for j, p in enumerate(group["params"]):
+            self.state[p] = {name: v.value for name, v in slots.get(j, {}).items()}
+        group[optimizer_checkpoint.RULE_VARIABLES] = {path: v.value for path, v in shared.items()}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-_OWN = "optimizer_variables"
+# The key of each param group that holds its rule's variables other than
+# the slots (live in `param_groups`, copies in a state dict).
+RULE_VARIABLES = "optimizer_variables"
 
 
 class OptimizerCheckpointMixin:
@@ -40,8 +42,14 @@ class OptimizerCheckpointMixin:
             own = rule.state_dict()
             count = len(group["params"])
             state.update({offset + i: slots for i, slots in own["state"].items()})
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**hyper, "params": list(range(offset, offset + count)), _OWN: own[_OWN]})
+            hyper = {k: v for k, v in group.items() if k not in ("params", RULE_VARIABLES)}
+            groups.append(
+                {
+                    **hyper,
+                    "params": list(range(offset, offset + count)),
+                    RULE_VARIABLES: own[RULE_VARIABLES],
+                }
+            )
             offset += count
         return {"state": state, "param_groups": groups}
 
@@ -67,41 +75,58 @@ class OptimizerCheckpointMixin:
                 f"`state_dict['param_groups']` must hold {len(self.param_groups)} groups, one per "
                 f"param group of this optimizer. Received: {saved_groups!r}"[:400]
             )
-        writes, offset = [], 0
+        # Saved parameter ids map to this optimizer's parameters by position,
+        # as torch's `load_state_dict` maps them: ints from `state_dict()`,
+        # or the names torch's distributed checkpoint puts in their place.
+        position, writes, offset = {}, [], 0
         for index, (group, rule, saved) in enumerate(
             zip(self.param_groups, self._rules, saved_groups)
         ):
             count = len(group["params"])
-            if not isinstance(saved, dict) or _OWN not in saved:
+            if not isinstance(saved, dict) or RULE_VARIABLES not in saved:
                 raise ValueError(
-                    f"`state_dict['param_groups'][{index}]` has no {_OWN!r}: this is not the "
-                    f"state dict of a {type(self).__name__} (a torch optimizer's, say). "
+                    f"`state_dict['param_groups'][{index}]` has no {RULE_VARIABLES!r}: this is "
+                    f"not the state dict of a {type(self).__name__} (a torch optimizer's, say). "
                     f"Received keys: {sorted(saved) if isinstance(saved, dict) else saved!r}"
                 )
-            if list(saved.get("params", ())) != list(range(offset, offset + count)):
+            ids = saved.get("params")
+            if not isinstance(ids, (list, tuple)) or len(ids) != count:
                 raise ValueError(
                     f"`state_dict['param_groups'][{index}]['params']` must list the {count} "
-                    f"parameters of group {index} ({offset} to {offset + count - 1}). "
-                    f"Received: {saved.get('params')!r}"
+                    f"parameters of group {index}, one id each. Received: {ids!r}"[:400]
                 )
+            for j, key in enumerate(ids):
+                if key in position:
+                    raise ValueError(
+                        f"`state_dict['param_groups'][{index}]['params']` lists {key!r}, which "
+                        "an earlier entry lists too: each parameter is listed once."
+                    )
+                position[key] = j
+            saved_state = state_dict["state"]
             own = {
+                # An empty entry is a parameter without slots (torch's
+                # flattened checkpoints give every parameter one).
                 "state": {
-                    i - offset: slots
-                    for i, slots in state_dict["state"].items()
-                    if offset <= i < offset + count
+                    position[key]: saved_state[key]
+                    for key in ids
+                    if key in saved_state and saved_state[key] != {}
                 },
                 "param_groups": [{"params": list(range(count))}],
-                _OWN: saved[_OWN],
+                RULE_VARIABLES: saved[RULE_VARIABLES],
             }
             writes += rule._state_dict_writes(own)
             offset += count
-        extra = [i for i in state_dict["state"] if not 0 <= i < offset]
+        extra = [key for key in state_dict["state"] if key not in position]
         if extra:
             raise ValueError(
-                f"`state_dict['state']` names parameters {extra} that this optimizer does not "
-                f"have (it has {offset})."
+                f"`state_dict['state']` names parameters {extra} that no group of "
+                f"`state_dict['param_groups']` lists (this optimizer has {offset})."
             )
         for variable, value in writes:
             variable.assign(value)
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k not in ("params", _OWN)})
+        for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            group.update({k: v for k, v in saved.items() if k not in ("params", RULE_VARIABLES)})
+            # The group's lr is the one torch's tools read and set: the rule
+            # takes it at the next step, whatever lr its variables were
+            # saved with.
+            self._rule_lrs[index] = None
