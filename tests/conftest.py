@@ -128,6 +128,28 @@ class Backend:
         return self.name
 
 
+# Session-scoped: one two-rank run, however the tests of the modules that read
+# it (tests/torch/test_optimizer_checkpoint.py, tests/optimizers/test_checkpoint.py)
+# interleave in a test process.
+@pytest.fixture(scope="session")
+def fsdp2_checkpoint_ranks(tmp_path_factory):
+    """What tests/workers/fsdp2_checkpoint_worker.py wrote on each of its two ranks."""
+    from pathlib import Path
+
+    from tests import workers
+    from tests.test_distributed import free_port, launch
+    from tests.workers import fsdp2_checkpoint_worker as worker
+
+    out = tmp_path_factory.mktemp("fsdp2_checkpoint")
+    proc = launch(
+        workers.command(Path(worker.__file__), out, free_port()),
+        finished=lambda: all((out / f"rank{r}.npz").exists() for r in (0, 1)),
+        cwd=workers.ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [dict(np.load(out / f"rank{r}.npz")) for r in (0, 1)]
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     return Backend(request.param)

@@ -419,3 +419,24 @@ def test_checkpoints_are_snapshots_that_resume_exactly(name, kinds, cut):
                     np.testing.assert_array_equal(a, b, err_msg=kind)
             # Training the restored optimizer never writes into what it loaded.
             _assert_same(_frozen(checkpoint, backend), frozen[kind])
+
+
+@pytest.mark.xdist_group("torch_distributed")
+def test_fsdp2_state_dict_through_dcp_resumes_exactly(fsdp2_checkpoint_ranks):
+    """`LossScaleOptimizer(AdamW, telemetry=True)` on a `fully_shard` model, two gloo ranks.
+
+    Its `state_dict()` (DTensor slots, plain loss-scale state) goes through
+    `dcp.save` / `dcp.load` (tests/workers/fsdp2_checkpoint_worker.py): the
+    resumed run, from other initial weights, ends bit for bit where the
+    uninterrupted one does, an overflow in rank 1's shard alone skipped
+    before the save, with the same `summary()`.
+    """
+    from tests.workers import fsdp2_checkpoint_worker as worker
+
+    for rank in fsdp2_checkpoint_ranks:
+        scales = rank["wrapper/scales"]
+        assert scales[worker.POISONED] == scales[worker.POISONED - 1] / 2
+        assert list(rank["wrapper/resumed_scales"]) == list(scales[worker.SAVED :])
+        assert rank["wrapper/same_summary"]
+        for i in range(4):
+            assert np.array_equal(rank[f"wrapper/param{i}"], rank[f"wrapper/resumed_param{i}"])

@@ -11,7 +11,6 @@ parameter and gradient helpers are test_optimizer.py's.
 """
 
 import io
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -304,31 +303,16 @@ def test_a_load_maps_any_parameter_ids_by_position_as_torch_does():
     _assert_same_state(twin.state_dict(), saved)
 
 
-# --- the same under FSDP2, two gloo ranks (tests/workers/fsdp2_checkpoint_worker.py) ---
-@pytest.fixture(scope="session")
-def sharded_ranks(tmp_path_factory):
-    from tests import workers
-    from tests.test_distributed import free_port, launch
-    from tests.workers import fsdp2_checkpoint_worker as worker
-
-    out = tmp_path_factory.mktemp("fsdp2_checkpoint")
-    proc = launch(
-        workers.command(Path(worker.__file__), out, free_port()),
-        finished=lambda: all((out / f"rank{r}.npz").exists() for r in (0, 1)),
-        cwd=workers.ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [dict(np.load(out / f"rank{r}.npz")) for r in (0, 1)]
-
-
+# --- the same under FSDP2, two gloo ranks (tests/workers/fsdp2_checkpoint_worker.py;
+# the `fsdp2_checkpoint_ranks` fixture is in tests/conftest.py) ---
 @pytest.mark.xdist_group("torch_distributed")
 @pytest.mark.parametrize("layout", ["nested", "flattened"])
 @pytest.mark.parametrize("rule", ["adamw", "sgd_momentum", "sgd"])
-def test_fsdp2_saves_with_dcp_and_resumes_exactly(sharded_ranks, rule, layout):
+def test_fsdp2_saves_with_dcp_and_resumes_exactly(fsdp2_checkpoint_ranks, rule, layout):
     from tests.workers import fsdp2_checkpoint_worker as worker
 
     key = f"{rule}-{layout}"
-    for rank in sharded_ranks:
+    for rank in fsdp2_checkpoint_ranks:
         assert not rank[f"{key}/changed_by_get"]
         scales = rank[f"{key}/scales"]
         # The poisoned step (an inf in rank 1's shard alone) was skipped by both.
@@ -340,5 +324,6 @@ def test_fsdp2_saves_with_dcp_and_resumes_exactly(sharded_ranks, rule, layout):
             assert np.array_equal(rank[f"{key}/param{i}"], rank[f"{key}/resumed_param{i}"])
     for i in range(4):
         assert np.array_equal(
-            sharded_ranks[0][f"{key}/param{i}"], sharded_ranks[1][f"{key}/param{i}"]
+            fsdp2_checkpoint_ranks[0][f"{key}/param{i}"],
+            fsdp2_checkpoint_ranks[1][f"{key}/param{i}"],
         )

@@ -122,6 +122,66 @@ def run_one(rule, layout, rank, directory):
     }
 
 
+def _train_wrapper(model, opt, steps, rank):
+    scales = []
+    for k in steps:
+        x, y = batch(k, rank)
+        opt.scale_loss(torch.nn.functional.mse_loss(model(x), y)).backward()
+        grads = [p.grad for p in model.parameters()]
+        if k == POISONED and rank == 1:
+            grads[0].to_local().view(-1)[0] = float("inf")
+        opt.apply(grads, list(model.parameters()))
+        model.zero_grad(set_to_none=True)
+        scales.append(float(opt.dynamic_scale))
+    return scales
+
+
+def _sharded_wrapper(seed):
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(seed)
+    fully_shard(model)
+    opt = ls.LossScaleOptimizer(
+        ls.optimizers.AdamW(1e-2, weight_decay=0.05),
+        initial_scale=2.0**6,
+        dynamic_growth_steps=2,
+        telemetry=True,
+    )
+    opt.build(list(model.parameters()))
+    return model, opt
+
+
+def run_wrapper(rank, directory):
+    """`LossScaleOptimizer` (telemetry on): its own `state_dict()` through `dcp.save` / `dcp.load`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    model, opt = _sharded_wrapper(0)
+    scales = _train_wrapper(model, opt, range(SAVED), rank)
+    dcp.save(
+        {"model": dsd.get_model_state_dict(model), "optim": opt.state_dict()},
+        checkpoint_id=directory,
+    )
+    scales += _train_wrapper(model, opt, range(SAVED, SAVED + RESUMED), rank)
+
+    twin, twin_opt = _sharded_wrapper(1)
+    # The template a load fills in place: the fresh run's own dicts.
+    loaded = {"model": dsd.get_model_state_dict(twin), "optim": twin_opt.state_dict()}
+    dcp.load(loaded, checkpoint_id=directory)
+    dsd.set_model_state_dict(twin, loaded["model"])
+    twin_opt.load_state_dict(loaded["optim"])
+    twin_scales = _train_wrapper(twin, twin_opt, range(SAVED, SAVED + RESUMED), rank)
+    summary, twin_summary = opt.summary(), twin_opt.summary()
+    return {
+        "changed_by_get": np.array(False),  # its own state_dict() steps nothing
+        "scales": np.array(scales),
+        "resumed_scales": np.array(twin_scales),
+        "same_summary": np.array(repr(summary) == repr(twin_summary)),
+        **{f"param{i}": _full(p) for i, p in enumerate(model.parameters())},
+        **{f"resumed_param{i}": _full(p) for i, p in enumerate(twin.parameters())},
+    }
+
+
 def run(rank, out_dir, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     warnings.simplefilter("ignore")
@@ -132,6 +192,8 @@ def run(rank, out_dir, port):
                 directory = f"{out_dir}/{rule}-{layout}"
                 for key, value in run_one(rule, layout, rank, directory).items():
                     results[f"{rule}-{layout}/{key}"] = value
+        for key, value in run_wrapper(rank, f"{out_dir}/wrapper").items():
+            results[f"wrapper/{key}"] = value
         np.savez(f"{out_dir}/rank{rank}.npz", **results)
         dist.barrier()
     finally:
