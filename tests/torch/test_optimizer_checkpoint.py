@@ -11,6 +11,7 @@ parameter and gradient helpers are test_optimizer.py's.
 """
 
 import io
+import warnings
 
 import numpy as np
 import pytest
@@ -327,3 +328,65 @@ def test_fsdp2_saves_with_dcp_and_resumes_exactly(fsdp2_checkpoint_ranks, rule, 
             fsdp2_checkpoint_ranks[0][f"{key}/param{i}"],
             fsdp2_checkpoint_ranks[1][f"{key}/param{i}"],
         )
+
+
+def test_lightning_resumes_from_its_checkpoint_exactly(tmp_path):
+    """`Trainer.fit(ckpt_path=...)` with `lossscale.torch.Optimizer`, our GradScaler and a scheduler.
+
+    Lightning saves the optimizer's and the scheduler's `state_dict()` and
+    the scaler's (its precision plugin's), and restores them: 2 epochs, a
+    checkpoint, 2 more from it end bit for bit where 4 in one go do, with
+    the same overflows skipped.
+    """
+    import pytorch_lightning as pl
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    class Regression(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+            )
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x).float(), y)
+
+        def configure_optimizers(self):
+            opt = lt.Optimizer(self.parameters(), ls.optimizers.AdamW(1e-2))
+            scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8
+    )
+
+    def fit(epochs, ckpt_path=None, save=False):
+        scaler = lt.GradScaler("cpu", init_scale=2.0**20, growth_interval=3, telemetry=True)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_epochs=epochs,
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+            logger=False,
+            default_root_dir=tmp_path,
+            enable_checkpointing=save,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        model = Regression()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's advice on workers and logging
+            trainer.fit(model, loader, ckpt_path=ckpt_path)
+        return trainer, model, scaler
+
+    _, whole, whole_scaler = fit(4)
+    first, _, _ = fit(2, save=True)
+    _, resumed, resumed_scaler = fit(4, ckpt_path=first.checkpoint_callback.best_model_path)
+    for a, b in zip(whole.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    expected, got = whole_scaler.summary(), resumed_scaler.summary()
+    assert expected["skipped_steps"] == got["skipped_steps"] >= 2
+    assert [o["step"] for o in expected["overflows"]] == [o["step"] for o in got["overflows"]]
+    assert whole_scaler.get_scale() == resumed_scaler.get_scale()
