@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 _OPS = get_ops("torch")
+# The plain update's kernel (torch's `_amp_update_scale_` and the floor),
+# looked up once: `update()` runs it every step.
+_SCALE_UPDATE = _OPS.fused_scale_update()
 # After an update the scale is at least `backoff_factor` times what it was,
 # up to float32 rounding (of the factor and of the product): the lower bound
 # kept on the host shrinks by this much more, so that it stays a lower bound.
@@ -298,13 +301,12 @@ class GradScaler(
             return
         states = self._per_optimizer_states
         device = self._scale.device
-        flags = [
-            f.to(device, non_blocking=True)
-            for state in states.values()
-            for f in state["found_inf_per_device"].values()
-        ]
-        # Reshaped only when not 0-d already (torch's are): a `view` is a dispatch too.
-        flags = [f.reshape(()) if f.ndim else f for f in flags]
+        flags = []
+        for state in states.values():
+            for f in state["found_inf_per_device"].values():
+                f = f.to(device, non_blocking=True)
+                # Reshaped only when not 0-d already (torch's are): a `view` is a dispatch too.
+                flags.append(f.reshape(()) if f.ndim else f)
         if not flags:
             raise RuntimeError(
                 "`GradScaler.update()` found no overflow check to update the scale from: "
@@ -315,9 +317,11 @@ class GradScaler(
         # Each flag is 0 or 1 (torch's kernel, or `_agreed`): torch's AMP form.
         skip = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
         self._last_skip = skip
-        if self._policy.is_plain and not self._reads_per_variable():
+        policy = self._policy
+        # (A plain policy keeps no telemetry: only diagnostics read per variable.)
+        if policy.is_plain and not (policy.diagnoses and self._reads_per_variable()):
             states.clear()
-            self._update_plain(skip)
+            self._update_plain(skip, policy)
             return
         finite = skip == 0
         peak = None
@@ -338,7 +342,7 @@ class GradScaler(
             if error != NO_ERROR:
                 raise LossScaleError(self._failure_message())
 
-    def _update_plain(self, skip):
+    def _update_plain(self, skip, policy):
         """`update()` of a plain policy off a measuring step: torch's kernel and the floor.
 
         `next_loss_scale` would run the same kernel (`fused_scale_update`)
@@ -346,12 +350,11 @@ class GradScaler(
         costs no state to build, and the host's lower bound of the scale
         decides whether the floor needs an operation (see `update_scale`).
         """
-        policy = self._policy
-        steps = self._extras.get("steps")
-        if steps is not None:  # diagnostics: the count `next_loss_scale` keeps, in place
-            steps.add_(1)
+        if policy.diagnoses:  # the count `next_loss_scale` keeps, in place
+            self._extras["steps"].add_(1)
         self._host_steps += 1
-        _OPS.fused_scale_update()(
+        bound = self._scale_bound
+        _SCALE_UPDATE(
             self._scale,
             self._growth_tracker,
             None,
@@ -361,9 +364,9 @@ class GradScaler(
             MIN_SCALE,
             skip=skip if skip.dtype == torch.float32 else skip.to(torch.float32),
             in_place=True,
-            scale_at_least=self._scale_bound,
+            scale_at_least=bound,
         )
-        self._scale_bound = _bound_after_update(self._scale_bound, policy)
+        self._scale_bound = _bound_after_update(bound, policy)
 
     @property
     def last_step_skipped(self) -> bool | None:
