@@ -5,6 +5,7 @@ JAX: four forced host devices (in a subprocess, since the device count is
 fixed when JAX starts).
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -226,6 +227,75 @@ def test_jax_sharded_step_is_one_global_decision():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[0] == "ok"
+
+
+# --- model parallelism inside `shard_map`: `axis_name` ---------------------------
+@pytest.fixture(scope="session")
+def shard_map_runs(tmp_path_factory):
+    """What tests/workers/jax_shard_map_worker.py found, on 4 forced host devices."""
+    from tests.workers import jax_shard_map_worker as shard_map_worker
+
+    out = tmp_path_factory.mktemp("shard_map") / "results.json"
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
+    )
+    proc = subprocess.run(
+        workers.command(Path(shard_map_worker.__file__), out),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=workers.ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+# The scales each option leaves (an inf at step 2, a NaN at step 4, each in
+# one device's block: every device skips both).
+SHARD_MAP_SCALES = {
+    "default": [256, 512, 256, 256, 128, 128],
+    "telemetry": [256, 512, 256, 256, 128, 128],
+    "headroom": [256, 512, 256, 256, 128, 128],
+    "hysteresis": [256, 512, 512, 512, 512, 512],  # two overflows, never in a row
+    "statistics": [512, 512, 256, 256, 128, 128],  # grows at the measured step 0
+    "diagnostics": [256, 512, 256, 256, 128, 128],
+}
+
+
+@pytest.mark.parametrize("option", sorted(SHARD_MAP_SCALES))
+@pytest.mark.parametrize("interface", ["optax", "wrapper"])
+def test_shard_map_blocks_agree_over_axis_name(shard_map_runs, interface, option):
+    """Each device's own gradient blocks, one decision: bit for bit the global-array run.
+
+    `dynamic_loss_scale(..., axis_name="model")` and
+    `LossScaleOptimizer(..., axis_name="model")` (built on the block shapes)
+    inside `shard_map` with its default `check_vma=True`; parameters, every
+    piece of optimizer state (telemetry's per-variable flags, the float16
+    range) and optax's `summary()` equal the same steps on global arrays.
+    """
+    from tests.workers import jax_shard_map_worker
+
+    assert sorted(jax_shard_map_worker.OPTIONS) == sorted(SHARD_MAP_SCALES)
+    run = shard_map_runs[f"{interface}-{option}"]
+    assert run["scales"] == SHARD_MAP_SCALES[option]
+    assert run["same"]
+    assert run.get("same_summary", True)
+
+
+@pytest.mark.parametrize("option", ["default", "telemetry"])
+def test_pmap_rows_agree_over_axis_name(shard_map_runs, option):
+    # `dynamic_loss_scale(..., axis_name="rows")` under `jax.pmap`, an inf in
+    # the last device's row at step 2: every device skips, as one decision.
+    run = shard_map_runs[f"pmap-{option}"]
+    assert run["same"] and run["scales"] == [512.0]  # 256, 512, 256 (skipped), 256, 512, 512
+
+
+@pytest.mark.parametrize("interface", ["optax", "wrapper"])
+def test_shard_map_blocks_without_axis_name_are_refused_at_trace(shard_map_runs, interface):
+    # Each device would decide alone: the scale would differ by device, and
+    # `shard_map` refuses an output declared replicated that is not.
+    assert shard_map_runs[f"{interface}-refused"] == "ValueError"
 
 
 def test_all_true_and_all_max_in_one_process_return_their_input(backend):

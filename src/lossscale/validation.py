@@ -123,3 +123,27 @@ def check_config(cls, config, accepted=None):
             f"{sorted(accepted)}. Received: config with keys {sorted(config)}"
         )
     return config
+
+
+def check_axis_name(axis_name, process_group):
+    """Checks a loss scaler's `axis_name` (JAX's mapped axes) against its `process_group`."""
+    if axis_name is None:
+        return
+    if not (
+        (isinstance(axis_name, str) and axis_name)
+        or (
+            isinstance(axis_name, tuple)
+            and axis_name
+            and all(isinstance(a, str) and a for a in axis_name)
+        )
+    ):
+        raise ValueError(
+            "`axis_name` must be a mapped axis name (a non-empty string) or a non-empty tuple "
+            f"of them, or None. Received: axis_name={axis_name!r}"
+        )
+    if process_group is not None:
+        raise ValueError(
+            "Pass `process_group` (torch.distributed) or `axis_name` (JAX `shard_map` / "
+            f"`pmap`), not both. Received: process_group={process_group!r}, "
+            f"axis_name={axis_name!r}"
+        )

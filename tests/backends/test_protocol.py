@@ -70,7 +70,7 @@ def test_each_backend_has_every_function_with_a_compatible_signature(name):
     [
         ("numpy", set()),
         ("torch", set()),
-        ("jax", {"is_traced"}),
+        ("jax", {"is_traced", "all_mean"}),
         ("tensorflow", {"variable_storage", "dense_gradient"}),
     ],
 )
@@ -78,6 +78,6 @@ def test_the_optional_names_are_where_the_backends_need_them(name, optional):
     # TensorFlow's state lives in its own variable objects, and its
     # gradients may be sparse; a JAX tracer may not be kept in a variable. (One backend a case: the
     # minimum-versions leg leaves out the backends it lacks.)
-    names = ("variable_storage", "is_traced", "dense_gradient")
+    names = ("variable_storage", "is_traced", "dense_gradient", "all_mean")
     has = {n for n in names if hasattr(get_ops(name), n)}
     assert has == optional

@@ -397,6 +397,12 @@ def test_errors():
             r"`dynamic_growth_steps` must be an integer >= 1. Received: dynamic_growth_steps=0",
         ),
         (
+            lambda: lso.dynamic_loss_scale(optax.adam(0.1), axis_name=("model", 2)),
+            ValueError,
+            r"^`axis_name` must be a mapped axis name \(a non-empty string\) or a non-empty "
+            r"tuple of them, or None. Received: axis_name=\('model', 2\)$",
+        ),
+        (
             lambda: tx.update(grads, {"scale": 1.0}, params),
             TypeError,
             r"`state` must be the DynamicLossScaleState returned by this transformation's "

@@ -162,6 +162,46 @@ def test_constructor_errors(kwargs, message):
         LossScaleOptimizer(SGD(), **kwargs)
 
 
+AXIS_MESSAGE = (
+    r"^`axis_name` must be a mapped axis name \(a non-empty string\) or a non-empty tuple of "
+    r"them, or None. Received: axis_name="
+)
+
+
+@pytest.mark.parametrize(
+    "axis_name, shown",
+    [(3, "3"), ("", "''"), ((), r"\(\)"), (("model", 1), r"\('model', 1\)"), (["x"], r"\['x'\]")],
+)
+def test_a_bad_axis_name_is_refused(axis_name, shown):
+    with pytest.raises(ValueError, match=AXIS_MESSAGE + shown + "$"):
+        LossScaleOptimizer(SGD(), axis_name=axis_name)
+
+
+def test_axis_name_and_process_group_together_are_refused():
+    with pytest.raises(
+        ValueError,
+        match=r"^Pass `process_group` \(torch.distributed\) or `axis_name` \(JAX `shard_map` / "
+        r"`pmap`\), not both. Received: process_group=.*, axis_name='model'$",
+    ):
+        LossScaleOptimizer(SGD(), axis_name="model", process_group=object())
+
+
+def test_axis_name_is_jax_only_and_refused_before_anything_is_built(backend, rng):
+    opt = LossScaleOptimizer(SGD(), axis_name=("data", "model"))
+    assert opt.axis_name == ("data", "model") and "axis_name" not in opt.get_config()
+    if backend.name == "jax":
+        return  # used inside `shard_map`: tests/test_distributed.py
+    variables = [ls.Variable(backend.array(rng.normal(size=(3,)).astype(np.float32)))]
+    with pytest.raises(
+        ValueError,
+        match=r"^`axis_name` names `shard_map` / `pmap` axes and applies to JAX only; on "
+        rf"{backend.name} leave it None \(torch.distributed: `process_group`\). Received: "
+        r"axis_name=\('data', 'model'\)$",
+    ):
+        opt.build(variables)
+    assert not opt.built and not opt.inner_optimizer.built
+
+
 def test_inner_optimizer_type_error():
     with pytest.raises(
         ValueError,
@@ -415,7 +455,7 @@ def test_signature_lists_the_policy_fields():
     named = {
         n: p.default
         for n, p in parameters.items()
-        if n not in ("self", "inner_optimizer", "name", "process_group", "kwargs")
+        if n not in ("self", "inner_optimizer", "name", "process_group", "axis_name", "kwargs")
     }
     assert named == {f.name: f.default for f in dataclasses.fields(LossScalePolicy)}
     for f in dataclasses.fields(LossScalePolicy):

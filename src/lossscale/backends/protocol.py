@@ -172,6 +172,10 @@ class BackendOps(Protocol):
     # with `getattr`; the other backends hold the array itself.
     # `is_traced(x)`: whether `x` is a value being traced (a JAX tracer),
     # which no variable may keep. Read with `getattr`; absent: never.
+    # `all_mean(x, group)`: on a backend whose steps may run on blocks of
+    # the gradients mapped over named axes (JAX's `shard_map` / `pmap`),
+    # the mean of `x` over `group`'s axes. Called only with an `axis_name`,
+    # which only such a backend takes.
     # `dense_gradient(x)`: on a backend whose autodiff gives sparse
     # gradients (TensorFlow's `tf.IndexedSlices`), such a gradient as a
     # dense native array, else None. Read with `getattr`; absent: none.

@@ -140,3 +140,20 @@ def inspect_gradients(ops, peaks, unscaled, scale, policy, variable_of, variable
     for flag, (_, at) in zip(found.variable_finite, peaks):
         flags[variable_of(at[0])] = flag
     return found._replace(variable_finite=tuple(flags))
+
+
+def agreed_flags(ops, flags: Sequence[Any], group: Any) -> tuple:
+    """Each of `flags` (a boolean scalar, or None) held on every participant of `group`.
+
+    One collective for all of them (`ops.all_true` of their vector), where
+    each participant checked its own block of every gradient. None entries
+    (no gradient) stay None.
+    """
+    present = [i for i, f in enumerate(flags) if f is not None]
+    if not present:
+        return tuple(flags)
+    agreed = ops.all_true(ops.stack([flags[i] for i in present]), group)
+    out = list(flags)
+    for k, i in enumerate(present):
+        out[i] = agreed[k]
+    return tuple(out)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lossscale import validation
 from lossscale.backends import get_ops
 from lossscale.mixed_precision import diagnostics, inspection
 from lossscale.mixed_precision.loss_scale import (
@@ -47,6 +48,7 @@ def dynamic_loss_scale(
     telemetry: bool = False,
     diagnostics_every: int | None = None,
     history_length: int = 8,
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transformation with dynamic loss scaling.
 
@@ -116,6 +118,13 @@ def dynamic_loss_scale(
             the state (under `jit`: a `lax.cond`, so other steps do not pay
             for it); `summary(state)["float16_range"]`.
         history_length: Int in [1, 30]. Scales and overflows kept.
+        axis_name: Inside `shard_map` or `pmap`, where each device holds
+            its own block of the gradients (model parallelism), the mapped
+            axis name (or a tuple of them) whose devices must agree on
+            every skip: the finite flag is combined with `lax.pmin`, the
+            peaks the policy reads with `lax.pmax`, so the loss-scale state
+            stays replicated. `None` (default): global arrays under `jit`,
+            or gradients already averaged over the axis.
 
     Returns:
         An `optax.GradientTransformationExtraArgs`; extra keyword arguments
@@ -139,6 +148,7 @@ def dynamic_loss_scale(
     """
     arguments = dict(locals())  # first: holds exactly the named arguments
     settings = {f.name: arguments[f.name] for f in dataclasses.fields(LossScalePolicy)}
+    validation.check_axis_name(axis_name, None)
     inner = checks.inner_transformation(inner)
     policy = LossScalePolicy(**settings)
     inner = optax.with_extra_args_support(inner)
@@ -159,8 +169,14 @@ def dynamic_loss_scale(
         leaves, treedef, dtypes = checks.check_updates(updates, params, state)
         checks.check_inner_state_matches(inner, state.inner_state, params)
         scale = state.scale
-        current = _observed(state.loss_scale_state, leaves, policy, extra_args.get("value"))
+        current = _observed(
+            state.loss_scale_state, leaves, policy, extra_args.get("value"), axis_name
+        )
         finite, peak, variable_finite = _inspect(leaves, dtypes, scale, policy)
+        if axis_name is not None:  # each device's own block: one decision over the axes
+            finite = _ops.all_true(finite, axis_name)
+            peak = None if peak is None else _ops.all_max(peak, axis_name)
+            variable_finite = inspection.agreed_flags(_ops, variable_finite, axis_name)
         # A barrier keeps XLA from fusing the reduction behind the decision
         # into each consumer.
         applied = jax.lax.optimization_barrier(may_apply(_ops, current, finite, policy))
@@ -189,15 +205,20 @@ def dynamic_loss_scale(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _observed(current, leaves, policy, loss):
+def _observed(current, leaves, policy, loss, axis_name):
     """`current` with this step's loss flag (telemetry) and float16 range (when due) in it.
 
     The range is measured on the scaled gradients under a `lax.cond`: a step
-    that is not due runs none of it.
+    that is not due runs none of it. With `axis_name`, each share is the
+    devices' mean (with equal blocks, the whole gradient's share up to
+    rounding; the statistics policy's "any near the maximum" holds alike)
+    and each peak the largest.
     """
     if policy.records_details and loss is not None:
         flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(loss)]
         finite = functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
+        if axis_name is not None:  # each device's own loss: finite only if all are
+            finite = _ops.all_true(finite, axis_name)
         current = replaced(current, loss_finite=finite.astype(jnp.int32))
     if not policy.diagnoses:
         return current
@@ -206,7 +227,13 @@ def _observed(current, leaves, policy, loss):
 
     def measure():
         grads = [leaves[i] for i in present]
-        return diagnostics.measure_at(_ops, grads, policy.growth_factor, old, present)
+        zero, subnormal, near, peak = diagnostics.measure_at(
+            _ops, grads, policy.growth_factor, old, present
+        )
+        if axis_name is not None:  # replicated: the devices' mean shares, the largest peak
+            zero, subnormal, near = (_ops.all_mean(x, axis_name) for x in (zero, subnormal, near))
+            peak = _ops.all_max(peak, axis_name)
+        return zero, subnormal, near, peak
 
     if not present:
         return current

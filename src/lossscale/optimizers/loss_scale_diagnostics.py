@@ -66,6 +66,8 @@ class LossScaleDiagnosticsMixin:
         ]
         fields = [self._state[name] for name in diagnostics.FIELDS]
 
+        participants = self._participants
+
         def write():
             if targets:
                 diagnostics.measure_into(
@@ -75,6 +77,21 @@ class LossScaleDiagnosticsMixin:
                     fields,
                     [i for i, _ in targets],
                 )
+            if self.axis_name is not None:
+                # The state stays replicated inside `shard_map`: each share
+                # is the devices' mean (equal blocks: the whole gradient's
+                # share, up to rounding; "any near the maximum" holds
+                # alike), each peak the largest.
+                for name in diagnostics.FIELDS:
+                    field, agree = self._state[name], ops.all_mean
+                    if name == "range_max_abs":
+                        agree = ops.all_max
+                    field.assign(agree(field.value, self.axis_name))
+            elif not host and participants is not None:
+                # Compiled torch's ranks: agreed in the branch, as below.
+                for name in ("range_near_max", "range_max_abs"):
+                    field = self._state[name]
+                    field.assign(ops.all_max(field.value, participants))
 
         if host:
             write()
@@ -85,7 +102,7 @@ class LossScaleDiagnosticsMixin:
             # process returns its own).
             for name in ("range_near_max", "range_max_abs"):
                 field = self._state[name]
-                agreed = ops.all_max(field.value, self.process_group)
+                agreed = ops.all_max(field.value, participants)
                 if agreed is not field.value:  # one process: its own, nothing to write
                     field.assign(agreed)
             return True

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from lossscale import validation
 from lossscale.mixed_precision.host_reads import HostReadsMixin
 from lossscale.mixed_precision.loss_scale import LossScalePolicy, state_fields
 from lossscale.mixed_precision.telemetry import warn_unscaled_loss
@@ -134,6 +135,15 @@ class LossScaleOptimizer(
             uses the default group when torch.distributed is initialised
             with more than one rank, and does nothing otherwise. Not part of
             the config.
+        axis_name: JAX only. Inside `shard_map` or `pmap`, where each
+            device holds its own block of the gradients (model
+            parallelism), the mapped axis name (or a tuple of them) whose
+            devices must agree on every skip: the finite flag is combined
+            with `lax.pmin` and the policy's peaks with `lax.pmax` over it,
+            so the loss-scale state stays replicated. `None` (default):
+            global arrays under `jax.jit` (one decision by construction),
+            or gradients already averaged over the axis. Not part of the
+            config.
         **kwargs: Base optimizer arguments are accepted only at their
             defaults; set them on the `inner_optimizer` instead.
 
@@ -170,6 +180,7 @@ class LossScaleOptimizer(
         diagnostics_every: int | None = None,
         history_length: int = 8,
         process_group: ProcessGroup | None = None,
+        axis_name: str | tuple[str, ...] | None = None,
         **kwargs: Any,
     ) -> None:
         arguments = dict(locals())  # first: holds exactly the named arguments
@@ -203,9 +214,12 @@ class LossScaleOptimizer(
                 "torch.optim.Optimizer or an optax.GradientTransformation instance. "
                 f"Received: inner_optimizer={inner_optimizer!r}"
             )
+        validation.check_axis_name(axis_name, process_group)
         self.policy = LossScalePolicy(**settings)
-        # A live process group is no setting: it stays out of the config.
+        # A live process group is no setting: it stays out of the config
+        # (nor does the axis name, which belongs to the step's mapping).
         self.process_group = process_group
+        self.axis_name = axis_name
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         self.inner_optimizer.loss_scale_factor = None
@@ -244,6 +258,12 @@ class LossScaleOptimizer(
         if self.built:
             return
         var_list = self._as_variables(var_list, "var_list")
+        if self.axis_name is not None and var_list and var_list[0].backend != "jax":
+            raise ValueError(
+                "`axis_name` names `shard_map` / `pmap` axes and applies to JAX only; on "
+                f"{var_list[0].backend} leave it None (torch.distributed: `process_group`). "
+                f"Received: axis_name={self.axis_name!r}"
+            )
         super().build(var_list)
         for f in state_fields(self.policy):
             if f.metadata["per"] == "vector":
@@ -264,6 +284,11 @@ class LossScaleOptimizer(
                     for v in var_list
                 )
         self.inner_optimizer.build(var_list)
+
+    @property
+    def _participants(self) -> Any:
+        """Whom each skip is agreed with: the JAX axis names, else the process group."""
+        return self.process_group if self.axis_name is None else self.axis_name
 
     @property
     def variables(self) -> list[Variable]:
@@ -363,7 +388,7 @@ class LossScaleOptimizer(
     def from_config(
         cls, config: Config, custom_objects: dict[str, Any] | None = None
     ) -> LossScaleOptimizer:
-        from lossscale import serialization, validation
+        from lossscale import serialization
 
         validation.check_config(cls, config, accepted=cls._config_keys())
         config = dict(config)

@@ -86,9 +86,13 @@ class LossScaleStepMixin:
             grad_scale = None
         # Every process must take the same decision (sharded gradients differ
         # per rank): one small all-reduce where torch.distributed runs.
-        agreed = ops.all_true(finite, self.process_group)
+        agreed = ops.all_true(finite, self._participants)
         if peak is not None:
-            peak = ops.all_max(peak, self.process_group)
+            peak = ops.all_max(peak, self._participants)
+        if self.axis_name is not None and variable_finite:
+            # Replicated state inside `shard_map`: each variable's flag is
+            # agreed too (torch's ranks keep their own, docs/torch.md).
+            variable_finite = inspection.agreed_flags(ops, variable_finite, self.axis_name)
         # The per-variable measurement is read by the statistics policy only:
         # elsewhere its hundred-odd variables would be read every step.
         unread = () if self.policy.growth_policy == "statistics" else diagnostics.FIELDS

@@ -37,6 +37,7 @@ from lossscale.backends.jax.ops import (
     NAME,
     abs,
     all_max,
+    all_mean,
     all_true,
     asarray,
     assign,

@@ -123,9 +123,10 @@ def _finite_large(arrays, scale, reciprocal):
     quick = jnp.all(jnp.stack([jnp.isfinite(s) for s in sums]))
     if scale is not None:
         quick = jnp.logical_and(quick, scale >= 1)
-    return lax.cond(
-        quick, lambda: jnp.asarray(True), lambda: _exact_finite(arrays, scale, reciprocal)
-    )
+    # The taken-quick branch returns `quick` itself (True there), not a
+    # constant: inside `shard_map` both branches then vary over the same
+    # mesh axes as the gradients, as its `check_vma` requires.
+    return lax.cond(quick, lambda: quick, lambda: _exact_finite(arrays, scale, reciprocal))
 
 
 def _exact_finite(arrays, scale, reciprocal):
@@ -148,7 +149,10 @@ def _exact_finite(arrays, scale, reciprocal):
         return jnp.logical_and(finite, quotient_finite())
     # A scale of at least 1 cannot make a finite quotient overflow: on the
     # CPU the peak (a second read of every gradient) is taken only below 1.
-    return jnp.logical_and(finite, lax.cond(scale >= 1, lambda: jnp.asarray(True), quotient_finite))
+    # `finite | True`, not a constant: the branches vary alike (see `_finite_large`).
+    return jnp.logical_and(
+        finite, lax.cond(scale >= 1, lambda: jnp.logical_or(finite, True), quotient_finite)
+    )
 
 
 def _groups_finite(groups, factor=None):

@@ -181,18 +181,50 @@ def all_max(x, group=None):
 
     A JAX reduction over a sharded global array is already global (XLA
     inserts the cross-device collective), so there is nothing to add.
+    Inside `shard_map` or `pmap`, where each device holds its own block,
+    `group` names the mapped axes (a string or a tuple of them, an
+    `axis_name`) whose devices take the maximum together (`lax.pmax`).
     """
-    if group is not None:
-        raise ValueError(
-            "`process_group` applies to torch.distributed only; JAX arrays are "
-            f"global across their sharding. Received: process_group={group!r}"
-        )
-    return unwrap(x)
+    axes = _axes(group)
+    x = unwrap(x)
+    if axes is None:
+        return x
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return lax.pmax(x, axes)
+    # XLA's cross-device maximum drops a NaN where another device holds a
+    # number: whether any device held one travels beside it (one collective).
+    both = lax.pmax(jnp.stack([x, jnp.isnan(x).astype(x.dtype)]), axes)
+    return jnp.where(both[1] > 0, jnp.asarray(jnp.nan, x.dtype), both[0])
 
 
 def all_true(flag, group=None):
-    """Whether `flag` holds for every participant: `flag` itself here."""
-    return all_max(flag, group)  # the same checks of `group`
+    """Whether `flag` holds for every participant: `flag` itself, or over `group`'s axes."""
+    axes = _axes(group)
+    flag = unwrap(flag)
+    if axes is None:
+        return flag
+    # (`pmin` takes numbers: the flag as 0 or 1.)
+    return lax.pmin(flag.astype(jnp.int32), axes) > 0
+
+
+def all_mean(x, group):
+    """The mean of `x` over the mapped axes `group` (`lax.pmean`)."""
+    return lax.pmean(unwrap(x), _axes(group))
+
+
+def _axes(group):
+    """`group` as mapped axis names, or None (global arrays: nothing to agree over)."""
+    if group is None:
+        return None
+    if isinstance(group, str) or (
+        isinstance(group, tuple) and group and all(isinstance(a, str) for a in group)
+    ):
+        return group
+    raise ValueError(
+        "`process_group` applies to torch.distributed only; JAX arrays are global across "
+        "their sharding (inside `shard_map` or `pmap`, pass the mapped axes as "
+        f"`axis_name`). Received: process_group={group!r}"
+    )
 
 
 def cond(pred, true_fn, false_fn, variables):
