@@ -154,6 +154,16 @@ def test_ddp_matches_a_single_process_run(tmp_path):
                 np.testing.assert_allclose(result[key], reference[key], rtol=1e-5, atol=1e-7)
 
 
+def test_torch_all_max_keeps_a_nan_of_any_rank(tmp_path):
+    # gloo's MAX alone keeps or drops a rank's NaN by its position.
+    results = run_ranks("collectives", tmp_path)
+    for r in results:
+        np.testing.assert_array_equal(r["max"], [np.nan, 1.0, np.nan, -2.0])
+        assert np.isnan(r["max_scalar"]) and r["max_scalar"].shape == ()
+        assert r["max_int"] == 9 and r["max_int"].dtype == np.int32
+        assert list(r["all_true"]) == [False, True]
+
+
 def test_process_group_on_other_backends_is_an_error():
     import lossscale as ls
 

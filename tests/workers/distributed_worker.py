@@ -108,11 +108,30 @@ def ddp(rank):
     return train(model, x[half], y[half])
 
 
+def collectives(rank):
+    """The torch backend's `all_max` and `all_true` over the two ranks, NaN placed by rank."""
+    from lossscale.backends import get_ops
+
+    ops = get_ops("torch")
+    nan = float("nan")
+    mine = [[nan, 1.0, 5.0, -2.0], [5.0, 1.0, nan, -3.0]][rank]
+    return {
+        "max": ops.all_max(torch.tensor(mine)).numpy(),
+        "max_scalar": ops.all_max(torch.tensor([nan, 3.0][rank])).numpy(),
+        "max_int": ops.all_max(torch.tensor([4, 9][rank], dtype=torch.int32)).numpy(),
+        "all_true": np.array(
+            [bool(ops.all_true(torch.tensor(flag))) for flag in ([True, False][rank], True)]
+        ),
+    }
+
+
 def run(rank, scenario, out_dir, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         if scenario == "ddp":
             result = ddp(rank)
+        elif scenario == "collectives":
+            result = collectives(rank)
         elif scenario == "sharded_statistics":
             result = sharded(rank, False, STATISTICS, boost=4.0)
         else:

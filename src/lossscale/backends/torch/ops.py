@@ -261,7 +261,9 @@ def sum(x):  # noqa: A001
 
 
 def all_max(x, group=None):
-    """The maximum of scalar `x` over the ranks of `group` (the default group if None).
+    """The maximum of `x` (elementwise; NaN where any rank's is) over the ranks of `group`.
+
+    The default group if `group` is None.
 
     Does nothing unless torch.distributed is initialised with more than one
     rank. One small all-reduce; with NCCL it is queued on the device stream
@@ -271,9 +273,13 @@ def all_max(x, group=None):
     if not _several_ranks(group):
         return x
     x = dtensors.plain(x)  # torch.distributed's collectives refuse DTensors
-    reduced = x.detach().to(torch.float32).clone()
-    torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, group=group)
-    return reduced.to(x.dtype)
+    values = x.detach().to(torch.float32)
+    # A rank's NaN is dropped by the backends' MAX where another rank holds
+    # a number (gloo keeps or drops it by position): whether any rank held
+    # one travels beside the values, in the same all-reduce.
+    both = torch.stack([values, values.isnan().to(torch.float32)])
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
+    return torch.where(both[1] > 0, float("nan"), both[0]).to(x.dtype)
 
 
 def all_true(flag, group=None):
