@@ -25,6 +25,7 @@ from lossscale.torch import optimizer_checkpoint
 from lossscale.variables import Variable
 
 _OPS = get_ops("torch")
+_STRIDED = torch.strided
 
 
 class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optimizer):
@@ -182,26 +183,21 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
         found_inf = getattr(self, "found_inf", None)
         # Every group's gradients and settings are checked before anything is written.
         steps = [
-            (index, group, rule, pairs)
+            (index, group, rule, grads, variables)
             for index, (group, rule) in enumerate(zip(self.param_groups, self._rules))
-            if (pairs := _gradients(index, group, rule))
+            for grads, variables in (_gradients(index, group, rule),)
+            if grads
         ]
-        moved = [self._moved(index, group, rule) for index, group, rule, _ in steps]
+        moved = [self._moved(index, group, rule) for index, group, rule, _, _ in steps]
         keep = flag = None
         if found_inf is not None and steps:
-            _, _, _, pairs = steps[0]
-            first_grad, _ = pairs[0]
+            first_grad = steps[0][3][0]
             # A gradient lives on its parameter's device (no read of the variable).
             keep = _keep(found_inf, first_grad.device)
             flag = found_inf.reshape(()) if found_inf.ndim else found_inf
-        for (index, _, rule, _), settings in zip(steps, moved):
+        for (index, _, rule, _, _), settings in zip(steps, moved):
             self._take(index, rule, settings)
-        for _, _, rule, pairs in steps:
-            grads = [g for g, _ in pairs]
-            if len(pairs) == len(rule._trainable_variables):  # every one has a gradient
-                variables = rule._trainable_variables  # (the rule then resolves nothing)
-            else:
-                variables = [v for _, v in pairs]
+        for _, _, rule, grads, variables in steps:
             folded = None
             if grad_scale is not None:  # still scaled
                 if _divides_grad_scale(rule):
@@ -222,11 +218,14 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
         Checked here; nothing is set (see `_take`).
         """
         moved = {}
-        for key, value in _rule_settings(group, self._tunable).items():
+        # Checked where moved: an unmoved setting is the one the rule took.
+        for key, value in _rule_settings(group, self._tunable, check=False).items():
             if key == "weight_decay":
-                value = value or None
+                validated, value = value, value or None
             if key == "learning_rate" or getattr(rule, key) == value:
                 continue
+            if key == "weight_decay":
+                validation.check_number("weight_decay", validated, low=0)
             if key == "momentum" and (value == 0) != (rule.momentum == 0):
                 raise ValueError(
                     "A param group's 'momentum' cannot move between 0 and a positive value: "
@@ -267,30 +266,33 @@ def _read(optimizer, key):
 
 
 def _gradients(index, group, rule):
-    """`[(p.grad, variable), ...]` of the group's parameters that have a gradient.
+    """`(gradients, variables)` of the group's parameters that have a gradient.
 
-    Raises for a gradient that is not a dense (strided) tensor: no rule's
-    kernel takes a sparse one, as torch's Adam, AdamW and SGD(fused) take none.
+    Every parameter's, and the rule's own variable list, on the common step
+    (the rule then resolves nothing). Raises for a gradient that is not a
+    dense (strided) tensor: no rule's kernel takes a sparse one, as torch's
+    Adam, AdamW and SGD(fused) take none.
     """
-    pairs = []
-    for j, (p, v) in enumerate(zip(group["params"], rule._trainable_variables)):
-        g = p.grad
-        if g is None:
-            continue
-        if g.layout is not torch.strided:
+    grads = [p.grad for p in group["params"]]
+    variables = rule._trainable_variables
+    if all(g is not None and g.layout is _STRIDED for g in grads):
+        return grads, variables
+    for j, (p, g) in enumerate(zip(group["params"], grads)):
+        if g is not None and g.layout is not _STRIDED:
             raise ValueError(
                 "lossscale.torch.Optimizer takes dense gradients only (an embedding with "
                 "`sparse=False`, say). Received: a gradient with layout "
                 f"{g.layout} for parameter {j} of param group {index} (shape {tuple(p.shape)})"
             )
-        pairs.append((g, v))
-    return pairs
+    present = [j for j, g in enumerate(grads) if g is not None]
+    return [grads[j] for j in present], [variables[j] for j in present]
 
 
-def _rule_settings(group, tunable):
-    """The rule's constructor arguments that the group's keys set."""
+def _rule_settings(group, tunable, check=True):
+    """The rule's constructor arguments that the group's keys set (`check`: checked)."""
     weight_decay = group["weight_decay"]
-    validation.check_number("weight_decay", weight_decay, low=0)
+    if check:
+        validation.check_number("weight_decay", weight_decay, low=0)
     settings = {"learning_rate": group["lr"], "weight_decay": weight_decay}
     if "momentum" in tunable:
         settings["momentum"] = group["momentum"]

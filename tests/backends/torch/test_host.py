@@ -50,6 +50,24 @@ def test_the_step_size_is_the_device_ones_bit_for_bit(betas):
         assert got is not None and np.float32(got).view(np.uint32) == want.numpy().view(np.uint32)
 
 
+@pytest.mark.parametrize("betas", BETAS[:3], ids=str)
+def test_consecutive_steps_across_the_cached_blocks_are_the_device_ones(betas):
+    # One cache, as a run keeps it: steps read from blocks of ROOT_BLOCK
+    # computed at once, across block ends, where float32 steps start to
+    # round, and where 1 - beta_2**t has reached 1 (beta_2 = 0.98).
+    params = [ls.Variable(torch.ones(3))]
+    opt = Adam(0.003, beta_1=betas[0], beta_2=betas[1])
+    opt.build(params)
+    group = plans.plan(params, {}, {}).groups[0]
+    lr, cache = torch.tensor(np.float32(0.003)), {}
+    spans = (range(0, 2 * host.ROOT_BLOCK + 9), range(2**24 - 300, 2**24 + 300, 3))
+    for step in (s for span in spans for s in span):
+        opt.iterations.assign(step)
+        got = host.adam_step_size(*betas, opt.iterations, lr, group, cache)
+        want = device_step_size(opt, group, lr)
+        assert got is not None and np.float32(got).view(np.uint32) == want.numpy().view(np.uint32)
+
+
 def test_a_python_int_count_and_a_learning_rate_read_once():
     from tests.torch_cases import count_ops
 

@@ -109,10 +109,9 @@ def adam_step_size(beta_1, beta_2, iterations, lr, group, cache):
     ):
         return None
     step = int(steps)
-    bias_1 = float32(1.0 - _powf(beta_1, _step_count(step)))
+    bias_1, root = _biases(beta_1, beta_2, step, cache)
     if bias_1 == 0.0:
         return None
-    root = _root(beta_2, step, cache)
     alpha = float32(float32(learning_rate(lr, group, cache) * root) / bias_1)
     return alpha if math.isfinite(alpha) else None  # an infinite rate: left to the device
 
@@ -122,20 +121,31 @@ def _step_count(step):
     return float32(float(step + 1))
 
 
-def _bias_2(beta_2, step):
-    return float32(1.0 - _powf(beta_2, _step_count(step)))
+def _bias(beta, step):
+    """`1 - beta**t` in float32, as the device rounds it."""
+    return float32(1.0 - _powf(beta, _step_count(step)))
 
 
-def _root(beta_2, step, cache):
-    """torch's float32 `sqrt(1 - beta_2**t)` at `step`, from a block of steps computed at once."""
-    if _bias_2(beta_2, step) == 1.0:  # and so at every later step: a root of 1
-        return 1.0
-    key = ("torch host roots", beta_2)
+def _biases(beta_1, beta_2, step, cache):
+    """`(1 - beta_1**t, torch's float32 sqrt(1 - beta_2**t))` at `step`.
+
+    Both depend on the step alone: they are computed for `ROOT_BLOCK` steps
+    at once and kept in the kernel cache, so a step reads two numbers (the
+    roots by one torch `sqrt` per block, none once `1 - beta_2**t` is 1).
+    """
+    key = ("torch host biases", beta_1, beta_2)
     block = cache.get(key)
     if block is None or not 0 <= step - block[0] < len(block[1]):
-        biases = [_bias_2(beta_2, s) for s in range(step, step + ROOT_BLOCK)]
-        block = cache[key] = (step, torch.sqrt(torch.tensor(biases, dtype=torch.float32)).tolist())
-    return block[1][step - block[0]]
+        span = range(step, step + ROOT_BLOCK)
+        squares = [_bias(beta_2, s) for s in span]
+        roots = (
+            [1.0] * ROOT_BLOCK  # `_sqrt_agrees`: torch's root of 1 is 1
+            if all(x == 1.0 for x in squares)
+            else torch.sqrt(torch.tensor(squares, dtype=torch.float32)).tolist()
+        )
+        block = cache[key] = (step, [_bias(beta_1, s) for s in span], roots)
+    start, bias_1, roots = block
+    return bias_1[step - start], roots[step - start]
 
 
 def _load_powf():
