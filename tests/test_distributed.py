@@ -240,6 +240,11 @@ def test_jax_sharded_step_is_one_global_decision():
 
 
 # --- model parallelism inside `shard_map`: `axis_name` ---------------------------
+# Forced JAX devices, no torch.distributed: a group of their own, so they run
+# beside the torch ranks' tests, not after them.
+JAX_DEVICES = pytest.mark.xdist_group("jax_shard_map")
+
+
 @pytest.fixture(scope="session")
 def shard_map_runs(tmp_path_factory):
     """What tests/workers/jax_shard_map_worker.py found, on 4 forced host devices."""
@@ -273,6 +278,7 @@ SHARD_MAP_SCALES = {
 }
 
 
+@JAX_DEVICES
 @pytest.mark.parametrize("option", sorted(SHARD_MAP_SCALES))
 @pytest.mark.parametrize("interface", ["optax", "wrapper"])
 def test_shard_map_blocks_agree_over_axis_name(shard_map_runs, interface, option):
@@ -293,6 +299,7 @@ def test_shard_map_blocks_agree_over_axis_name(shard_map_runs, interface, option
     assert run.get("same_summary", True)
 
 
+@JAX_DEVICES
 @pytest.mark.parametrize("option", ["default", "telemetry"])
 def test_pmap_rows_agree_over_axis_name(shard_map_runs, option):
     # `dynamic_loss_scale(..., axis_name="rows")` under `jax.pmap`, an inf in
@@ -301,6 +308,7 @@ def test_pmap_rows_agree_over_axis_name(shard_map_runs, option):
     assert run["same"] and run["scales"] == [512.0]  # 256, 512, 256 (skipped), 256, 512, 512
 
 
+@JAX_DEVICES
 @pytest.mark.parametrize("interface", ["optax", "wrapper"])
 def test_shard_map_blocks_without_axis_name_are_refused_at_trace(shard_map_runs, interface):
     # Each device would decide alone: the scale would differ by device, and
