@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from lossscale import validation
 from lossscale.mixed_precision.host_reads import HostReadsMixin
 from lossscale.mixed_precision.loss_scale import LossScalePolicy, state_fields
 from lossscale.mixed_precision.telemetry import warn_unscaled_loss
 from lossscale.optimizers.base import Optimizer
+from lossscale.optimizers.loss_scale_delegation import InnerDelegationMixin
 from lossscale.optimizers.loss_scale_diagnostics import LossScaleDiagnosticsMixin
 from lossscale.optimizers.loss_scale_step import LossScaleStepMixin
 from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
-from lossscale.typing import Array, Config, LearningRate
+from lossscale.typing import Array, Config
 from lossscale.variables import Variable
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ _INNER_ONLY = {
 
 class LossScaleOptimizer(
     LossScaleDiagnosticsMixin,  # first: its loads wrap every other's
+    InnerDelegationMixin,
     NativeInnerStateMixin,
     HostReadsMixin,
     LossScaleStepMixin,
@@ -324,51 +326,6 @@ class LossScaleOptimizer(
         if self.built and self.policy.records_details:
             self._record_loss(loss)
         return loss * (self.dynamic_scale.value if self.built else float(self.dynamic_scale))
-
-    @property
-    def param_groups(self) -> NoReturn:
-        """Not a `torch.optim.Optimizer`: raises an `AttributeError` that says what to use.
-
-        torch's LR schedulers read `optimizer.param_groups`; a lossscale
-        optimizer keeps its learning rate as a variable instead.
-        """
-        raise AttributeError(
-            "'LossScaleOptimizer' object has no attribute 'param_groups': it is not a "
-            "torch.optim.Optimizer, so torch's LR schedulers cannot drive it. To use a torch "
-            "LR scheduler, wrap the rule as a torch optimizer: "
-            "`opt = lossscale.torch.Optimizer(model.parameters(), ls.optimizers.AdamW(...))` "
-            "under a `lossscale.torch.GradScaler`, and schedule `opt`; or give the inner "
-            "optimizer a `lossscale.schedules` schedule as its `learning_rate`."
-        )
-
-    # --- delegation to the inner optimizer -----------------------------------
-    @property
-    def learning_rate(self) -> Array:
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate: LearningRate) -> None:
-        self.inner_optimizer.learning_rate = learning_rate
-
-    @property
-    def iterations(self) -> Variable | Array:
-        return self.inner_optimizer.iterations
-
-    @iterations.setter
-    def iterations(self, value: int) -> None:
-        self.inner_optimizer.iterations = value
-
-    def finalize_variable_values(self, var_list: Sequence[Variable | Array]) -> None:
-        """Delegates to the inner optimizer."""
-        self.inner_optimizer.finalize_variable_values(var_list)
-
-    def exclude_from_weight_decay(
-        self,
-        var_list: Sequence[Variable | Array] | None = None,
-        var_names: Sequence[str] | None = None,
-    ) -> None:
-        """Delegates to the inner optimizer, which applies the weight decay."""
-        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     # --- configuration ----------------------------------------------------------
     def get_config(self) -> Config:
