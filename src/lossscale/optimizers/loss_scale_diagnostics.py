@@ -83,28 +83,22 @@ class LossScaleDiagnosticsMixin:
                 # share, up to rounding; "any near the maximum" holds
                 # alike), each peak the largest.
                 for name in diagnostics.FIELDS:
-                    field, agree = self._state[name], ops.all_mean
-                    if name == "range_max_abs":
-                        agree = ops.all_max
-                    field.assign(agree(field.value, self.axis_name))
-            elif not host and participants is not None:
-                # Compiled torch's ranks: agreed in the branch, as below.
+                    agree = ops.all_max if name == "range_max_abs" else ops.all_mean
+                    self._state[name].assign(agree(self._state[name].value, self.axis_name))
+            elif host or participants is not None:
+                # Each rank measured its own gradients: the statistics policy
+                # decides on the near-maximum share and the peak, so every
+                # rank takes their largest, and decides alike (as the finite
+                # flag is agreed: over `process_group`, the default group if
+                # None, on the host; compiled torch's ranks in the branch).
                 for name in ("range_near_max", "range_max_abs"):
-                    field = self._state[name]
-                    field.assign(ops.all_max(field.value, participants))
+                    value = self._state[name].value
+                    agreed = ops.all_max(value, participants)
+                    if agreed is not value:  # one process: its own, nothing to write
+                        self._state[name].assign(agreed)
 
         if host:
             write()
-            # Each rank measured its own gradients: the statistics policy
-            # decides on the near-maximum share and the peak, so every rank
-            # takes their largest, and decides alike (as the finite flag is
-            # agreed: over `process_group`, the default group if None; one
-            # process returns its own).
-            for name in ("range_near_max", "range_max_abs"):
-                field = self._state[name]
-                agreed = ops.all_max(field.value, participants)
-                if agreed is not field.value:  # one process: its own, nothing to write
-                    field.assign(agreed)
             return True
         due = diagnostics.due(policy, self._state["steps"].value)
         ops.cond(due, write, None, fields)

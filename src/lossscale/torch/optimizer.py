@@ -141,6 +141,7 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
         group = self.param_groups[-1]
         index = len(self._rules)
         config = {**self._template, "name": f"{self._template['name']}_group{index}"}
+        validation.check_number("weight_decay", group["weight_decay"], low=0)
         config.update(_rule_settings(group, self._tunable))
         if torch.is_tensor(config["learning_rate"]):  # read once, here; assigned each step
             config["learning_rate"] = float(config["learning_rate"])
@@ -182,12 +183,11 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
         grad_scale = getattr(self, "grad_scale", None)  # set by a GradScaler's `step`
         found_inf = getattr(self, "found_inf", None)
         # Every group's gradients and settings are checked before anything is written.
-        steps = [
-            (index, group, rule, grads, variables)
-            for index, (group, rule) in enumerate(zip(self.param_groups, self._rules))
-            for grads, variables in (_gradients(index, group, rule),)
-            if grads
-        ]
+        steps = []
+        for index, (group, rule) in enumerate(zip(self.param_groups, self._rules)):
+            grads, variables = _gradients(index, group, rule)
+            if grads:
+                steps.append((index, group, rule, grads, variables))
         moved = [self._moved(index, group, rule) for index, group, rule, _, _ in steps]
         keep = flag = None
         if found_inf is not None and steps:
@@ -218,21 +218,19 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
         Checked here; nothing is set (see `_take`).
         """
         moved = {}
-        # Checked where moved: an unmoved setting is the one the rule took.
-        for key, value in _rule_settings(group, self._tunable, check=False).items():
-            if key == "weight_decay":
-                validated, value = value, value or None
-            if key == "learning_rate" or getattr(rule, key) == value:
+        for key, value in _rule_settings(group, self._tunable).items():
+            taken = (value or None) if key == "weight_decay" else value  # 0: no decay
+            if key == "learning_rate" or getattr(rule, key) == taken:
                 continue
-            if key == "weight_decay":
-                validation.check_number("weight_decay", validated, low=0)
+            if key == "weight_decay":  # checked where moved: the rule took a checked one
+                validation.check_number("weight_decay", value, low=0)
             if key == "momentum" and (value == 0) != (rule.momentum == 0):
                 raise ValueError(
                     "A param group's 'momentum' cannot move between 0 and a positive value: "
                     "the rule keeps momentum slots only when it starts with one. Received: "
                     f"momentum={value} for a rule built with momentum={rule.momentum}"
                 )
-            moved[key] = value
+            moved[key] = taken
         lr = group["lr"]
         # A tensor lr may be filled in place by a scheduler: copied every step.
         if torch.is_tensor(lr) or lr != self._rule_lrs[index]:
@@ -288,12 +286,9 @@ def _gradients(index, group, rule):
     return [grads[j] for j in present], [variables[j] for j in present]
 
 
-def _rule_settings(group, tunable, check=True):
-    """The rule's constructor arguments that the group's keys set (`check`: checked)."""
-    weight_decay = group["weight_decay"]
-    if check:
-        validation.check_number("weight_decay", weight_decay, low=0)
-    settings = {"learning_rate": group["lr"], "weight_decay": weight_decay}
+def _rule_settings(group, tunable):
+    """The rule's constructor arguments that the group's keys set (not checked here)."""
+    settings = {"learning_rate": group["lr"], "weight_decay": group["weight_decay"]}
     if "momentum" in tunable:
         settings["momentum"] = group["momentum"]
     if "betas" in tunable:

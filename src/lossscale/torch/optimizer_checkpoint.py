@@ -78,7 +78,7 @@ class OptimizerCheckpointMixin:
         # Saved parameter ids map to this optimizer's parameters by position,
         # as torch's `load_state_dict` maps them: ints from `state_dict()`,
         # or the names torch's distributed checkpoint puts in their place.
-        position, writes, offset = {}, [], 0
+        listed, writes = set(), []
         for index, (group, rule, saved) in enumerate(
             zip(self.param_groups, self._rules, saved_groups)
         ):
@@ -95,32 +95,31 @@ class OptimizerCheckpointMixin:
                     f"`state_dict['param_groups'][{index}]['params']` must list the {count} "
                     f"parameters of group {index}, one id each. Received: {ids!r}"[:400]
                 )
-            for j, key in enumerate(ids):
-                if key in position:
+            for key in ids:
+                if key in listed:
                     raise ValueError(
                         f"`state_dict['param_groups'][{index}]['params']` lists {key!r}, which "
                         "an earlier entry lists too: each parameter is listed once."
                     )
-                position[key] = j
+                listed.add(key)
             saved_state = state_dict["state"]
             own = {
                 # An empty entry is a parameter without slots (torch's
                 # flattened checkpoints give every parameter one).
                 "state": {
-                    position[key]: saved_state[key]
-                    for key in ids
+                    j: saved_state[key]
+                    for j, key in enumerate(ids)
                     if key in saved_state and saved_state[key] != {}
                 },
                 "param_groups": [{"params": list(range(count))}],
                 RULE_VARIABLES: saved[RULE_VARIABLES],
             }
             writes += rule._state_dict_writes(own)
-            offset += count
-        extra = [key for key in state_dict["state"] if key not in position]
+        extra = [key for key in state_dict["state"] if key not in listed]
         if extra:
             raise ValueError(
                 f"`state_dict['state']` names parameters {extra} that no group of "
-                f"`state_dict['param_groups']` lists (this optimizer has {offset})."
+                f"`state_dict['param_groups']` lists (this optimizer has {len(listed)})."
             )
         for variable, value in writes:
             variable.assign(value)

@@ -214,11 +214,7 @@ def all_mean(x, group):
 
 def _axes(group):
     """`group` as mapped axis names, or None (global arrays: nothing to agree over)."""
-    if group is None:
-        return None
-    if isinstance(group, str) or (
-        isinstance(group, tuple) and group and all(isinstance(a, str) for a in group)
-    ):
+    if group is None or isinstance(group, (str, tuple)):  # checked by the optimizers
         return group
     raise ValueError(
         "`process_group` applies to torch.distributed only; JAX arrays are global across "
