@@ -314,9 +314,9 @@ def test_a_bad_group_raises_before_any_group_is_written(bad):
     assert _same(_snapshot(opt, params + [embedding.weight]), before)
 
 
-def test_inside_lightning_with_its_16_mixed_precision():
+def lightning_regression(rule):
+    """A small Lightning regression whose optimizer is `lt.Optimizer(rule())` under a StepLR."""
     import pytorch_lightning as pl
-    from pytorch_lightning.plugins.precision import MixedPrecision
 
     class Regression(pl.LightningModule):
         def __init__(self):
@@ -331,15 +331,29 @@ def test_inside_lightning_with_its_16_mixed_precision():
             return torch.nn.functional.mse_loss(self.net(x).float(), y)
 
         def configure_optimizers(self):
-            # Lightning refuses `gradient_clip_val` for an optimizer that
-            # unscales itself (as for torch's fused ones): the rule clips,
-            # after unscaling.
-            opt = lt.Optimizer(self.parameters(), ls.optimizers.AdamW(1e-2, global_clipnorm=0.5))
+            opt = lt.Optimizer(self.parameters(), rule())
             scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    return Regression()
+
+
+def lightning_data():
+    """64 examples of 8 features and their sum."""
     x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
-    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+
+
+def test_inside_lightning_with_its_16_mixed_precision():
+    import pytorch_lightning as pl
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    # Lightning refuses `gradient_clip_val` for an optimizer that unscales
+    # itself (as for torch's fused ones): the rule clips, after unscaling.
+    def rule():
+        return ls.optimizers.AdamW(1e-2, global_clipnorm=0.5)
+
+    data = lightning_data()
     scaler = lt.GradScaler("cpu", init_scale=2.0**20, growth_interval=3, telemetry=True)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -350,7 +364,7 @@ def test_inside_lightning_with_its_16_mixed_precision():
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = Regression()
+    model = lightning_regression(rule)
     start = [p.detach().clone() for p in model.parameters()]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on workers and logging

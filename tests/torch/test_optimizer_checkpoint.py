@@ -341,27 +341,9 @@ def test_lightning_resumes_from_its_checkpoint_exactly(tmp_path):
     import pytorch_lightning as pl
     from pytorch_lightning.plugins.precision import MixedPrecision
 
-    class Regression(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Sequential(
-                torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
-            )
+    from tests.torch.test_optimizer import lightning_data, lightning_regression
 
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x).float(), y)
-
-        def configure_optimizers(self):
-            opt = lt.Optimizer(self.parameters(), ls.optimizers.AdamW(1e-2))
-            scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8
-    )
+    loader = torch.utils.data.DataLoader(lightning_data(), batch_size=8)
 
     def fit(epochs, ckpt_path=None, save=False):
         scaler = lt.GradScaler("cpu", init_scale=2.0**20, growth_interval=3, telemetry=True)
@@ -375,7 +357,7 @@ def test_lightning_resumes_from_its_checkpoint_exactly(tmp_path):
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        model = Regression()
+        model = lightning_regression(lambda: ls.optimizers.AdamW(1e-2))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Lightning's advice on workers and logging
             trainer.fit(model, loader, ckpt_path=ckpt_path)

@@ -89,6 +89,16 @@ def _equal(x, y):
     return x.dtype == y.dtype and np.array_equal(x, y, equal_nan=nan)
 
 
+def _optax_step(tx):
+    """One optax step of `tx`: `(params, state, grads) -> (params, state)`."""
+
+    def run(p, s, g):
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    return run
+
+
 def optax_run(mesh, option, axis_name="model"):
     params, grads = data()
     sharded_tx = lso.dynamic_loss_scale(
@@ -96,18 +106,11 @@ def optax_run(mesh, option, axis_name="model"):
     )
     tx = lso.dynamic_loss_scale(optax.adam(1e-2), **SETTINGS, **OPTIONS[option])
 
-    def step(tx):
-        def run(p, s, g):
-            updates, s = tx.update(g, s, p)
-            return optax.apply_updates(p, updates), s
-
-        return run
-
     state = tx.init(params)
     specs = jax.tree.map(_spec_of, state)
     sharded = jax.jit(
         jax.shard_map(
-            step(sharded_tx),
+            _optax_step(sharded_tx),
             mesh=mesh,
             in_specs=(list(SPECS), specs, list(SPECS)),
             out_specs=(list(SPECS), specs),
@@ -118,7 +121,7 @@ def optax_run(mesh, option, axis_name="model"):
     scales = []
     for g in grads:
         p, s = sharded(p, s, _place(mesh, g))
-        ref_p, ref_s = jax.jit(step(tx))(ref_p, ref_s, g)
+        ref_p, ref_s = jax.jit(_optax_step(tx))(ref_p, ref_s, g)
         scales.append(float(lso.loss_scale(s)))
     return {
         "same": _same((p, s), (ref_p, ref_s)),
@@ -175,20 +178,13 @@ def optax_pmap_run(option):
     )
     tx = lso.dynamic_loss_scale(optax.adam(1e-2), **SETTINGS, **OPTIONS[option])
 
-    def step(tx):
-        def run(p, s, g):
-            updates, s = tx.update(g, s, p)
-            return optax.apply_updates(p, updates), s
-
-        return run
-
     row_state = sharded_tx.init(params[0])
     s = jax.tree.map(lambda x: jnp.stack([x] * 4), row_state)
     p, ref_p, ref_s = params, params, tx.init(params)
-    mapped = jax.pmap(step(sharded_tx), axis_name="rows")
+    mapped = jax.pmap(_optax_step(sharded_tx), axis_name="rows")
     for g in grads:
         p, s = mapped(p, s, g)
-        ref_p, ref_s = jax.jit(step(tx))(ref_p, ref_s, g)
+        ref_p, ref_s = jax.jit(_optax_step(tx))(ref_p, ref_s, g)
     scales = np.asarray(s.loss_scale_state.scale)
     return {
         "same": _same(p, ref_p) and bool(np.all(scales == float(lso.loss_scale(ref_s)))),

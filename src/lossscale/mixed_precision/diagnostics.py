@@ -28,7 +28,7 @@ results are optimizer state, read on the host by `summary()`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -138,6 +138,19 @@ def measure_at(
             entries[i] = column[j]
         out.append(ops.stack(entries))
     return tuple(out)
+
+
+def over_axes(ops: BackendOps, columns: tuple, axis_name: Any) -> tuple:
+    """The `(zero, subnormal, near_max, max_abs)` vectors of each device, for all of them.
+
+    Inside `shard_map` / `pmap` each device measured its own blocks; the
+    state stays replicated: each share is the devices' mean (equal blocks:
+    the whole gradient's share, up to rounding; "any near the maximum"
+    holds alike), each peak the largest (a NaN on one device kept).
+    """
+    zero, subnormal, near, peak = columns
+    shares = (ops.all_mean(x, axis_name) for x in (zero, subnormal, near))
+    return (*shares, ops.all_max(peak, axis_name))
 
 
 def measure_into(

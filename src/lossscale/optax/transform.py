@@ -209,10 +209,8 @@ def _observed(current, leaves, policy, loss, axis_name):
     """`current` with this step's loss flag (telemetry) and float16 range (when due) in it.
 
     The range is measured on the scaled gradients under a `lax.cond`: a step
-    that is not due runs none of it. With `axis_name`, each share is the
-    devices' mean (with equal blocks, the whole gradient's share up to
-    rounding; the statistics policy's "any near the maximum" holds alike)
-    and each peak the largest.
+    that is not due runs none of it. With `axis_name`, over the devices
+    (`diagnostics.over_axes`).
     """
     if policy.records_details and loss is not None:
         flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(loss)]
@@ -227,13 +225,8 @@ def _observed(current, leaves, policy, loss, axis_name):
 
     def measure():
         grads = [leaves[i] for i in present]
-        zero, subnormal, near, peak = diagnostics.measure_at(
-            _ops, grads, policy.growth_factor, old, present
-        )
-        if axis_name is not None:  # replicated: the devices' mean shares, the largest peak
-            zero, subnormal, near = (_ops.all_mean(x, axis_name) for x in (zero, subnormal, near))
-            peak = _ops.all_max(peak, axis_name)
-        return zero, subnormal, near, peak
+        columns = diagnostics.measure_at(_ops, grads, policy.growth_factor, old, present)
+        return columns if axis_name is None else diagnostics.over_axes(_ops, columns, axis_name)
 
     if not present:
         return current

@@ -77,14 +77,12 @@ class LossScaleDiagnosticsMixin:
                     fields,
                     [i for i, _ in targets],
                 )
-            if self.axis_name is not None:
-                # The state stays replicated inside `shard_map`: each share
-                # is the devices' mean (equal blocks: the whole gradient's
-                # share, up to rounding; "any near the maximum" holds
-                # alike), each peak the largest.
-                for name in diagnostics.FIELDS:
-                    agree = ops.all_max if name == "range_max_abs" else ops.all_mean
-                    self._state[name].assign(agree(self._state[name].value, self.axis_name))
+            if self.axis_name is not None:  # replicated inside `shard_map`
+                columns = tuple(f.value for f in fields)
+                for field, value in zip(
+                    fields, diagnostics.over_axes(ops, columns, self.axis_name)
+                ):
+                    field.assign(value)
             elif host or participants is not None:
                 # Each rank measured its own gradients: the statistics policy
                 # decides on the near-maximum share and the peak, so every
