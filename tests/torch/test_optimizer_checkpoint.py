@@ -6,11 +6,14 @@ scheduler resumes exactly, the dict is a snapshot, and a dict that does not
 fit raises, naming what is wrong, before anything is written. torch's
 distributed checkpoint (`get_state_dict` / `set_state_dict`, `dcp.save` /
 `dcp.load`, nested and flattened) saves without stepping the optimizer and
-resumes exactly, in one process and under FSDP2 on two ranks. The
-parameter and gradient helpers are test_optimizer.py's.
+resumes exactly, in one process and under FSDP2 on two ranks. A copy of
+the optimizer itself (`copy.deepcopy`, `pickle`, `torch.save`) trains on
+as the original. The parameter and gradient helpers are test_optimizer.py's.
 """
 
+import copy
 import io
+import pickle
 import warnings
 
 import numpy as np
@@ -372,3 +375,50 @@ def test_lightning_resumes_from_its_checkpoint_exactly(tmp_path):
     assert expected["skipped_steps"] == got["skipped_steps"] >= 2
     assert [o["step"] for o in expected["overflows"]] == [o["step"] for o in got["overflows"]]
     assert whole_scaler.get_scale() == resumed_scaler.get_scale()
+
+
+def _copied(what, objects):
+    if what == "deepcopy":
+        return copy.deepcopy(objects)
+    if what == "pickle":
+        return pickle.loads(pickle.dumps(objects))
+    buffer = io.BytesIO()
+    torch.save(objects, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def _scaled_steps(model, opt, scaler, scheduler, steps):
+    for step in steps:
+        inputs = torch.randn(32, 48, generator=torch.Generator().manual_seed(step))
+        if step % 3 == 1:
+            inputs[step % 32, step % 48] = float("inf")  # a skipped step
+        scaler.scale(model(inputs).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        scheduler.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("what", ["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_a_copy_of_the_optimizer_trains_on_as_the_original(rule, what):
+    model, opt = _model_and_optimizer(rule, seed=4)
+    scaler = lt.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    _scaled_steps(model, opt, scaler, scheduler, range(3))
+    twin, twin_opt, twin_scaler, twin_scheduler = _copied(what, (model, opt, scaler, scheduler))
+    _assert_same_state(twin_opt.state_dict(), opt.state_dict())
+    twin_params = [p for g in twin_opt.param_groups for p in g["params"]]
+    assert {id(p) for p in twin_params} == {id(p) for p in twin.parameters()}  # the copy's
+    assert twin_opt.last_step_applied is not None
+    # The copy is its own: training it leaves the original where it was.
+    before = [p.detach().clone() for p in model.parameters()]
+    _scaled_steps(twin, twin_opt, twin_scaler, twin_scheduler, range(3, 7))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    _scaled_steps(model, opt, scaler, scheduler, range(3, 7))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    _assert_same_state(twin_opt.state_dict(), opt.state_dict())
+    assert twin_scaler.get_scale() == scaler.get_scale()
+    assert [g["lr"] for g in twin_opt.param_groups] == [g["lr"] for g in opt.param_groups]

@@ -248,6 +248,33 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
                 rule.learning_rate = value
                 self._rule_lrs[index] = value
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy is rebuilt from: the rule's class and settings, the groups, the state.
+
+        For `copy.deepcopy`, `pickle` and `torch.save` of the optimizer
+        itself. The rules hold backend modules and caches keyed by object
+        identity, which a copy cannot carry over: the copy is a new
+        optimizer over the copied parameters that loads this one's state
+        dict. As torch's optimizers, it carries no hooks over.
+        """
+        groups = [
+            {k: v for k, v in group.items() if k != optimizer_checkpoint.RULE_VARIABLES}
+            for group in self.param_groups
+        ]
+        return {
+            "rule": (self._rule_class, self._template),
+            "param_groups": groups,
+            "state_dict": self.state_dict(),
+            "last_step_applied": self.last_step_applied,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuilds the optimizer over `state`'s parameters and loads its state dict."""
+        rule_class, config = state["rule"]
+        Optimizer.__init__(self, state["param_groups"], rule_class.from_config(config))
+        self.load_state_dict(state["state_dict"])
+        self.last_step_applied = state["last_step_applied"]
+
     @property
     def rules(self) -> list[LossscaleOptimizer]:
         """The lossscale optimizer running each param group, in group order."""
