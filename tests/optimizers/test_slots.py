@@ -1,7 +1,9 @@
 """optimizers/slots.py: how an optimizer makes, wraps and finds its variables.
 
 Slot names and paths after the model variable, on its backend; raw arrays
-wrapped once; the `assign*` hooks, on Variables and on mutable raw arrays.
+wrapped once, and the same arrays again resolved to the same variables
+(never a keras.Variable, whose array may be rebound); the `assign*` hooks,
+on Variables and on mutable raw arrays.
 """
 
 import numpy as np
@@ -9,8 +11,9 @@ import pytest
 
 import lossscale as ls
 from lossscale.optimizers import SGD, Adam
+from tests.reference import ReferenceOptimizer, sgd_rule
 
-from .test_base import make_vars
+from .test_base import SHAPES, assert_close, make_vars, random_grads
 
 
 def test_add_variable_helpers(backend, rng):
@@ -145,3 +148,76 @@ def test_a_slot_is_named_after_its_variable_s_path_with_underscores():
     slot = SGD(name="opt").add_variable_from_reference(kernel, "momentum")
     assert slot.name == "model_dense_kernel_momentum"
     assert slot.path == "opt/model_dense_kernel_momentum"
+
+
+def test_the_same_native_arrays_resolve_again_and_a_new_one_is_refused(backend, rng):
+    # The arrays of the last call are remembered (eager torch, NumPy): the
+    # same objects again, in any sequence, are the same variables; any other
+    # object is resolved anew and refused. Every check still runs on them.
+    init = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+    arrays = [backend.array(x) for x in init]
+    opt = SGD(learning_rate=0.1)
+    ref = ReferenceOptimizer(sgd_rule(), init, lr=0.1)
+    grads = random_grads(rng)
+    opt.apply([backend.array(g) for g in grads], arrays)
+    ref.apply(grads)
+    if backend.name == "jax":
+        # Immutable arrays: the step rebound each variable to a new one, so
+        # the caller's old arrays are no longer the optimizer's.
+        with pytest.raises(ValueError, match="Unknown variable: 'param_3'"):
+            opt.apply([backend.array(g) for g in grads], arrays)
+        return
+    for given in (list(arrays), tuple(arrays), iter(arrays), arrays):
+        grads = random_grads(rng)
+        opt.apply([backend.array(g) for g in grads], given)
+        ref.apply(grads)
+        assert_close(backend, arrays, ref.w)
+    state = [backend.numpy(a).copy() for a in arrays] + [
+        backend.numpy(v).copy() for v in opt.variables
+    ]
+    good = [backend.array(g) for g in random_grads(rng)]
+    with pytest.raises(ValueError, match="Received: 2 gradients for 3 variables"):
+        opt.apply(good[:2], arrays)
+    with pytest.raises(ValueError, match=r"must have the variable's shape \(5,\)"):
+        opt.apply([good[0], backend.array(np.ones(4, np.float32)), good[2]], arrays)
+    with pytest.raises(ValueError, match="must have a floating-point dtype"):
+        opt.apply([good[0], backend.array(np.ones(5, np.int32)), good[2]], arrays)
+    stranger = backend.array(init[1])  # equal values, another array
+    with pytest.raises(ValueError, match="Unknown variable: 'param_3'"):
+        opt.apply(good, [arrays[0], stranger, arrays[2]])
+    after = [backend.numpy(a) for a in arrays] + [backend.numpy(v) for v in opt.variables]
+    for b, a in zip(state, after):
+        np.testing.assert_array_equal(a, b)
+
+
+KERAS_NUMPY_SCRIPT = """
+import numpy as np, keras
+import lossscale as ls
+variable = keras.Variable(np.ones(3, np.float32))
+opt = ls.optimizers.SGD(learning_rate=0.5)
+grad = np.ones(3, np.float32)
+opt.apply([grad], [variable])
+opt.apply([grad], [variable])
+variable.assign(np.full(3, 10.0, np.float32))  # Keras's NumPy backend binds a new array
+opt.apply([grad], [variable])
+print(np.asarray(variable.value).tolist())
+"""
+
+
+def test_a_keras_variable_is_taken_again_at_every_call_not_remembered():
+    # Keras's NumPy backend rebinds a variable's array on `assign`: the step
+    # after it must update the new array (the remembered arrays of the last
+    # call would hold the old one).
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", KERAS_NUMPY_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "KERAS_BACKEND": "numpy"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[9.5, 9.5, 9.5]"

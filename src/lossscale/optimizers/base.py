@@ -177,6 +177,9 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
         self._trainable_variables = []
         self._indices = {}
         self._wrappers = {}
+        # `(arrays, variables)` of the last `apply` given arrays of its own:
+        # the same arrays again resolve to the same variables.
+        self._last_resolved = None
         self._exclusions = WeightDecayExclusions()
         if self._owns_step_state:
             self._iterations = self.add_variable(
@@ -330,44 +333,6 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
         elif not known:
             self._check_known(variables)
         return grads, variables
-
-    def _resolve_variables(self, grads, trainable_variables):
-        """`(variables, known)`: `known` when all are ones the optimizer was built with.
-
-        Those share the backend `build` checked, so only other variables are
-        checked here (under `torch.compile` every `_ops` read of that check
-        would be a Python-level aliasing guard on each call); `apply` raises
-        for variables it was not built with, once the gradients are checked.
-        """
-        if trainable_variables is None:
-            if not self.built:
-                raise ValueError(
-                    "When passing `grads` without `trainable_variables`, the optimizer must "
-                    "already be built. Call `optimizer.build(trainable_variables)` first or "
-                    "pass `trainable_variables`. Received: trainable_variables=None"
-                )
-            variables, known = self._trainable_variables, True
-        elif trainable_variables is self._trainable_variables:  # its own list: nothing to resolve
-            variables, known = trainable_variables, True
-        else:
-            variables = [self._as_variable(x) for x in trainable_variables]
-            known = self.built and all(id(v) in self._indices for v in variables)
-            if not known:
-                variables = self._as_variables(variables)  # Variables pass through
-        if len(grads) != len(variables):
-            raise ValueError(
-                "`grads` must match the trainable variables one to one. Received: "
-                f"{len(grads)} gradients for {len(variables)} variables"
-            )
-        return variables, known
-
-    def _check_known(self, variables):
-        for v in variables:
-            if id(v) not in self._indices:
-                raise ValueError(
-                    f"Unknown variable: {v.path!r}. This optimizer can only be called for the "
-                    "variables it was built with; create a new optimizer for new variables."
-                )
 
     @property
     def _ops(self):

@@ -25,10 +25,10 @@ def drop_missing(grads, variables):
 def validate_gradients(grads, variables):
     """Checks gradients against variables before anything is written; returns them.
 
-    Runs on every step, so the common case (a native array of the right
-    shape and kind) costs one type check, one shape comparison and one
-    dictionary lookup of its dtype per gradient: a dtype's kind is found
-    once per call (a step's gradients share one or two dtypes).
+    Runs on every step, so the common case (native floating-point arrays of
+    the variables' shapes) is checked in a few passes over the lists, a
+    dtype's kind once per call (a step's gradients share one or two dtypes);
+    anything else goes through the loop that names what is wrong.
 
     A sparse gradient the backend makes dense (`dense_gradient`:
     TensorFlow's `tf.IndexedSlices`) is replaced by its dense form in a new
@@ -45,6 +45,14 @@ def validate_gradients(grads, variables):
         )
     ops = variables[0]._ops
     is_native, dtype_name = ops.is_native, ops.dtype_name
+    # The common case in a few passes over the lists: native floating-point
+    # gradients of the variables' shapes (the loop below names what is wrong).
+    if (
+        all(map(is_native, grads))
+        and [g.shape for g in grads] == [v.shape for v in variables]
+        and _all_float(ops, grads)
+    ):
+        return grads
     floats = {}  # native dtype -> whether it is a float dtype
     checked = grads
     for i, (g, v) in enumerate(zip(grads, variables)):
@@ -77,6 +85,13 @@ def validate_gradients(grads, variables):
                 f"Received: gradient dtype {got}"
             )
     return checked
+
+
+def _all_float(ops, arrays):
+    """Whether every one of the native `arrays` has a floating-point dtype (one test per dtype)."""
+    return all(
+        dtype_kind(ops.dtype_name(x)) == "float" for x in {x.dtype: x for x in arrays}.values()
+    )
 
 
 def _dense(ops, g):

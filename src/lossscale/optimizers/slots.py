@@ -2,12 +2,14 @@
 
 The base optimizer inherits these: how state variables are made (on the
 model's backend and device, named after the model variable they shadow),
-how raw native arrays are wrapped once, and the `assign*` hooks update rules
+how raw native arrays are wrapped once (and the arrays of the last call
+resolved again without a lookup), and the `assign*` hooks update rules
 write through.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, overload
 
@@ -50,6 +52,50 @@ class SlotsMixin:
         if any(v._ops is not ops for v in variables):
             common_backend(variables, what=f"`{argname}`")
         return variables
+
+    def _resolve_variables(self, grads, trainable_variables):
+        """`(variables, known)`: `known` when all are ones the optimizer was built with.
+
+        Those share the backend `build` checked, so only other variables are
+        checked here (under `torch.compile` every `_ops` read of that check
+        would be a Python-level aliasing guard on each call); `apply` raises
+        for variables it was not built with, once the gradients are checked.
+        """
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "When passing `grads` without `trainable_variables`, the optimizer must "
+                    "already be built. Call `optimizer.build(trainable_variables)` first or "
+                    "pass `trainable_variables`. Received: trainable_variables=None"
+                )
+            variables, known = self._trainable_variables, True
+        elif trainable_variables is self._trainable_variables:  # its own list: nothing to resolve
+            variables, known = trainable_variables, True
+        else:
+            # Remembered where Python runs every step (not while a step is
+            # traced: there every read would be a guard), and not for a
+            # keras.Variable, whose value `_as_variable` takes at every call.
+            if not isinstance(trainable_variables, (list, tuple)):
+                trainable_variables = list(trainable_variables)  # a generator, say
+            eager = self.built and self._ops.host_control()
+            last = self._last_resolved if eager else None
+            if last is not None and _same_objects(trainable_variables, last[0]):
+                return _checked_count(grads, last[1]), True  # every step's case
+            variables = [self._as_variable(x) for x in trainable_variables]
+            known = self.built and all(id(v) in self._indices for v in variables)
+            if not known:
+                variables = self._as_variables(variables)  # Variables pass through
+            elif eager and all(v.source is None for v in variables):
+                self._last_resolved = (tuple(trainable_variables), variables)
+        return _checked_count(grads, variables), known
+
+    def _check_known(self, variables):
+        for v in variables:
+            if id(v) not in self._indices:
+                raise ValueError(
+                    f"Unknown variable: {v.path!r}. This optimizer can only be called for the "
+                    "variables it was built with; create a new optimizer for new variables."
+                )
 
     def add_variable(
         self,
@@ -224,3 +270,18 @@ class SlotsMixin:
                 f"are immutable. Received: variable of type {type(variable).__name__}"
             )
         getattr(ops, method)(variable, value)
+
+
+def _checked_count(grads, variables):
+    """`variables`, once `grads` is known to hold one gradient for each."""
+    if len(grads) != len(variables):
+        raise ValueError(
+            "`grads` must match the trainable variables one to one. Received: "
+            f"{len(grads)} gradients for {len(variables)} variables"
+        )
+    return variables
+
+
+def _same_objects(xs, ys):
+    """Whether the sequences hold the same objects, in order (one identity test each, in C)."""
+    return len(xs) == len(ys) and all(map(operator.is_, xs, ys))
