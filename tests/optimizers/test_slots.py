@@ -200,7 +200,7 @@ opt.apply([grad], [variable])
 opt.apply([grad], [variable])
 variable.assign(np.full(3, 10.0, np.float32))  # Keras's NumPy backend binds a new array
 opt.apply([grad], [variable])
-print(np.asarray(variable.value).tolist())
+print(keras.__version__, np.asarray(variable.value).tolist())
 """
 
 
@@ -212,6 +212,8 @@ def test_a_keras_variable_is_taken_again_at_every_call_not_remembered():
     import subprocess
     import sys
 
+    import keras  # the subprocess's Keras, with the NumPy backend
+
     proc = subprocess.run(
         [sys.executable, "-c", KERAS_NUMPY_SCRIPT],
         capture_output=True,
@@ -220,4 +222,4 @@ def test_a_keras_variable_is_taken_again_at_every_call_not_remembered():
         env={**os.environ, "KERAS_BACKEND": "numpy"},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1] == "[9.5, 9.5, 9.5]"
+    assert proc.stdout.strip().splitlines()[-1] == f"{keras.__version__} [9.5, 9.5, 9.5]"
