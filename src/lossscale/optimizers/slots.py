@@ -72,22 +72,29 @@ class SlotsMixin:
         elif trainable_variables is self._trainable_variables:  # its own list: nothing to resolve
             variables, known = trainable_variables, True
         else:
-            # Remembered where Python runs every step (not while a step is
-            # traced: there every read would be a guard), and not for a
-            # keras.Variable, whose value `_as_variable` takes at every call.
             if not isinstance(trainable_variables, (list, tuple)):
                 trainable_variables = list(trainable_variables)  # a generator, say
+            # The last call's arrays are remembered where Python runs every
+            # step (not while a step is traced: there every read would be a
+            # guard), and never a keras.Variable, whose value `_as_variable`
+            # takes at every call.
             eager = self.built and self._ops.host_control()
             last = self._last_resolved if eager else None
             if last is not None and _same_objects(trainable_variables, last[0]):
-                return _checked_count(grads, last[1]), True  # every step's case
-            variables = [self._as_variable(x) for x in trainable_variables]
-            known = self.built and all(id(v) in self._indices for v in variables)
-            if not known:
-                variables = self._as_variables(variables)  # Variables pass through
-            elif eager and all(v.source is None for v in variables):
-                self._last_resolved = (tuple(trainable_variables), variables)
-        return _checked_count(grads, variables), known
+                variables, known = last[1], True  # every step's case
+            else:
+                variables = [self._as_variable(x) for x in trainable_variables]
+                known = self.built and all(id(v) in self._indices for v in variables)
+                if not known:
+                    variables = self._as_variables(variables)  # Variables pass through
+                elif eager and all(v.source is None for v in variables):
+                    self._last_resolved = (tuple(trainable_variables), variables)
+        if len(grads) != len(variables):
+            raise ValueError(
+                "`grads` must match the trainable variables one to one. Received: "
+                f"{len(grads)} gradients for {len(variables)} variables"
+            )
+        return variables, known
 
     def _check_known(self, variables):
         for v in variables:
@@ -270,16 +277,6 @@ class SlotsMixin:
                 f"are immutable. Received: variable of type {type(variable).__name__}"
             )
         getattr(ops, method)(variable, value)
-
-
-def _checked_count(grads, variables):
-    """`variables`, once `grads` is known to hold one gradient for each."""
-    if len(grads) != len(variables):
-        raise ValueError(
-            "`grads` must match the trainable variables one to one. Received: "
-            f"{len(grads)} gradients for {len(variables)} variables"
-        )
-    return variables
 
 
 def _same_objects(xs, ys):
