@@ -1,4 +1,4 @@
-"""benchmarks/aa_control.py: issue 29's AdamW rows beside a second copy of the baseline."""
+"""benchmarks/aa_control.py: `lossscale bench` rows beside a second copy of their baseline."""
 
 import pathlib
 import subprocess
@@ -20,9 +20,41 @@ def test_prints_each_row_with_its_ratio_per_round():
         for line in proc.stdout.splitlines()
         if line.startswith("| ") and not line.startswith("| row")
     }
-    assert list(rows) == ["torch", "torch again", "our GradScaler", "our Optimizer"]
-    median, ratio, per_round = rows["torch"]
+    assert list(rows) == [
+        "torch-gradscaler-adamw-fused",
+        "torch-gradscaler-adamw-fused again",
+        "lossscale-gradscaler-adamw-fused",
+        "lossscale-torch-optimizer-adamw",
+    ]
+    median, ratio, per_round = rows["torch-gradscaler-adamw-fused"]
     assert float(median) > 0 and float(ratio) == 1.0
     assert per_round.strip() == "1.000 / 1.000"  # one ratio per round
     for median, ratio, per_round in rows.values():
         assert float(median) > 0 and float(ratio) > 0 and len(per_round.split(" / ")) == 2
+
+
+def test_takes_the_rows_to_compare_by_name():
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "tiny", "2", "1", "diagnostics-off-optax"]
+        + ["diagnostics-on-optax"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line[:2] == "| "]
+    assert rows[1:] == [
+        "diagnostics-off-optax",
+        "diagnostics-off-optax again",
+        "diagnostics-on-optax",
+    ]
+
+
+def test_an_unknown_row_is_named():
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "tiny", "1", "1", "no-such-row"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0 and "Unknown implementations: ['no-such-row']" in proc.stderr

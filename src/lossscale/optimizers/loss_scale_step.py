@@ -119,7 +119,7 @@ class LossScaleStepMixin:
             in_place=ops.MUTABLE,
             measured=measured,
         )
-        self._write_state(ops, state, new)
+        self._write_state(ops, state, new, unread)
 
     @property
     def last_step_applied(self) -> Array | None:
@@ -131,14 +131,17 @@ class LossScaleStepMixin:
         """
         return self._last_applied
 
-    def _write_state(self, ops, state, new):
-        """Stores the new loss-scale state in the wrapper's variables."""
+    def _write_state(self, ops, state, new, unread=()):
+        """Stores the new loss-scale state in the wrapper's variables.
+
+        Fields named in `unread` were not read into `state`: not written.
+        """
         # A field `next_loss_scale` left alone is the state's own value (the
         # per-variable diagnostics fields on most steps): nothing to write.
         changed = {
             name: getattr(new, name)
             for name in self._state
-            if not _same(getattr(new, name), getattr(state, name))
+            if name not in unread and not _same(getattr(new, name), getattr(state, name))
         }
         targets = dict(_flatten({name: self._state[name] for name in changed}))
         # Only a written variable's buffer can change under another's value.

@@ -116,3 +116,45 @@ def test_gradients_from_the_packing_threshold_on_are_measured_alone():
     grads = [torch.zeros(n) for n in (PACK_BELOW - 1, PACK_BELOW, 3, PACK_BELOW + 1)]
     assert float16_range._chunks(grads) == ([0, 2], [1, 3])
     assert float16_range._chunks(grads[:2]) == ([], [0, 1])  # one small one: alone too
+
+
+# Three gradients of 3,825 elements packed: a class with fewer than 3825 / 16
+# members (239 or fewer) is counted member by member, else by sums.
+_SIZES = (1000, 777, 2048)
+_PACKED = sum(_SIZES)
+_BOUNDARY = _PACKED // float16_range._SPARSE_BELOW
+
+
+@pytest.mark.parametrize(
+    "members", [0, 1, 2, _BOUNDARY - 1, _BOUNDARY, _BOUNDARY + 1, _PACKED // 2, _PACKED]
+)
+@pytest.mark.parametrize("value", [0.0, -1e-6, 6e4, float("inf"), float("nan")])
+@pytest.mark.parametrize("with_nan", [False, True])
+def test_few_and_many_members_of_a_class_match_measure(members, value, with_nan):
+    """Both ways of counting a class (by member, by sums), at the edges and at random places.
+
+    The other classes absent (their counts skipped), or a NaN at a random
+    place besides (the near-maximum count then excludes NaN by range).
+    """
+    rng = np.random.default_rng(members)
+    flat = rng.uniform(0.5, 2.0, _PACKED) * rng.choice([-1.0, 1.0], _PACKED)
+    # The pack's ends and each gradient's first and last elements first.
+    ends = np.cumsum(_SIZES)
+    edges = [0, _PACKED - 1, *ends[:-1], *(ends[:-1] - 1)]
+    places = np.concatenate([edges, rng.permutation(np.setdiff1d(np.arange(_PACKED), edges))])
+    flat[places[:members]] = value
+    if with_nan:
+        flat[rng.integers(_PACKED)] = float("nan")
+    grads = [torch.from_numpy(x).float() for x in np.split(flat, ends[:-1])]
+    _assert_as_measure(grads, 2.0)
+    _assert_as_measure([grads[0]], 2.0)  # one gradient: measured alone
+
+
+def test_counting_a_mask_per_tensor_on_both_sides_of_the_sparse_boundary():
+    rng = np.random.default_rng(5)
+    starts = np.concatenate([[0], np.cumsum(_SIZES)[:-1]])
+    for members in (0, 1, _BOUNDARY - 1, _BOUNDARY, _BOUNDARY + 1, _PACKED):
+        mask = np.zeros(_PACKED, bool)
+        mask[rng.permutation(_PACKED)[:members]] = True
+        expected = [np.count_nonzero(part) for part in np.split(mask, starts[1:])]
+        assert float16_range._per_tensor(mask, starts).tolist() == expected

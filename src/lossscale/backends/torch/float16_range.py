@@ -16,12 +16,20 @@ about fifteen operations for any number of gradients:
 - the class plus five times the gradient's index is counted into one
   integer histogram (`index_add_`: no host read, where `bincount` reads its
   input's maximum on CUDA);
-- on a device whose memory the host reads without waiting (the CPU:
-  `multi.HOST_READABLE`), NumPy counts the classes instead, in the
-  buffers' own memory (`_counted_on_the_host`): the same counts, three to
-  four times faster than torch's CPU kernels;
 - the counts are divided by the sizes and the largest magnitudes come
-  from `torch._foreach_max`, one `torch.stack` making them a vector.
+  from `torch._foreach_max`: one `(n, 4)` table, whose columns are the
+  four vectors;
+- on a device whose memory the host reads without waiting (the CPU:
+  `multi.HOST_READABLE`), NumPy builds the same table instead, in the
+  buffers' own memory (`_host_rows`): the smallest magnitude and each
+  gradient's largest (its peak) say which classes are present at all;
+  only those are compared over the buffer, and their members counted per
+  gradient, by bisection where they are few and by sums where they are
+  many. Most gradients hold few or no zeros, subnormals or values near
+  the maximum: the whole `measure` of `tiny`'s 28 gradients takes 0.10
+  ms and of `gpt`'s 29 (1.0M elements) 0.44 ms, where counting every
+  class by sums took 0.29 and 1.2, and the histogram on the CPU 0.38 and
+  4.1.
 
 Gradients of `multi.PACK_BELOW` elements or more (or past
 `multi.PACK_CAPACITY` packed: the finite check's packing rule) are measured
@@ -31,6 +39,7 @@ alone, in buffers of their own, so no buffer kept between steps grows past
 
 import struct
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -43,6 +52,9 @@ _BUFFERS = threading.local()
 _BUFFERS_KEPT = 4
 # Classes per gradient in the histogram: zero, subnormal, normal, near, NaN.
 _CLASSES = 5
+# A class with fewer members than 1 in this many elements is counted member
+# by member (`_per_tensor`), else by sums over every element.
+_SPARSE_BELOW = 16
 
 
 def _bits(x):
@@ -71,37 +83,29 @@ def measure(grads, subnormal_below, near_from):
     if (
         not grads
         or torch.compiler.is_compiling()
-        or any(dtensors.is_dtensor(g) for g in grads)
+        or any(map(dtensors.is_dtensor, grads))
         or len({g.device for g in grads}) > 1
     ):
         return None
-    # bits >= 1: not zero; >= subnormal_below: normal; >= near_from: near;
-    # above inf's: NaN. The thresholds compare as float32, as in `measure`.
-    steps = (0, _bits(subnormal_below) - 1, _bits(near_from) - 1, _INF_BITS)
+    # Magnitudes compared as bit patterns: zero is 0, a subnormal lies
+    # under `subnormal`, near the maximum from `near` up to inf, NaN above
+    # inf. The thresholds compare as float32, as in `measure`.
+    edges = _Edges(_bits(subnormal_below), _bits(near_from), _INF_BITS)
     packed, alone = _chunks(grads)
     with torch.no_grad():
-        table, peaks = [], [None] * len(grads)
-        if packed:
-            rows, maxima = _packed([grads[i] for i in packed], steps)
-            for i, peak in zip(packed, maxima):
-                peaks[i] = peak
-        # The rows in the gradients' order: a run of packed gradients (their
-        # indices are ascending) stays one slice of `rows`.
-        position = {i: k for k, i in enumerate(packed)}
-        i = 0
-        while i < len(grads):
-            if i in position:
-                end = i + 1
-                while end in position:
-                    end += 1
-                table.append(rows[position[i] : position[end - 1] + 1])
-                i = end
-            else:
-                shares, peaks[i] = _alone(grads[i], steps)
-                table.append(shares)
-                i += 1
-        shares = torch.cat(table) if len(table) > 1 else table[0]
-        return shares[:, 0], shares[:, 1], shares[:, 2], torch.stack(peaks)
+        if grads[0].device.type in multi.HOST_READABLE:
+            table = _measured_on_the_host(grads, packed, alone, edges)
+        else:
+            table = _measured_on_the_device(grads, packed, alone, edges)
+    return table.unbind(1)
+
+
+class _Edges(NamedTuple):
+    """The classes' bounds, as float32 bit patterns of magnitudes."""
+
+    subnormal: int  # from 1 up to (not including) it: subnormal
+    near: int  # from it up to `inf` (included): near the maximum
+    inf: int  # above it: NaN
 
 
 def _chunks(grads):
@@ -112,61 +116,110 @@ def _chunks(grads):
     return packed, alone
 
 
-def _packed(tensors, steps):
-    """`((n, 3) float32 shares, n largest magnitudes)` of n small tensors, at once."""
-    buffers = _buffers(tensors)
-    torch._foreach_copy_(buffers.views, tensors)  # float32, as `measure` rounds
-    # The views now hold the magnitudes.
-    counts = _counts(buffers.flat.abs_(), buffers.starts, buffers.offsets, steps)
-    return counts.float() / buffers.sizes, torch._foreach_max(buffers.views)
+def _magnitudes(grads, packed):
+    """`(flat float32 magnitudes of grads[packed], their _Buffers)`, in a kept buffer."""
+    buffers = _buffers([grads[i] for i in packed])
+    torch._foreach_copy_(buffers.views, [grads[i] for i in packed])  # float32, as `measure`
+    return buffers.flat.abs_(), buffers  # the views now hold the magnitudes
 
 
-def _alone(tensor, steps):
-    """`((1, 3) float32 shares, largest magnitude)` of one tensor."""
-    flat = tensor.reshape(-1).to(torch.float32, copy=True).abs_()
-    counts = _counts(flat, None, None, steps)
-    return counts.float() / float(flat.numel()), flat.max()
+def _magnitude(grad):
+    """The flat float32 magnitudes of one gradient, in a buffer of their own."""
+    return grad.reshape(-1).to(torch.float32, copy=True).abs_()
 
 
-def _counts(magnitudes, starts, offsets, steps):
-    """`(n, 3)` counts of zero, subnormal and near elements of the n tensors in `magnitudes`.
+def _measured_on_the_host(grads, packed, alone, edges):
+    """The `(n, 4)` float32 table of `grads` on the CPU, counted by NumPy in place."""
+    table = np.empty((len(grads), 4), np.float32)
+    if packed:
+        magnitudes, buffers = _magnitudes(grads, packed)
+        table[packed] = _host_rows(magnitudes, buffers.starts, buffers.host_sizes, edges)
+    for i in alone:
+        flat = _magnitude(grads[i])
+        size = np.full((1, 1), flat.numel(), np.float32)
+        table[i] = _host_rows(flat, _ONE_START, size, edges)
+    return torch.from_numpy(table)
 
-    Counted by NumPy where the host reads the device's memory without
-    waiting, else by the device histogram. `starts` (NumPy element indices)
-    and `offsets` (`_histogram`'s) place the tensors; both None: one tensor.
-    """
-    if magnitudes.device.type in multi.HOST_READABLE:
-        return _counted_on_the_host(magnitudes, starts, steps)
-    count = 1 if offsets is None else len(starts)
-    return _histogram(magnitudes, offsets, count, steps)
+
+def _measured_on_the_device(grads, packed, alone, edges):
+    """The `(n, 4)` float32 table of `grads`, with no host read (a GPU's)."""
+    table = None
+    if packed:
+        magnitudes, buffers = _magnitudes(grads, packed)
+        counts = _histogram(magnitudes, buffers.offsets, len(packed), edges)
+        peaks = torch.stack(torch._foreach_max(buffers.views))
+        table = torch.cat([counts.float() / buffers.sizes, peaks[:, None]], dim=1)
+        if not alone:
+            return table
+    # In the gradients' order: a run of packed gradients (their indices
+    # ascend) is a slice of the packed table.
+    ordered, row, i, alone = [], 0, 0, set(alone)
+    while i < len(grads):
+        if i in alone:
+            flat = _magnitude(grads[i])
+            counts = _histogram(flat, None, 1, edges).float() / float(flat.numel())
+            ordered.append(torch.cat([counts, flat.max()[None, None]], dim=1))
+            i += 1
+            continue
+        end = i + 1
+        while end < len(grads) and end not in alone:
+            end += 1
+        ordered.append(table[row : row + end - i])
+        row, i = row + end - i, end
+    return torch.cat(ordered) if len(ordered) > 1 else ordered[0]
 
 
-def _counted_on_the_host(magnitudes, starts, steps):
-    """`(n, 3)` int64 counts of zero, subnormal and near elements, as `_histogram`'s.
+# The start of the one tensor in a buffer of its own.
+_ONE_START = np.zeros(1, np.int64)
 
-    Of the n tensors whose elements start at the NumPy indices `starts` in
-    the CPU tensor `magnitudes` (None: one tensor), read off how many bit
-    patterns lie above each step (an element's class is the number of
-    steps below it). NumPy compares and counts the tensor's own memory
-    three to four times faster than torch's CPU kernels build and count
-    the classes.
+
+def _host_rows(magnitudes, starts, sizes, edges):
+    """The `(n, 4)` float32 rows of the n tensors whose elements start at `starts`.
+
+    `magnitudes` is a CPU tensor, read in place by NumPy as bit patterns
+    (non-negative floats order as their patterns, NaN's above inf's);
+    `sizes` holds the tensors' sizes as float32, shaped `(n, 1)`. The
+    smallest pattern and each tensor's largest (its peak) say which
+    classes are present at all; only those are compared over the buffer,
+    and their members counted per tensor (`_per_tensor`). Most gradients
+    hold few or no zeros, subnormals or values near the maximum.
     """
     bits = magnitudes.view(torch.int32).numpy()
-    if starts is None:
-        above = np.array([[np.count_nonzero(bits > k)] for k in steps], np.int64)
-        sizes = np.array([bits.size], np.int64)
-    else:
-        # Booleans summed per tensor, in 32 bits (a pack holds far fewer
-        # than 2**31 elements): half the time of 64-bit sums.
-        above = np.stack(
-            [np.add.reduceat((bits > k).view(np.uint8), starts, dtype=np.int32) for k in steps]
-        ).astype(np.int64)
-        sizes = np.diff(starts, append=bits.size)
-    counts = np.stack([sizes - above[0], above[0] - above[1], above[2] - above[3]], axis=1)
-    return torch.from_numpy(counts)
+    peaks = np.maximum.reduceat(bits, starts) if len(starts) > 1 else bits.max(keepdims=True)
+    counts = np.zeros((len(starts), 3), np.int64)  # zero, subnormal, near
+    if bits.min() < edges.subnormal:
+        counts[:, 0] = _per_tensor(bits == 0, starts)
+        counts[:, 1] = _per_tensor(bits < edges.subnormal, starts) - counts[:, 0]
+    highest = peaks.max()
+    if highest > edges.inf:  # a NaN: from `near` to inf in one comparison
+        # (a pattern under `near` wraps around to a large unsigned number)
+        counts[:, 2] = _per_tensor(
+            (bits - edges.near).view(np.uint32) <= edges.inf - edges.near, starts
+        )
+    elif highest >= edges.near:
+        counts[:, 2] = _per_tensor(bits >= edges.near, starts)
+    rows = np.empty((len(starts), 4), np.float32)
+    # Exact counts, then one division in float32, as `measure` divides.
+    np.divide(counts.astype(np.float32), sizes, out=rows[:, :3])
+    rows[:, 3] = peaks.view(np.float32)
+    return rows
 
 
-def _histogram(magnitudes, offsets, count, steps):
+def _per_tensor(mask, starts):
+    """How many elements of the boolean `mask` are set in each tensor (from each of `starts`)."""
+    hits = np.count_nonzero(mask)
+    if hits == 0:
+        return np.zeros(len(starts), np.int64)
+    if hits * _SPARSE_BELOW < mask.size:  # a few: each one's tensor found by bisection
+        owners = np.searchsorted(starts, np.flatnonzero(mask), side="right") - 1
+        return np.bincount(owners, minlength=len(starts))
+    # Many: the booleans summed per tensor, in 32 bits where they fit (half
+    # the time of 64-bit sums).
+    dtype = np.int32 if mask.size < 2**31 else np.int64
+    return np.add.reduceat(mask.view(np.uint8), starts, dtype=dtype).astype(np.int64)
+
+
+def _histogram(magnitudes, offsets, count, edges):
     """`(count, 3)` int32 counts of zero, subnormal and near elements per tensor.
 
     `offsets`: each element's tensor index times the classes (None: one tensor).
@@ -175,7 +228,8 @@ def _histogram(magnitudes, offsets, count, steps):
     classes = bits.clamp(0, 1)  # the step at 0
     if offsets is not None:
         classes += offsets
-    for k in steps[1:]:
+    # An element's class is how many steps lie below its pattern.
+    for k in (edges.subnormal - 1, edges.near - 1, edges.inf):
         classes += (bits - k).clamp_(0, 1)
     histogram = torch.zeros(count * _CLASSES, dtype=torch.int32, device=bits.device)
     one = torch.ones((), dtype=torch.int32, device=bits.device)
@@ -195,8 +249,10 @@ class _Buffers:
         rows = torch.arange(0, len(sizes) * _CLASSES, _CLASSES, dtype=torch.int32)
         self.offsets = torch.repeat_interleave(rows, torch.tensor(sizes)).to(device)
         self.sizes = torch.tensor(sizes, dtype=torch.float32).to(device)[:, None]
-        # Where each tensor's elements start (NumPy's counts on the CPU).
+        # Where each tensor's elements start, and the sizes (NumPy's counts
+        # on the CPU).
         self.starts = np.cumsum([0, *sizes[:-1]])
+        self.host_sizes = np.array(sizes, np.float32)[:, None]
 
 
 def _buffers(tensors):
