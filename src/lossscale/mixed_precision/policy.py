@@ -138,8 +138,10 @@ class LossScalePolicy:
         # traces attribute reads where it cannot trace `dataclasses.fields`.
         object.__setattr__(self, "_plain", self._compute_is_plain())
         object.__setattr__(self, "_powers_of_two", self._compute_scales_are_powers_of_two())
-        fields = tuple(f for f in _STATE_FIELDS if self.tracks(f.name))
+        fields = tuple(f for f in _STATE_FIELDS if self._tracks_group(f.metadata["group"]))
         object.__setattr__(self, "_field_names", tuple(f.name for f in fields))
+        # Asked in every step (`tracks`): a set lookup, not the groups' rules again.
+        object.__setattr__(self, "_tracked", frozenset(self._field_names))
         # (name, per, initial) of each: plain values, which a compiled step
         # reads where it cannot read a field's metadata mapping.
         starts = tuple((f.name, f.metadata["per"], f.metadata["initial"]) for f in fields)
@@ -208,8 +210,17 @@ class LossScalePolicy:
         return self.initial_scale >= MIN_SCALE and all(math.frexp(f)[0] == 0.5 for f in factors)
 
     def tracks(self, field_name: str) -> bool:
-        """Whether `LossScaleState.<field_name>` exists under this policy."""
-        group = _FIELDS[field_name].metadata["group"]
+        """Whether `LossScaleState.<field_name>` exists under this policy.
+
+        Raises:
+            KeyError: `field_name` is no field of `LossScaleState`.
+        """
+        if field_name not in _FIELDS:
+            raise KeyError(field_name)
+        return field_name in self._tracked
+
+    def _tracks_group(self, group: str) -> bool:
+        """Whether the fields of `group` (a field's metadata) exist under this policy."""
         return {
             "keras": True,
             "streak": self.hysteresis > 1 or self.records_details,
