@@ -27,7 +27,7 @@ about fifteen operations for any number of gradients:
   gradient, by bisection where they are few and by sums where they are
   many. Most gradients hold few or no zeros, subnormals or values near
   the maximum: the whole `measure` of `tiny`'s 28 gradients takes 0.10
-  ms and of `gpt`'s 29 (1.0M elements) 0.44 ms, where counting every
+  ms and of `gpt`'s 29 (1.0M elements) 0.41 ms, where counting every
   class by sums took 0.29 and 1.2, and the histogram on the CPU 0.38 and
   4.1.
 
@@ -184,10 +184,15 @@ def _host_rows(magnitudes, starts, sizes, edges):
     and their members counted per tensor (`_per_tensor`). Most gradients
     hold few or no zeros, subnormals or values near the maximum.
     """
-    bits = magnitudes.view(torch.int32).numpy()
-    peaks = np.maximum.reduceat(bits, starts) if len(starts) > 1 else bits.max(keepdims=True)
+    patterns = magnitudes.view(torch.int32)
+    bits = patterns.numpy()
+    if len(starts) > 1:
+        peaks, lowest = np.maximum.reduceat(bits, starts), bits.min()
+    else:  # torch's one pass for both, on every thread: half NumPy's two
+        lowest, highest = (int(x) for x in torch.aminmax(patterns))
+        peaks = np.array([highest], np.int32)
     counts = np.zeros((len(starts), 3), np.int64)  # zero, subnormal, near
-    if bits.min() < edges.subnormal:
+    if lowest < edges.subnormal:
         counts[:, 0] = _per_tensor(bits == 0, starts)
         counts[:, 1] = _per_tensor(bits < edges.subnormal, starts) - counts[:, 0]
     highest = peaks.max()
