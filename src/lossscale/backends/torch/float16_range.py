@@ -189,7 +189,8 @@ def _host_rows(magnitudes, starts, sizes, edges):
     if len(starts) > 1:
         peaks, lowest = np.maximum.reduceat(bits, starts), bits.min()
     else:  # torch's one pass for both, on every thread: half NumPy's two
-        lowest, highest = (int(x) for x in torch.aminmax(patterns))
+        # (read as NumPy reads the rest: in place, no `item()` dispatched)
+        lowest, highest = (int(x.numpy()) for x in torch.aminmax(patterns))
         peaks = np.array([highest], np.int32)
     counts = np.zeros((len(starts), 3), np.int64)  # zero, subnormal, near
     if lowest < edges.subnormal:
