@@ -156,3 +156,17 @@ def test_move_to_backend(backend):
     v = ls.Variable(0, dtype="int64")
     v._move_to(backend.array(np.zeros(1)))
     assert v.backend == backend.name and v.dtype.startswith("int")
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_holds_its_own_array_on_the_same_backend(backend, how):
+    import copy
+    import pickle
+
+    v = ls.Variable(backend.array(np.array([1.0, 2.0], np.float32)), name="kernel")
+    c = copy.deepcopy(v) if how == "deepcopy" else pickle.loads(pickle.dumps(v))
+    assert c._ops is v._ops and c.backend == backend.name  # the backend looked up again
+    assert (c.name, c.path, c.shape, c.dtype) == (v.name, v.path, v.shape, v.dtype)
+    c.assign_add(backend.array(np.array([1.0, 1.0], np.float32)))
+    np.testing.assert_array_equal(backend.numpy(c), [2.0, 3.0])
+    np.testing.assert_array_equal(backend.numpy(v), [1.0, 2.0])

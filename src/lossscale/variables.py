@@ -270,6 +270,23 @@ class Variable:
         self._check_shape(value, "assign_sub", exact=False)
         self._storage = self._ops.assign_sub(self._storage, value)
 
+    # --- copies ----------------------------------------------------------
+    def __getstate__(self) -> dict:
+        """The attributes `copy.deepcopy` and `pickle` copy: the backend by its name.
+
+        A module cannot be copied or pickled; the copy looks its backend up
+        again (`__setstate__`). The array is copied as the framework copies
+        it (a torch tensor, a NumPy or JAX array).
+        """
+        state = dict(self.__dict__)
+        state["_ops"] = self._ops.NAME
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        state["_ops"] = get_ops(state["_ops"])
+        self.__dict__.update(state)
+
     def _move_to(self, like):
         """Re-creates this variable on `like`'s backend and device (before use)."""
         ops = get_ops(backend_of(like))

@@ -327,3 +327,56 @@ def test_variables_of_two_backends_are_refused_before_anything_is_written():
     ):
         opt.apply([np.ones(2, np.float32), torch.ones(2)], [np_var, torch_var])
     assert np_var.numpy().tolist() == [1.0, 1.0] and torch_var.value.tolist() == [1.0, 1.0]
+
+
+def _copied(how, obj):
+    import copy
+    import pickle
+
+    return copy.deepcopy(obj) if how == "deepcopy" else pickle.loads(pickle.dumps(obj))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("make", [lambda: Adam(0.1), lambda: ls.LossScaleOptimizer(Adam(0.1))])
+def test_a_copy_with_its_model_trains_on_as_the_original(backend, rng, how, make):
+    """`copy.deepcopy` or `pickle` of (variables, optimizer): the copy steps its own
+    variables bit for bit as the original steps its own, through a skipped step,
+    and leaves the original's alone."""
+    _, variables = make_vars(backend, rng)
+    opt = make()
+    if isinstance(opt, ls.LossScaleOptimizer):
+        opt.scale_loss(1.0)
+    for _ in range(2):  # built, slots and the kernels' derived data made
+        opt.apply([backend.array(g) for g in random_grads(rng)], variables)
+    copied_vars, copied = _copied(how, (variables, opt))
+    assert copied._trainable_variables == copied_vars
+    before = [backend.numpy(v).copy() for v in variables]
+    steps = [random_grads(rng, scale=2.0**10) for _ in range(3)]
+    steps[1][0][0, 0] = np.inf  # skipped by the loss-scale wrapper
+    for grads in steps:
+        copied.apply([backend.array(g) for g in grads], copied_vars)
+    for v, b in zip(variables, before):  # the original untouched by the copy's steps
+        np.testing.assert_array_equal(backend.numpy(v), b)
+    for grads in steps:
+        opt.apply([backend.array(g) for g in grads], variables)
+    for a, b in zip(variables + opt.variables, copied_vars + copied.variables):
+        np.testing.assert_array_equal(backend.numpy(a), backend.numpy(b))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_with_its_raw_tensors_resolves_them(how):
+    """Raw torch tensors, wrapped by the optimizer: the copy finds its own copies."""
+    import torch
+
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = ls.LossScaleOptimizer(Adam(0.1))
+    opt.scale_loss(1.0)
+    grads = lambda: [torch.full(p.shape, 0.5) * 1024 for p in params]  # noqa: E731
+    opt.apply(grads(), params)
+    copied_params, copied = _copied(how, (params, opt))
+    copied.apply(grads(), copied_params)
+    opt.apply(grads(), params)
+    for a, b in zip(params, copied_params):
+        assert torch.equal(a, b) and a is not b
+    with pytest.raises(ValueError, match="Unknown variable"):
+        copied.apply(grads(), params)  # the original's tensors are not the copy's

@@ -70,6 +70,30 @@ def test_observers_hear_every_step_and_name_the_module():
     assert opt.summary()["overflows"][0]["module"] is None
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_starts_without_the_observers(how):
+    """An observer is bound to a model: a copy does not call it, the original still does."""
+    import copy
+    import pickle
+
+    backend = Backend("numpy")
+    variables, opt = build(backend, telemetry=True)
+    recorder = Recorder()
+    opt.register_step_observer(recorder)
+    copied_vars, copied = (
+        copy.deepcopy((variables, opt))
+        if how == "deepcopy"
+        else pickle.loads(pickle.dumps((variables, opt)))
+    )
+    rng = np.random.default_rng(3)
+    copied.scale_loss(1.0)
+    copied.apply([backend.array(g) for g in scaled_grads(rng, 1.0)], copied_vars)
+    assert recorder.calls == [] and copied._observers == []
+    opt.scale_loss(1.0)
+    opt.apply([backend.array(g) for g in scaled_grads(rng, 1.0)], variables)
+    assert len(recorder.calls) == 1
+
+
 def test_no_host_read_in_a_torch_step_with_diagnostics_and_telemetry():
     import torch
 

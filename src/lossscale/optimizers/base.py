@@ -357,5 +357,33 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
             return loss * self.loss_scale_factor
         return loss
 
+    # --- copies: `copy.deepcopy` and `pickle` ---------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """The attributes a copy takes (`copy.deepcopy`, `pickle`).
+
+        The copy holds copies of every variable (of the model's too, unless
+        they are copied along, as torch's optimizers do). Made again by the
+        copy instead: the lookups keyed by object identity (its objects are
+        new), the kernels' derived data (it refers to this optimizer's
+        arrays), the remembered arrays of the last `apply` and the named
+        tuple type of the hyperparameters (made at run time).
+        """
+        state = dict(self.__dict__)
+        for name in ("_hyper_type", "_kernel_cache", "_indices", "_last_resolved"):
+            del state[name]
+        state["_wrappers"] = list(self._wrappers.values())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        wrappers = state.pop("_wrappers")
+        self.__dict__.update(state)
+        self._hyper_type = hyper_type(type(self), _BASE_KEYS)
+        self._kernel_cache = {}
+        self._last_resolved = None
+        self._indices = {id(v): i for i, v in enumerate(self._trainable_variables)}
+        # Keyed as `_as_variable` keys them: the Keras variable, else the array.
+        self._wrappers = {id(w.source if w.source is not None else w._storage): w for w in wrappers}
+
     def __repr__(self):
         return f"<{type(self).__name__} name={self.name!r} built={self.built}>"

@@ -102,6 +102,17 @@ class LossScaleDiagnosticsMixin:
         ops.cond(due, write, None, fields)
         return due
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy takes (see `Optimizer.__getstate__`), without the observers.
+
+        An observer is bound to a model (`lossscale.torch.watch` hooks its
+        modules): a copy starts with none, as a copy of a torch optimizer
+        starts without its hooks.
+        """
+        state = super().__getstate__()
+        state["_observers"] = []
+        return state
+
     # --- loading: the host's count of steps follows the restored one ---------
     def load_own_variables(self, store: Mapping[str, Array]) -> None:
         """Restores the variables from `store` (see `Optimizer.load_own_variables`)."""
