@@ -448,3 +448,25 @@ def test_state_leaves_keep_the_dtype_init_gave_them(name):
         ):
             assert variable.dtype == jnp.dtype(leaf.dtype).name
             np.testing.assert_array_equal(np.asarray(variable.value), np.asarray(leaf))
+
+
+def test_a_deep_copy_with_its_variables_trains_on_as_the_original():
+    """`copy.deepcopy` of (variables, LossScaleOptimizer(optax.adam)): the copy shares the
+    (stateless) transformation and copies its state; through a skipped step it steps its
+    own variables bit for bit as the original. (`pickle` is optax's to allow: its
+    transformations are closures, which pickle refuses.)"""
+    import copy
+
+    variables = [ls.Variable(jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)), ls.Variable(jnp.ones(2))]
+    opt = ls.LossScaleOptimizer(optax.adam(0.1), initial_scale=16.0)
+    opt.scale_loss(1.0)
+    opt.apply([jnp.full((2, 3), 2.0), jnp.ones(2)], variables)
+    copied_vars, copied = copy.deepcopy((variables, opt))
+    steps = [[jnp.full((2, 3), 4.0), jnp.full(2, jnp.inf)], [jnp.full((2, 3), 3.0), jnp.ones(2)]]
+    for grads in steps:
+        copied.apply(grads, copied_vars)
+    for grads in steps:
+        opt.apply(grads, variables)
+    for a, b in zip(variables + opt.variables, copied_vars + copied.variables):
+        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
+    assert int(copied.iterations) == int(opt.iterations) == 2  # the skipped step not counted

@@ -336,14 +336,29 @@ def _copied(how, obj):
     return copy.deepcopy(obj) if how == "deepcopy" else pickle.loads(pickle.dumps(obj))
 
 
+def _decaying_adam(variables):
+    """Adam with weight decay, one variable excluded by identity and one by name."""
+    opt = Adam(0.1, weight_decay=0.5)
+    opt.exclude_from_weight_decay(var_list=[variables[1]], var_names=["scal"])
+    return opt
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-@pytest.mark.parametrize("make", [lambda: Adam(0.1), lambda: ls.LossScaleOptimizer(Adam(0.1))])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda variables: Adam(0.1),
+        lambda variables: ls.LossScaleOptimizer(Adam(0.1)),
+        lambda variables: ls.LossScaleOptimizer(_decaying_adam(variables)),
+    ],
+    ids=["Adam", "LossScaleOptimizer(Adam)", "LossScaleOptimizer(Adam(weight_decay))"],
+)
 def test_a_copy_with_its_model_trains_on_as_the_original(backend, rng, how, make):
     """`copy.deepcopy` or `pickle` of (variables, optimizer): the copy steps its own
     variables bit for bit as the original steps its own, through a skipped step,
     and leaves the original's alone."""
     _, variables = make_vars(backend, rng)
-    opt = make()
+    opt = make(variables)
     if isinstance(opt, ls.LossScaleOptimizer):
         opt.scale_loss(1.0)
     for _ in range(2):  # built, slots and the kernels' derived data made

@@ -399,3 +399,49 @@ def test_the_earlier_name_is_the_adapter():
     import lossscale.torch as lt
 
     assert lt.TorchOptimizer is lt.TorchAdapter and "TorchOptimizer" in lt.__all__
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("kind", ["adamw_fused", "sgd_momentum"])
+def test_a_copy_with_its_parameters_trains_on_as_the_original(kind, how):
+    """`copy.deepcopy` / `pickle` of (parameters, LossScaleOptimizer(torch optimizer)):
+    the copy steps its copied parameters and native state bit for bit as the
+    original steps its own, through skipped steps, and leaves the original's alone."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = ls.LossScaleOptimizer(
+        NATIVE[kind](params), initial_scale=INITIAL_SCALE, dynamic_growth_steps=GROWTH_STEPS
+    )
+    rng = np.random.default_rng(1)
+    steps = [[rng.normal(size=s).astype(np.float32) * 4 for s in SHAPES] for _ in range(6)]
+    steps[0][0][0, 0] = np.inf
+    steps[3][1][2] = np.nan
+
+    def step(optimizer, ps, grads):
+        optimizer.apply([torch.from_numpy(g.copy()) for g in grads], ps)
+
+    for grads in steps[:2]:
+        step(opt, params, grads)
+    copied = (
+        copy.deepcopy((params, opt))
+        if how == "deepcopy"
+        else pickle.loads(pickle.dumps((params, opt)))
+    )
+    copied_params, copied_opt = copied
+    before = [p.detach().clone() for p in params]
+    for grads in steps[2:]:
+        step(copied_opt, copied_params, grads)
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+    for grads in steps[2:]:
+        step(opt, params, grads)
+    for a, b in zip(params, copied_params):
+        assert torch.equal(a, b)
+    native, copied_native = opt.inner_optimizer.optimizer, copied_opt.inner_optimizer.optimizer
+    for p, q in zip(params, copied_params):
+        for key, value in native.state[p].items():
+            assert torch.equal(value, copied_native.state[q][key]), key
+    assert float(opt.dynamic_scale) == float(copied_opt.dynamic_scale)

@@ -13,14 +13,35 @@ class WeightDecayExclusions:
     """
 
     def __init__(self, var_list=(), var_names=()):
-        self._ids = {id(v) for v in var_list or ()}
+        # The variables themselves are kept beside their ids: a copy of the
+        # optimizer (`copy.deepcopy`, `pickle`) holds new ones.
+        self._excluded = list(var_list or ())
+        self._ids = {id(v) for v in self._excluded}
         names = list(var_names or ())
         self._pattern = re.compile("|".join(sorted(set(names)))) if names else None
-        self._decided = {}  # id(variable) -> bool, filled by `decide` at build
+        self._variables = []  # what `decide` settled, at build
+        self._decided = {}  # id(variable) -> bool
 
     def decide(self, variables):
         """Settles, once, which of an optimizer's variables are decayed (a name search each)."""
+        self._variables = list(variables)
         self._decided = {id(v): self._matches(v) for v in variables}
+
+    def __getstate__(self):
+        """What a copy takes: the variables, not their ids (the copy's are new objects)."""
+        decided = [self._decided[id(v)] for v in self._variables]
+        return {
+            "excluded": self._excluded,
+            "pattern": self._pattern,
+            "decided": decided,
+            "variables": self._variables,
+        }
+
+    def __setstate__(self, state):
+        self._excluded, self._pattern = state["excluded"], state["pattern"]
+        self._ids = {id(v) for v in self._excluded}
+        self._variables = state["variables"]
+        self._decided = {id(v): d for v, d in zip(self._variables, state["decided"])}
 
     def excludes_any(self):
         """Whether any variable may be excluded (some given, or some name pattern)."""

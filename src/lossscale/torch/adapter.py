@@ -212,6 +212,11 @@ class TorchAdapter(AdapterCheckpointMixin, Optimizer):
         """
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
+    def __setstate__(self, state: dict) -> None:
+        """A copy's own (see `Optimizer.__getstate__`): its variables wrap its parameters."""
+        super().__setstate__(state)
+        self._params = {id(v): v._storage for v in self._trainable_variables}
+
     def build(self, var_list: Sequence[Variable | Array]) -> None:
         """Checks that `var_list` is exactly the native optimizer's parameters."""
         if self.built:
