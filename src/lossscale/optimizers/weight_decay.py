@@ -27,21 +27,12 @@ class WeightDecayExclusions:
         self._variables = list(variables)
         self._decided = {id(v): self._matches(v) for v in variables}
 
-    def __getstate__(self):
-        """What a copy takes: the variables, not their ids (the copy's are new objects)."""
-        decided = [self._decided[id(v)] for v in self._variables]
-        return {
-            "excluded": self._excluded,
-            "pattern": self._pattern,
-            "decided": decided,
-            "variables": self._variables,
-        }
-
     def __setstate__(self, state):
-        self._excluded, self._pattern = state["excluded"], state["pattern"]
+        self.__dict__.update(state)
+        # A copy's variables are new objects: their ids, and what was decided
+        # for them, are made again.
         self._ids = {id(v) for v in self._excluded}
-        self._variables = state["variables"]
-        self._decided = {id(v): d for v, d in zip(self._variables, state["decided"])}
+        self.decide(self._variables)
 
     def excludes_any(self):
         """Whether any variable may be excluded (some given, or some name pattern)."""

@@ -187,7 +187,8 @@ def _host_rows(magnitudes, starts, sizes, edges):
     patterns = magnitudes.view(torch.int32)
     bits = patterns.numpy()
     if len(starts) > 1:
-        peaks, lowest = np.maximum.reduceat(bits, starts), bits.min()
+        peaks = np.maximum.reduceat(bits, starts)
+        lowest, highest = bits.min(), peaks.max()
     else:  # torch's one pass for both, on every thread: half NumPy's two
         # (read as NumPy reads the rest: in place, no `item()` dispatched)
         lowest, highest = (int(x.numpy()) for x in torch.aminmax(patterns))
@@ -196,7 +197,6 @@ def _host_rows(magnitudes, starts, sizes, edges):
     if lowest < edges.subnormal:
         counts[:, 0] = _per_tensor(bits == 0, starts)
         counts[:, 1] = _per_tensor(bits < edges.subnormal, starts) - counts[:, 0]
-    highest = peaks.max()
     if highest > edges.inf:  # a NaN: from `near` to inf in one comparison
         # (a pattern under `near` wraps around to a large unsigned number)
         counts[:, 2] = _per_tensor(
