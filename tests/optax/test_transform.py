@@ -643,3 +643,26 @@ def test_an_empty_parameter_keeps_its_entry_and_the_others_are_measured_in_place
             "near_max": pytest.approx(np.count_nonzero(a >= 65504 / 2) / a.size, rel=1e-6),
             "max_abs": np.float32(a.max()),
         }, name
+
+
+def test_diagnostics_reserve_no_copy_of_the_gradients_in_the_jitted_update():
+    """XLA reserves the measurement branch's memory on every step, taken or not.
+
+    Compiled only, on abstract arrays of GPT-2 small's shapes (124M
+    parameters): with `diagnostics_every` the update reserves at most the
+    measurement's packed elements (`backends/jax/float16_range.py`) more,
+    where packing every gradient reserved a float32 copy of them all (475
+    MiB).
+    """
+    from lossscale.backends.jax import float16_range
+    from tests.backends.jax.test_float16_range import _gpt2
+
+    params = [jax.ShapeDtypeStruct(s, jnp.float32) for s in _gpt2(12)]
+
+    def reserved(every):
+        tx = lso.dynamic_loss_scale(optax.adam(1e-3), diagnostics_every=every)
+        state = jax.eval_shape(tx.init, params)
+        compiled = jax.jit(tx.update).lower(params, state, params).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert reserved(100) - reserved(None) <= 4 * float16_range.PACK_CAPACITY * 1.2

@@ -287,3 +287,29 @@ def test_a_resumed_run_measures_on_the_uninterrupted_run_s_steps(make_params, lo
     uninterrupted = _statistics_run(make_params)
     assert _statistics_run(make_params, load) == uninterrupted
     assert uninterrupted[1] == 6
+
+
+def test_a_jitted_jax_step_reserves_no_copy_of_the_gradients_for_diagnostics():
+    """XLA reserves the measurement branch's memory on every step, taken or not.
+
+    `large`'s 16 gradients of 1M elements: with `diagnostics_every` the
+    jitted `stateless_apply` reserves at most the measurement's packed
+    elements more (`backends/jax/float16_range.py`), where packing every
+    gradient reserved 69 MiB, a float32 copy of them all and the rows'
+    counts.
+    """
+    import jax
+
+    from lossscale.backends.jax import float16_range
+    from lossscale.bench import frameworks, workloads
+
+    params, grads = frameworks.jax_arrays(jax, workloads.get("large"))
+
+    def reserved(every):
+        opt = ls.LossScaleOptimizer(ls.optimizers.Adam(1e-3), diagnostics_every=every)
+        opt.build(params)
+        step = jax.jit(lambda p, v, g: opt.stateless_apply(v, g, p), donate_argnums=(0, 1))
+        values = [v.value for v in opt.variables]
+        return step.lower(params, values, grads).compile().memory_analysis().temp_size_in_bytes
+
+    assert reserved(100) - reserved(None) <= 4 * float16_range.PACK_CAPACITY * 1.2

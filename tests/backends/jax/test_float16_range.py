@@ -125,3 +125,63 @@ def test_rows_of_padding_and_a_gradient_shorter_than_a_row():
     grads = [_gradient(rng, (n,), jnp.float32, 2.0) for n in sizes]
     _assert_as_measure(grads, 2.0)
     _assert_as_measure([jnp.zeros((row + 1,))], 2.0)  # padding is not counted as zero
+
+
+# Past `PACK_CAPACITY` packed elements a gradient is measured alone, in
+# place: on both sides of that capacity (made small here), with every
+# class at random places, and a NaN or an inf at an alone gradient's ends.
+@pytest.mark.parametrize(
+    "sizes, alone",
+    [
+        ([100, 156], []),  # exactly the capacity: packed
+        ([100, 157], [1]),  # one element past it
+        ([257, 3, 9], [0]),  # a first gradient alone, back into order
+        ([300, (20, 17)], [0, 1]),  # every gradient alone, one of two dimensions
+        ([254, 1, 1, 2, 64], [3, 4]),  # small ones alone once the capacity is full
+        ([200, 100, 50], [1]),  # a later one that fits is packed
+    ],
+)
+@pytest.mark.parametrize("jit", [False, True])
+def test_sizes_on_both_sides_of_the_packing_capacity_match_measure(monkeypatch, sizes, alone, jit):
+    monkeypatch.setattr(float16_range, "PACK_CAPACITY", 256)
+    rng = np.random.default_rng(len(sizes))
+    dtypes = [jnp.float32, jnp.float16, jnp.bfloat16]
+    shapes = [s if isinstance(s, tuple) else (s,) for s in sizes]
+    grads = [_gradient(rng, s, dtypes[i % 3], 2.0) for i, s in enumerate(shapes)]
+    assert float16_range._split(grads)[1] == alone
+    _assert_as_measure(grads, 2.0, jit=jit)
+    for i in alone:
+        for place, value in ((0, np.nan), (-1, np.inf), (-1, np.nan)):
+            bad = list(grads)
+            bad[i] = bad[i].ravel().at[place].set(value).reshape(bad[i].shape)
+            _assert_as_measure(bad, 2.0, jit=jit)
+
+
+def _gpt2(layers, width=768, vocabulary=50257, context=1024):
+    """The parameter shapes of a GPT-2 of `layers` blocks (12: GPT-2 small, 124M parameters)."""
+    block = [(width,), (width,), (width, 3 * width), (3 * width,), (width, width), (width,)]
+    block += [(width,), (width,), (width, 4 * width), (4 * width,), (4 * width, width), (width,)]
+    return [(vocabulary, width), (context, width), *block * layers, (width,), (width,)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_memory_a_jitted_measurement_reserves_does_not_grow_with_the_model(dtype):
+    """XLA reserves a branch's working memory on every step: it must not be a copy of every gradient.
+
+    Compiled only, on abstract gradients: GPT-2 small (124M parameters,
+    whose float32 copy is 475 MiB; packing them all reserved 512 MiB) and
+    its 24-block twin (209M) each reserve at most two float32 copies of the
+    packed elements (the half-precision ones' casts, then the packed
+    matrix) and the rows' counts; each gradient measured alone adds a few
+    KiB (its reduction's partial results), not its size.
+    """
+
+    def reserved(shapes):
+        grads = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+        run = jax.jit(lambda grads: float16_range.measure(grads, SUBNORMAL, 1e4))
+        return run.lower(grads).compile().memory_analysis().temp_size_in_bytes
+
+    small, twice = reserved(_gpt2(12)), reserved(_gpt2(24))
+    bound = 4 * float16_range.PACK_CAPACITY * (1 if dtype == jnp.float32 else 2) * 1.2
+    assert small <= twice <= bound, (small, twice, bound)
+    assert (twice - small) / (len(_gpt2(24)) - len(_gpt2(12))) < 8 * 1024

@@ -1,5 +1,7 @@
 """backends/torch/float16_range.py: many gradients' float16 range, bit for bit `measure`'s."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -158,3 +160,66 @@ def test_counting_a_mask_per_tensor_on_both_sides_of_the_sparse_boundary():
         mask[rng.permutation(_PACKED)[:members]] = True
         expected = [np.count_nonzero(part) for part in np.split(mask, starts[1:])]
         assert float16_range._per_tensor(mask, starts).tolist() == expected
+
+
+# A gradient measured alone is read `PACK_CAPACITY` elements at a time
+# (made small here): sizes on both sides of one and of several chunks, and
+# layouts read in memory order (transposed, channels-last) or copied (a
+# strided slice).
+_CHUNK = 300
+
+
+def _alone_cases(rng):
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+    cases = [_gradient(rng, (n,), dtypes[i % 4], 2.0) for i, n in enumerate((301, 600, 601, 905))]
+    cases.append(_gradient(rng, (40, 25), torch.float32, 2.0).t())
+    cases.append(
+        _gradient(rng, (2, 5, 9, 11), torch.float16, 2.0).contiguous(
+            memory_format=torch.channels_last
+        )
+    )
+    cases.append(_gradient(rng, (30, 40), torch.float32, 2.0)[:, ::3])
+    return cases
+
+
+def test_a_gradient_past_the_capacity_is_measured_in_chunks_as_measure(monkeypatch):
+    monkeypatch.setattr(torch_multi, "PACK_CAPACITY", _CHUNK)
+    rng = np.random.default_rng(6)
+    for grad in _alone_cases(rng):
+        _assert_as_measure([grad], 2.0)
+        _assert_as_measure([grad, torch.ones(7), torch.zeros(5)], 2.0)  # beside a pack
+        # A NaN or an inf at a chunk's first and last element, and at the ends.
+        flat = grad.reshape(-1)
+        for place in (0, _CHUNK - 1, _CHUNK, flat.numel() - 1):
+            for value in (float("nan"), float("inf"), 0.0):
+                bad = flat.clone()
+                bad[min(place, flat.numel() - 1)] = value
+                _assert_as_measure([bad.reshape(grad.shape)], 2.0)
+
+
+def test_a_gradient_of_any_size_is_measured_in_the_capacity_s_memory(monkeypatch):
+    """No memory taken while measuring holds more than `PACK_CAPACITY` float32 numbers, on either path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {_storage(x) for x in torch.utils._pytree.tree_leaves((args, kwargs))}
+            for x in torch.utils._pytree.tree_leaves(out):
+                if isinstance(x, torch.Tensor) and _storage(x) not in given:  # made, not a view
+                    self.largest = max(self.largest, x.untyped_storage().nbytes() // 4)
+            return out
+
+    monkeypatch.setattr(torch_multi, "PACK_CAPACITY", _CHUNK)
+    monkeypatch.setattr(float16_range, "_BUFFERS", threading.local())  # none kept yet
+    rng = np.random.default_rng(7)
+    for grad in [_gradient(rng, (10 * _CHUNK + 7,), torch.float32, 2.0), *_alone_cases(rng)[:-1]]:
+        with Largest() as made:
+            float16_range.measure([grad], SUBNORMAL, 1e4)
+        assert 0 < made.largest <= _CHUNK, (grad.shape, made.largest)
+
+
+def _storage(x):
+    return x.untyped_storage().data_ptr() if isinstance(x, torch.Tensor) else None

@@ -21,7 +21,7 @@ about fifteen operations for any number of gradients:
   four vectors;
 - on a device whose memory the host reads without waiting (the CPU:
   `multi.HOST_READABLE`), NumPy builds the same table instead, in the
-  buffers' own memory (`_host_rows`): the smallest magnitude and each
+  buffers' own memory (`_host_counts`): the smallest magnitude and each
   gradient's largest (its peak) say which classes are present at all;
   only those are compared over the buffer, and their members counted per
   gradient, by bisection where they are few and by sums where they are
@@ -33,8 +33,12 @@ about fifteen operations for any number of gradients:
 
 Gradients of `multi.PACK_BELOW` elements or more (or past
 `multi.PACK_CAPACITY` packed: the finite check's packing rule) are measured
-alone, in buffers of their own, so no buffer kept between steps grows past
-`multi.PACK_CAPACITY` elements.
+alone, `multi.PACK_CAPACITY` elements at a time through one kept scratch
+buffer (their counts summed, their peaks compared), so no buffer kept
+between steps grows past `multi.PACK_CAPACITY` elements, and measuring a
+gradient of any size takes no memory in proportion to it (a copy of a
+50M-element gradient and the histogram's two integer arrays of its size
+were 600 MB).
 """
 
 import struct
@@ -123,9 +127,40 @@ def _magnitudes(grads, packed):
     return buffers.flat.abs_(), buffers  # the views now hold the magnitudes
 
 
-def _magnitude(grad):
-    """The flat float32 magnitudes of one gradient, in a buffer of their own."""
-    return grad.reshape(-1).to(torch.float32, copy=True).abs_()
+def _magnitude_chunks(grad):
+    """The float32 magnitudes of one gradient, `multi.PACK_CAPACITY` elements at a time.
+
+    Each chunk is written into the one scratch buffer kept for gradients
+    measured alone, over the last (its consumers run before the next is
+    written: on the host at once, on a GPU in stream order), so measuring
+    a gradient of any size takes at most that buffer.
+    """
+    flat = _flat(grad)
+    size = flat.numel()
+    scratch = _scratch(grad.device, min(size, multi.PACK_CAPACITY))
+    for start in range(0, size, multi.PACK_CAPACITY):
+        part = flat[start : start + multi.PACK_CAPACITY]
+        magnitudes = scratch[: part.numel()]
+        if part.dtype == torch.float32:
+            torch.abs(part, out=magnitudes)  # read once
+        else:  # `abs` writes only its input's dtype
+            magnitudes.copy_(part).abs_()
+        yield magnitudes
+
+
+def _flat(grad):
+    """`grad`'s elements as one dimension: a view in memory order where its layout is dense.
+
+    The measurement counts and takes a largest value: the elements' order
+    does not matter, so a channels-last or transposed gradient is not
+    copied; one whose elements do not fill a block of memory is.
+    """
+    if not grad.is_contiguous():
+        order = sorted(range(grad.dim()), key=grad.stride, reverse=True)
+        dense = grad.permute(order)
+        if dense.is_contiguous():
+            return dense.view(-1)
+    return grad.reshape(-1)
 
 
 def _measured_on_the_host(grads, packed, alone, edges):
@@ -133,11 +168,18 @@ def _measured_on_the_host(grads, packed, alone, edges):
     table = np.empty((len(grads), 4), np.float32)
     if packed:
         magnitudes, buffers = _magnitudes(grads, packed)
-        table[packed] = _host_rows(magnitudes, buffers.starts, buffers.host_sizes, edges)
+        counts, peaks = _host_counts(magnitudes, buffers.starts, edges)
+        table[packed] = _rows(counts, peaks, buffers.host_sizes)
     for i in alone:
-        flat = _magnitude(grads[i])
-        size = np.full((1, 1), flat.numel(), np.float32)
-        table[i] = _host_rows(flat, _ONE_START, size, edges)
+        counts = None
+        for magnitudes in _magnitude_chunks(grads[i]):
+            chunk, peak = _host_counts(magnitudes, _ONE_START, edges)
+            if counts is None:
+                counts, peaks = chunk, peak
+            else:  # NaN's patterns lie above every other: the largest is kept
+                counts, peaks = counts + chunk, np.maximum(peaks, peak)
+        size = np.full((1, 1), grads[i].numel(), np.float32)
+        table[i] = _rows(counts, peaks, size)
     return torch.from_numpy(table)
 
 
@@ -156,9 +198,14 @@ def _measured_on_the_device(grads, packed, alone, edges):
     ordered, row, i, alone = [], 0, 0, set(alone)
     while i < len(grads):
         if i in alone:
-            flat = _magnitude(grads[i])
-            counts = _histogram(flat, None, 1, edges).float() / float(flat.numel())
-            ordered.append(torch.cat([counts, flat.max()[None, None]], dim=1))
+            counts, peak = None, None
+            for magnitudes in _magnitude_chunks(grads[i]):
+                chunk = _histogram(magnitudes, None, 1, edges)
+                # Summed in 64 bits past one chunk; NaN, where one is, kept.
+                counts = chunk if counts is None else counts + chunk.long()
+                peak = magnitudes.max() if peak is None else torch.maximum(peak, magnitudes.max())
+            shares = counts.float() / float(grads[i].numel())
+            ordered.append(torch.cat([shares, peak[None, None]], dim=1))
             i += 1
             continue
         end = i + 1
@@ -173,16 +220,17 @@ def _measured_on_the_device(grads, packed, alone, edges):
 _ONE_START = np.zeros(1, np.int64)
 
 
-def _host_rows(magnitudes, starts, sizes, edges):
-    """The `(n, 4)` float32 rows of the n tensors whose elements start at `starts`.
+def _host_counts(magnitudes, starts, edges):
+    """`((n, 3) int64 counts, (n,) int32 peaks)` of the n tensors whose elements start at `starts`.
 
-    `magnitudes` is a CPU tensor, read in place by NumPy as bit patterns
-    (non-negative floats order as their patterns, NaN's above inf's);
-    `sizes` holds the tensors' sizes as float32, shaped `(n, 1)`. The
-    smallest pattern and each tensor's largest (its peak) say which
-    classes are present at all; only those are compared over the buffer,
-    and their members counted per tensor (`_per_tensor`). Most gradients
-    hold few or no zeros, subnormals or values near the maximum.
+    The counts are of zero, subnormal and near-maximum elements; a peak is
+    the bit pattern of a tensor's largest magnitude. `magnitudes` is a CPU
+    tensor, read in place by NumPy as bit patterns (non-negative floats
+    order as their patterns, NaN's above inf's). The smallest pattern and
+    each tensor's largest (its peak) say which classes are present at
+    all; only those are compared over the buffer, and their members
+    counted per tensor (`_per_tensor`). Most gradients hold few or no
+    zeros, subnormals or values near the maximum.
     """
     patterns = magnitudes.view(torch.int32)
     bits = patterns.numpy()
@@ -204,7 +252,12 @@ def _host_rows(magnitudes, starts, sizes, edges):
         )
     elif highest >= edges.near:
         counts[:, 2] = _per_tensor(bits >= edges.near, starts)
-    rows = np.empty((len(starts), 4), np.float32)
+    return counts, peaks
+
+
+def _rows(counts, peaks, sizes):
+    """The `(n, 4)` float32 rows of `_host_counts`' results; `sizes` shaped `(n, 1)`, float32."""
+    rows = np.empty((len(peaks), 4), np.float32)
     # Exact counts, then one division in float32, as `measure` divides.
     np.divide(counts.astype(np.float32), sizes, out=rows[:, :3])
     rows[:, 3] = peaks.view(np.float32)
@@ -259,6 +312,19 @@ class _Buffers:
         # on the CPU).
         self.starts = np.cumsum([0, *sizes[:-1]])
         self.host_sizes = np.array(sizes, np.float32)[:, None]
+
+
+def _scratch(device, size):
+    """The first `size` elements of the float32 buffer kept for gradients measured alone."""
+    kept = getattr(_BUFFERS, "scratch", None)
+    if kept is None:
+        kept = _BUFFERS.scratch = {}
+    # A buffer made under inference mode cannot be written outside it.
+    key = (device, torch.is_inference_mode_enabled())
+    buffer = kept.get(key)
+    if buffer is None or buffer.numel() < size:
+        buffer = kept[key] = torch.empty(size, dtype=torch.float32, device=device)
+    return buffer[:size]
 
 
 def _buffers(tensors):
