@@ -101,6 +101,12 @@ def run(rank, example, port):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     runpy.run_path(example, run_name="__main__")
     open(f"finished_rank{rank}", "w").close()  # what an abort after this cannot undo
+    # Done: out without the interpreter's teardown, where gloo's threads have
+    # aborted a finished rank and `spawn` then killed the other before it
+    # wrote its file (so `launch` could not tell a teardown abort and retry).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 if __name__ == "__main__":
     mp.spawn(run, args=(sys.argv[1], int(sys.argv[2])), nprocs=2)
