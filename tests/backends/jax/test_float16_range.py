@@ -188,3 +188,13 @@ def test_the_memory_a_jitted_measurement_reserves_does_not_grow_with_the_model(d
     bound = 4 * float16_range.PACK_CAPACITY * (1 if dtype == jnp.float32 else 2) * 1.2
     assert small <= twice <= bound, (small, twice, bound)
     assert (twice - small) / (len(_gpt2(4)) - len(_gpt2(2))) < 8 * 1024
+
+
+def test_at_the_real_capacity_the_next_gradient_is_measured_alone():
+    """The pack full at exactly `PACK_CAPACITY` (4M) elements: the next one alone, a NaN at its end."""
+    rng = np.random.default_rng(9)
+    capacity = float16_range.PACK_CAPACITY
+    grads = [_gradient(rng, (capacity // 2,), jnp.float32, 2.0) for _ in range(2)]
+    grads.append(_gradient(rng, (3, 5), jnp.float32, 2.0).at[2, 4].set(np.nan))
+    assert float16_range._split(grads) == ([0, 1], [2])
+    _assert_as_measure(grads, 2.0, jit=True)

@@ -171,7 +171,8 @@ _CHUNK = 300
 
 def _alone_cases(rng):
     dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-    cases = [_gradient(rng, (n,), dtypes[i % 4], 2.0) for i, n in enumerate((301, 600, 601, 905))]
+    sizes = (299, 300, 301, 600, 601, 905)
+    cases = [_gradient(rng, (n,), dtypes[i % 4], 2.0) for i, n in enumerate(sizes)]
     cases.append(_gradient(rng, (40, 25), torch.float32, 2.0).t())
     cases.append(
         _gradient(rng, (2, 5, 9, 11), torch.float16, 2.0).contiguous(
@@ -223,3 +224,14 @@ def test_a_gradient_of_any_size_is_measured_in_the_capacity_s_memory(monkeypatch
 
 def _storage(x):
     return x.untyped_storage().data_ptr() if isinstance(x, torch.Tensor) else None
+
+
+def test_a_gradient_one_element_past_the_real_capacity_is_measured_as_measure():
+    """At the capacity's real size (4M elements): two chunks, the second of one element."""
+    rng = np.random.default_rng(8)
+    grad = _gradient(rng, (CAPACITY + 1,), torch.float32, 2.0)
+    _assert_as_measure([grad], 2.0)
+    for place in (CAPACITY - 1, CAPACITY):
+        bad = grad.clone()
+        bad[place] = float("nan")
+        _assert_as_measure([bad], 2.0)

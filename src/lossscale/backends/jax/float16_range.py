@@ -77,9 +77,10 @@ def measure(grads, subnormal_below, near_from):
     # normal: taken off below.
     padding = np.zeros(len(grads), np.int32)
     if packed:
-        pack_counts, pack_peak, padding[packed] = _packed([grads[i] for i in packed], edges)
+        pack_counts, pack_peak, pack_padding = _packed([grads[i] for i in packed], edges)
         counts.append(pack_counts)
         peaks.append(pack_peak)
+        padding[packed] = pack_padding
     for i in alone:  # in place: one reduction over the whole gradient
         a = grads[i].astype(jnp.float32)
         *alone_counts, alone_peak = _reduced(a, edges, tuple(range(a.ndim)))

@@ -137,7 +137,7 @@ def _magnitude_chunks(grad):
     """
     flat = _flat(grad)
     size = flat.numel()
-    scratch = _scratch(grad.device, min(size, multi.PACK_CAPACITY))
+    scratch = _scratch(grad.device, min(size, multi.PACK_CAPACITY))  # at least that many
     for start in range(0, size, multi.PACK_CAPACITY):
         part = flat[start : start + multi.PACK_CAPACITY]
         magnitudes = scratch[: part.numel()]
@@ -315,7 +315,7 @@ class _Buffers:
 
 
 def _scratch(device, size):
-    """The first `size` elements of the float32 buffer kept for gradients measured alone."""
+    """The float32 buffer kept for gradients measured alone, of at least `size` elements."""
     kept = getattr(_BUFFERS, "scratch", None)
     if kept is None:
         kept = _BUFFERS.scratch = {}
@@ -324,7 +324,7 @@ def _scratch(device, size):
     buffer = kept.get(key)
     if buffer is None or buffer.numel() < size:
         buffer = kept[key] = torch.empty(size, dtype=torch.float32, device=device)
-    return buffer[:size]
+    return buffer
 
 
 def _buffers(tensors):
