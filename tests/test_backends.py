@@ -229,7 +229,16 @@ LAYERS = {
         "kernels",
     ],
     "jax": ["ops", "multi", "float16_range", "fused", "kernels"],
-    "tensorflow": ["ops", "control", "multi", "replicas", "fused", "compiled", "kernels"],
+    "tensorflow": [
+        "ops",
+        "control",
+        "multi",
+        "float16_range",
+        "replicas",
+        "fused",
+        "compiled",
+        "kernels",
+    ],
 }
 
 

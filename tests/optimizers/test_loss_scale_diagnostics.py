@@ -313,3 +313,64 @@ def test_a_jitted_jax_step_reserves_no_copy_of_the_gradients_for_diagnostics():
         return step.lower(params, values, grads).compile().memory_analysis().temp_size_in_bytes
 
     assert reserved(100) - reserved(None) <= 4 * float16_range.PACK_CAPACITY * 1.2
+
+
+def _arrays_larger_than(hlo, elements):
+    """`(operation, shape)` of each array over `elements` that XLA's optimized HLO writes out.
+
+    Only the instructions of unfused computations make buffers (a fusion's
+    inside does not); parameters, views (`bitcast`) and a loop's reads of
+    its own state (`get-tuple-element`) are left out.
+    """
+    import re
+
+    found, fused = [], False
+    for line in hlo.splitlines():
+        header = re.match(r"(?:ENTRY )?%(\S+) ", line)
+        if header:  # a computation starts at the line's first column
+            fused = "fused" in header.group(1) or header.group(1).startswith("wrapped_")
+            continue
+        match = re.match(r"\s*(?:ROOT )?\S+ = (\w+\[[\d,]*\])\{[^}]*\} (\S+)\(", line)
+        if fused or match is None:
+            continue
+        shape, operation = match.groups()
+        if operation in ("parameter", "bitcast", "get-tuple-element"):
+            continue
+        if np.prod([int(d) for d in re.findall(r"\d+", shape.split("[")[1])]) > elements:
+            found.append((operation, shape))
+    return sorted(found)
+
+
+def test_an_xla_compiled_tensorflow_step_writes_out_no_gradient_sized_array_for_diagnostics():
+    """Under `tf.function(jit_compile=True)` the measurement adds no array larger than a chunk.
+
+    Measured whole, each of its comparisons was an int32 array of the
+    largest gradient's size, which XLA reserves in the branch on every
+    step; now a gradient of more than `CHUNK` (1M) elements is read a chunk
+    at a time (`backends/tensorflow/float16_range.py`). The step with
+    diagnostics writes out the same large arrays as the step without (the
+    update's own).
+    """
+    import tensorflow as tf
+
+    from lossscale.backends.tensorflow import float16_range
+
+    shapes = [(3 * float16_range.CHUNK + 5,), (1500, 1001), (64,)]
+
+    def large_arrays(every):
+        variables = [tf.Variable(tf.zeros(s)) for s in shapes]
+        opt = ls.LossScaleOptimizer(ls.optimizers.Adam(1e-3), diagnostics_every=every)
+        opt.build(variables)
+
+        @tf.function(jit_compile=True)
+        def step(*grads):
+            opt.scale_loss(1.0)
+            opt.apply(list(grads), variables)
+
+        specs = [tf.TensorSpec(s, tf.float32) for s in shapes]
+        hlo = step.experimental_get_compiler_ir(*specs)(stage="optimized_hlo")
+        return _arrays_larger_than(hlo, float16_range.CHUNK)
+
+    without = large_arrays(None)
+    assert without  # the update's own arrays are seen
+    assert large_arrays(100) == without

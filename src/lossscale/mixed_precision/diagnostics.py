@@ -20,7 +20,8 @@ A gradient holding a NaN has a NaN `max_abs`, even where it holds an inf.
 into given entries of the state's `range_*` vectors; `measure_into`: of
 its variables), through the backend's `fused_float16_range` kernel where
 it has one (the same values, bit for bit, in fewer operations and less
-memory: a packed kernel on torch, one fused pass per gradient on JAX).
+memory: a packed kernel on torch, one fused pass per gradient on JAX, a
+large gradient a chunk at a time on TensorFlow).
 
 A step measures only when its policy says (`diagnostics_every`); the
 results are optimizer state, read on the host by `summary()`.
