@@ -234,6 +234,10 @@ class GradScaler(
         # Updates so far, counted on the host (the diagnostics cadence), the
         # per-parameter records by name, and the step observers by id.
         self._host_steps = self._extra_start.get("steps", 0)
+        # The count the device's `steps` holds: a plain update counts on the
+        # host only (an operation fewer per step), and the device's count is
+        # written where it is next read (`_written_steps`).
+        self._device_steps = self._host_steps
         self._per_variable = {}
         self._observers = {}
         # The scale-1 check's constant operands, by device (`_check_only`).
@@ -273,8 +277,19 @@ class GradScaler(
             # overwrites in place: it gets a copy.
             scale = scale.clone()
         return LossScaleState(
-            scale=scale, counter=self._growth_tracker, **self._extras, **(per_variable or {})
+            scale=scale,
+            counter=self._growth_tracker,
+            **self._written_steps(),
+            **(per_variable or {}),
         )
+
+    def _written_steps(self):
+        """The extra state tensors, their `steps` brought up to the host's count of updates."""
+        steps = self._extras.get("steps")
+        if steps is not None and self._device_steps != self._host_steps:
+            steps.fill_(self._host_steps)
+            self._device_steps = self._host_steps
+        return self._extras
 
     # -- the update ----------------------------------------------------------
 
@@ -350,8 +365,8 @@ class GradScaler(
         costs no state to build, and the host's lower bound of the scale
         decides whether the floor needs an operation (see `update_scale`).
         """
-        if policy.diagnoses:  # the count `next_loss_scale` keeps, in place
-            self._extras["steps"].add_(1)
+        # The count `next_loss_scale` keeps on the device: here on the host
+        # only (`_written_steps`).
         self._host_steps += 1
         bound = self._scale_bound
         _SCALE_UPDATE(

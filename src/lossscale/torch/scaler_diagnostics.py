@@ -247,6 +247,7 @@ class ScalerDiagnosticsMixin:
             for observer, _ in list(self._observers.values()):
                 observer.on_step(finite, state.steps)
         self._host_steps += 1
+        self._device_steps = self._host_steps  # `next_loss_scale` counted it there too
         return new
 
     def _reads_per_variable(self):

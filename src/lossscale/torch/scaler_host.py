@@ -199,7 +199,7 @@ class ScalerHostMixin:
     def _extra_values(self):
         if self._extras is None:
             return dict(self._extra_start)
-        return read_tensors(self._extras, self._policy)
+        return read_tensors(self._written_steps(), self._policy)
 
     # -- settings ------------------------------------------------------------
 
@@ -311,7 +311,7 @@ class ScalerHostMixin:
             self._extras = make_tensors(extras, policy, self._scale.device)
         # The per-parameter records are not in a state dict: they start afresh.
         self._per_variable = {}
-        self._host_steps = extras.get("steps", 0)
+        self._host_steps = self._device_steps = extras.get("steps", 0)
         self._scale_bound = float(np.float32(state_dict["scale"]))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -327,6 +327,7 @@ class ScalerHostMixin:
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_check_units", {})  # pickled before it existed
+        self.__dict__.setdefault("_device_steps", self._host_steps)
 
     # -- reading the state ---------------------------------------------------
 
