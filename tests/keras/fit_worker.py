@@ -376,11 +376,17 @@ def embedding():
     extras = dict(telemetry=True, diagnostics_every=2)
     for jit in (False, True):
         runs = {}
-        for name, wrapper, settings in (
+        wrappers = [
             ("keras", keras.optimizers.LossScaleOptimizer, {}),
             ("ours", lsk.LossScaleOptimizer, {}),
             ("ours_extras", lsk.LossScaleOptimizer, extras),
-        ):
+        ]
+        if BACKEND == "torch" and jit:
+            # A torch.compile'd fit costs seconds; its gradient is dense, so
+            # the run with the extras covers ours without them (compiled
+            # without them in `parity`).
+            del wrappers[1]
+        for name, wrapper, settings in wrappers:
             if BACKEND == "torch":
                 import torch
 

@@ -77,7 +77,10 @@ def test_an_embedding_trains_as_under_keras_its_sparse_gradient_kept(run, jit):
     backend, results = run
     runs = results["embedding"][jit]
     keras_run = runs["keras"]
-    for name in ("ours", "ours_extras"):
+    assert set(runs) == {"keras", "ours_extras"} | (
+        {"ours"} if (backend, jit) != ("torch", "jit=True") else set()
+    )
+    for name in set(runs) - {"keras"}:
         assert runs[name]["steps"] == keras_run["steps"], name
         assert runs[name]["weights"] == keras_run["weights"], name
         assert runs[name]["inner"] == keras_run["inner"], name

@@ -288,7 +288,7 @@ def check_against_model(backend, policy, steps):
 # Driving the pure function directly is cheap: most of the examples per run
 # are here, as many on each backend; tests/optimizers/test_loss_scale_optimizer.py runs
 # fewer through the whole optimizer, stateful and stateless.
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(policy=policies(), steps=STEPS)
 @pytest.mark.parametrize("name", BACKENDS)
 def test_state_machine_matches_model(name, policy, steps):

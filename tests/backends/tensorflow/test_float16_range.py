@@ -53,10 +53,11 @@ def _assert_as_measure(grads, functions):
             assert got == want or (np.isnan(got) and np.isnan(want)), (i, key, got, want)
 
 
-# Each growth factor (the near-maximum limit) and every dtype, mixed in
-# one measurement of a whole transformer's gradients.
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("growth_factor", [2.0, 3.0])
+# Every dtype, mixed in one measurement of a whole transformer's gradients;
+# each growth factor (the near-maximum limit) in some mode, not every pair.
+@pytest.mark.parametrize(
+    "mode, growth_factor", [("eager", 3.0), ("tf.function", 2.0), ("jit_compile", 3.0)]
+)
 def test_tiny_gradients_match_measure(mode, growth_factor):
     rng = np.random.default_rng(0)
     dtypes = [tf.float32, tf.float16, tf.bfloat16]
