@@ -15,6 +15,7 @@ from lossscale.optimizers.loss_scale_delegation import InnerDelegationMixin
 from lossscale.optimizers.loss_scale_diagnostics import LossScaleDiagnosticsMixin
 from lossscale.optimizers.loss_scale_step import LossScaleStepMixin
 from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
+from lossscale.shared_handles import SharedHandle
 from lossscale.typing import Array, Config
 from lossscale.variables import Variable
 
@@ -296,6 +297,23 @@ class LossScaleOptimizer(
     def variables(self) -> list[Variable]:
         """The wrapper's own variables, then the inner optimizer's."""
         return self._variables + self.inner_optimizer.variables
+
+    # --- copies: the process group is shared, not copied ---------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy takes (see `Optimizer.__getstate__`); the process group shared.
+
+        `copy.deepcopy` keeps the same group; `pickle` refuses it with an
+        error that says what to save instead (`shared_handles`).
+        """
+        state = super().__getstate__()
+        state["process_group"] = SharedHandle.wrap(
+            self.process_group, "process_group", type(self).__name__
+        )
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = {**state, "process_group": SharedHandle.unwrap(state.get("process_group"))}
+        super().__setstate__(state)
 
     # --- one step -----------------------------------------------------------
     def apply(

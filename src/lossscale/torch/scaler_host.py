@@ -32,6 +32,7 @@ from lossscale.mixed_precision import loss_scale
 from lossscale.mixed_precision.loss_scale import MAX_SCALE, NO_ERROR
 from lossscale.mixed_precision.state import per_variable
 from lossscale.mixed_precision.telemetry import LossScaleError, failure_message, summarize
+from lossscale.shared_handles import SharedHandle
 
 # torch's keys, which its `GradScaler.load_state_dict` reads.
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -321,10 +322,15 @@ class ScalerHostMixin:
             state["_extras"] = None
         # Observers hold hooks on a live model: a copy has none.
         state["_observers"] = {}
+        # The process group is shared by a copy, refused by pickle by name.
+        state["_process_group"] = SharedHandle.wrap(
+            self._process_group, "process_group", type(self).__name__
+        )
         state["_check_units"] = {}  # device constants, made again where it is used
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = {**state, "_process_group": SharedHandle.unwrap(state.get("_process_group"))}
         super().__setstate__(state)
         self.__dict__.setdefault("_check_units", {})  # pickled before it existed
         self.__dict__.setdefault("_device_steps", self._host_steps)
