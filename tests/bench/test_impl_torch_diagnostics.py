@@ -32,15 +32,29 @@ def test_the_registry_rows():
     names = [
         "lossscale-gradscaler-adamw-fused-diagnostics",
         "lossscale-gradscaler-adamw-fused-diagnostics-every-step",
+        "lossscale-gradscaler-adamw-fused-window",
+        "lossscale-gradscaler-adamw-fused-diagnostics-window",
         "lossscale-gpt-train-step",
         "lossscale-gpt-train-step-watch",
     ]
-    assert rows == {name: ("ours", ("torch",), ("cpu", "cuda"), {}) for name in names}
+    assert rows == {
+        name: (
+            "baseline" if name.endswith("fused-window") else "ours",
+            ("torch",),
+            ("cpu", "cuda"),
+            {},
+        )
+        for name in names
+    }
+    assert impl_torch_diagnostics.WINDOW == 100
     assert impl_torch_diagnostics.DIAGNOSTICS_EVERY == 100
     assert registry.REGISTRY[names[0]].description.startswith(
         "lossscale.torch.GradScaler(diagnostics_every=100)"
     )
-    assert "watch(model, scaler)" in registry.REGISTRY[names[3]].description
+    assert "watch(model, scaler)" in registry.REGISTRY[names[5]].description
+    assert registry.REGISTRY[names[3]].description.startswith(
+        "100 steps of lossscale.torch.GradScaler("
+    )
 
 
 @pytest.mark.parametrize("suffix", ["-diagnostics", "-diagnostics-every-step"])
@@ -52,6 +66,20 @@ def test_the_diagnostics_rows_step_as_the_row_without(suffix):
     for a, b, want in zip(plain, measured, reference, strict=True):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(b, want, rtol=0, atol=5e-7)
+
+
+def test_a_window_is_a_hundred_steps_and_diagnostics_change_no_update():
+    """One timed step of the `-window` rows: 100 AdamW steps, the same with diagnostics."""
+    workload = workloads.get("large", quick=True)
+    plain = final_params("lossscale-gradscaler-adamw-fused-window", workload, 1)
+    measured = final_params("lossscale-gradscaler-adamw-fused-diagnostics-window", workload, 1)
+    reference = torch_adam(
+        workload, impl_torch_diagnostics.WINDOW, weight_decay=impl_torch.WEIGHT_DECAY
+    )
+    assert [p.shape for p in measured] == list(workload.shapes)
+    for a, b, want in zip(plain, measured, reference, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(b, want, rtol=0, atol=1e-5)
 
 
 def _train(monkeypatch, name, steps=2):

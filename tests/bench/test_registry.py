@@ -30,6 +30,7 @@ def test_every_requested_implementation_is_registered():
             "diagnostics-on-optax",
             "lossscale-gradscaler-adamw-fused-diagnostics",
             "lossscale-gradscaler-adamw-fused-diagnostics-every-step",
+            "lossscale-gradscaler-adamw-fused-diagnostics-window",
             "lossscale-gpt-train-step",
             "lossscale-gpt-train-step-watch",
         ],
@@ -51,6 +52,7 @@ def test_every_requested_implementation_is_registered():
             "diagnostics-off-torch",
             "diagnostics-off-jax",
             "diagnostics-off-optax",
+            "lossscale-gradscaler-adamw-fused-window",
         ],
     }
     assert impls["keras-torch"].env == {"KERAS_BACKEND": "torch"}

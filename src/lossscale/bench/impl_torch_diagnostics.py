@@ -4,6 +4,10 @@
   `lossscale-gradscaler-adamw-fused` (`impl_torch`) with
   `diagnostics_every=100`: compare the two rows. `...-every-step` measures
   at every step: the cost of one measured step.
+- `lossscale-gradscaler-adamw-fused-window` and `...-diagnostics-window`:
+  windows of `WINDOW` = 100 of those steps, without and with
+  `diagnostics_every=100`: the cost per step with the measured step
+  amortised over the cadence. Compare the two (`benchmarks/aa_control.py`).
 - `lossscale-gpt-train-step` and `lossscale-gpt-train-step-watch`: a whole
   training step (forward, backward, `GradScaler` step and update, under
   float16 autocast) of a small GPT built from `torch.nn` with exactly the
@@ -17,6 +21,9 @@ from lossscale.bench.registry import implementation
 from lossscale.bench.timing import Stepper
 
 DIAGNOSTICS_EVERY = 100
+# Steps in one timed step of the `-window` rows: the cadence, so that each
+# window holds one measured step (the median of single steps hides it).
+WINDOW = DIAGNOSTICS_EVERY
 # Tokens of one training step: sequences of a quarter of the context.
 BATCH = 2
 
@@ -47,6 +54,42 @@ def grad_scaler_diagnostics_every_step(workload):
     return impl_torch.scaler_stepper(
         workload, scaler_kwargs={"diagnostics_every": 1}, adamw=True, fused=True
     )
+
+
+def _window(workload, scaler_kwargs):
+    """`WINDOW` steps of `scaler_stepper(workload, scaler_kwargs)`, each gradient restored first."""
+    single = impl_torch.scaler_stepper(workload, scaler_kwargs, adamw=True, fused=True)
+
+    def window():
+        for _ in range(WINDOW):
+            single.prepare()
+            single.step()
+
+    return Stepper(step=window, sync=single.sync)
+
+
+@implementation(
+    "lossscale-gradscaler-adamw-fused-window",
+    "baseline",
+    f"{DIAGNOSTICS_EVERY} steps of lossscale.torch.GradScaler + torch.optim.AdamW(fused=True), "
+    "no diagnostics",
+    requires=("torch",),
+    devices=("cpu", "cuda"),
+)
+def grad_scaler_window(workload):
+    return _window(workload, {})
+
+
+@implementation(
+    "lossscale-gradscaler-adamw-fused-diagnostics-window",
+    "ours",
+    f"{DIAGNOSTICS_EVERY} steps of lossscale.torch.GradScaler(diagnostics_every="
+    f"{DIAGNOSTICS_EVERY}) + torch.optim.AdamW(fused=True): the measured step amortised",
+    requires=("torch",),
+    devices=("cpu", "cuda"),
+)
+def grad_scaler_diagnostics_window(workload):
+    return _window(workload, {"diagnostics_every": DIAGNOSTICS_EVERY})
 
 
 def _gpt(torch, workload):
