@@ -24,6 +24,11 @@ LABELS = (
 )
 
 
+# One test process runs this module's tests, so `lossscale demo --quick`
+# (seconds) runs once, not once in each.
+pytestmark = pytest.mark.xdist_group("demo_quick_run")
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
