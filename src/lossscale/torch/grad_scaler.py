@@ -30,6 +30,7 @@ from lossscale.mixed_precision.loss_scale import (
 )
 from lossscale.mixed_precision.telemetry import LossScaleError
 from lossscale.torch import (
+    scale_bound,
     scaler_arguments,
     scaler_checks,
     scaler_diagnostics,
@@ -44,10 +45,6 @@ _OPS = get_ops("torch")
 # The plain update's kernel (torch's `_amp_update_scale_` and the floor),
 # looked up once: `update()` runs it every step.
 _SCALE_UPDATE = _OPS.fused_scale_update()
-# After an update the scale is at least `backoff_factor` times what it was,
-# up to float32 rounding (of the factor and of the product): the lower bound
-# kept on the host shrinks by this much more, so that it stays a lower bound.
-_ROUNDING = 1 - 2.0**-20
 
 
 class GradScaler(
@@ -349,7 +346,7 @@ class GradScaler(
             self._growth_tracker.copy_(new.counter)
         self._extras = {name: getattr(new, name) for name in self._extras}
         states.clear()
-        self._scale_bound = _bound_after_update(self._scale_bound, self._policy)
+        self._scale_bound = scale_bound.after_update(self._scale_bound, self._policy)
         if self._policy.fails_fast:
             # The one host read the limits cost per step (as in LossScaleOptimizer).
             code = self._extras["error"].to(torch.float32)
@@ -381,7 +378,7 @@ class GradScaler(
             in_place=True,
             scale_at_least=bound,
         )
-        self._scale_bound = _bound_after_update(bound, policy)
+        self._scale_bound = scale_bound.after_update(bound, policy)
 
     @property
     def last_step_skipped(self) -> bool | None:
@@ -396,18 +393,3 @@ class GradScaler(
         if self._last_skip is None:
             return None
         return bool(self._last_skip != 0)
-
-
-def _bound_after_update(bound, policy):
-    """The host's lower bound of the scale after one `update()`, from the one before it.
-
-    A backoff multiplies the scale by at least `backoff_factor` (up to
-    float32 rounding); `max_scale` caps it; under a plain policy a scale at
-    or above `MIN_SCALE` stays there (its kernel floors every backoff).
-    """
-    new = bound * policy.backoff_factor * _ROUNDING
-    if policy.max_scale is not None:
-        new = min(new, policy.max_scale)
-    if policy.is_plain and bound >= MIN_SCALE:
-        new = max(new, MIN_SCALE)
-    return new
