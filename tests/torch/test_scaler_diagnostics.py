@@ -360,3 +360,80 @@ def test_between_measurements_a_plain_policy_updates_with_torchs_kernel():
     assert measured.summary()["steps"] == cases.STEPS + 1
     assert measured.state_dict()["lossscale"]["steps"] == cases.STEPS + 1
     assert copy.deepcopy(measured).summary()["steps"] == cases.STEPS + 1
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"telemetry": True}, {"growth_policy": "statistics"}],
+    ids=["plain", "telemetry", "statistics"],
+)
+def test_a_parameter_not_measured_keeps_its_last_measurement(settings):
+    """Two optimizers, and gradients that come and go: each name's newest measurement.
+
+    A measuring update keeps each optimizer's vectors as measured; the
+    first time a measurement names other parameters (the second optimizer's,
+    a parameter without a gradient) they are merged (`scaler_ranges`).
+    """
+    rng = np.random.default_rng(19)
+    growth_factor = 2.0
+    sizes = {"a.w": 3000, "a.b": 70_000, "b.w": 513, "b.b": 129}
+    params = {n: torch.nn.Parameter(torch.zeros(s)) for n, s in sizes.items()}
+    optimizers = [
+        torch.optim.SGD([{"params": [params[n] for n in group], "param_names": group}], lr=0.0)
+        for group in (["a.w", "a.b"], ["b.w", "b.b"])
+    ]
+    scaler = lt.GradScaler("cpu", diagnostics_every=2, **settings)
+    scaler.scale(torch.ones(()))
+    # Who has a gradient, per step; which optimizers step.
+    plan = [
+        ({"a.w", "a.b"}, [0]),
+        ({"a.w", "a.b"}, [0]),
+        ({"a.w", "a.b", "b.w", "b.b"}, [0, 1]),
+        (set(sizes), [0, 1]),
+        ({"a.b", "b.w"}, [0, 1]),
+        (set(sizes), [0, 1]),
+        ({"b.b", "a.w"}, [0, 1]),
+    ]
+    want = {}
+    for step, (present, stepped) in enumerate(plan):
+        for name, p in params.items():
+            p.grad = None
+            if name in present:
+                p.grad = torch.from_numpy(scaled_gradient(rng, sizes[name], growth_factor))
+        if step % 2 == 0:
+            for k in stepped:
+                for name in optimizers[k].param_groups[0]["param_names"]:
+                    if name in present:
+                        want[name] = float64_range(params[name].grad.numpy(), growth_factor)
+        for k in stepped:
+            scaler.step(optimizers[k])
+        scaler.update()
+        summary = scaler.summary()
+        assert summary["float16_range_step"] == step - step % 2
+        assert set(summary["float16_range"]) == set(want)
+        for name, expected in want.items():
+            got = summary["float16_range"][name]
+            for key in ("zero", "subnormal", "near_max"):
+                assert got[key] == pytest.approx(expected[key], rel=1e-6, abs=0), (step, name)
+            assert np.isnan(got["max_abs"]) and np.isnan(expected["max_abs"]), (step, name)
+
+
+def test_a_measuring_update_of_a_plain_policy_adds_one_operation():
+    """The measurement's update: torch's kernel and the measured step's write, nothing per parameter.
+
+    (It built a scalar per parameter and field, and indexed each out of the
+    measurement's vectors: 4 x 28 operations on this model.)
+    """
+    from tests.torch_cases import count_ops
+
+    run = {}
+    for every in (None, 1):
+        scaler = lt.GradScaler("cpu", init_scale=cases.INIT_SCALE, diagnostics_every=every)
+        result = cases.train(scaler)
+        result["optimizer"].zero_grad()
+        cases.loss_of(result["model"], *cases.batch()).backward()
+        scaler.step(result["optimizer"])
+        with count_ops() as seen:
+            scaler.update()
+        run[every] = seen
+    assert run[1] == ["aten.fill_.Scalar", *run[None]]

@@ -37,6 +37,7 @@ from lossscale.torch import (
     scaler_host,
     scaler_step,
 )
+from lossscale.torch.scaler_ranges import ParameterRanges
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -229,13 +230,15 @@ class GradScaler(
         # device (see `_unscaling_may_overflow`).
         self._scale_bound = 0.0
         # Updates so far, counted on the host (the diagnostics cadence), the
-        # per-parameter records by name, and the step observers by id.
+        # telemetry's per-parameter records by name, the last float16 ranges
+        # (`scaler_ranges`), and the step observers by id.
         self._host_steps = self._extra_start.get("steps", 0)
         # The count the device's `steps` holds: a plain update counts on the
         # host only (an operation fewer per step), and the device's count is
         # written where it is next read (`_written_steps`).
         self._device_steps = self._host_steps
         self._per_variable = {}
+        self._ranges = ParameterRanges()
         self._observers = {}
         # The scale-1 check's constant operands, by device (`_check_only`).
         self._check_units = {}
@@ -330,16 +333,20 @@ class GradScaler(
         skip = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
         self._last_skip = skip
         policy = self._policy
-        # (A plain policy keeps no telemetry: only diagnostics read per variable.)
-        if policy.is_plain and not (policy.diagnoses and self._reads_per_variable()):
+        measuring = self._measures_now()
+        if measuring:
+            self._record_ranges(states)
+        if policy.is_plain:  # (no telemetry: nothing else is kept per parameter)
             states.clear()
+            if measuring:  # the step of the measurement, as `next_loss_scale` keeps it
+                self._extras["range_step"].fill_(self._host_steps)
             self._update_plain(skip, policy)
             return
         finite = skip == 0
         peak = None
         if self._policy.growth_policy == "headroom":
             peak = torch.stack([s["peak"] for s in states.values() if "peak" in s]).amax()
-        new = self._advance(states, finite, peak, skip)
+        new = self._advance(states, finite, peak, skip, measuring)
         if new.scale is not self._scale:  # else updated in place by the fused kernel
             self._scale.copy_(new.scale)
         if new.counter is not self._growth_tracker:
@@ -355,7 +362,7 @@ class GradScaler(
                 raise LossScaleError(self._failure_message())
 
     def _update_plain(self, skip, policy):
-        """`update()` of a plain policy off a measuring step: torch's kernel and the floor.
+        """`update()` of a plain policy: torch's kernel and the floor.
 
         `next_loss_scale` would run the same kernel (`fused_scale_update`)
         and, with diagnostics, count the step; called directly, the update

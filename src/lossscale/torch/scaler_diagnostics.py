@@ -35,9 +35,16 @@ from lossscale.torch import gradients
 _OPS = get_ops("torch")
 
 
-def per_variable_fields(policy):
-    """The per-variable `LossScaleState` fields `policy` tracks, a scaler keeps them by name."""
-    return [f for f in loss_scale.state_fields(policy) if per_variable(f)]
+def telemetry_fields(policy):
+    """The per-variable `LossScaleState` fields of the telemetry, kept by parameter name.
+
+    (The `range_*` ones are kept as vectors: `scaler_ranges`.)
+    """
+    return [
+        f
+        for f in loss_scale.state_fields(policy)
+        if per_variable(f) and f.name not in diagnostics.FIELDS
+    ]
 
 
 def _flatten(outputs):
@@ -133,13 +140,17 @@ class ScalerDiagnosticsMixin:
         return policy.diagnoses and self._host_steps % policy.diagnostics_every == 0
 
     def _measure(self, optimizer):
-        """`{name: measure(grad)}` of the optimizer's scaled gradients, on a due step."""
+        """`(names, columns)`: the float16 range of the optimizer's scaled gradients, or None.
+
+        None off a due step. `columns` are `diagnostics.measure_all`'s four
+        vectors, entry i the gradient of `names[i]`.
+        """
         if not self._measures_now():
-            return {}
+            return None
         named = self._named_gradients(optimizer)
         named = [(name, grad) for name, grad in named if grad.numel()]
         if not named:
-            return {}
+            return None
         columns = list(
             diagnostics.measure_all(_OPS, [grad for _, grad in named], self._policy.growth_factor)
         )
@@ -152,7 +163,7 @@ class ScalerDiagnosticsMixin:
         for group in groups:
             for k in (2, 3):  # near_max, max_abs
                 columns[k] = _OPS.all_max(columns[k], group)
-        return {name: tuple(column[i] for column in columns) for i, (name, _) in enumerate(named)}
+        return [name for name, _ in named], tuple(columns)
 
     def _named_gradients(self, optimizer, sparse_values=False):
         """`(name, gradient)` of the optimizer's dense local gradients.
@@ -181,54 +192,53 @@ class ScalerDiagnosticsMixin:
 
     # -- the update ------------------------------------------------------------
 
-    def _per_variable_state(self, states):
-        """The per-variable fields for `next_loss_scale`, and what this step measured.
+    def _telemetry_state(self, states):
+        """The telemetry's per-parameter fields for `next_loss_scale`.
 
         Returns:
-            `(names, fields, variable_finite, measured)`: the parameter names
-            (every one seen so far), `{field: tuple}` in that order,
-            `variable_finite` (None where a parameter had no gradient), and
-            `measured` for `next_loss_scale` (None: not a measuring step).
+            `(names, fields, variable_finite)`: the parameter names (every
+            one checked so far), `{field: tuple}` in that order, and
+            `variable_finite` (None where a parameter had no gradient).
         """
-        fields = per_variable_fields(self._policy)
-        finite, ranges = {}, {}
+        fields = telemetry_fields(self._policy)
+        finite = {}
         for state in states.values():
             finite.update(state.get("finite_per_parameter", {}))
-            ranges.update(state.get("measured", {}))
         device = self._scale.device
-        for name in [*finite, *ranges]:
+        for name in finite:
             if name not in self._per_variable:
                 self._per_variable[name] = {
                     f.name: torch.full(
-                        (),
-                        f.metadata["initial"],
-                        dtype=_DTYPES[f.metadata["dtype"]],
-                        device=device,
+                        (), f.metadata["initial"], dtype=_DTYPES[f.metadata["dtype"]], device=device
                     )
                     for f in fields
                 }
         names = list(self._per_variable)
-        columns = {f.name: [self._per_variable[n][f.name] for n in names] for f in fields}
-        for i, name in enumerate(names):
-            for field, value in zip(diagnostics.FIELDS, ranges.get(name, ())):
-                columns[field][i] = value.to(device, non_blocking=True)
-        measured = True if self._measures_now() and self._policy.diagnoses else None
-        variable_finite = ()
-        if self._policy.records_details:
-            variable_finite = tuple(finite.get(n) for n in names)
-        return names, {k: tuple(v) for k, v in columns.items()}, variable_finite, measured
+        columns = {f.name: tuple(self._per_variable[n][f.name] for n in names) for f in fields}
+        return names, columns, tuple(finite.get(n) for n in names)
 
-    def _advance(self, states, finite, peak, skip):
+    def _record_ranges(self, states):
+        """Keeps this update's measurements (`_measure`'s, one per optimizer stepped)."""
+        for state in states.values():
+            measured = state.get("measured")
+            if measured is not None:
+                self._ranges.record(*measured, self._scale.device)
+
+    def _advance(self, states, finite, peak, skip, measuring):
         """`next_loss_scale` of this update, with the per-parameter fields lent and kept back.
 
         `skip` is `finite` as torch's float flag (1.0: skipped). The scale
         and the growth tracker may be updated in place (a plain policy's
         fused kernel does). Also tells the observers, and counts the update
-        on the host.
+        on the host. On a `measuring` update the ranges are recorded
+        already: the statistics policy decides on them.
         """
-        names, per_variable, variable_finite, measured = (), {}, (), None
-        if self._reads_per_variable():
-            names, per_variable, variable_finite, measured = self._per_variable_state(states)
+        names, per_variable, variable_finite = (), {}, ()
+        if self._policy.records_details:
+            names, per_variable, variable_finite = self._telemetry_state(states)
+        if measuring:
+            columns = self._ranges.columns
+            per_variable.update({f: columns.get(f, ()) for f in diagnostics.FIELDS})
         state = self._state(per_variable)
         new = next_loss_scale(
             _OPS,
@@ -237,12 +247,13 @@ class ScalerDiagnosticsMixin:
             self._policy,
             peak=peak,
             variable_finite=variable_finite,
-            measured=measured,
+            measured=True if measuring else None,
             skip=skip.to(torch.float32),
             in_place=True,
         )
-        if names:
-            self._keep_per_variable(names, new)
+        for f in telemetry_fields(self._policy):
+            for name, value in zip(names, getattr(new, f.name)):
+                self._per_variable[name][f.name] = value
         if self._observers:
             for observer, _ in list(self._observers.values()):
                 observer.on_step(finite, state.steps)
@@ -250,40 +261,39 @@ class ScalerDiagnosticsMixin:
         self._device_steps = self._host_steps  # `next_loss_scale` counted it there too
         return new
 
-    def _reads_per_variable(self):
-        """Whether this update reads and writes the per-parameter fields.
-
-        With telemetry, every update (each parameter's overflow flag); with
-        diagnostics alone, a measuring update, or every one under the
-        statistics policy, which reads the last measurement. Elsewhere the
-        fields stay as they are, and building them for a hundred-odd
-        parameters would cost more than the update.
-        """
-        policy = self._policy
-        if policy.records_details:
-            return True
-        return policy.diagnoses and (self._measures_now() or policy.growth_policy == "statistics")
-
-    def _keep_per_variable(self, names, new):
-        for f in per_variable_fields(self._policy):
-            for name, value in zip(names, getattr(new, f.name)):
-                self._per_variable[name][f.name] = value
-
     # -- on the host -----------------------------------------------------------
 
     def _per_variable_values(self):
-        """`(names, {field: list of Python values})`, read in one transfer."""
-        fields = per_variable_fields(self._policy)
-        names = list(self._per_variable)
-        if not names or not fields:
-            return names, {f.name: [] for f in fields}
-        flat = torch.stack(
-            [self._per_variable[n][f.name].to(torch.float64) for f in fields for n in names]
-        ).tolist()
-        values = {}
-        for k, f in enumerate(fields):
+        """`(names, {field: list of Python values})`, read in one transfer.
+
+        The names are the telemetry's (every parameter checked), then any
+        only measured; a field a parameter has no value of reads as its
+        initial value.
+        """
+        policy = self._policy
+        fields = telemetry_fields(policy)
+        checked = list(self._per_variable)
+        seen = set(checked)
+        names = checked + [n for n in self._ranges.names if n not in seen]
+        parts = [
+            torch.stack([self._per_variable[n][f.name].to(torch.float64) for n in checked])
+            for f in fields
+            if checked
+        ]
+        if policy.diagnoses and names:
+            parts.extend(self._ranges.values(names).values())
+        # One copy to the host (every part on the device of the first).
+        flat = torch.cat([p.to(parts[0].device) for p in parts]).tolist() if parts else []
+        values, at = {}, 0
+        for f in fields:
             cast = float if f.metadata["dtype"] == "float32" else int
-            values[f.name] = [cast(x) for x in flat[k * len(names) : (k + 1) * len(names)]]
+            taken = flat[at : at + len(checked)] if checked else []
+            at += len(taken)
+            start = cast(f.metadata["initial"])
+            values[f.name] = [cast(x) for x in taken] + [start] * (len(names) - len(checked))
+        for f in diagnostics.FIELDS if policy.diagnoses else ():
+            values[f] = flat[at : at + len(names)] if names else []
+            at += len(values[f])
         return names, values
 
     def _overflow_modules(self, steps):

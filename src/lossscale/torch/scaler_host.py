@@ -33,6 +33,7 @@ from lossscale.mixed_precision.loss_scale import MAX_SCALE, NO_ERROR
 from lossscale.mixed_precision.state import per_variable
 from lossscale.mixed_precision.telemetry import LossScaleError, failure_message, summarize
 from lossscale.shared_handles import SharedHandle
+from lossscale.torch.scaler_ranges import ParameterRanges
 
 # torch's keys, which its `GradScaler.load_state_dict` reads.
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -312,6 +313,7 @@ class ScalerHostMixin:
             self._extras = make_tensors(extras, policy, self._scale.device)
         # The per-parameter records are not in a state dict: they start afresh.
         self._per_variable = {}
+        self._ranges = ParameterRanges()
         self._host_steps = self._device_steps = extras.get("steps", 0)
         self._scale_bound = float(np.float32(state_dict["scale"]))
 
@@ -334,6 +336,7 @@ class ScalerHostMixin:
         super().__setstate__(state)
         self.__dict__.setdefault("_check_units", {})  # pickled before it existed
         self.__dict__.setdefault("_device_steps", self._host_steps)
+        self.__dict__.setdefault("_ranges", ParameterRanges())
 
     # -- reading the state ---------------------------------------------------
 

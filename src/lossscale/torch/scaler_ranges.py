@@ -1,0 +1,69 @@
+"""The last float16-range measurement of each parameter a `GradScaler` measured.
+
+A measuring update hands over `diagnostics.measure_all`'s four vectors
+(entry i: the i-th measured parameter) as they are: they stay vectors,
+one per field, on the scale's device. Split into a scalar per parameter
+and field (as the telemetry's flags are) they cost an indexing operation
+each, four hundred-odd on a model of a hundred parameters, which was most
+of a measuring update's time. Only when a measurement names other
+parameters than the last (a parameter without a gradient that step, a
+second optimizer) are the vectors merged: one gather per field.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lossscale.mixed_precision import diagnostics
+
+
+class ParameterRanges:
+    """The four `range_*` vectors of the parameters measured so far, and their names.
+
+    Attributes:
+        names: The parameter names, in the order they were first measured:
+            entry i of each vector is `names[i]`'s.
+        columns: `{field: float32 vector}` for the fields of
+            `diagnostics.FIELDS`, or `{}` before any measurement.
+    """
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.columns: dict[str, torch.Tensor] = {}
+
+    def record(self, names: list[str], columns: tuple, device: torch.device) -> None:
+        """Takes a measurement: `columns[k][i]` is field k of `names[i]`.
+
+        Parameters not in `names` keep their last measurement.
+
+        Args:
+            names: The measured parameters' names.
+            columns: The four vectors of `diagnostics.measure_all`.
+            device: Where the vectors are kept (the scale's device).
+        """
+        new = {f: c.to(device, non_blocking=True) for f, c in zip(diagnostics.FIELDS, columns)}
+        if not self.columns or names == self.names:
+            self.names, self.columns = list(names), new
+            return
+        # Entry j of `torch.cat([old, new])`: the old vectors' entries, then the new.
+        at = {name: i for i, name in enumerate(self.names)}
+        at.update({name: len(self.names) + j for j, name in enumerate(names)})
+        merged = self.names + [n for n in names if n not in set(self.names)]
+        index = torch.tensor([at[n] for n in merged], device=device)
+        self.columns = {f: torch.cat([self.columns[f], new[f]]).index_select(0, index) for f in new}
+        self.names = merged
+
+    def values(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """`{field: float64 vector}` over `names` (0.0 where one was never measured)."""
+        if not self.columns:
+            zeros = torch.zeros(len(names), dtype=torch.float64)
+            return {f: zeros for f in diagnostics.FIELDS}
+        at = {name: i for i, name in enumerate(self.names)}
+        device = next(iter(self.columns.values())).device
+        # The last entry of `padded` is the initial 0.0 of a parameter never measured.
+        index = torch.tensor([at.get(n, len(self.names)) for n in names], device=device)
+        out = {}
+        for f, column in self.columns.items():
+            padded = torch.cat([column, column.new_zeros(1)])
+            out[f] = padded.index_select(0, index).to(torch.float64)
+        return out
