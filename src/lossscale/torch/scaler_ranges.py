@@ -49,7 +49,7 @@ class ParameterRanges:
         at = {name: i for i, name in enumerate(self.names)}
         at.update({name: len(self.names) + j for j, name in enumerate(names)})
         merged = self.names + [n for n in names if n not in set(self.names)]
-        index = torch.tensor([at[n] for n in merged], device=device)
+        index = _on(device, [at[n] for n in merged])
         self.columns = {f: torch.cat([self.columns[f], new[f]]).index_select(0, index) for f in new}
         self.names = merged
 
@@ -67,3 +67,15 @@ class ParameterRanges:
             padded = torch.cat([column, column.new_zeros(1)])
             out[f] = padded.index_select(0, index).to(torch.float64)
         return out
+
+
+def _on(device, indices):
+    """`indices` as an int64 tensor on `device`, copied without waiting for it.
+
+    (`torch.tensor(..., device="cuda")` from a list waits for the stream:
+    a host synchronisation inside the step.)
+    """
+    index = torch.tensor(indices, dtype=torch.int64)
+    if device.type == "cuda":
+        index = index.pin_memory()
+    return index.to(device, non_blocking=True)
