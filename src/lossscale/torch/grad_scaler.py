@@ -315,22 +315,7 @@ class GradScaler(
             self._set_scale(new_scale)
             return
         states = self._per_optimizer_states
-        device = self._scale.device
-        flags = []
-        for state in states.values():
-            for f in state["found_inf_per_device"].values():
-                f = f.to(device, non_blocking=True)
-                # Reshaped only when not 0-d already (torch's are): a `view` is a dispatch too.
-                flags.append(f.reshape(()) if f.ndim else f)
-        if not flags:
-            raise RuntimeError(
-                "`GradScaler.update()` found no overflow check to update the scale from: "
-                "no optimizer was stepped (or unscaled) by this scaler since the last update. "
-                "Call `scaler.step(optimizer)` first. Received: no `step()` or `unscale_()` "
-                "since the last `update()`"
-            )
-        # Each flag is 0 or 1 (torch's kernel, or `_agreed`): torch's AMP form.
-        skip = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
+        skip = self._skip_flag(states)
         self._last_skip = skip
         policy = self._policy
         measuring = self._measures_now()

@@ -172,3 +172,22 @@ class ScalerChecksMixin:
             # machine leaves the state as it is, until the state is restored.
             flag = torch.maximum(flag, (self._extras["error"] != NO_ERROR).to(flag.dtype))
         return {device: flag}
+
+    def _skip_flag(self, states):
+        """The steps' overflow flags, one scalar on the scale's device (1.0: skip), for `update`."""
+        device = self._scale.device
+        flags = []
+        for state in states.values():
+            for f in state["found_inf_per_device"].values():
+                f = f.to(device, non_blocking=True)
+                # Reshaped only when not 0-d already (torch's are): a `view` is a dispatch too.
+                flags.append(f.reshape(()) if f.ndim else f)
+        if not flags:
+            raise RuntimeError(
+                "`GradScaler.update()` found no overflow check to update the scale from: "
+                "no optimizer was stepped (or unscaled) by this scaler since the last update. "
+                "Call `scaler.step(optimizer)` first. Received: no `step()` or `unscale_()` "
+                "since the last `update()`"
+            )
+        # Each flag is 0 or 1 (torch's kernel, or `_agreed`): torch's AMP form.
+        return flags[0] if len(flags) == 1 else torch.stack(flags).amax()

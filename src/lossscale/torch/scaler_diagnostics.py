@@ -8,10 +8,10 @@ stage) and so, per overflow of the window, their names; with
 (`diagnostics.measure_all`: all of them at once, on the steps a Python
 count of updates makes due: no host read). `LossScaleState` keeps
 per-variable fields for a model's variables; a scaler has parameters
-instead, so it keeps their values here, keyed by parameter name, on the
-scale's device, and lends them to `next_loss_scale` as tuples of scalars
-(the `range_*` fields too, which `next_loss_scale` reads as a vector or as
-a tuple).
+instead, so it keeps the telemetry's here, keyed by parameter name, on the
+scale's device, and lends them to `next_loss_scale` as tuples of scalars;
+the float16 ranges it keeps as the measurement's vectors
+(`scaler_ranges`), which `next_loss_scale` reads as they are.
 
 Names come from `watch(model, scaler)` (`model.named_parameters()`), else
 from the param group's `"param_names"` (torch fills them when the
