@@ -137,7 +137,7 @@ def native(backend, x):
     if x.dtype.name == "bfloat16":
         t = torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
     else:
-        t = torch.from_numpy(np.ascontiguousarray(x)).clone()
+        t = torch.from_numpy(np.array(x, order="C"))  # a writable copy of the read-only cache
     if not x.flags.c_contiguous:  # the same strides as the NumPy view
         buffer = torch.zeros(2 * x.size, dtype=t.dtype)
         buffer[::2] = t

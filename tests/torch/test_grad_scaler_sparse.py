@@ -42,7 +42,9 @@ def run(scaler_class, name, bad_value_at=None):
             grad = embedding.weight.grad.coalesce()
             values = grad.values().clone()
             values[bad_value_at] = float("inf")
-            embedding.weight.grad = torch.sparse_coo_tensor(grad.indices(), values, grad.shape)
+            embedding.weight.grad = torch.sparse_coo_tensor(
+                grad.indices(), values, grad.shape, check_invariants=True
+            )
         for opt in optimizers:
             scaler.step(opt)
         scaler.update()
