@@ -437,3 +437,39 @@ def test_a_measuring_update_of_a_plain_policy_adds_one_operation():
             scaler.update()
         run[every] = seen
     assert run[1] == ["aten.fill_.Scalar", *run[None]]
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_unscale_before_step_measures_the_scaled_gradients(kind):
+    """`unscale_` then clipping then `step`: the range is the scaled gradients', measured once."""
+    rng = np.random.default_rng(23)
+    growth_factor = 2.0
+    sizes = (4095, 70_001)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    names = ["small", "large"]
+    optimizer = torch.optim.AdamW(
+        [{"params": params, "param_names": names}],
+        fused=kind == "fused",
+        foreach=kind != "fused",
+    )
+    scaler = lt.GradScaler("cpu", growth_factor=growth_factor, diagnostics_every=1)
+    scaler.scale(torch.ones(()))
+    # Every kind of value but inf and NaN: a step that is applied, its gradients clipped.
+    grads = [
+        np.nan_to_num(scaled_gradient(rng, n, growth_factor), nan=0.0, posinf=6e4, neginf=-6e4)
+        for n in sizes
+    ]
+    for p, g in zip(params, grads):
+        p.grad = torch.from_numpy(g.copy())
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    scaler.step(optimizer)
+    scaler.update()
+    summary = scaler.summary()
+    assert summary["float16_range_step"] == 0
+    for name, g in zip(names, grads):
+        got, want = summary["float16_range"][name], float64_range(g, growth_factor)
+        for key in ("zero", "subnormal", "near_max"):
+            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=0), (name, key)
+        assert got["max_abs"] == want["max_abs"]
+    assert scaler.last_step_skipped is False  # applied: the clipped, unscaled gradients
