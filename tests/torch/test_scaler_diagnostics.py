@@ -8,6 +8,7 @@ with everything on reads nothing on the host; with diagnostics on, the run
 is the run without them.
 """
 
+import contextlib
 import copy
 
 import numpy as np
@@ -473,3 +474,50 @@ def test_unscale_before_step_measures_the_scaled_gradients(kind):
             assert got[key] == pytest.approx(want[key], rel=1e-6, abs=0), (name, key)
         assert got["max_abs"] == want["max_abs"]
     assert scaler.last_step_skipped is False  # applied: the clipped, unscaled gradients
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_measurements_of_other_parameters_are_merged_without_a_host_read(device):
+    """The merge of `scaler_ranges` (a parameter without a gradient, then with) waits for nothing.
+
+    On CPU every host read raises (`no_host_reads`); on CUDA, torch's sync
+    debug mode raises on any synchronisation.
+    """
+    params = [torch.nn.Parameter(torch.zeros(n, device=device)) for n in (300, 5000, 70_000)]
+    names = ["a", "b", "c"]
+    # Fused: an optimizer without a fused kernel is read on the host by torch's protocol.
+    optimizer = torch.optim.AdamW([{"params": params, "param_names": names}], fused=True)
+    scaler = lt.GradScaler(device, telemetry=True, diagnostics_every=1)
+    rng = np.random.default_rng(29)
+
+    def step(present):
+        for p in params:
+            p.grad = None
+        for i in present:
+            values = rng.normal(size=params[i].numel()).astype(np.float32)
+            params[i].grad = torch.from_numpy(values).to(device)
+        scaler.scale(torch.ones((), device=device))
+        scaler.step(optimizer)
+        scaler.update()
+
+    step([0, 1, 2])  # the scale and the state are made
+    with no_host_reads() if device == "cpu" else _cuda_sync_raises():
+        step([0, 2])  # measured: a and c, merged with the first measurement
+        step([1])  # b alone
+        step([0, 1, 2])
+    summary = scaler.summary()
+    assert list(summary["float16_range"]) == names
+    assert summary["float16_range_step"] == 3
+
+
+@contextlib.contextmanager
+def _cuda_sync_raises():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
