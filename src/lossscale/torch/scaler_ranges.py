@@ -48,7 +48,8 @@ class ParameterRanges:
         # Entry j of `torch.cat([old, new])`: the old vectors' entries, then the new.
         at = {name: i for i, name in enumerate(self.names)}
         at.update({name: len(self.names) + j for j, name in enumerate(names)})
-        merged = self.names + [n for n in names if n not in set(self.names)]
+        known = set(self.names)
+        merged = self.names + [n for n in names if n not in known]
         index = _on(device, [at[n] for n in merged])
         self.columns = {f: torch.cat([self.columns[f], new[f]]).index_select(0, index) for f in new}
         self.names = merged
