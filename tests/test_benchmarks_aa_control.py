@@ -35,8 +35,9 @@ def test_prints_each_row_with_its_ratio_per_round():
 
 def test_takes_the_rows_to_compare_by_name():
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "tiny", "2", "1", "diagnostics-off-optax"]
-        + ["diagnostics-on-optax"],
+        # Rows that build in a moment (the NumPy rule, torch's GradScaler step).
+        [sys.executable, str(SCRIPT), "tiny", "2", "1", "lossscale-numpy"]
+        + ["lossscale-gradscaler-adamw-fused"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -44,9 +45,9 @@ def test_takes_the_rows_to_compare_by_name():
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line[:2] == "| "]
     assert rows[1:] == [
-        "diagnostics-off-optax",
-        "diagnostics-off-optax again",
-        "diagnostics-on-optax",
+        "lossscale-numpy",
+        "lossscale-numpy again",
+        "lossscale-gradscaler-adamw-fused",
     ]
 
 

@@ -270,7 +270,6 @@ def shard_map_runs(tmp_path_factory):
 # one device's block: every device skips both).
 SHARD_MAP_SCALES = {
     "default": [256, 512, 256, 256, 128, 128],
-    "telemetry": [256, 512, 256, 256, 128, 128],
     "headroom": [256, 512, 256, 256, 128, 128],
     "hysteresis": [256, 512, 512, 512, 512, 512],  # two overflows, never in a row
     "statistics": [512, 512, 256, 256, 128, 128],  # grows at the measured step 0
@@ -292,7 +291,7 @@ def test_shard_map_blocks_agree_over_axis_name(shard_map_runs, interface, option
     """
     from tests.workers import jax_shard_map_worker
 
-    assert sorted(jax_shard_map_worker.OPTIONS) == sorted(SHARD_MAP_SCALES)
+    assert sorted(jax_shard_map_worker.SHARD_MAP_OPTIONS) == sorted(SHARD_MAP_SCALES)
     run = shard_map_runs[f"{interface}-{option}"]
     assert run["scales"] == SHARD_MAP_SCALES[option]
     assert run["same"]
