@@ -251,7 +251,7 @@ class ScalerDiagnosticsMixin:
             skip=skip.to(torch.float32),
             in_place=True,
         )
-        for f in telemetry_fields(self._policy):
+        for f in telemetry_fields(self._policy) if names else ():
             for name, value in zip(names, getattr(new, f.name)):
                 self._per_variable[name][f.name] = value
         if self._observers:
@@ -277,8 +277,7 @@ class ScalerDiagnosticsMixin:
         names = checked + [n for n in self._ranges.names if n not in seen]
         parts = [
             torch.stack([self._per_variable[n][f.name].to(torch.float64) for n in checked])
-            for f in fields
-            if checked
+            for f in (fields if checked else ())
         ]
         if policy.diagnoses and names:
             parts.extend(self._ranges.values(names).values())
@@ -287,13 +286,13 @@ class ScalerDiagnosticsMixin:
         values, at = {}, 0
         for f in fields:
             cast = float if f.metadata["dtype"] == "float32" else int
-            taken = flat[at : at + len(checked)] if checked else []
-            at += len(taken)
-            start = cast(f.metadata["initial"])
-            values[f.name] = [cast(x) for x in taken] + [start] * (len(names) - len(checked))
+            initial = cast(f.metadata["initial"])
+            taken = [cast(x) for x in flat[at : at + len(checked)]]
+            values[f.name] = taken + [initial] * (len(names) - len(checked))
+            at += len(checked)
         for f in diagnostics.FIELDS if policy.diagnoses else ():
-            values[f] = flat[at : at + len(names)] if names else []
-            at += len(values[f])
+            values[f] = flat[at : at + len(names)]
+            at += len(names)
         return names, values
 
     def _overflow_modules(self, steps):
