@@ -58,12 +58,16 @@ def launch(command, finished, attempts=2, **kwargs):
     return proc
 
 
-def run_ranks(scenario, tmp_path):
-    paths = [tmp_path / f"{scenario}_rank{r}.npz" for r in (0, 1)]
-    command = workers.command(WORKER, scenario, tmp_path, free_port())
-    proc = launch(command, finished=lambda: all(p.exists() for p in paths), cwd=workers.ROOT)
+@pytest.fixture(scope="module")
+def torch_ranks(tmp_path_factory):
+    """`{scenario: [rank 0's results, rank 1's]}`: every worker scenario, in one two-rank job."""
+    out = tmp_path_factory.mktemp("ranks")
+    paths = {s: [out / f"{s}_rank{r}.npz" for r in (0, 1)] for s in worker.SCENARIOS}
+    command = workers.command(WORKER, ",".join(worker.SCENARIOS), out, free_port())
+    everything = [p for pair in paths.values() for p in pair]
+    proc = launch(command, finished=lambda: all(p.exists() for p in everything), cwd=workers.ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [dict(np.load(path)) for path in paths]
+    return {s: [dict(np.load(p)) for p in pair] for s, pair in paths.items()}
 
 
 ABORTING = """
@@ -108,8 +112,8 @@ def single_process_sharded_reference(settings=None, boost=1.0):
     return scales, [p.numpy() for p in params]
 
 
-def test_sharded_gradients_skip_together(tmp_path):
-    ranks = run_ranks("sharded", tmp_path)
+def test_sharded_gradients_skip_together(torch_ranks):
+    ranks = torch_ranks["sharded"]
     scales, params = single_process_sharded_reference()
     for result in ranks:
         # The inf and the NaN were on rank 1 only, yet both ranks skipped and halved.
@@ -121,10 +125,10 @@ def test_sharded_gradients_skip_together(tmp_path):
         np.testing.assert_array_equal(ranks[0][key], ranks[1][key])
 
 
-def test_the_statistics_policy_decides_on_every_rank_s_measurement(tmp_path):
+def test_the_statistics_policy_decides_on_every_rank_s_measurement(torch_ranks):
     # Rank 1's peak leaves no room to grow, rank 0's does: the ranks agree on
     # the largest, as one process holding every parameter decides.
-    ranks = run_ranks("sharded_statistics", tmp_path)
+    ranks = torch_ranks["sharded_statistics"]
     scales, params = single_process_sharded_reference(worker.STATISTICS, boost=4.0)
     for result in ranks:
         np.testing.assert_array_equal(result["scales"], scales)
@@ -134,15 +138,15 @@ def test_the_statistics_policy_decides_on_every_rank_s_measurement(tmp_path):
     assert scales != alone  # rank 1's gradients changed the decision
 
 
-def test_without_agreement_the_ranks_drift_apart(tmp_path):
+def test_without_agreement_the_ranks_drift_apart(torch_ranks):
     # Control: each rank alone in its group (no shared decision) desynchronises.
-    rank0, rank1 = run_ranks("sharded_without_agreement", tmp_path)
+    rank0, rank1 = torch_ranks["sharded_without_agreement"]
     assert not np.array_equal(rank0["scales"], rank1["scales"])
     assert int(rank0["iterations"]) != int(rank1["iterations"])
 
 
-def test_ddp_matches_a_single_process_run(tmp_path):
-    ranks = run_ranks("ddp", tmp_path)
+def test_ddp_matches_a_single_process_run(torch_ranks):
+    ranks = torch_ranks["ddp"]
     x, y = worker.data()
     reference = worker.train(worker.make_model(), x, y)
     assert reference["scales"][worker.STEPS // 2] == reference["scales"][2] / 2  # the poisoned step
@@ -154,9 +158,9 @@ def test_ddp_matches_a_single_process_run(tmp_path):
                 np.testing.assert_allclose(result[key], reference[key], rtol=1e-5, atol=1e-7)
 
 
-def test_torch_all_max_keeps_a_nan_of_any_rank(tmp_path):
+def test_torch_all_max_keeps_a_nan_of_any_rank(torch_ranks):
     # gloo's MAX alone keeps or drops a rank's NaN by its position.
-    results = run_ranks("collectives", tmp_path)
+    results = torch_ranks["collectives"]
     for r in results:
         np.testing.assert_array_equal(r["max"], [np.nan, 1.0, np.nan, -2.0])
         assert np.isnan(r["max_scalar"]) and r["max_scalar"].shape == ()

@@ -1,7 +1,9 @@
 """Two-process torch.distributed scenarios for tests/test_distributed.py.
 
-Run as `python -m tests.workers.distributed_worker SCENARIO OUT_DIR PORT`; spawns two
-gloo ranks on 127.0.0.1 and writes `OUT_DIR/SCENARIO_rank{r}.npz`.
+Run as `python -m tests.workers.distributed_worker SCENARIO[,SCENARIO...] OUT_DIR PORT`;
+spawns two gloo ranks on 127.0.0.1, which run the scenarios one after the
+other in one process group (starting the ranks costs more than most
+scenarios), and writes `OUT_DIR/SCENARIO_rank{r}.npz` for each.
 """
 
 import sys
@@ -125,23 +127,26 @@ def collectives(rank):
     }
 
 
-def run(rank, scenario, out_dir, port):
+SCENARIOS = {
+    "sharded": lambda rank: sharded(rank, singleton_groups=False),
+    "sharded_statistics": lambda rank: sharded(rank, False, STATISTICS, boost=4.0),
+    "sharded_without_agreement": lambda rank: sharded(rank, singleton_groups=True),
+    "ddp": ddp,
+    "collectives": collectives,
+}
+
+
+def run(rank, scenarios, out_dir, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        if scenario == "ddp":
-            result = ddp(rank)
-        elif scenario == "collectives":
-            result = collectives(rank)
-        elif scenario == "sharded_statistics":
-            result = sharded(rank, False, STATISTICS, boost=4.0)
-        else:
-            result = sharded(rank, singleton_groups=scenario == "sharded_without_agreement")
-        np.savez(f"{out_dir}/{scenario}_rank{rank}.npz", **result)
-        dist.barrier()  # every rank done with its collectives before gloo shuts down
+        for scenario in scenarios:
+            result = SCENARIOS[scenario](rank)
+            np.savez(f"{out_dir}/{scenario}_rank{rank}.npz", **result)
+            dist.barrier()  # every rank done with its collectives before the next (or shutdown)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    scenario, out_dir, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    torch.multiprocessing.spawn(run, args=(scenario, out_dir, port), nprocs=2)
+    scenarios, out_dir, port = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3])
+    torch.multiprocessing.spawn(run, args=(scenarios, out_dir, port), nprocs=2)
