@@ -129,7 +129,9 @@ def collectives(rank):
 
 SCENARIOS = {
     "sharded": lambda rank: sharded(rank, singleton_groups=False),
-    "sharded_statistics": lambda rank: sharded(rank, False, STATISTICS, boost=4.0),
+    "sharded_statistics": lambda rank: sharded(
+        rank, singleton_groups=False, settings=STATISTICS, boost=4.0
+    ),
     "sharded_without_agreement": lambda rank: sharded(rank, singleton_groups=True),
     "ddp": ddp,
     "collectives": collectives,
