@@ -217,6 +217,7 @@ LAYERS = {
     "torch": [
         "control",
         "dtensors",
+        "layout",
         "ops",
         "scale_update",
         "multi",

@@ -155,6 +155,38 @@ def parity():
     return out
 
 
+def odd_scale():
+    """A scale that is no power of two (a Keras setting): fit, and the scales used.
+
+    Keras's wrapper and ours, compiled and not (on torch only eagerly: the
+    parity scenario compiles there); then four steps of `apply`, whose
+    `scale_history` must hold the scale each step used.
+    """
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    out = {}
+    for jit in (False, True) if COMPILE else (False,):
+        x, y = data()
+        runs = {}
+        for name, wrapper in (
+            ("keras", keras.optimizers.LossScaleOptimizer),
+            ("ours", lsk.LossScaleOptimizer),
+        ):
+            m, opt, steps, _ = fit(wrapper, x, y, jit, initial_scale=3.0 * 2**10)
+            runs[name] = {"weights": weights(m), "steps": steps}
+        out[f"jit={jit}"] = runs
+    keras.mixed_precision.set_dtype_policy("float32")
+    v = keras.Variable(np.zeros(3, np.float32))
+    opt = lsk.LossScaleOptimizer(keras.optimizers.SGD(1e-3), 8.0, 2, telemetry=True)
+    opt.build([v])
+    used = []
+    for t in range(4):
+        used.append(float(numpy(opt.dynamic_scale)))
+        grad = np.full(3, np.inf if t == 2 else 1.0, np.float32)
+        opt.apply([keras.ops.convert_to_tensor(grad)], [v])
+    out["history"] = {"used": used, "scale_history": opt.summary()["scale_history"][-4:]}
+    return out
+
+
 def guards():
     out = {}
     for kind, settings in (
@@ -474,6 +506,7 @@ if __name__ == "__main__":
 
     scenarios = {
         "parity": parity,
+        "odd_scale": odd_scale,
         "guards": guards,
         "telemetry": telemetry,
         "saving": lambda: saving(pathlib.Path(sys.argv[1]).parent),

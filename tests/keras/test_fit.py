@@ -77,6 +77,20 @@ def test_fit_matches_keras_bit_for_bit_with_overflows(run, jit):
     assert iterations[-1] < len(iterations)
 
 
+def test_a_scale_no_power_of_two_fits_as_under_keras_and_its_history_holds_the_scales_used(run):
+    backend, results = run
+    out = results["odd_scale"]
+    jits = ["jit=False"] if backend == "torch" else ["jit=False", "jit=True"]
+    assert sorted(k for k in out if k != "history") == jits
+    for jit in jits:
+        keras_run, ours = out[jit]["keras"], out[jit]["ours"]
+        assert ours["steps"] == keras_run["steps"], jit
+        assert ours["weights"] == keras_run["weights"], jit
+        scales = [s for s, _, _ in ours["steps"]]
+        assert scales[0] == 3.0 * 2**10 and len(set(scales)) > 1
+    assert out["history"] == {"used": [8.0, 8.0, 16.0, 8.0], "scale_history": [8.0, 8.0, 16.0, 8.0]}
+
+
 def test_an_embedding_trains_as_under_keras_its_sparse_gradient_kept(run):
     backend, results = run
     # On torch the gradient is dense: compiled, the run is `parity`'s.

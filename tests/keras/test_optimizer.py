@@ -70,6 +70,9 @@ def test_stateless_apply_equals_apply():
     (a, summary_a), (b, summary_b) = runs
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     assert summary_a == summary_b and summary_a["skipped_steps"] == 1
+    # The scale each step used (not the one after it: the history's last
+    # entry is the scale variable's value, written in the same step).
+    assert summary_a["scale_history"][-5:] == [8.0, 8.0, 16.0, 8.0, 8.0]
 
 
 class _NoHostRead:

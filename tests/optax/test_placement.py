@@ -101,6 +101,17 @@ SCRIPT = textwrap.dedent("""
         g = place(g)
         leaves, values = adapter_step(values, [g["b"], g["w"]], leaves)
     out["adapter_compiles"] = adapter_step._cache_size()
+
+    # A mesh of one device: the scalars are placed over it too, as the
+    # jitted step returns them.
+    one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P())
+    params = jax.device_put(host, one)
+    state = tx.init(params)
+    out["one_device_init"] = spec(state.scale)
+    one_step = jax.jit(lambda p, s, g: apply(p, s, g))  # a cache of its own
+    for g in grads[:3]:
+        params, state = one_step(params, state, jax.device_put(g, one))
+    out["one_device_compiles"] = one_step._cache_size()
     print(json.dumps(out))
 """)
 
@@ -136,3 +147,4 @@ def test_sharded_parameters_one_global_skip_one_compile():
     assert out["adapter"]["optax_optimizer/0/mu/1"] == w
     assert out["adapter_compiles"] == 1
     assert out["other_grads_compiles"] == [2, 1]
+    assert out["one_device_init"] == replicated and out["one_device_compiles"] == 1

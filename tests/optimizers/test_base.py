@@ -395,3 +395,18 @@ def test_a_copy_with_its_raw_tensors_resolves_them(how):
         assert torch.equal(a, b) and a is not b
     with pytest.raises(ValueError, match="Unknown variable"):
         copied.apply(grads(), params)  # the original's tensors are not the copy's
+
+
+@pytest.mark.parametrize("dtype", ["int32", "bool", "complex64"])
+def test_build_refuses_a_variable_that_is_not_real_floating_point(backend, dtype):
+    w = ls.Variable(backend.array(np.ones(3, np.float32)), name="w")
+    other = ls.Variable(backend.array(np.ones(3, dtype)), name="other")
+    opt = Adam()
+    with pytest.raises(
+        ValueError,
+        match=r"`var_list` must hold real floating-point variables: the update rules train "
+        r"neither integers, booleans nor complex numbers\. Received: variable 'other' of "
+        rf"dtype {dtype}",
+    ):
+        opt.build([w, other])
+    assert not opt.built

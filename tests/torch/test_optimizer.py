@@ -475,3 +475,62 @@ def test_a_step_hands_the_rule_its_own_variables_and_resolves_none(monkeypatch, 
     assert resolved == []
     changed = [not torch.equal(b, p) for b, p in zip(before, params)]
     assert changed == [True] * 4 + [all_have_grads]
+
+
+def test_param_groups_given_as_generators_are_read_once_as_torch_reads_them():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+
+    def groups():
+        return [{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 1e-3}]
+
+    ours = lt.Optimizer(groups(), ls.optimizers.AdamW(1e-2))
+    theirs = torch.optim.AdamW(groups(), lr=1e-2)
+    assert [len(g["params"]) for g in ours.param_groups] == [2, 2]
+    assert [len(g["params"]) for g in theirs.param_groups] == [2, 2]
+    extra = torch.nn.Linear(2, 3)
+    ours.add_param_group({"params": extra.parameters()})
+    assert [len(g["params"]) for g in ours.param_groups] == [2, 2, 2]
+    assert [len(r.variables) for r in ours.rules] == [6, 6, 6]  # 2 counters + 2x2 moments
+    with pytest.raises(TypeError, match="ordered collections"):  # torch's own error
+        lt.Optimizer([{"params": set(model.parameters())}], ls.optimizers.AdamW(1e-2))
+
+
+def test_an_empty_param_group_is_kept_and_never_stepped():
+    """The decay / no-decay split of a model without biases or norms (docs/torch.md)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(8, 2, bias=False)
+    )
+    groups = [{"params": list(model.parameters())}, {"params": [], "weight_decay": 0.0}]
+    opt = lt.Optimizer(groups, ls.optimizers.AdamW(1e-2, weight_decay=0.05))
+    reference = lt.Optimizer(
+        [{"params": [p.detach().clone().requires_grad_() for p in model.parameters()]}],
+        ls.optimizers.AdamW(1e-2, weight_decay=0.05),
+    )
+    for step in range(3):
+        model.zero_grad()
+        model(torch.full((1, 4), 1.0 + step)).sum().backward()
+        for p, q in zip(model.parameters(), reference.param_groups[0]["params"]):
+            q.grad = p.grad.clone()
+        opt.step()
+        reference.step()
+    for p, q in zip(model.parameters(), reference.param_groups[0]["params"]):
+        assert torch.equal(p, q)
+    saved = opt.state_dict()
+    assert (
+        saved["param_groups"][1]["params"] == []
+        and saved["param_groups"][1]["optimizer_variables"] == {}
+    )
+    again = lt.Optimizer(
+        [{"params": list(model.parameters())}, {"params": [], "weight_decay": 0.0}],
+        ls.optimizers.AdamW(1e-2, weight_decay=0.05),
+    )
+    again.load_state_dict(saved)
+    assert torch.equal(again.rules[0].iterations.value, opt.rules[0].iterations.value)
+    wrong = {**saved, "param_groups": [saved["param_groups"][0], dict(saved["param_groups"][1])]}
+    wrong["param_groups"][1]["optimizer_variables"] = saved["param_groups"][0][
+        "optimizer_variables"
+    ]
+    with pytest.raises(ValueError, match=r"group 1 of this optimizer has no parameters"):
+        again.load_state_dict(wrong)

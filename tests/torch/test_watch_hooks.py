@@ -301,3 +301,48 @@ def test_a_step_with_hooks_reads_nothing_on_the_host():
 def test_bad_arguments_are_named(model, history_length, match):
     with pytest.raises(ValueError, match=match):
         Watch(MLP() if model is None else model, history_length=history_length)
+
+
+class _InfInBackward(torch.autograd.Function):
+    """The identity forward; a backward that puts an inf into the gradient it passes on."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+
+class _Blow(torch.nn.Module):
+    def forward(self, x):
+        return _InfInBackward.apply(x)
+
+
+def test_a_model_with_a_sparse_embedding_is_watched_through_its_stored_values():
+    """`nn.Embedding(sparse=True)`'s gradient has no dense kernel: its values are checked."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(50, 8, sparse=True), _Blow(), torch.nn.Linear(8, 1)
+    )
+    watch = Watch(model)
+    tokens = torch.tensor([1, 2, 3, 2])
+    (model(tokens).sum() * SCALE).backward()
+    assert model[0].weight.grad.is_sparse
+    watch.on_step(torch.tensor(False), 0)
+    assert watch.modules_at([0]) == {0: "1"}  # where the inf started, not the embedding
+
+
+def test_a_float16_sparse_gradient_is_checked_as_coalesced():
+    """Two float16 entries for one row sum past float16's range only once coalesced."""
+    from lossscale.torch.watch_hooks import _stored
+
+    values = torch.full((2, 3), 40000.0, dtype=torch.float16)
+    grad = torch.sparse_coo_tensor(torch.tensor([[4, 4]]), values, (10, 3))
+    assert not torch.isfinite(_stored(grad)).all()
+    assert torch.isfinite(_stored(grad.float())).all()  # float32: its stored values, as torch's
+    dense = torch.ones(3)
+    assert _stored(dense) is dense

@@ -232,7 +232,11 @@ class LossScaleOptimizer(HostReadsMixin, keras.optimizers.LossScaleOptimizer):
             [*inner.variables, *variables],
         )
         targets = dict(step.flat_items(self._state))
-        for key, value in step.flat_items(new):
+        writes = list(step.flat_items(new))
+        # A written variable's live value passing into another (the scale into
+        # the history) is copied before the writes change it.
+        live = {id(targets[key].value) for key, _ in writes}
+        for key, value in [(k, ops.copy(x) if id(x) in live else x) for k, x in writes]:
             targets[key].assign(value)
 
     def stateless_apply(
@@ -281,10 +285,13 @@ class LossScaleOptimizer(HostReadsMixin, keras.optimizers.LossScaleOptimizer):
             ops.NAME, take, applied, lambda: (trainable, inner_values)
         )
         written = {id(self._state_item(key)): value for key, value in step.flat_items(new)}
-        mine = [
-            ops.cast(written[id(v)], v.dtype) if id(v) in written else values[id(v)]
-            for v in self._variables
-        ]
+        given = {id(x) for x in optimizer_variables}
+        mine = []
+        for v in self._variables:
+            value = written.get(id(v), values[id(v)])
+            if ops.MUTABLE and id(value) in given and value is not values[id(v)]:
+                value = ops.copy(value)  # another's given value: the caller writes that one
+            mine.append(ops.cast(value, v.dtype) if id(v) in written else value)
         return list(new_trainable), mine + list(new_inner)
 
     def _state_item(self, key):

@@ -262,8 +262,9 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
         for v in var_list:
             if validation.dtype_kind(v.dtype) != "float":
                 raise ValueError(
-                    "`var_list` must hold floating-point variables: an update rule cannot "
-                    f"train integers or booleans. Received: variable {v.path!r} of dtype {v.dtype}"
+                    "`var_list` must hold real floating-point variables: the update rules "
+                    "train neither integers, booleans nor complex numbers. Received: variable "
+                    f"{v.path!r} of dtype {v.dtype}"
                 )
         self._trainable_variables = var_list
         self._indices = {id(v): i for i, v in enumerate(var_list)}

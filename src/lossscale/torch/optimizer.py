@@ -128,7 +128,14 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group (torch's method) and the rule that runs it."""
         params = param_group["params"] if isinstance(param_group, dict) else param_group
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # a set: torch's own error (its order changes)
+            # Read once (a generator, `model.parameters()`): torch is given the
+            # list, as it would make one itself.
+            params = list(params)
+            if isinstance(param_group, dict):
+                param_group["params"] = params
         seen = set()
         for p in params:
             if id(p) in seen:
@@ -146,9 +153,10 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
         if torch.is_tensor(config["learning_rate"]):  # read once, here; assigned each step
             config["learning_rate"] = float(config["learning_rate"])
         rule = self._rule_class.from_config(config)
-        rule.build(
-            [Variable(p, name=f"group{index}_param{j}") for j, p in enumerate(group["params"])]
-        )
+        if group["params"]:  # an empty group (torch takes one) has nothing to build or step
+            rule.build(
+                [Variable(p, name=f"group{index}_param{j}") for j, p in enumerate(group["params"])]
+            )
         rule.weight_decay = config["weight_decay"] or None  # 0: not decayed at all
         self._rules.append(rule)
         self._rule_lrs.append(group["lr"])
@@ -160,7 +168,7 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
         # with zero gradients and lr 0, which would decay the moments and
         # count a step at every save). Its flattened state dicts keep only
         # the keys that `state` and `param_groups` show.
-        slots, shared = rule.state_variables()
+        slots, shared = rule.state_variables() if rule.built else ({}, {})
         for j, p in enumerate(group["params"]):
             self.state[p] = {name: v.value for name, v in slots.get(j, {}).items()}
         group[optimizer_checkpoint.RULE_VARIABLES] = {path: v.value for path, v in shared.items()}

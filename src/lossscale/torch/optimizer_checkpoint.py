@@ -39,7 +39,8 @@ class OptimizerCheckpointMixin:
         """
         state, groups, offset = {}, [], 0
         for group, rule in zip(self.param_groups, self._rules):
-            own = rule.state_dict()
+            # An empty group's rule is never built: no state.
+            own = rule.state_dict() if rule.built else {"state": {}, RULE_VARIABLES: {}}
             count = len(group["params"])
             state.update({offset + i: slots for i, slots in own["state"].items()})
             hyper = {k: v for k, v in group.items() if k not in ("params", RULE_VARIABLES)}
@@ -114,7 +115,14 @@ class OptimizerCheckpointMixin:
                 "param_groups": [{"params": list(range(count))}],
                 RULE_VARIABLES: saved[RULE_VARIABLES],
             }
-            writes += rule._state_dict_writes(own)
+            if rule.built:
+                writes += rule._state_dict_writes(own)
+            elif saved[RULE_VARIABLES]:
+                raise ValueError(
+                    f"`state_dict['param_groups'][{index}]` holds variables "
+                    f"{sorted(saved[RULE_VARIABLES])}, but group {index} of this optimizer "
+                    "has no parameters: the state dict is of another optimizer."
+                )
         extra = [key for key in state_dict["state"] if key not in listed]
         if extra:
             raise ValueError(

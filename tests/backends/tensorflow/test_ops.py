@@ -113,8 +113,9 @@ def test_a_non_float_trainable_variable_is_refused_before_anything_is_written():
     opt = ls.LossScaleOptimizer(ls.optimizers.Adam())
     with pytest.raises(
         ValueError,
-        match=r"`var_list` must hold floating-point variables: an update rule cannot train "
-        r"integers or booleans\. Received: variable 'param_1' of dtype int32",
+        match=r"`var_list` must hold real floating-point variables: the update rules train "
+        r"neither integers, booleans nor complex numbers\. Received: variable 'param_1' of "
+        r"dtype int32",
     ):
         opt.apply([tf.ones(2), tf.ones(2, tf.int32)], [w, steps])
     assert not opt.built and w.numpy().tolist() == [1.0, 2.0] and steps.numpy().tolist() == [3, 4]

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import lossscale as ls
 from lossscale.backends.torch import multi as torch_multi
 
 
@@ -363,3 +364,16 @@ def test_a_sparse_gradient_is_refused_by_name_and_nothing_is_written(inner, scal
     ):
         opt.apply([p.grad for p in used], used)
     assert all(torch.equal(p, q) for p, q in zip(params, before))
+
+
+def test_overlapping_views_are_divided_in_copies_disjoint_ones_in_place():
+    """In place, the elements two views share would be divided twice."""
+    for views, in_place in (
+        (lambda b: [b[:4], b[2:]], False),  # elements 2 and 3 in both
+        (lambda b: [b[:3], b[3:]], True),  # a flat gradient buffer's views
+    ):
+        base = torch.full((6,), 32768.0)
+        params = [torch.zeros(len(v)) for v in views(base)]
+        ls.LossScaleOptimizer(ls.optimizers.SGD(1.0)).apply(views(base), params)
+        assert all(torch.equal(p, -torch.ones_like(p)) for p in params)
+        assert torch.equal(base, torch.full((6,), 1.0 if in_place else 32768.0))

@@ -54,10 +54,13 @@ def _sharding_like(like, shape):
     sharding = like.sharding
     if tuple(like.shape) == tuple(shape):
         return sharding
-    if len(sharding.device_set) == 1:
-        return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
+    # A mesh first, even of one device: a jitted step returns the scalars
+    # replicated over it, and a placement of another kind would compile the
+    # step again at its second call.
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    if len(sharding.device_set) == 1:
+        return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
     return None
 
 

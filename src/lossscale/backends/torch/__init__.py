@@ -4,6 +4,7 @@ The seam's primitives (`lossscale.backends.protocol.BackendOps`), gathered
 from the modules that implement them:
 
 - `control`: branches on device values (`cond`), undone where not taken;
+- `layout`: which gradients a kernel may walk as one block or write in place;
 - `ops`: tensors, in-place writes, elementwise math;
 - `scale_update`: the plain loss-scale update on `torch._amp_update_scale_`;
 - `multi`: multi-tensor unscale, finite check and norms, by (device, dtype);

@@ -58,11 +58,13 @@ _INFINITE_STEPS = {}
 def _fusable(group):
     """Whether `group` takes torch's fused kernel (else the `foreach` rule).
 
-    Not in half precision (see the module doc), and not under
-    `torch.compile`: torch has no fake implementation of the fused
-    optimizer kernels to trace them with (but see `_opaque`).
+    Not in half precision (see the module doc), not under `torch.compile`:
+    torch has no fake implementation of the fused optimizer kernels to
+    trace them with (but see `_opaque`), and not for parameters that are
+    not laid out as one block each (`Group.dense`): the kernels walk
+    memory as if they were.
     """
-    return group.dtype in _FUSED_DTYPES and not torch.compiler.is_compiling()
+    return group.dtype in _FUSED_DTYPES and group.dense and not torch.compiler.is_compiling()
 
 
 def _opaque(group, iterations):
@@ -77,6 +79,7 @@ def _opaque(group, iterations):
     return (
         torch.compiler.is_compiling()
         and group.dtype in _FUSED_DTYPES
+        and group.dense
         and group.device.type in multi.HOST_READABLE
         and isinstance(ops.unwrap(iterations), torch.Tensor)
         and not dtensors.is_dtensor(group.params[0])

@@ -7,12 +7,13 @@ check takes other routes (see `_cpu_flags`).
 """
 
 import math
+import operator
 import threading
 
 import torch
 
 from lossscale.backends._common import unscale_then_check, unwrap
-from lossscale.backends.torch import dtensors, ops
+from lossscale.backends.torch import dtensors, layout, ops
 
 
 def groups(tensors):
@@ -80,8 +81,18 @@ def unscale(grads, scale, in_place=False):
     return out
 
 
+_requires_grad = operator.attrgetter("requires_grad")
+
+
 def _writable(tensors):
-    """Whether each of `tensors` may be divided in place: no autograd graph, no repeats.
+    """Whether each of `tensors` may be divided in place.
+
+    Not part of an autograd graph, none given twice or sharing memory with
+    another (`layout.disjoint`: overlapping views would be divided twice
+    where they overlap), and each one's elements at addresses of their own
+    (`layout.dense`: an expanded gradient, which `torch.autograd.grad`
+    returns for a weight used only through a sum, cannot be written in
+    place).
 
     Not while `torch.compile` traces: the compiler fuses the division into
     the step without a copy anyway, and the identity check would make it
@@ -89,8 +100,11 @@ def _writable(tensors):
     """
     if torch.compiler.is_compiling():
         return False
-    return not any(t.requires_grad for t in tensors) and len({id(t) for t in tensors}) == len(
-        tensors
+    return (
+        not any(map(_requires_grad, tensors))
+        and len(set(map(id, tensors))) == len(tensors)
+        and (layout.all_contiguous(tensors) or all(map(layout.dense, tensors)))
+        and layout.disjoint(tensors)
     )
 
 

@@ -15,7 +15,7 @@ import numbers
 import torch
 
 from lossscale.backends._common import unwrap
-from lossscale.backends.torch import dtensors
+from lossscale.backends.torch import dtensors, layout
 
 NAME = "torch"
 MUTABLE = True
@@ -56,20 +56,29 @@ def asarray(x, dtype=None, like=None):
         out = x.to(device=device or "cpu", dtype=_dtype(dtype) if dtype else x.dtype)
     else:
         out = torch.as_tensor(x, dtype=_dtype(dtype) if dtype else None, device=device)
-    return _sharded_like(out, like)
+    return _placed_like(out, like)
 
 
 def full(shape, value, dtype, like=None):
     out = torch.full(tuple(shape), value, dtype=_dtype(dtype), device=_device(like))
-    return _sharded_like(out, like)
+    return _placed_like(out, like)
 
 
-def _sharded_like(tensor, like):
-    # State made next to a sharded parameter (its slots) is sharded as it is.
+def _placed_like(tensor, like):
+    """`tensor` as state made next to the parameter `like` (its slots) is kept.
+
+    Sharded as a sharded parameter is; laid out as a dense parameter of
+    another layout is (a channels-last weight's moments are channels-last,
+    as torch's optimizers make them): torch's fused kernels walk a
+    parameter and its slots as one block each, in the same order.
+    """
     like = dtensors.seen(unwrap(like))
-    if dtensors.is_dtensor(like) and not dtensors.is_dtensor(tensor):
-        if tuple(tensor.shape) == tuple(like.shape):
-            return dtensors.shard_like(tensor, like)
+    if not isinstance(like, torch.Tensor) or tuple(tensor.shape) != tuple(like.shape):
+        return tensor
+    if dtensors.is_dtensor(like):
+        return tensor if dtensors.is_dtensor(tensor) else dtensors.shard_like(tensor, like)
+    if tensor.stride() != like.stride() and layout.dense(like):
+        return torch.empty_like(like, dtype=tensor.dtype).copy_(tensor)
     return tensor
 
 

@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from lossscale.backends.torch import dtensors, multi, ops
+from lossscale.backends.torch import dtensors, layout, multi, ops
 
 _storage_of = operator.attrgetter("_storage")
 
@@ -38,13 +38,33 @@ class Group:
             `grads`) list the plan was made for.
         params: The parameters' storages.
         slots: `{slot name: [storage, ...]}`, aligned with `params`.
+        dense: Whether every parameter is `layout.dense` and each of its
+            slots laid out as it is: what torch's fused kernels, which walk
+            each tensor's memory as one block, need (else the `foreach`
+            kernels, which follow any strides).
     """
 
-    __slots__ = ("device", "dtype", "indices", "params", "slots", "_whole", "_step", "_pair")
+    __slots__ = (
+        "device",
+        "dtype",
+        "indices",
+        "params",
+        "slots",
+        "dense",
+        "_contiguous",
+        "_whole",
+        "_step",
+        "_pair",
+    )
 
     def __init__(self, device, dtype, indices, params, slots, whole):
         self.device, self.dtype, self.indices = device, dtype, indices
         self.params, self.slots = params, slots
+        self._contiguous = layout.all_contiguous(params)
+        self.dense = all(
+            layout.dense(p) and all(s[i].stride() == p.stride() for s in slots.values())
+            for i, p in enumerate(params)
+        )
         self._whole = whole
         self._step = None
         self._pair = None
@@ -72,11 +92,19 @@ class Group:
         return self._pair
 
     def grads(self, grads):
-        """This group's gradients, cast to its dtype as `update_step` does."""
+        """This group's gradients, cast to its dtype as `update_step` does.
+
+        Each is laid out as its parameter (`layout.in_layout_of`: copied
+        where it is not), so a kernel may walk both as one block and write
+        the gradient in place.
+        """
         if not self._whole:
             grads = [grads[i] for i in self.indices]
         dtype = self.dtype
-        return [g if g.dtype == dtype else g.to(dtype) for g in map(ops.unwrap, grads)]
+        cast = [g if g.dtype == dtype else g.to(dtype) for g in map(ops.unwrap, grads)]
+        if not self.dense:  # the `foreach` kernels follow any strides
+            return cast
+        return layout.in_layout_of(cast, self.params, self._contiguous)
 
 
 class Plan:
