@@ -336,13 +336,19 @@ def _adam_run(name, compiled, graphs=None):
         grads = [torch.randn(p.shape, generator=generator) * 64 for p in params]
         if kind != "f":
             grads[1][0] = float(kind)
+        if compiled:  # the same values, transposed in memory: copied to the weight's layout
+            grads[0] = grads[0].t().contiguous().t()
         step(grads)
     return [p.detach().clone() for p in params + [v.value for v in opt.variables]]
 
 
 @pytest.mark.parametrize("name", ["adam", "adam_amsgrad", "adamw"])
 def test_a_compiled_adam_step_equals_the_eager_one_bit_for_bit(name):
-    """Traced on the CPU, Adam is one opaque call that runs the eager step (`fused._opaque`)."""
+    """Traced on the CPU, Adam is one opaque call that runs the eager step (`fused._opaque`).
+
+    The compiled run's first gradient is laid out otherwise than its weight
+    (transposed); the eager run's is not (`backends/torch/layout.py`).
+    """
     graphs = []
     torch.compiler.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):

@@ -5,6 +5,7 @@
 only through a sum). Every optimizer, bare and wrapped, must apply them as
 it applies the same values laid out as the parameters, bit for bit, skip
 the steps where one of them holds an inf or NaN, and never read past them.
+(A compiled step's gradient laid out otherwise: tests/backends/torch/test_fused.py.)
 """
 
 import numpy as np
@@ -158,29 +159,6 @@ def test_a_wrapped_step_skips_an_inf_in_a_gradient_laid_out_otherwise(case, wher
             continue
         assert torch.equal(_bits(got), _bits(was))
     assert float(opt.dynamic_scale.value) == 4.0
-
-
-def test_a_compiled_step_applies_a_channels_last_gradient_as_eager_does():
-    torch._dynamo.reset()
-    rng = np.random.default_rng(2)
-    shape = (32, 16, 3, 3)
-    start = rng.normal(size=shape).astype(np.float32)
-    values = [8.0 * rng.normal(size=shape).astype(np.float32) for _ in range(2)]
-    runs = []
-    for compiled in (False, True):
-        param = torch.tensor(start)
-        opt = ls.LossScaleOptimizer(OPTIMIZERS["adam"](), initial_scale=8.0)
-        opt.build([param])
-
-        def step(grad, opt=opt, param=param):
-            opt.apply([grad], [param])
-
-        if compiled:
-            step = torch.compile(step, fullgraph=True)
-        for v in values:
-            step(_laid_out(v, "channels_last"))
-        runs.append(param)
-    assert torch.equal(_bits(runs[0]), _bits(runs[1]))
 
 
 @pytest.mark.parametrize("name", ["sgd", "sgd_momentum", "adam", "adamw"])
