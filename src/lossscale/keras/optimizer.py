@@ -124,8 +124,7 @@ class LossScaleOptimizer(HostReadsMixin, keras.optimizers.LossScaleOptimizer):
         super().__init__(inner_optimizer, initial_scale, dynamic_growth_steps, name=name, **kwargs)
         self.policy = policy
         self._ops = get_ops(backend)
-        # Applies counted on the host: where Python runs every step (eager
-        # torch), the diagnostics cadence is decided here, with no device read.
+        # Steps counted on the host: eager torch's diagnostics cadence, no device read.
         self._host_steps = 0
 
     # --- state ------------------------------------------------------------
@@ -137,8 +136,7 @@ class LossScaleOptimizer(HostReadsMixin, keras.optimizers.LossScaleOptimizer):
         state = {"scale": self.dynamic_scale, "counter": self.step_counter}
         for field, name, dtype, initial, per in step.extra_fields(self.policy):
             if dtype.startswith("int"):
-                # Keras's "int" (int64 on TensorFlow, int32 elsewhere): the
-                # state machine combines these with the counter.
+                # Keras's "int" (int64 on TensorFlow): combined with the counter.
                 dtype = self.step_counter.dtype
             if per == "step":
                 state[field] = self._state_variable(name, dtype, initial)
@@ -206,9 +204,7 @@ class LossScaleOptimizer(HostReadsMixin, keras.optimizers.LossScaleOptimizer):
             new_trainable, new_optimizer = self.stateless_apply(
                 [v.value for v in self.variables], grads, [v.value for v in variables]
             )
-            for v, x in zip(variables, new_trainable):
-                v.assign(x)
-            for v, x in zip(self.variables, new_optimizer):
+            for v, x in zip([*variables, *self.variables], [*new_trainable, *new_optimizer]):
                 v.assign(x)
         else:
             self._stateful_step(grads, variables, trainable_variables)
@@ -233,8 +229,7 @@ class LossScaleOptimizer(HostReadsMixin, keras.optimizers.LossScaleOptimizer):
         )
         targets = dict(step.flat_items(self._state))
         writes = list(step.flat_items(new))
-        # A written variable's live value passing into another (the scale into
-        # the history) is copied before the writes change it.
+        # A live value passing into another variable (scale -> history) is copied first.
         live = {id(targets[key].value) for key, _ in writes}
         for key, value in [(k, ops.copy(x) if id(x) in live else x) for k, x in writes]:
             targets[key].assign(value)
