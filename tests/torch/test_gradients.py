@@ -1,4 +1,5 @@
-"""torch/gradients.py: the groups a `GradScaler`'s gradients span, and the flags it combines.
+"""torch/gradients.py: the groups a `GradScaler`'s gradients span, the flags it combines, and a
+sparse gradient's stored values.
 
 `merge_flags` against the maximum taken by hand; `mesh_groups` of dense,
 sparse and missing gradients across param groups (none), and of a DTensor
@@ -59,3 +60,13 @@ def test_a_dtensor_gradient_spans_the_groups_it_is_sharded_over(tmp_path):
         assert gradients.mesh_groups(opt) == [mesh.get_group(1)]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_float16_sparse_gradient_is_checked_as_coalesced():
+    """Two float16 entries for one row sum past float16's range only once coalesced."""
+    values = torch.full((2, 3), 40000.0, dtype=torch.float16)
+    grad = torch.sparse_coo_tensor(torch.tensor([[4, 4]]), values, (10, 3))
+    assert not torch.isfinite(gradients.stored_values(grad)).all()
+    assert torch.isfinite(gradients.stored_values(grad.float())).all()  # float32: the sum is finite
+    dense = torch.ones(3)
+    assert gradients.stored_values(dense) is dense

@@ -334,15 +334,3 @@ def test_a_model_with_a_sparse_embedding_is_watched_through_its_stored_values():
     assert model[0].weight.grad.is_sparse
     watch.on_step(torch.tensor(False), 0)
     assert watch.modules_at([0]) == {0: "1"}  # where the inf started, not the embedding
-
-
-def test_a_float16_sparse_gradient_is_checked_as_coalesced():
-    """Two float16 entries for one row sum past float16's range only once coalesced."""
-    from lossscale.torch.watch_hooks import _stored
-
-    values = torch.full((2, 3), 40000.0, dtype=torch.float16)
-    grad = torch.sparse_coo_tensor(torch.tensor([[4, 4]]), values, (10, 3))
-    assert not torch.isfinite(_stored(grad)).all()
-    assert torch.isfinite(_stored(grad.float())).all()  # float32: its stored values, as torch's
-    dense = torch.ones(3)
-    assert _stored(dense) is dense

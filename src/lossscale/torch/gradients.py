@@ -1,4 +1,5 @@
-"""The process groups a `GradScaler`'s gradients span, and the overflow flags it combines."""
+"""The process groups a `GradScaler`'s gradients span, the overflow flags it combines, and a
+sparse gradient's stored values."""
 
 import sys
 
@@ -33,3 +34,17 @@ def mesh_groups(optimizer):
                     if not placement.is_replicate():
                         groups.setdefault((id(mesh), dim), mesh.get_group(dim))
     return list(groups.values())
+
+
+def stored_values(grad):
+    """The values `grad` stores: itself, or a sparse gradient's values, coalesced.
+
+    Coalesced (an `nn.Embedding(sparse=True)`'s gradient lists a row once
+    per lookup), so that two entries for one index that sum past the
+    dtype's range count as the overflow they make when applied.
+    """
+    if grad.layout == torch.strided:
+        return grad
+    if grad.layout == torch.sparse_coo:
+        return grad.coalesce()._values()
+    return grad.values()

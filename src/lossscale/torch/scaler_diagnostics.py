@@ -181,7 +181,7 @@ class ScalerDiagnosticsMixin:
                 if grad.is_sparse:
                     if not sparse_values:
                         continue
-                    grad = grad.coalesce()._values()
+                    grad = gradients.stored_values(grad)
                 if type(grad) is not torch.Tensor and hasattr(grad, "to_local"):
                     grad = grad.to_local()  # a DTensor: this rank's shard
                 name = known.get(id(param))

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from lossscale.torch.grad_scaler import GradScaler
+from lossscale.torch.gradients import stored_values
 
 HISTORY_LENGTH = 8
 
@@ -176,7 +177,7 @@ class Watch:
         # each tensor, where `isfinite(t).all()` makes four and a temporary.
         peaks = [
             n.to(self._device, non_blocking=True)
-            for n in torch._foreach_norm([_stored(t.detach()) for t in tensors], math.inf)
+            for n in torch._foreach_norm([stored_values(t.detach()) for t in tensors], math.inf)
         ]
         peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).amax()
         return torch.isfinite(peak)
@@ -306,19 +307,3 @@ def _tensors(value):
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return []
-
-
-def _stored(tensor):
-    """The values `tensor` stores: itself, or a sparse gradient's values.
-
-    A sparse COO gradient (an `nn.Embedding(sparse=True)`'s) is checked as
-    torch's GradScaler checks it: its values, coalesced first in float16,
-    where two entries for one index could sum past float16's range.
-    """
-    if tensor.layout == torch.strided:
-        return tensor
-    if tensor.layout == torch.sparse_coo:
-        if tensor.dtype == torch.float16:
-            tensor = tensor.coalesce()
-        return tensor._values()
-    return tensor.values()

@@ -219,3 +219,24 @@ def test_channels_last_parameters_train_as_contiguous_ones_bit_for_bit(name):
             np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-7)
         else:
             assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam", "adamw"])
+def test_half_gradients_laid_out_otherwise_are_applied_bit_for_bit(name):
+    """float16 gradients of float32 weights: cast, then copied into the weights' layout."""
+    shapes = [(64, 64, 3, 3), (128, 64, 3, 3)]  # both sides of the packing threshold
+    runs = []
+    for channels_last in (False, True):
+        rng = np.random.default_rng(6)
+        params = [torch.tensor(rng.normal(size=s), dtype=torch.float32) for s in shapes]
+        opt = ls.LossScaleOptimizer(OPTIMIZERS[name](), initial_scale=8.0)
+        for step in range(3):
+            grads = [torch.tensor(8.0 * rng.normal(size=s), dtype=torch.float16) for s in shapes]
+            if step == 1:
+                grads[0].view(-1)[-1] = float("inf")
+            if channels_last:
+                grads = [g.contiguous(memory_format=torch.channels_last) for g in grads]
+            apply(opt, grads, params)
+        runs.append(params + [v.value for v in opt.variables])
+    for got, want in zip(*runs):
+        assert torch.equal(_bits(got), _bits(want))

@@ -72,6 +72,11 @@ def _span(tensor):
     return start, start + (last + 1) * tensor.element_size()
 
 
+def own_memory(tensors):
+    """Whether each of `tensors` is `dense` and shares no memory with another (`disjoint`)."""
+    return (all_contiguous(tensors) or all(map(dense, tensors))) and disjoint(tensors)
+
+
 def all_contiguous(tensors):
     """Whether every one of `tensors` is contiguous (one C-level check each)."""
     return all(map(_is_contiguous, tensors))
@@ -89,7 +94,9 @@ def in_layout_of(tensors, params, params_contiguous):
     """
     if params_contiguous and all_contiguous(tensors):
         return tensors
-    return [
-        t if t.stride() == p.stride() else torch.empty_like(p, dtype=t.dtype).copy_(t)
-        for t, p in zip(tensors, params)
-    ]
+    return [t if t.stride() == p.stride() else laid_out_as(t, p) for t, p in zip(tensors, params)]
+
+
+def laid_out_as(tensor, like):
+    """A copy of `tensor` with the strides of `like`, a dense tensor of its shape."""
+    return torch.empty_like(like, dtype=tensor.dtype).copy_(tensor)

@@ -87,12 +87,12 @@ _requires_grad = operator.attrgetter("requires_grad")
 def _writable(tensors):
     """Whether each of `tensors` may be divided in place.
 
-    Not part of an autograd graph, none given twice or sharing memory with
-    another (`layout.disjoint`: overlapping views would be divided twice
-    where they overlap), and each one's elements at addresses of their own
-    (`layout.dense`: an expanded gradient, which `torch.autograd.grad`
+    Not part of an autograd graph, none given twice, and each one's
+    elements at addresses of their own, shared with no other
+    (`layout.own_memory`: an expanded gradient, which `torch.autograd.grad`
     returns for a weight used only through a sum, cannot be written in
-    place).
+    place, and overlapping views would be divided twice where they
+    overlap).
 
     Not while `torch.compile` traces: the compiler fuses the division into
     the step without a copy anyway, and the identity check would make it
@@ -103,8 +103,7 @@ def _writable(tensors):
     return (
         not any(map(_requires_grad, tensors))
         and len(set(map(id, tensors))) == len(tensors)
-        and (layout.all_contiguous(tensors) or all(map(layout.dense, tensors)))
-        and layout.disjoint(tensors)
+        and layout.own_memory(tensors)
     )
 
 

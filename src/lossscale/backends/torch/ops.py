@@ -78,7 +78,7 @@ def _placed_like(tensor, like):
     if dtensors.is_dtensor(like):
         return tensor if dtensors.is_dtensor(tensor) else dtensors.shard_like(tensor, like)
     if tensor.stride() != like.stride() and layout.dense(like):
-        return torch.empty_like(like, dtype=tensor.dtype).copy_(tensor)
+        return layout.laid_out_as(tensor, like)
     return tensor
 
 
