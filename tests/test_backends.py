@@ -155,7 +155,7 @@ def test_cond_under_jit_writes_only_the_taken_branch():
     v = ls.Variable(jnp.array([1.0, 2.0]))
 
     def step(value, flag):
-        v._storage = value
+        v.rebind(value)
         ops.cond(flag, lambda: v.assign(v.value * jnp.nan), lambda: v.assign_add(1.0), [v])
         return v.value
 

@@ -352,7 +352,7 @@ def test_values_cast_within_their_kind(rng, tmp_path):
     _, opt = make(Backend("numpy"), init)
     for grads in steps(rng, 4, None):
         opt.apply([g.astype(np.float64) * float(opt.dynamic_scale) for g in grads], variables)
-    opt.step_counter._storage = np.asarray(opt.step_counter.numpy(), np.int64)  # as if saved wide
+    opt.step_counter.rebind(np.asarray(opt.step_counter.numpy(), np.int64))  # as if saved wide
     path = tmp_path / "wide.safetensors"
     saving.save(opt, path)
     from safetensors import safe_open

@@ -198,7 +198,7 @@ TF_MIRRORED = textwrap.dedent("""
             for a, b in zip(after, before):
                 assert a == b, (compiled, i, position)
             expected /= 2
-            scales = [float(x) for x in strategy.experimental_local_results(opt.dynamic_scale._storage)]
+            scales = [float(x) for x in strategy.experimental_local_results(opt.dynamic_scale.storage)]
             assert scales == [expected, expected], (compiled, i, scales, expected)
         traces = step.experimental_get_tracing_count() if compiled else 0
         print("ok", compiled, len(cases), traces)

@@ -70,7 +70,7 @@ def _train(name, compile_as):
     history = []
     for step_grads in grads:
         step([tf.constant(g) for g in step_grads])
-        history.append([v.numpy() for v in variables + [x._storage for x in opt.variables]])
+        history.append([v.numpy() for v in variables + [x.storage for x in opt.variables]])
     return step, history, opt
 
 
@@ -106,7 +106,7 @@ def test_build_on_the_first_traced_call():
 
     step([tf.constant(g) for g in grads[0]])
     assert opt.built
-    assert all(isinstance(v._storage, tf.Variable) for v in opt.variables)
+    assert all(isinstance(v.storage, tf.Variable) for v in opt.variables)
     # A tf.function that creates variables on its first call traces that
     # call twice (TensorFlow lifts the creation out, then traces without
     # it); later calls trace nothing.

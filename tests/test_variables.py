@@ -25,7 +25,7 @@ def test_torch_parameter_identity_and_autograd():
     p = torch.nn.Parameter(torch.ones(2))
     v = ls.Variable(p)
     v.assign_sub(torch.full((2,), 0.25))
-    assert v._storage is p and p.requires_grad
+    assert v.storage is p and p.requires_grad
     assert not v.value.requires_grad  # reads never record autograd history
     np.testing.assert_array_equal(p.detach().numpy(), [0.75, 0.75])
 
@@ -154,7 +154,7 @@ def test_initializer_wrong_shape():
 
 def test_move_to_backend(backend):
     v = ls.Variable(0, dtype="int64")
-    v._move_to(backend.array(np.zeros(1)))
+    v.move_to(backend.array(np.zeros(1)))
     assert v.backend == backend.name and v.dtype.startswith("int")
 
 

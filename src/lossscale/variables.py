@@ -190,6 +190,27 @@ class Variable:
         if source is not None and self._storage is not source.value:
             self._storage = source.value
 
+    # --- storage ---------------------------------------------------------
+    @property
+    def storage(self) -> object:
+        """What holds the value: the native array, or the backend's own variable.
+
+        The NumPy, torch or JAX array itself; on TensorFlow the `tf.Variable`
+        that `tf.function`, `tf.distribute` and `tf.train.Checkpoint` track.
+        Read-only: `rebind` replaces it, `assign` writes into it.
+        """
+        return self._storage
+
+    def rebind(self, storage: object) -> None:
+        """Makes `storage` (an array or backend variable of this backend) hold the value.
+
+        The one way to replace what `storage` is, without a copy or a check:
+        a JAX write returns a new array, a traced step carries new values,
+        and stateless application binds the given values for the length of
+        one step (`lossscale.backends._common.bound`). Shape and dtype must stay the variable's.
+        """
+        self._storage = storage
+
     # --- reading ---------------------------------------------------------
     @property
     def backend(self) -> str:
@@ -287,8 +308,12 @@ class Variable:
         state["_ops"] = get_ops(state["_ops"])
         self.__dict__.update(state)
 
-    def _move_to(self, like):
-        """Re-creates this variable on `like`'s backend and device (before use)."""
+    def move_to(self, like: Array) -> None:
+        """Re-creates this variable on `like`'s backend and device (before it is used).
+
+        Optimizers make their scalars on NumPy before they know the model's
+        backend, and move them there when they are built.
+        """
         ops = get_ops(backend_of(like))
         if ops is self._ops and (not ops.MUTABLE or hasattr(ops, "variable_storage")):
             return  # immutable arrays, or a backend variable: already in place

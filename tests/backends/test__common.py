@@ -17,12 +17,12 @@ from lossscale.variables import Variable
 
 def test_bound_rebinds_and_restores_even_when_the_body_raises():
     vs = [ls.Variable(np.full(3, float(i), np.float32)) for i in range(2)]
-    saved = [v._storage for v in vs]
+    saved = [v.storage for v in vs]
     with pytest.raises(RuntimeError):
         with bound(vs, [np.zeros(3, np.float32)] * 2):
             assert all(float(v.numpy()[0]) == 0.0 for v in vs)
             raise RuntimeError
-    assert all(v._storage is s for v, s in zip(vs, saved))
+    assert all(v.storage is s for v, s in zip(vs, saved))
 
 
 def test_a_gated_torch_step_sets_nothing_but_storage_on_any_variable(monkeypatch):

@@ -66,7 +66,7 @@ def test_raw_tensors_are_wrapped_once_in_place():
     for _ in range(2):
         opt.apply([torch.ones_like(p) for p in params], params)
     assert len(opt._trainable_variables) == 2 and len(opt._wrappers) == 2
-    assert all(v._storage is p for v, p in zip(opt._trainable_variables, params))
+    assert all(v.storage is p for v, p in zip(opt._trainable_variables, params))
     for p, b in zip(params, before):
         assert p.requires_grad and p.grad is None
         assert not torch.equal(p.detach(), b)

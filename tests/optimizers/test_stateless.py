@@ -115,13 +115,13 @@ def test_an_error_inside_the_step_restores_the_bindings_and_the_flag(backend, rn
     init, variables = make_vars(backend, rng)
     opt = _Failing(0.1)
     opt.build(variables)
-    storages = [v._storage for v in variables + opt.variables]
+    storages = [v.storage for v in variables + opt.variables]
     grads = [backend.array(g) for g in random_grads(rng)]
     with pytest.raises(RuntimeError, match="update failed"):
         opt.stateless_apply(
             [v.value for v in opt.variables], grads, [backend.array(x) for x in init]
         )
     assert opt._stateless is False
-    assert all(v._storage is s for v, s in zip(variables + opt.variables, storages))
+    assert all(v.storage is s for v, s in zip(variables + opt.variables, storages))
     for v, x in zip(variables, init):
         np.testing.assert_array_equal(backend.numpy(v), x)

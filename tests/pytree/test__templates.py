@@ -66,5 +66,5 @@ def test_abstract_holds_shapes_and_dtypes_only():
     concrete = _templates.build(blueprint(), leaves, ["w", "b"])
     assert [v.path for v in abstract.variables] == [v.path for v in concrete.variables]
     for a, c in zip(abstract.variables, concrete.variables):
-        assert isinstance(a._storage, jax.ShapeDtypeStruct), a.path
-        assert a._storage.shape == tuple(c.shape) and a._storage.dtype == c.value.dtype, a.path
+        assert isinstance(a.storage, jax.ShapeDtypeStruct), a.path
+        assert a.storage.shape == tuple(c.shape) and a.storage.dtype == c.value.dtype, a.path

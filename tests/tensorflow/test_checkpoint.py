@@ -62,8 +62,8 @@ def test_a_checkpoint_restores_the_model_and_the_optimizer_and_training_resumes(
     assert int(twin_opt.step_counter) == 1
     _steps(twin, twin_opt, seed=2, count=3)
     for a, b in zip(
-        model.weights + [v._storage for v in opt.variables],
-        twin.weights + [v._storage for v in twin_opt.variables],
+        model.weights + [v.storage for v in opt.variables],
+        twin.weights + [v.storage for v in twin_opt.variables],
     ):
         np.testing.assert_array_equal(b.numpy(), a.numpy())
 

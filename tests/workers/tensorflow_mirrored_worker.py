@@ -113,15 +113,15 @@ def mirrored(name, compiled=True, jit_compile=False, devices=DEVICES, no_merge_c
         history.append(
             {
                 "variables": [_local(strategy, v) for v in variables],
-                "slots": [_local(strategy, v._storage) for v in opt.inner_optimizer.variables],
-                "scale": _local(strategy, opt.dynamic_scale._storage),
-                "iterations": _local(strategy, opt.iterations._storage),
+                "slots": [_local(strategy, v.storage) for v in opt.inner_optimizer.variables],
+                "scale": _local(strategy, opt.dynamic_scale.storage),
+                "iterations": _local(strategy, opt.iterations.storage),
             }
         )
     return {
         "history": history,
         "reference": _reference(name, replicas),
-        "kinds": sorted({type(v._storage).__name__ for v in opt.variables}),
+        "kinds": sorted({type(v.storage).__name__ for v in opt.variables}),
         "traces": step.experimental_get_tracing_count() if compiled else None,
     }
 

@@ -16,14 +16,14 @@ def bound(variables, storages):
     the ordinary stateful code against values that are not the variables'
     own.
     """
-    saved = [v._storage for v in variables]
+    saved = [v.storage for v in variables]
     try:
         for v, s in zip(variables, storages):
-            v._storage = s
+            v.rebind(s)
         yield
     finally:
         for v, s in zip(variables, saved):
-            v._storage = s
+            v.rebind(s)
 
 
 def unscale_then_check(unscale, finite_flags, grads, scale, in_place=False):

@@ -271,7 +271,7 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
         self._exclusions.decide(var_list)
         # Scalars made before the backend was known follow the model there.
         for v in self._variables:
-            v._move_to(var_list[0]._storage)
+            v.move_to(var_list[0].storage)
         if self.use_ema:
             self._model_variables_moving_average = self.add_optimizer_variables(var_list, "average")
         if self.gradient_accumulation_steps:
@@ -384,7 +384,7 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
         self._last_resolved = None
         self._indices = {id(v): i for i, v in enumerate(self._trainable_variables)}
         # Keyed as `_as_variable` keys them: the Keras variable, else the array.
-        self._wrappers = {id(w.source if w.source is not None else w._storage): w for w in wrappers}
+        self._wrappers = {id(w.source if w.source is not None else w.storage): w for w in wrappers}
 
     def __repr__(self):
         return f"<{type(self).__name__} name={self.name!r} built={self.built}>"

@@ -150,7 +150,7 @@ class LossScaleStepMixin:
         writes = []
         for key, value in _flatten(changed):
             variable = targets.get(key)
-            if variable is None or value is variable._storage:
+            if variable is None or value is variable.storage:
                 continue  # untracked, or updated in place by a fused kernel
             if id(value) in old:
                 # Another variable's buffer passed through unchanged (the

@@ -33,7 +33,7 @@ class SlotsMixin:
             return x
         wrapped = self._wrappers.get(id(x))
         if wrapped is not None:
-            if wrapped._storage is x:  # a raw array wrapped before: every step's case
+            if wrapped.storage is x:  # a raw array wrapped before: every step's case
                 return wrapped
             if wrapped.source is x:  # a keras.Variable, maybe assigned since (JAX)
                 wrapped.sync_from_source()
@@ -131,7 +131,7 @@ class SlotsMixin:
         """
         # The storage itself (not a read of it): a TensorFlow slot follows a
         # mirrored model variable into its strategy.
-        like = self._trainable_variables[0]._storage if self._trainable_variables else None
+        like = self._trainable_variables[0].storage if self._trainable_variables else None
         variable = Variable(
             initializer,
             shape=shape,
@@ -168,7 +168,7 @@ class SlotsMixin:
             dtype=reference.dtype,
             trainable=False,
             name=full_name,
-            like=reference._storage,
+            like=reference.storage,
         )
         variable.path = f"{self.name}/{full_name}"
         self._variables.append(variable)

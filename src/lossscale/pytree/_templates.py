@@ -75,5 +75,5 @@ def abstract(blueprint, leaves, paths):
     # The build ran on tracers of a finished trace; keep what they describe.
     # (`backends._common.bound` rebinds storages the same way, temporarily.)
     for variable, description in zip(variables + optimizer.variables, described):
-        variable._storage = description
+        variable.rebind(description)
     return optimizer

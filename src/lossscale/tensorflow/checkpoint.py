@@ -28,7 +28,7 @@ class OptimizerVariables(tf.Module):
 
     def __init__(self, optimizer):
         super().__init__(name=None)
-        self.by_path = {v.path: v._storage for v in optimizer.variables}
+        self.by_path = {v.path: v.storage for v in optimizer.variables}
 
 
 def trackable(optimizer):

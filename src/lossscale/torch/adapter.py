@@ -154,7 +154,7 @@ class TorchAdapter(AdapterCheckpointMixin, Optimizer):
         self.optimizer = optimizer
         # A torch tensor from the start, so `state_dict()` is all torch even
         # before `build` moves it next to the parameters.
-        self._iterations._move_to(torch.zeros(()))
+        self._iterations.move_to(torch.zeros(()))
         self._params = {}  # id(Variable) -> the native parameter it wraps
         self._uses_found_inf = bool(
             getattr(optimizer, "_step_supports_amp_scaling", False)
@@ -215,7 +215,7 @@ class TorchAdapter(AdapterCheckpointMixin, Optimizer):
     def __setstate__(self, state: dict) -> None:
         """A copy's own (see `Optimizer.__getstate__`): its variables wrap its parameters."""
         super().__setstate__(state)
-        self._params = {id(v): v._storage for v in self._trainable_variables}
+        self._params = {id(v): v.storage for v in self._trainable_variables}
 
     def build(self, var_list: Sequence[Variable | Array]) -> None:
         """Checks that `var_list` is exactly the native optimizer's parameters."""
@@ -238,7 +238,7 @@ class TorchAdapter(AdapterCheckpointMixin, Optimizer):
         by_id = {id(p): p for p in params}
         matched, strangers, seen = {}, [], set()
         for v in variables:
-            storage = v._storage
+            storage = v.storage
             if not isinstance(storage, torch.Tensor) or id(storage) not in by_id:
                 strangers.append(v.path)
             elif id(storage) in seen:
@@ -285,7 +285,7 @@ class TorchAdapter(AdapterCheckpointMixin, Optimizer):
 
     def _parameter(self, variable):
         p = self._params[id(variable)]
-        if variable._storage is not p:
+        if variable.storage is not p:
             # Only stateless application rebinds a variable to another tensor.
             raise NotImplementedError(STATELESS_MESSAGE)
         return p

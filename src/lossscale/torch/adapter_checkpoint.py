@@ -102,7 +102,7 @@ class AdapterCheckpointMixin:
         anchor = next(p for group in self.optimizer.param_groups for p in group["params"])
         for variable in variables:
             if variable.backend != "torch":  # a fresh wrapper's scalars, made on NumPy
-                variable._move_to(anchor)
+                variable.move_to(anchor)
             variable.assign(saved[variable.path])
 
 

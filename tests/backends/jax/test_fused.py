@@ -297,7 +297,7 @@ def test_the_checker_sees_a_cond_and_a_select_of_state():
         for g, v in zip(grads, params):
             update_step(g, v, lr)
         for t, o in zip(targets, old):
-            t._storage = jnp.where(keep, t._storage, o)
+            t.rebind(jnp.where(keep, t.storage, o))
 
     with generic_path():
         kernels.KERNELS["adam"] = Kernel(select_writes, folds_keep=True)
@@ -483,7 +483,7 @@ def test_without_a_flag_the_kernels_run_update_step(case, grad_scale):
 def _decayed(variables, values, flag):
     with backends._common.bound(variables, values):
         fused.weight_decay(variables, 0.1, jnp.float32(0.05), cache={}, keep=flag)
-        return [v._storage for v in variables]
+        return [v.storage for v in variables]
 
 
 def test_weight_decay_kernel_is_the_generic_rule():
@@ -495,7 +495,7 @@ def test_weight_decay_kernel_is_the_generic_rule():
         step = jax.jit(functools.partial(_decayed, variables))
         values = step([v.value for v in variables], flag)
         for v, value in zip(variables, values):
-            v._storage = value
+            v.rebind(value)
         expected = [w - w * np.float32(0.1) * np.float32(0.05) for w in weights]
         if keep is False:
             expected = weights

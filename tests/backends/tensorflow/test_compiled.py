@@ -82,9 +82,9 @@ def test_a_skipped_step_writes_no_bit():
     variables = [tf.Variable(np.array([-0.0, 0.0, 2.0], np.float32))]
     opt = ls.LossScaleOptimizer(ls.optimizers.AdamW(0.1, weight_decay=0.1), initial_scale=2.0)
     opt.apply([tf.constant([2.0, -2.0, 2.0])], variables)
-    before = [v.numpy().tobytes() for v in variables + [x._storage for x in opt.variables[2:]]]
+    before = [v.numpy().tobytes() for v in variables + [x.storage for x in opt.variables[2:]]]
     opt.apply([tf.constant([np.nan, 1.0, 1.0])], variables)
-    after = [v.numpy().tobytes() for v in variables + [x._storage for x in opt.variables[2:]]]
+    after = [v.numpy().tobytes() for v in variables + [x.storage for x in opt.variables[2:]]]
     assert after == before and float(opt.dynamic_scale) == 1.0
 
 
@@ -97,7 +97,7 @@ def test_stateless_steps_carry_their_values_through_the_same_graph():
     for step in _grads(4):
         twin.apply(step, stateful)
         values, state = opt.stateless_apply(state, step, values)
-    for got, want in zip(values + state, stateful + [v._storage for v in twin.variables]):
+    for got, want in zip(values + state, stateful + [v.storage for v in twin.variables]):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 

@@ -28,7 +28,7 @@ def test_tensors_and_variables_are_tensorflow():
 def test_a_model_variable_is_wrapped_without_copying_and_trained_in_place():
     w = tf.Variable(np.array([1.0, -2.0], np.float32), name="kernel")
     v = ls.Variable(w)
-    assert v._storage is w and v.trainable and v.dtype == "float32" and v.shape == (2,)
+    assert v.storage is w and v.trainable and v.dtype == "float32" and v.shape == (2,)
     ls.optimizers.SGD(0.5).apply([tf.constant([1.0, 1.0])], [w])
     np.testing.assert_array_equal(w.numpy(), [0.5, -2.5])  # the user's own tf.Variable
 
@@ -36,21 +36,21 @@ def test_a_model_variable_is_wrapped_without_copying_and_trained_in_place():
 def test_a_tensor_or_an_initializer_gets_a_tf_variable_of_its_own():
     t = tf.constant([1.0, 2.0])
     v = ls.Variable(t, name="bias term")
-    assert isinstance(v._storage, tf.Variable) and v._storage.trainable
-    assert v._storage.name.startswith("bias_term")  # TensorFlow's name rules
+    assert isinstance(v.storage, tf.Variable) and v.storage.trainable
+    assert v.storage.name.startswith("bias_term")  # TensorFlow's name rules
     v.assign_add(tf.ones(2))
     np.testing.assert_array_equal(t.numpy(), [1.0, 2.0])  # tensors are immutable
     slot = ls.Variable("zeros", shape=(3,), trainable=False, backend="tensorflow")
-    assert isinstance(slot._storage, tf.Variable) and not slot._storage.trainable
+    assert isinstance(slot.storage, tf.Variable) and not slot.storage.trainable
 
 
 def test_optimizer_state_is_tf_variables_made_outside_the_trace():
     w = tf.Variable(np.ones((2, 2), np.float32))
     opt = ls.LossScaleOptimizer(ls.optimizers.Adam())
     tf.function(lambda: opt.build([w]))()
-    assert all(isinstance(v._storage, tf.Variable) for v in opt.variables)
+    assert all(isinstance(v.storage, tf.Variable) for v in opt.variables)
     assert [v.dtype for v in opt.variables[:4]] == ["int32", "float32", "int32", "float32"]
-    assert all(not v._storage.trainable for v in opt.variables)
+    assert all(not v.storage.trainable for v in opt.variables)
 
 
 def test_a_symbolic_tensor_cannot_become_a_variable():

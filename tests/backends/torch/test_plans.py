@@ -55,7 +55,7 @@ def test_plan_is_reused_while_nothing_is_rebound():
     other = torch_plans.plan(params, both, cache)
     assert other is not plan and torch_plans.plan(params, both, cache) is other
     plan = torch_plans.plan(params, m, cache)
-    opt._momentums[2]._storage = opt._momentums[2]._storage.clone()
+    opt._momentums[2].rebind(opt._momentums[2].storage.clone())
     assert torch_plans.plan(params, m, cache) is not plan
     # Another cache (another optimizer's): plans of its own.
     assert torch_plans.plan(params, m, {}) is not torch_plans.plan(params, m, cache)

@@ -32,10 +32,10 @@ def test_tensorflow_variables_hold_tf_variables_updated_in_place():
     import tensorflow as tf
 
     net = model("tensorflow")
-    storages = [v._storage for v in net.variables]
+    storages = [v.storage for v in net.variables]
     assert all(isinstance(s, tf.Variable) for s in storages)
     net.variables[1].assign(np.ones(16, np.float32))
-    assert net.variables[1]._storage is storages[1]
+    assert net.variables[1].storage is storages[1]
     np.testing.assert_array_equal(storages[1].numpy(), np.ones(16, np.float32))
 
 

@@ -33,7 +33,7 @@ def test_torch_variables_wrap_the_module_parameters_in_place():
 
     net = model("torch")
     for v, p in zip(net.variables, net.net.parameters(), strict=True):
-        assert v._storage is p
+        assert v.storage is p
     net.variables[1].assign(np.ones(16, np.float32))
     assert torch.equal(net.net.hidden.bias.detach(), torch.ones(16))
 

@@ -152,7 +152,7 @@ def _unscaled(grad, grad_scale):
 
 def _write(variable, value):
     # The value has the skip folded in already.
-    variable._storage = ops.assign(variable._storage, value)
+    variable.rebind(ops.assign(variable.storage, value))
 
 
 def _per_dtype(variables, make):

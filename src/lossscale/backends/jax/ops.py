@@ -240,13 +240,13 @@ def cond(pred, true_fn, false_fn, variables):
         def run(storages):
             with bound(variables, storages):
                 fn()
-                return [v._storage for v in variables]
+                return [v.storage for v in variables]
 
         return run
 
-    new = lax.cond(pred, branch(true_fn), branch(false_fn), [v._storage for v in variables])
+    new = lax.cond(pred, branch(true_fn), branch(false_fn), [v.storage for v in variables])
     for v, s in zip(variables, new):
-        v._storage = s
+        v.rebind(s)
 
 
 def quiet():

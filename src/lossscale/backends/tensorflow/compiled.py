@@ -68,13 +68,13 @@ def run(rule, static, targets, inputs, cache, extra=(), keep=None):
         return
     # tf.Variables are captured by the traced function and written there;
     # variables bound to tensors (`stateless_apply`) pass in and out.
-    held = [ops.is_variable(v._storage) for v in targets]
+    held = [ops.is_variable(v.storage) for v in targets]
     carried = [v for v, is_held in zip(targets, held) if not is_held]
     key = (
         "tensorflow traced",
         rule,
         tuple(map(id, targets)),
-        tuple(id(v._storage) if is_held else None for v, is_held in zip(targets, held)),
+        tuple(id(v.storage) if is_held else None for v, is_held in zip(targets, held)),
         tuple(x for x in extra if isinstance(x, _PLAIN)),
     )
     function = cache.get(key)
@@ -82,9 +82,9 @@ def run(rule, static, targets, inputs, cache, extra=(), keep=None):
         function = cache[key] = _trace(rule, static, carried)
     keep = tf.constant(True) if keep is None else tf.cast(ops.read(keep), tf.bool)
     with _exact_arithmetic():
-        new = function(list(inputs), [v._storage for v in carried], keep)
+        new = function(list(inputs), [v.storage for v in carried], keep)
     for v, value in zip(carried, new):
-        v._storage = value
+        v.rebind(value)
 
 
 @contextlib.contextmanager
@@ -122,7 +122,7 @@ def _trace(rule, static, carried):
             def run_branch():
                 with bound(carried, values):
                     write()
-                    return [v._storage for v in carried]
+                    return [v.storage for v in carried]
 
             return run_branch
 

@@ -54,26 +54,26 @@ def cond(pred, true_fn, false_fn, variables):
 
 def _where(keep, fn, variables):
     """Runs `fn`, then keeps its writes to `variables` only where `keep` holds."""
-    saved = [tf.identity(ops.read(v._storage)) for v in variables]
+    saved = [tf.identity(ops.read(v.storage)) for v in variables]
     fn()
     for v, old in zip(variables, saved):
-        v._storage = ops.assign(v._storage, tf.where(keep, ops.read(v._storage), old))
+        v.rebind(ops.assign(v.storage, tf.where(keep, ops.read(v.storage), old)))
 
 
 def _graph_cond(pred, true_fn, false_fn, variables):
     # Variables held in tf.Variables are written by the branches themselves;
     # those bound to tensors carry their values through the branches.
-    carried = [v for v in variables if not ops.is_variable(v._storage)]
-    values = [v._storage for v in carried]
+    carried = [v for v in variables if not ops.is_variable(v.storage)]
+    values = [v.storage for v in carried]
 
     def branch(fn):
         def run():
             with bound(carried, values):
                 fn()
-                return [v._storage for v in carried]
+                return [v.storage for v in carried]
 
         return run
 
     new = tf.cond(pred, branch(true_fn), branch(false_fn))
     for v, value in zip(carried, new or ()):
-        v._storage = value
+        v.rebind(value)

@@ -25,7 +25,7 @@ _FUSED_DTYPES = (tf.float32, tf.float64)
 def _fusable(params, slots):
     """Whether every variable (and its slots) is a `tf.Variable` of a fused dtype."""
     targets = list(params) + list(slots.get("momentums", ()))
-    return all(ops.is_variable(v._storage) and v._storage.dtype in _FUSED_DTYPES for v in targets)
+    return all(ops.is_variable(v.storage) and v.storage.dtype in _FUSED_DTYPES for v in targets)
 
 
 def sgd(update_step, params, slots, hyper, grads, learning_rate):
@@ -36,13 +36,13 @@ def sgd(update_step, params, slots, hyper, grads, learning_rate):
         return
     nesterov = bool(hyper.nesterov)
     for i, (grad, variable) in enumerate(zip(grads, params)):
-        storage = variable._storage
+        storage = variable.storage
         lr = ops.cast(learning_rate, storage.dtype)
         grad = ops.cast(grad, storage.dtype)
         if hyper.momentum == 0:
             tf.raw_ops.ResourceApplyGradientDescent(var=storage.handle, alpha=lr, delta=grad)
             continue
-        m = slots["momentums"][i]._storage
+        m = slots["momentums"][i].storage
         tf.raw_ops.ResourceApplyKerasMomentum(
             var=storage.handle,
             accum=m.handle,

@@ -55,7 +55,7 @@ def _traced(rule):
         targets = _targets(params, slots, iterations)
         inputs = (list(grads), _as_tensor(lr))
         if not getattr(iterations, "_is_lossscale_variable", False) and not all(
-            ops.is_variable(v._storage) for v in targets
+            ops.is_variable(v.storage) for v in targets
         ):
             # `update_step` reads a step count derived from a variable bound
             # to a tensor (gradient accumulation under `stateless_apply`):

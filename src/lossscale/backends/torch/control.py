@@ -39,12 +39,12 @@ def cond(pred, true_fn, false_fn, variables):
 def _where(keep, fn, variables):
     """Runs `fn`, then keeps its writes to `variables` only where `keep` holds."""
     with torch.no_grad():
-        saved = [v._storage.clone() for v in variables]
+        saved = [v.storage.clone() for v in variables]
     fn()
     with torch.no_grad():
         on = {}
         for v, old in zip(variables, saved):
-            storage = v._storage
+            storage = v.storage
             device = storage.device
             flag = on.get(device)
             if flag is None:

@@ -26,7 +26,7 @@ import torch
 
 from lossscale.backends.torch import dtensors, layout, multi, ops
 
-_storage_of = operator.attrgetter("_storage")
+_storage_of = operator.attrgetter("storage")
 
 
 class Group:
@@ -114,7 +114,7 @@ class Plan:
         self.variables = list(variables)
         self.groups = groups
         self._watched = watched
-        self._storages = [w._storage for w in watched]
+        self._storages = [w.storage for w in watched]
 
     def matches(self, variables):
         return (
@@ -154,7 +154,7 @@ def _make(variables, slots):
     for position, variable in enumerate(variables):
         own = [slot_list[position] for slot_list in slot_lists]
         watched.extend(own)
-        storage = variable._storage
+        storage = variable.storage
         members.setdefault((storage.device, storage.dtype), []).append((position, storage, own))
     whole = len(members) == 1
     groups = []
@@ -165,7 +165,7 @@ def _make(variables, slots):
         # `nn.Parameter`s, whose in-place updates go through autograd checks.
         params = [storage.detach() for _, storage, _ in entries]
         group_slots = {
-            name: [own[k]._storage.detach() for _, _, own in entries]
+            name: [own[k].storage.detach() for _, _, own in entries]
             for k, name in enumerate(slot_names)
         }
         groups.append(Group(device, dtype, indices, params, group_slots, whole))
