@@ -129,7 +129,7 @@ class Backend:
 
 
 # Session-scoped: one two-rank run, however the tests of the modules that read
-# it (tests/torch/test_optimizer_checkpoint.py, tests/optimizers/test_checkpoint.py)
+# it (tests/torch/test_optimizer.py, tests/optimizers/test_checkpoint.py)
 # interleave in a test process.
 @pytest.fixture(scope="session")
 def fsdp2_checkpoint_ranks(tmp_path_factory):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -215,6 +216,11 @@ class Variable:
     @property
     def backend(self) -> str:
         return self._ops.NAME
+
+    @property
+    def ops(self) -> Any:
+        """The backend module of the value (`lossscale.backends.protocol.BackendOps`)."""
+        return self._ops
 
     @property
     def value(self) -> Array:

@@ -7,7 +7,7 @@ does with it (`diagnostics_every`, `summary()["float16_range"]`), the
 overflow window (`history_length`, the loss's own flag), the error message
 and `growth_policy="statistics"`. How the wrapper records the loss's flag,
 observers, snapshots and the measurement's cadence (and its host reads) is
-in tests/optimizers/test_loss_scale_diagnostics.py.
+in tests/optimizers/test_loss_scale_optimizer.py.
 """
 
 import warnings

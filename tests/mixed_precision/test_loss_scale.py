@@ -1,12 +1,22 @@
 """The pure loss-scale state machine against the pure-Python reference."""
 
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import (
+    assume,  # noqa: E402
+    given,
+    settings,
+)
 from hypothesis import strategies as st
 
 from lossscale.backends import get_ops
-from lossscale.mixed_precision import LossScalePolicy, LossScaleState, next_loss_scale
+from lossscale.mixed_precision import LossScalePolicy, LossScaleState, loss_scale, next_loss_scale
+from lossscale.mixed_precision import loss_scale as ls_module  # noqa: E402
+from lossscale.mixed_precision.loss_scale import MIN_SCALE
+from tests.conftest import BACKENDS, Backend  # noqa: E402
 from tests.reference import F32_MAX, F32_TINY, ReferenceLossScale
 
 
@@ -49,17 +59,9 @@ def test_random_sequences_numpy(initial, growth, pattern):
     run(Backend("numpy"), LossScalePolicy(initial, growth), pattern)
 
 
-# --- beyond Keras: every option, against a pure-Python model -----------------
-
-import dataclasses  # noqa: E402
-import math  # noqa: E402
-
-from hypothesis import assume  # noqa: E402
-
-from lossscale.mixed_precision import loss_scale as ls_module  # noqa: E402
-from tests.conftest import BACKENDS, Backend  # noqa: E402
-
 F16_MAX = 65504.0
+
+
 f32 = np.float32
 
 
@@ -431,3 +433,23 @@ def test_jit_traces_every_option():
         assert read_state(backend, state, policy) == model.expected()
     assert model.error == ls_module.BELOW_MIN_SCALE
     assert len(traces) == 1
+
+
+def test_one_update_lowers_the_bound_by_a_backoff_and_float32_rounding():
+    policy = LossScalePolicy(2.0**16)
+    assert loss_scale.scale_lower_bound(2.0**16, policy) == 2.0**15 * loss_scale.BOUND_ROUNDING
+
+
+def test_max_scale_caps_the_bound():
+    policy = LossScalePolicy(2.0**10, max_scale=2.0**10)
+    assert loss_scale.scale_lower_bound(2.0**16, policy) == 2.0**10
+
+
+def test_a_plain_policy_at_its_floor_stays_there_and_another_goes_under():
+    plain = LossScalePolicy(2.0**16)
+    assert plain.is_plain
+    assert loss_scale.scale_lower_bound(MIN_SCALE, plain) == MIN_SCALE
+    assert loss_scale.scale_lower_bound(MIN_SCALE / 4, plain) < MIN_SCALE / 4
+    capped = LossScalePolicy(2.0**16, max_scale=2.0**20)
+    assert not capped.is_plain
+    assert loss_scale.scale_lower_bound(MIN_SCALE, capped) < MIN_SCALE

@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from lossscale.backends import get_ops
 from lossscale.mixed_precision import LossScalePolicy, LossScaleState
 from lossscale.mixed_precision import state as state_module
 
@@ -100,3 +101,73 @@ def test_replaced_refuses_a_name_that_is_not_a_field():
         "`replaced` got unknown `LossScaleState` fields: ['scales']. "
         f"Expected names among: {list(state_module.STATE_FIELD_NAMES)}."
     )
+
+
+def test_variable_specs_list_each_holder_a_policy_needs_in_field_order():
+    policy = LossScalePolicy(8.0, 2, telemetry=True, history_length=2, diagnostics_every=3)
+    specs = list(state_module.variable_specs(policy, ["dense/kernel", "dense/bias"]))
+    by_name = {spec[1]: spec for spec in specs}
+    assert specs[0] == ("scale", "dynamic_scale", "float32", None, (), None)
+    assert specs[1] == ("counter", "step_counter", "int32", 0, (), None)
+    assert by_name["skipped_steps"] == ("skipped", "skipped_steps", "int32", 0, (), None)
+    assert by_name["scale_history_1"] == ("scale_history", "scale_history_1", "float32", 0.0, (), 1)
+    assert by_name["dense_bias_nonfinite"] == (
+        "nonfinite",
+        "dense_bias_nonfinite",
+        "bool",
+        False,
+        (),
+        1,
+    )
+    assert by_name["range_zero"] == ("range_zero", "range_zero", "float32", 0.0, (2,), None)
+    assert [spec[0] for spec in specs] == sorted(
+        (spec[0] for spec in specs), key=state_module.STATE_FIELD_NAMES.index
+    )
+    plain = list(state_module.variable_specs(LossScalePolicy(8.0, 2), ["w"]))
+    assert [spec[1] for spec in plain] == ["dynamic_scale", "step_counter"]
+    only = state_module.variable_specs(policy, ["w"], kinds=("history",))
+    assert {spec[0] for spec in only} == {"scale_history", "overflow_steps", "overflow_loss"}
+
+
+class _Box:
+    """A holder: what a front end keeps a field in (a variable, a tensor)."""
+
+    def __init__(self, value):
+        self.value, self.writes = value, 0
+
+    def assign(self, value):
+        self.value, self.writes = value, self.writes + 1
+
+
+def test_holders_read_flatten_and_write_back_round_trip():
+    policy = LossScalePolicy(8.0, 2, telemetry=True, history_length=2)
+    specs = state_module.variable_specs(policy, ["w"])
+    holders = state_module.holders_of(
+        specs, lambda spec: _Box(np.full(spec[4], 8.0 if spec[3] is None else spec[3]))
+    )
+    assert isinstance(holders["scale_history"], tuple) and len(holders["scale_history"]) == 2
+    state = state_module.read(holders, lambda box: box.value)
+    assert state.scale == 8.0 and state.scale_history == (0.0, 0.0) and state.error is None
+    keys = [key for key, _ in state_module.flatten(state)]
+    assert keys == [key for key, _ in state_module.flatten(holders)]
+    assert ("scale_history", 1) in keys and ("scale", None) in keys
+    # The scale passes into the history: copied before the scale is written.
+    ops = get_ops("numpy")
+    new = state_module.replaced(
+        state,
+        scale=np.asarray(16.0),
+        scale_history=(state.scale_history[1], state.scale),
+    )
+    assert set(state_module.changed(state, new)) == {"scale", "scale_history"}
+    state_module.write_back(ops, holders, state, new, lambda box: box.value)
+    assert float(holders["scale"].value) == 16.0
+    assert [float(b.value) for b in holders["scale_history"]] == [0.0, 8.0]
+    assert holders["scale_history"][1].value is not state.scale  # a copy, not the old array
+    assert holders["counter"].writes == 0  # unchanged: not written
+    # A value already held where it belongs (a kernel wrote it in place) is not written again.
+    again = state_module.replaced(new, counter=holders["counter"].value + 0)
+    held = holders["counter"].value
+    state_module.write_back(
+        ops, holders, new, state_module.replaced(new, counter=held), lambda b: b.value
+    )
+    assert holders["counter"].writes == 0 and again.counter is not held

@@ -1,13 +1,39 @@
-"""`LossScaleOptimizer` on every backend: the state machine, skipping, config."""
+"""`LossScaleOptimizer` on every backend: the state machine, skipping, config.
+
+Then on torch: operations per step, `torch.compile` and CUDA graphs; what it
+records about its steps (the loss's flag, observers, snapshots, the
+measurement's cadence); what it hands to its inner optimizer; `summary()`
+and `check()` read between steps.
+"""
+
+import dataclasses  # noqa: E402
+import inspect  # noqa: E402
+import re  # noqa: E402
+import warnings  # noqa: E402
 
 import numpy as np
 import pytest
+import torch
+from hypothesis import given, settings  # noqa: E402
 
 import lossscale as ls
+from lossscale.mixed_precision import (  # noqa: E402
+    LossScaleError,
+    LossScalePolicy,
+    UnscaledLossWarning,
+    diagnostics,
+)
+from lossscale.mixed_precision.telemetry import summarize  # noqa: E402
 from lossscale.optimizers import SGD, Adam, LossScaleOptimizer
+from tests.conftest import BACKENDS, Backend  # noqa: E402
+from tests.mixed_precision.test_diagnostics import SHAPES as MEASURED_SHAPES
+from tests.mixed_precision.test_diagnostics import build, scaled_grads
+from tests.mixed_precision.test_loss_scale import STEPS, Model, policies  # noqa: E402
 from tests.reference import F32_MAX, F32_TINY, ReferenceLossScale, ReferenceOptimizer, adam_rule
+from tests.torch_cases import OPTIMIZERS, count_ops
 
 SHAPES = [(4, 3), (3,)]
+
 
 # Most tests here hand pre-scaled gradients to `apply` without `scale_loss`.
 pytestmark = pytest.mark.filterwarnings("ignore::lossscale.mixed_precision.UnscaledLossWarning")
@@ -377,26 +403,6 @@ def test_torch_module_updated_in_place():
     assert losses[-1] < losses[0]
     for p, b in zip(model.parameters(), before):
         assert not torch.equal(p.detach(), b) and p.requires_grad
-
-
-# --- beyond Keras -------------------------------------------------------------
-
-import dataclasses  # noqa: E402
-import inspect  # noqa: E402
-import re  # noqa: E402
-import warnings  # noqa: E402
-
-from hypothesis import given, settings  # noqa: E402
-
-from lossscale.mixed_precision import (  # noqa: E402
-    LossScaleError,
-    LossScalePolicy,
-    UnscaledLossWarning,
-    diagnostics,
-)
-from lossscale.mixed_precision.telemetry import summarize  # noqa: E402
-from tests.conftest import BACKENDS, Backend  # noqa: E402
-from tests.mixed_precision.test_loss_scale import STEPS, Model, policies  # noqa: E402
 
 
 def grads_for(backend, scale, kinds, magnitude=1.0):
@@ -924,3 +930,843 @@ def test_overflow_after_unscaling_is_caught_on_torch():
     opt.apply([torch.full((3,), 1e30)], [w])  # finite, but 1e30 / 2.4e-38 overflows
     np.testing.assert_array_equal(w.numpy(), [1.0, 1.0, 1.0])
     assert float(opt.dynamic_scale) == pytest.approx(F32_TINY, rel=1e-6)
+
+
+# The fused paths: a step's every operation, 16 parameters in one group.
+# torch.amp.GradScaler + torch.optim.Adam(fused=True) dispatches 13.
+# The fused kernels take the AMP check's own `found_inf` (the explicit
+# `found_inf` of `_step`: no select of a new one from `keep`). On the CPU
+# Adam's step size is computed on the host from the step count (one read)
+# and AdamW's decay is folded into torch's fused AdamW kernel.
+FUSED_OPS = {
+    "sgd": 9,
+    "sgd_momentum": 9,
+    "sgd_nesterov": 10,
+    "adam": 10,
+    "adam_amsgrad": 10,
+    "adamw": 10,
+}
+
+
+# Where nothing is read on the host (a GPU, forced below by making the CPU
+# not host-readable): Adam's step size is six kernels (`1 - beta**t` written
+# into a kept pair whose elements are views made once: no `unbind`), and
+# AdamW's decay its own pass (the factor kept while the learning rate does
+# not change, a select of it under `keep`, one multiplication per group).
+DEVICE_OPS = {"adam": 15, "adamw": 17}
+
+
+def device_path(monkeypatch):
+    """Makes the CPU not host-readable: the step then takes the path it takes on a GPU."""
+    from lossscale.backends.torch import multi
+
+    monkeypatch.setattr(multi, "HOST_READABLE", frozenset())
+
+
+def ops_per_step(make, count, shape=(64, 32)):
+    """The aten operations of one warm `apply` on `count` parameters."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for _ in range(count)]
+    grads = [torch.randn(shape, generator=generator) * 1024 for _ in range(count)]
+    opt = ls.LossScaleOptimizer(make(), initial_scale=1024.0)
+    opt.scale_loss(1.0)
+    for _ in range(3):  # builds, caches the plans and packing buffers
+        opt.apply([g.clone() for g in grads], params)
+    given = [g.clone() for g in grads]
+    with count_ops() as ops:
+        opt.apply(given, params)
+    return ops
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_operations_per_step_do_not_grow_with_the_parameters(name):
+    ops = ops_per_step(OPTIMIZERS[name], 16)
+    assert len(ops_per_step(OPTIMIZERS[name], 32)) == len(ops), name
+    if name in FUSED_OPS:
+        assert len(ops) == FUSED_OPS[name] <= 18, ops
+        # No per-tensor work at all (selects, reductions, aliases): each
+        # kernel covers the whole group.
+        per_tensor = {"aten.where.self_out", "aten.aminmax.default", "aten.detach.default"}
+        assert not per_tensor & set(ops), ops
+
+
+def test_the_adam_step_names_its_operations():
+    ops = ops_per_step(OPTIMIZERS["adam"], 16)
+    assert ops == [
+        # A CPU scale is read on the host (nothing to wait for): a power of
+        # two >= 1, so one AMP pass divides and checks the unscaled values
+        # (tests/backends/torch/test_multi.py). A CUDA scale is not read: there
+        # `_foreach_div_` unscales, and the AMP kernel checks at scale 1.
+        "aten._local_scalar_dense.default",
+        "aten.zeros.default",  # the found_inf flag
+        "aten._amp_foreach_non_finite_check_and_unscale_.default",  # unscale, and check
+        "aten.eq.Scalar",  # the flag as a boolean, for the step counter
+        # The step count, read on the host: the step size is computed there
+        # (the learning rate read once, kept while its tensor is unwritten).
+        "aten._local_scalar_dense.default",
+        "aten._fused_adam_.default",  # skips itself where the check's found_inf is 1
+        "aten.add_.Tensor",  # iterations += finite
+        "aten._amp_update_scale_.default",  # the scale and the counter, in place
+        "aten.mul.Tensor",
+        "aten.clamp_min_.Tensor",  # the backoff floor
+    ]
+
+
+def test_the_adamw_step_folds_the_decay_into_the_kernel():
+    adam = ops_per_step(OPTIMIZERS["adam"], 16)
+    adamw = ops_per_step(OPTIMIZERS["adamw"], 16)
+    assert adamw == [op.replace("_fused_adam_", "_fused_adamw_") for op in adam]
+    assert len(adamw) == FUSED_OPS["adamw"] <= 13
+
+
+def test_the_device_adam_step_names_its_operations(monkeypatch):
+    device_path(monkeypatch)
+    ops = ops_per_step(OPTIMIZERS["adam"], 16)
+    assert ops == [
+        "aten._foreach_div_.Tensor",  # the scale is not read: divided, then checked at 1
+        "aten.zeros.default",  # the found_inf flag
+        "aten._amp_foreach_non_finite_check_and_unscale_.default",
+        "aten.eq.Scalar",
+        "aten.add.out",  # t = iterations + 1, cast as it is stored
+        "aten.pow.Tensor_Tensor",  # (beta_1, beta_2) ** t
+        "aten.sub.out",  # 1 - that, into the kept pair (views of it made once)
+        "aten.sqrt.default",
+        "aten.mul.Tensor",  # alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)
+        "aten.div.Tensor",
+        "aten._fused_adam_.tensor_lr",
+        "aten.add_.Tensor",
+        "aten._amp_update_scale_.default",
+        "aten.mul.Tensor",
+        "aten.clamp_min_.Tensor",
+    ]
+    assert len(ops) == DEVICE_OPS["adam"]
+
+
+def test_the_device_adamw_step_adds_the_decay_select_and_multiplication(monkeypatch):
+    device_path(monkeypatch)
+    adam = ops_per_step(OPTIMIZERS["adam"], 16)
+    adamw = ops_per_step(OPTIMIZERS["adamw"], 16)
+    at = adam.index("aten.add.out")  # the decay runs before the Adam update
+    assert adamw == adam[:at] + ["aten.where.self", "aten._foreach_mul_.Tensor"] + adam[at:]
+    assert len(adamw) == DEVICE_OPS["adamw"]
+
+
+def test_the_sgd_momentum_step_names_its_operations():
+    ops = ops_per_step(OPTIMIZERS["sgd_momentum"], 16)
+    assert ops == [
+        "aten._local_scalar_dense.default",  # the CPU scale, read on the host
+        "aten.zeros.default",  # the found_inf flag
+        "aten._amp_foreach_non_finite_check_and_unscale_.default",
+        "aten.eq.Scalar",  # the flag as a boolean, for the step counter
+        # `-lr` as `1 - dampening` (the CPU rate read on the host once, kept
+        # while the learning rate is unchanged): no `-lr * g` tensors.
+        "aten._fused_sgd_.default",  # skips itself where the check's found_inf is 1
+        "aten.add_.Tensor",  # iterations += finite
+        "aten._amp_update_scale_.default",
+        "aten.mul.Tensor",
+        "aten.clamp_min_.Tensor",  # the backoff floor
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_step_compiles_into_one_graph_that_never_recompiles(name):
+    torch.compiler.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        runs = _compiled_and_eager(name)
+    torch.compiler.reset()
+    (compiled_trail, compiled_params), (eager_trail, eager_params) = runs
+    assert compiled_trail == eager_trail
+    # Compiled on the CPU, Adam runs the eager step as one opaque operation
+    # (`lossscale::fused_adam_`, bit for bit: tests/backends/torch/test_fused.py);
+    # SGD takes its foreach rule (torch cannot trace its fused kernels), which
+    # rounds a little differently from the fused one.
+    for a, b in zip(compiled_params, eager_params):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+# docs/torch.md's lean compile: Dynamo's tensor guards only, no Inductor size asserts.
+LEAN = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe, "size_asserts": False}
+
+
+@pytest.mark.parametrize("options", [{}, LEAN], ids=["default", "lean"])
+def test_an_inductor_compiled_adam_step_is_the_eager_step_bit_for_bit(options):
+    """Inductor itself, with and without the lean options: one graph, and the eager run exactly.
+
+    Compiled on the CPU, Adam's update is the eager step as one opaque
+    operation (`lossscale::fused_adam_`); the unscale and finite check are
+    Inductor's loops, over a gradient past torch's packing threshold and
+    small ones, with an inf and a NaN at either end of a gradient.
+    """
+    shapes = [(300, 250), (7,), (3, 5)]  # 75,000 elements: past PACK_BELOW (2**16)
+    bad = {2: (0, 0, float("inf")), 4: (0, -1, float("nan")), 5: (1, -1, float("-inf"))}
+    runs = []
+    for compiled in (True, False):
+        generator = torch.Generator().manual_seed(5)
+        params = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in shapes]
+        opt = ls.LossScaleOptimizer(
+            OPTIMIZERS["adam"](), initial_scale=64.0, dynamic_growth_steps=2
+        )
+        opt.scale_loss(1.0)
+        opt.build(params)
+
+        def step(grads, opt=opt, params=params):
+            opt.apply(grads, params)
+
+        if compiled:
+            torch.compiler.reset()
+            torch._dynamo.utils.counters.clear()
+            step = torch.compile(step, fullgraph=True, options=options)
+        trail = []
+        for k in range(7):
+            grads = [torch.randn(s, generator=generator) * 64 for s in shapes]
+            if k in bad:
+                which, at, value = bad[k]
+                grads[which].view(-1)[at] = value
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                step(grads)
+            trail.append((float(opt.dynamic_scale), int(opt.iterations)))
+        if compiled:
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+            torch.compiler.reset()
+        runs.append((trail, [p.detach().clone() for p in params]))
+    (compiled_trail, compiled_params), (eager_trail, eager_params) = runs
+    assert compiled_trail == eager_trail
+    assert [it for _, it in eager_trail] == [1, 2, 2, 3, 3, 3, 4]  # three skipped steps
+    assert all(torch.equal(a, b) for a, b in zip(compiled_params, eager_params))
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_a_compiled_step_divides_the_gradients_inside_the_update(name):
+    """Traced, Adam takes the loss scale into its kernel: no divided copy of a gradient.
+
+    The eager step's one AMP pass (divide and check) became, traced, a loop
+    writing the divided gradients into fresh buffers every step (on
+    `large`, 64 MiB page-faulted in again each step: the compiled step 3.4x
+    the eager one). Now a reduction reads the scaled gradients and torch's
+    fused kernel divides them as it updates: after an applied step the
+    caller's gradients hold the unscaled values, after a skipped one the
+    scaled ones, untouched.
+    """
+    shapes = [(300, 250), (7,), (3, 5)]  # past PACK_BELOW, and small ones
+    generator = torch.Generator().manual_seed(11)
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in shapes]
+    opt = ls.LossScaleOptimizer(OPTIMIZERS[name](), initial_scale=64.0, dynamic_growth_steps=2)
+    opt.scale_loss(1.0)
+    opt.build(params)
+    graphs = []
+
+    def capture(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch.compiler.reset()
+    step = torch.compile(lambda grads: opt.apply(grads, params), fullgraph=True, backend=capture)
+    for k, bad in enumerate([None, (0, -1), None, (2, 0), None]):
+        grads = [torch.randn(s, generator=generator) * 64 for s in shapes]
+        if bad is not None:
+            grads[bad[0]].view(-1)[bad[1]] = float("nan")
+        scaled, scale = [g.clone() for g in grads], float(opt.dynamic_scale)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            step(grads)
+        expected = scaled if bad is not None else [g / scale for g in scaled]
+        bits = [(g.view(torch.int32), e.view(torch.int32)) for g, e in zip(grads, expected)]
+        assert all(torch.equal(g, e) for g, e in bits), k  # NaN included
+    torch.compiler.reset()
+    (graph,) = graphs
+    calls = [n for n in graph.graph.nodes if n.op == "call_function"]
+    (adam,) = [n for n in calls if str(n.target) == "lossscale.fused_adam_.default"]
+    assert adam.args[-1] is not None  # the scale, divided out in torch's kernel
+    # Nothing else makes a tensor of a gradient's size: no divided copy.
+    sizes = {int(np.prod(s)) for s in shapes if int(np.prod(s)) > 64}
+    made = [
+        str(n.target)
+        for n in calls
+        if n is not adam
+        and isinstance(n.meta.get("example_value"), torch.Tensor)
+        and n.meta["example_value"].numel() in sizes
+    ]
+    assert made == [], made
+
+
+def test_the_unscaled_loss_warning_is_given_once_without_breaking_the_graph():
+    # `scale_loss` never called: the warning is given while tracing (a
+    # constant to the compiler), not replayed by the compiled step.
+    torch.compiler.reset()
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3)]
+    opt = ls.LossScaleOptimizer(ls.optimizers.Adam(1e-3), initial_scale=8.0)
+    opt.build(params)
+    step = torch.compile(lambda grads: opt.apply(grads, params), fullgraph=True, backend="eager")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            step([torch.randn(4, 3) for _ in range(3)])
+    torch.compiler.reset()
+    assert [type(w.message) for w in seen] == [ls.mixed_precision.UnscaledLossWarning]
+    assert int(opt.inner_optimizer.iterations) == 3
+
+
+def test_the_compiled_check_is_left_to_the_compiler():
+    """No AMP check kernel in the traced step: it would run on functional copies.
+
+    Compiled, the finite check is plain reductions the compiler fuses into
+    the loops that unscale the gradients.
+    """
+    graphs = []
+
+    def capture(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch.compiler.reset()
+    generator = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in [(6, 4), (4,)]]
+    opt = ls.LossScaleOptimizer(OPTIMIZERS["adam"](), initial_scale=64.0)
+    opt.scale_loss(1.0)
+    opt.build(params)
+    grads = [torch.randn(p.shape, generator=generator) for p in params]
+    torch.compile(lambda: opt.apply(grads, params), fullgraph=True, backend=capture)()
+    torch.compiler.reset()
+    (graph,) = graphs
+    called = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+    assert not any("non_finite_check" in name for name in called), called
+    assert any("isfinite" in name for name in called), called
+
+
+def _compiled_and_eager(name):
+    runs = []
+    for compiled in (True, False):
+        generator = torch.Generator().manual_seed(1)
+        params = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in [(6, 4), (4,)]]
+        opt = ls.LossScaleOptimizer(OPTIMIZERS[name](), initial_scale=64.0, dynamic_growth_steps=2)
+        opt.scale_loss(1.0)
+        opt.build(params)
+
+        def step(grads, opt=opt, params=params):
+            opt.apply(grads, params)
+
+        if compiled:
+            # fullgraph: any graph break is an error; aot_eager traces like
+            # the default backend without generating code.
+            step = torch.compile(step, fullgraph=True, backend="aot_eager")
+        trail = []
+        for kind in ["f", "f", "inf", "f", "nan", "f", "f"]:
+            grads = [torch.randn(p.shape, generator=generator) * 64 for p in params]
+            if kind != "f":
+                grads[1][0] = float(kind)
+            before = [p.detach().clone() for p in params]
+            step(grads)
+            if kind != "f":  # skipped: every parameter bit for bit as it was
+                assert all(torch.equal(b, p) for b, p in zip(before, params))
+            trail.append((float(opt.dynamic_scale), int(opt.iterations)))
+        runs.append((trail, [p.detach().clone() for p in params]))
+    return runs
+
+
+def cuda_graph_replays_a_step(make):
+    """A whole step captured once in a CUDA graph and replayed on new gradients.
+
+    A GPU check, not collected on machines without CUDA (CI has none, and a
+    skipped test would read as a missing feature).
+    """
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    shapes = [(64, 32), (32,), (32, 8)]
+    init = [torch.randn(s, device=device, generator=generator) for s in shapes]
+    steps = [
+        [torch.randn(s, device=device, generator=generator) * 8 for s in shapes] for _ in range(6)
+    ]
+    steps[3][1][0] = float("inf")
+
+    def make_run():
+        params = [torch.nn.Parameter(x.clone()) for x in init]
+        opt = ls.LossScaleOptimizer(make(), initial_scale=8.0, dynamic_growth_steps=2)
+        opt.scale_loss(1.0)
+        return params, opt
+
+    params, opt = make_run()
+    static = [torch.zeros(s, device=device) for s in shapes]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for g, x in zip(static, steps[0]):
+            g.copy_(x)
+        opt.apply(static, params)  # warm: builds, caches plans and buffers
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.apply(static, params)
+    eager_params, eager = make_run()
+    eager.apply([x.clone() for x in steps[0]], eager_params)
+    for grads in steps[1:]:
+        for g, x in zip(static, grads):
+            g.copy_(x)
+        graph.replay()
+        eager.apply([x.clone() for x in grads], eager_params)
+    torch.cuda.synchronize()
+    for a, b in zip(params, eager_params):
+        assert torch.equal(a, b)
+    assert float(opt.dynamic_scale) == float(eager.dynamic_scale)
+
+
+if torch.cuda.is_available():
+    test_cuda_graph_replays_a_step = pytest.mark.parametrize(
+        "make",
+        [OPTIMIZERS["adam"], OPTIMIZERS["adamw"], OPTIMIZERS["lion"]],
+        ids=["adam", "adamw", "lion"],
+    )(cuda_graph_replays_a_step)
+
+
+def test_a_traced_loss_is_not_recorded():
+    # Inside `jax.grad` the loss is a tracer, which no variable may keep.
+    import jax
+    import jax.numpy as jnp
+
+    variables, opt = build(Backend("jax"), telemetry=True)
+    jax.grad(lambda w: opt.scale_loss(jnp.sum(w)))(jnp.ones(3))
+    assert int(opt._state["loss_finite"].value) == -1
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_snapshot_is_a_copy_later_steps_leave_alone(name):
+    backend = Backend(name)
+    variables, opt = build(backend, telemetry=True)
+    opt.scale_loss(1.0)
+    rng = np.random.default_rng(6)
+    first = opt.snapshot()
+    with np.errstate(invalid="ignore"):  # 0 * inf: NaN among the infs, on purpose
+        bad = [g * np.inf for g in scaled_grads(rng, 1.0)]
+    opt.apply([backend.array(g) for g in bad], variables)
+    assert first["dynamic_scale"] == 2.0**10 and first["overflows"] == []
+    assert opt.snapshot()["dynamic_scale"] == 2.0**9
+
+
+class Recorder:
+    """An observer: the steps it was told of, and a module for each overflow."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_step(self, finite, step):
+        self.calls.append((finite, step))
+
+    def modules_at(self, steps):
+        return {s: f"block{s}" for s in steps}
+
+
+def test_observers_hear_every_step_and_name_the_module():
+    backend = Backend("numpy")
+    variables, opt = build(backend, telemetry=True)
+    recorder = Recorder()
+    handle = opt.register_step_observer(recorder)
+    rng = np.random.default_rng(7)
+    opt.scale_loss(1.0)
+    for bad in (False, True):
+        grads = scaled_grads(rng, float(opt.dynamic_scale))
+        grads[0][0, 0] = np.inf if bad else grads[0][0, 0]
+        opt.apply([backend.array(g) for g in grads], variables)
+    assert [(bool(f), int(s)) for f, s in recorder.calls] == [(True, 0), (False, 1)]
+    assert opt.summary()["overflows"][0]["module"] == "block1"
+    handle.remove()
+    opt.apply([backend.array(g) for g in scaled_grads(rng, 1.0)], variables)
+    assert len(recorder.calls) == 2
+    assert opt.summary()["overflows"][0]["module"] is None
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_starts_without_the_observers(how):
+    """An observer is bound to a model: a copy does not call it, the original still does."""
+    import copy
+    import pickle
+
+    backend = Backend("numpy")
+    variables, opt = build(backend, telemetry=True)
+    recorder = Recorder()
+    opt.register_step_observer(recorder)
+    copied_vars, copied = (
+        copy.deepcopy((variables, opt))
+        if how == "deepcopy"
+        else pickle.loads(pickle.dumps((variables, opt)))
+    )
+    rng = np.random.default_rng(3)
+    copied.scale_loss(1.0)
+    copied.apply([backend.array(g) for g in scaled_grads(rng, 1.0)], copied_vars)
+    assert recorder.calls == [] and copied._observers == []
+    opt.scale_loss(1.0)
+    opt.apply([backend.array(g) for g in scaled_grads(rng, 1.0)], variables)
+    assert len(recorder.calls) == 1
+
+
+def test_no_host_read_in_a_torch_step_with_diagnostics_and_telemetry():
+    import torch
+
+    from tests.torch_cases import count_ops
+
+    def reads(**settings):
+        params = [torch.nn.Parameter(torch.randn(s)) for s in MEASURED_SHAPES]
+        opt = ls.LossScaleOptimizer(ls.optimizers.Adam(1e-3), initial_scale=1024.0, **settings)
+        opt.build(params)
+        counts = []
+        for _ in range(3):  # the first step is measured
+            grads = [torch.randn(s) * 1024 for s in MEASURED_SHAPES]
+            with count_ops() as seen:
+                opt.scale_loss(torch.tensor(1.0))
+                opt.apply(grads, params)
+            counts.append(seen.count("aten._local_scalar_dense.default"))
+        return counts
+
+    # The CPU scale read by the fused Adam step (above),
+    # and nothing more: the cadence is counted on the host.
+    reads()  # the process's one-time checks of the host arithmetic (backends/torch/host.py)
+    plain = reads()
+    assert reads(diagnostics_every=2) == plain
+    assert reads(diagnostics_every=1, telemetry=True) == reads(telemetry=True)
+
+
+def test_a_compiled_torch_step_decides_on_the_device_and_never_recompiles():
+    # A host count would be a guard of the compiled step, which changes
+    # every step: under torch.compile the cadence is the device's.
+    import torch
+
+    torch.compiler.reset()
+    params = [torch.nn.Parameter(torch.randn(s)) for s in MEASURED_SHAPES]
+    eager = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    settings = dict(initial_scale=8.0, diagnostics_every=2, telemetry=True)
+    compiled_opt = ls.LossScaleOptimizer(ls.optimizers.SGD(1e-3), **settings)
+    eager_opt = ls.LossScaleOptimizer(ls.optimizers.SGD(1e-3), **settings)
+    for opt, ps in ((compiled_opt, params), (eager_opt, eager)):
+        opt.scale_loss(1.0)
+        opt.build(ps)
+    step = torch.compile(lambda g: compiled_opt.apply(g, params), fullgraph=True, backend="eager")
+    rng = np.random.default_rng(9)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(5):
+            grads = [torch.from_numpy(g) for g in scaled_grads(rng, 8.0)]
+            step([g.clone() for g in grads])
+            eager_opt.apply([g.clone() for g in grads], eager)
+    torch.compiler.reset()
+    assert compiled_opt.summary() == eager_opt.summary()
+    assert compiled_opt.summary()["float16_range_step"] == 4
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("where", ["first", "last", "random", "none"])
+def test_a_loss_per_example_is_finite_only_if_every_entry_is(name, where):
+    backend = Backend(name)
+    _, opt = build(backend, telemetry=True)
+    losses = np.random.default_rng(11).standard_normal(257).astype(np.float32)
+    index = {"first": 0, "last": 256, "random": 93, "none": None}[where]
+    if index is not None:
+        losses[index] = np.nan if where == "random" else np.inf
+    opt.scale_loss(backend.array(losses))
+    assert int(backend.numpy(opt._state["loss_finite"])) == (index is None)
+    opt.scale_loss(backend.array(np.float32(2.0)))  # a scalar
+    assert int(backend.numpy(opt._state["loss_finite"])) == 1
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch"])
+@pytest.mark.parametrize("loss", [1.5, float("nan"), float("-inf")])
+def test_a_python_number_loss_is_flagged_on_the_host(name, loss):
+    _, opt = build(Backend(name), telemetry=True)
+    opt.scale_loss(loss)
+    assert int(opt._state["loss_finite"].value) == int(np.isfinite(loss))
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch"])
+def test_observers_keep_each_step_s_index_though_the_state_is_written_in_place(name):
+    backend = Backend(name)
+    variables, opt = build(backend, telemetry=True)
+    first, second = Recorder(), Recorder()
+    handle = opt.register_step_observer(first)
+    opt.register_step_observer(second)
+    rng = np.random.default_rng(12)
+    opt.scale_loss(1.0)
+    for _ in range(3):
+        opt.apply([backend.array(g) for g in scaled_grads(rng, 1.0)], variables)
+    assert [int(backend.numpy(s)) for _, s in first.calls] == [0, 1, 2]
+    handle.remove()
+    handle.remove()  # a second time: nothing, and the other observer stays
+    opt.apply([backend.array(g) for g in scaled_grads(rng, 1.0)], variables)
+    assert len(first.calls) == 3 and len(second.calls) == 4
+    assert [int(backend.numpy(s)) for _, s in second.calls] == [0, 1, 2, 3]
+
+
+# --- resuming: the measuring steps are the uninterrupted run's -----------------
+def _statistics_run(make_params, load=None, split=3, steps=7):
+    """Seven steps of the statistics policy (measuring every 2nd); `load` resumes at `split`.
+
+    `load(opt, fresh, params)` moves the state of `opt` into `fresh`, built on
+    `params`. Returns the scales and the last measured step.
+    """
+    import torch
+
+    def make():
+        return ls.LossScaleOptimizer(
+            torch.optim.Adam(params, lr=0.01) if torch_native else ls.optimizers.Adam(0.01),
+            initial_scale=256.0,
+            dynamic_growth_steps=1,
+            growth_policy="statistics",
+            diagnostics_every=2,
+            telemetry=True,
+        )
+
+    rng = np.random.default_rng(0)
+    params, torch_native = make_params()
+    opt = make()
+    opt.scale_loss(1.0)
+    scales = []
+    for k in range(steps):
+        if load is not None and k == split:
+            params, _ = make_params(
+                [np.asarray(p.detach() if torch_native else p.numpy()) for p in params]
+            )
+            fresh = make()
+            load(opt, fresh, params)
+            opt = fresh
+            opt.scale_loss(1.0)
+        # Large gradients every third step: no room to grow there.
+        size = 20.0 if k % 3 == 0 else 0.01
+        grads = [rng.normal(size=64).astype(np.float32) * size * float(opt.dynamic_scale)]
+        if torch_native:
+            grads = [torch.from_numpy(g) for g in grads]
+        opt.apply(grads, params)
+        scales.append(float(opt.dynamic_scale))
+    return scales, opt.summary()["float16_range_step"]
+
+
+def _numpy_params(values=None):
+    values = values or [np.ones(64, np.float32)]
+    return [ls.Variable(v.copy(), name="w") for v in values], False
+
+
+def _torch_params(values=None):
+    import torch
+
+    values = values or [np.ones(64, np.float32)]
+    return [torch.nn.Parameter(torch.from_numpy(v.copy())) for v in values], True
+
+
+def _by_state_dict(opt, fresh, params):
+    if not getattr(fresh.inner_optimizer, "keeps_native_state", False):
+        fresh.build(params)  # a torch optimizer's wrapper loads unbuilt
+    fresh.load_state_dict(opt.state_dict())
+
+
+def _by_store(opt, fresh, params):
+    store = {}
+    opt.save_own_variables(store)
+    fresh.build(params)
+    fresh.load_own_variables(store)
+
+
+def _by_weights(opt, fresh, params):
+    fresh.build(params)
+    fresh.set_weights([v.numpy() for v in opt.variables])
+
+
+def _by_file(opt, fresh, params):
+    import tempfile
+
+    from lossscale import saving
+
+    with tempfile.TemporaryDirectory() as folder:
+        saving.save(opt, f"{folder}/opt.lossscale")
+        fresh.build(params)
+        saving.restore(fresh, f"{folder}/opt.lossscale")
+
+
+@pytest.mark.parametrize(
+    "make_params, load",
+    [
+        (_numpy_params, _by_state_dict),
+        (_numpy_params, _by_store),
+        (_numpy_params, _by_weights),
+        (_numpy_params, _by_file),
+        (_torch_params, _by_state_dict),  # the native optimizer's state dict
+    ],
+    ids=["state_dict", "own_variables", "set_weights", "saving", "torch_native"],
+)
+def test_a_resumed_run_measures_on_the_uninterrupted_run_s_steps(make_params, load):
+    uninterrupted = _statistics_run(make_params)
+    assert _statistics_run(make_params, load) == uninterrupted
+    assert uninterrupted[1] == 6
+
+
+def test_a_jitted_jax_step_reserves_no_copy_of_the_gradients_for_diagnostics():
+    """XLA reserves the measurement branch's memory on every step, taken or not.
+
+    `large`'s 16 gradients of 1M elements: with `diagnostics_every` the
+    jitted `stateless_apply` reserves at most the measurement's packed
+    elements more (`backends/jax/float16_range.py`), where packing every
+    gradient reserved 69 MiB, a float32 copy of them all and the rows'
+    counts.
+    """
+    import jax
+
+    from lossscale.backends.jax import float16_range
+    from lossscale.bench import frameworks, workloads
+
+    params, grads = frameworks.jax_arrays(jax, workloads.get("large"))
+
+    def reserved(every):
+        opt = ls.LossScaleOptimizer(ls.optimizers.Adam(1e-3), diagnostics_every=every)
+        opt.build(params)
+        step = jax.jit(lambda p, v, g: opt.stateless_apply(v, g, p), donate_argnums=(0, 1))
+        values = [v.value for v in opt.variables]
+        return step.lower(params, values, grads).compile().memory_analysis().temp_size_in_bytes
+
+    assert reserved(100) - reserved(None) <= 4 * float16_range.PACK_CAPACITY * 1.2
+
+
+def _arrays_larger_than(hlo, elements):
+    """`(operation, shape)` of each array over `elements` that XLA's optimized HLO writes out.
+
+    Only the instructions of unfused computations make buffers (a fusion's
+    inside does not); parameters, views (`bitcast`) and a loop's reads of
+    its own state (`get-tuple-element`) are left out.
+    """
+    import re
+
+    found, fused = [], False
+    for line in hlo.splitlines():
+        header = re.match(r"(?:ENTRY )?%(\S+) ", line)
+        if header:  # a computation starts at the line's first column
+            fused = "fused" in header.group(1) or header.group(1).startswith("wrapped_")
+            continue
+        match = re.match(r"\s*(?:ROOT )?\S+ = (\w+\[[\d,]*\])\{[^}]*\} (\S+)\(", line)
+        if fused or match is None:
+            continue
+        shape, operation = match.groups()
+        if operation in ("parameter", "bitcast", "get-tuple-element"):
+            continue
+        if np.prod([int(d) for d in re.findall(r"\d+", shape.split("[")[1])]) > elements:
+            found.append((operation, shape))
+    return sorted(found)
+
+
+def test_an_xla_compiled_tensorflow_step_writes_out_no_gradient_sized_array_for_diagnostics():
+    """Under `tf.function(jit_compile=True)` the measurement adds no array larger than a chunk.
+
+    Measured whole, each of its comparisons was an int32 array of the
+    largest gradient's size, which XLA reserves in the branch on every
+    step; now a gradient of more than `CHUNK` (1M) elements is read a chunk
+    at a time (`backends/tensorflow/float16_range.py`). The step with
+    diagnostics writes out the same large arrays as the step without (the
+    update's own).
+    """
+    import tensorflow as tf
+
+    from lossscale.backends.tensorflow import float16_range
+
+    shapes = [(3 * float16_range.CHUNK + 5,), (1500, 1001), (64,)]
+
+    def large_arrays(every):
+        variables = [tf.Variable(tf.zeros(s)) for s in shapes]
+        opt = ls.LossScaleOptimizer(ls.optimizers.Adam(1e-3), diagnostics_every=every)
+        opt.build(variables)
+
+        @tf.function(jit_compile=True)
+        def step(*grads):
+            opt.scale_loss(1.0)
+            opt.apply(list(grads), variables)
+
+        specs = [tf.TensorSpec(s, tf.float32) for s in shapes]
+        hlo = step.experimental_get_compiler_ir(*specs)(stage="optimized_hlo")
+        return _arrays_larger_than(hlo, float16_range.CHUNK)
+
+    without = large_arrays(None)
+    assert without  # the update's own arrays are seen
+    assert large_arrays(100) == without
+
+
+def test_ema_and_finalize_delegate(backend, rng):
+    init, variables, opt = setup(
+        backend, rng, inner=SGD(0.1, use_ema=True, ema_momentum=0.5), initial_scale=4.0
+    )
+    ref = ReferenceOptimizer(adam_rule(), init)  # only its EMA bookkeeping is used
+    ref.use_ema, ref.ema_momentum = True, 0.5
+    for kind in ["f", "nan", "f"]:
+        grads = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+        if kind == "nan":
+            grads[0][0, 0] = np.nan
+        scale = np.float32(scalar(backend, opt.dynamic_scale))
+        opt.apply([backend.array(g * scale) for g in grads], variables)
+        if kind == "f":
+            ref.w = [w - 0.1 * g for w, g in zip(ref.w, grads)]
+            m = 0.0 if ref.raw_iterations == 0 else 0.5
+            ref.avg = [m * a + (1 - m) * w for a, w in zip(ref.avg, ref.w)]
+            ref.raw_iterations += 1
+    opt.finalize_variable_values(variables)
+    for v, a in zip(variables, ref.avg):
+        np.testing.assert_allclose(backend.numpy(v), a, rtol=1e-5, atol=1e-6)
+
+
+def test_properties_read_and_write_through(backend, rng):
+    _, variables, opt = setup(backend, rng, inner=SGD(0.1))
+    opt.learning_rate = 0.25
+    assert float(backend.numpy(opt.inner_optimizer.learning_rate)) == 0.25
+    opt.apply([backend.array(np.ones(s, np.float32)) for s in SHAPES], variables)
+    assert opt.iterations is opt.inner_optimizer.iterations
+    opt.iterations = 7
+    assert scalar(backend, opt.inner_optimizer.iterations) == 7
+    names = [v.name for v in opt.variables]
+    assert names[:2] == ["step_counter", "dynamic_scale"]
+    assert names[2:] == [v.name for v in opt.inner_optimizer.variables]
+    assert opt.dynamic_scale.dtype == "float32"
+    assert opt.step_counter.dtype.startswith("int")
+
+
+def test_exclude_from_weight_decay_reaches_the_inner_optimizer(backend, rng):
+    init, variables, opt = setup(backend, rng, inner=SGD(0.1, weight_decay=0.5), initial_scale=2.0)
+    opt.exclude_from_weight_decay(var_names=["v1"])
+    opt.scale_loss(1.0)
+    opt.apply([backend.array(np.zeros(s, np.float32)) for s in SHAPES], variables)
+    np.testing.assert_allclose(backend.numpy(variables[0]), init[0] * (1 - 0.05), rtol=1e-6)
+    np.testing.assert_array_equal(backend.numpy(variables[1]), init[1])
+
+
+def built(backend, **kwargs):
+    params = [backend.array(np.random.default_rng(0).normal(size=(3,)))]
+    opt = ls.LossScaleOptimizer(ls.optimizers.SGD(0.1), initial_scale=8.0, **kwargs)
+    opt.build(params)
+    return params, opt
+
+
+def test_summary_reads_given_values_instead_of_the_variables(backend):
+    params, opt = built(backend, dynamic_growth_steps=2)
+    values = [v.value for v in opt.variables]
+    bad = [backend.array(np.array([np.inf, 1.0, 2.0]))]
+    _, values = opt.stateless_apply(values, bad, [p for p in params])
+    assert opt.summary(values) == {"dynamic_scale": 4.0, "step_counter": 0}
+    assert opt.summary() == {"dynamic_scale": 8.0, "step_counter": 0}  # untouched
+
+
+def test_check_raises_only_on_a_recorded_error(backend):
+    params, opt = built(backend, max_consecutive_skips=0)
+    values = [v.value for v in opt.variables]
+    opt.check(values)  # nothing recorded yet
+    bad = [backend.array(np.array([np.nan, 1.0, 2.0]))]
+    _, values = opt.stateless_apply(values, bad, list(params))
+    with pytest.raises(LossScaleError, match="Loss scaling failed at step 0"):
+        opt.check(values)
+    opt.check()  # the optimizer's own variables recorded nothing
+
+
+def test_values_must_match_the_variables_one_for_one(backend):
+    _, plain = built(backend)
+    _, limited = built(backend, max_consecutive_skips=3)
+    for opt, method in (
+        (plain, plain.summary),
+        (limited, limited.summary),
+        (limited, limited.check),
+    ):
+        count = len(opt.variables)
+        with pytest.raises(
+            ValueError,
+            match=(
+                rf"`optimizer_variables` must hold one value per optimizer variable "
+                rf"\({count}\). Received: {count - 1} values"
+            ),
+        ):
+            method([v.value for v in opt.variables][:-1])
+    plain.check([])  # without limits there is nothing to check, and nothing is read

@@ -13,7 +13,7 @@ import torch
 import lossscale as ls
 from lossscale.optax import OptaxAdapter
 from lossscale.optimizers import native
-from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
+from lossscale.optimizers.native import wrap_native
 from lossscale.torch import TorchAdapter
 
 
@@ -44,12 +44,7 @@ def test_an_unloaded_library_is_not_imported():
     assert out.stdout.strip() == "[]"
 
 
-# A `LossScaleOptimizer` with the mixin first among its bases, as it is meant to be.
-Wrapper = (
-    ls.LossScaleOptimizer
-    if issubclass(ls.LossScaleOptimizer, NativeInnerStateMixin)
-    else (type("Wrapper", (NativeInnerStateMixin, ls.LossScaleOptimizer), {}))
-)
+Wrapper = ls.LossScaleOptimizer
 
 
 def steps(opt, params, grads):

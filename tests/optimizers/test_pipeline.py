@@ -77,7 +77,7 @@ def test_a_step_not_kept_writes_nothing_and_a_kept_one_is_apply(backend, rng, pi
     applied.build(twin)
     ops = stepped._ops
     # Whether the kernel folds `keep` or the step runs under `cond`.
-    folds = stepped._folds_keep(variables)
+    folds = stepped._step_plan(variables).folds_keep
     if pipeline in ("ema", "accumulation"):
         assert not folds
     for step, kept in enumerate([True, False, True, True, False, True]):

@@ -1,7 +1,7 @@
 """`lossscale.torch.watch`'s hooks on their own: which module each overflow started in.
 
 The hooks are driven through their observer protocol (`on_step`,
-`modules_at`) as a target calls it; tests/torch/test_scaler_diagnostics.py
+`modules_at`) as a target calls it; tests/torch/test_grad_scaler.py
 runs them under `GradScaler` and `LossScaleOptimizer`.
 """
 

@@ -89,6 +89,14 @@ class BackendOps(Protocol):
         `backends/torch/multi.unscale_checked`).
         """
 
+    def checks_while_unscaling(self) -> bool:
+        """Whether `unscale_checked` divides and checks in one pass here.
+
+        Then a wrapper unscales there rather than leaving the scale to the
+        update kernel (`StepPlan.takes_grad_scale`): torch's AMP kernel,
+        eagerly.
+        """
+
     def all_finite(self, arrays: Sequence[Any]) -> Any: ...
     def finite_flags(self, arrays: Sequence[Any]) -> tuple:
         """`(finite, skip)`: `all_finite(arrays)`, and as a float32 flag (1.0: not finite).
@@ -109,6 +117,12 @@ class BackendOps(Protocol):
     def max_abs(self, arrays: Sequence[Any]) -> Any: ...
     def all_max(self, x: Any, group: Any = None) -> Any: ...
     def all_true(self, flag: Any, group: Any = None) -> Any: ...
+    def several_participants(self, group: Any = None) -> bool:
+        """Whether `all_true` / `all_max` over `group` combine other participants' values.
+
+        False where they return their input as it is (one process, no
+        mapped axes, one replica).
+        """
 
     def fused_update(self, name: str) -> Any:
         """The `lossscale.backends.kernel.Kernel` named `name`, or None.
@@ -160,6 +174,14 @@ class BackendOps(Protocol):
         """Runs `true_fn` where `pred` holds, else `false_fn` (None: nothing).
 
         `variables`: every variable either branch may write.
+        """
+
+    def cond_values(
+        self, pred: Any, true_fn: Callable[[], tuple], false_fn: Callable[[], tuple]
+    ) -> tuple:
+        """`true_fn()` where `pred` holds, else `false_fn()`: tuples of arrays alike.
+
+        Neither branch writes anything; a device `pred` is not read on the host.
         """
 
     def quiet(self) -> ContextManager: ...

@@ -9,9 +9,9 @@ from typing import Any
 import keras
 
 from lossscale.backends import get_ops
-from lossscale.keras import gates, step
-from lossscale.mixed_precision import diagnostics
-from lossscale.mixed_precision.host_reads import HostReadsMixin
+from lossscale.keras import gates
+from lossscale.mixed_precision import diagnostics, step, telemetry
+from lossscale.mixed_precision import state as state_layout
 from lossscale.mixed_precision.loss_scale import LossScalePolicy
 
 BACKENDS = ("tensorflow", "jax", "torch")
@@ -20,7 +20,7 @@ _KERAS_SETTINGS = ("initial_scale", "dynamic_growth_steps")
 
 
 @keras.saving.register_keras_serializable(package="lossscale")
-class LossScaleOptimizer(HostReadsMixin, keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """A `keras.optimizers.LossScaleOptimizer` whose scale follows lossscale's state machine.
 
     Keras takes it wherever it takes its own wrapper: in `model.compile`
@@ -133,26 +133,29 @@ class LossScaleOptimizer(HostReadsMixin, keras.optimizers.LossScaleOptimizer):
         if self.built:
             return
         super().build(var_list)
-        state = {"scale": self.dynamic_scale, "counter": self.step_counter}
-        for field, name, dtype, initial, per in step.extra_fields(self.policy):
-            if dtype.startswith("int"):
-                # Keras's "int" (int64 on TensorFlow): combined with the counter.
-                dtype = self.step_counter.dtype
-            if per == "step":
-                state[field] = self._state_variable(name, dtype, initial)
-            elif per == "vector":
-                state[field] = self._state_variable(name, dtype, initial, (len(var_list),))
-            elif per == "history":
-                state[field] = tuple(
-                    self._state_variable(f"{name}_{i}", dtype, initial)
-                    for i in range(self.policy.history_length)
-                )
-            else:
-                state[field] = tuple(
-                    self._state_variable(f"{v.path.replace('/', '_')}_{name}", dtype, initial)
-                    for v in var_list
-                )
-        self._state = state
+        specs = [
+            spec
+            for spec in state_layout.variable_specs(self.policy, [v.path for v in var_list])
+            if spec[0] not in ("scale", "counter")  # Keras's own two
+        ]
+        self._state = {
+            "scale": self.dynamic_scale,
+            "counter": self.step_counter,
+            **state_layout.holders_of(specs, self._state_variable),
+        }
+
+    def _state_variable(self, spec):
+        _, name, dtype, initial, shape, _ = spec
+        if dtype.startswith("int"):
+            # Keras's "int" (int64 on TensorFlow): combined with the counter.
+            dtype = self.step_counter.dtype
+        return self.add_variable(
+            shape=shape,
+            dtype=dtype,
+            initializer=keras.initializers.Constant(initial),
+            aggregation="none",
+            name=name,
+        )
 
     def load_own_variables(self, store: dict) -> None:
         """Keras's load; the host's step count (diagnostics cadence) is then the restored `steps`.
@@ -164,21 +167,6 @@ class LossScaleOptimizer(HostReadsMixin, keras.optimizers.LossScaleOptimizer):
         steps = getattr(self, "_state", {}).get("steps")
         if self.policy.diagnoses and steps is not None:
             self._host_steps = int(keras.ops.convert_to_numpy(steps.value))
-
-    def _state_variable(self, name, dtype, initial, shape=()):
-        return self.add_variable(
-            shape=shape,
-            dtype=dtype,
-            initializer=keras.initializers.Constant(initial),
-            aggregation="none",
-            name=name,
-        )
-
-    def _read_state(self, values=None):
-        """The `LossScaleState` of the variables, or of `values` ({variable id: value})."""
-        return step.state_of(
-            self._state, (lambda v: v.value) if values is None else (lambda v: values[id(v)])
-        )
 
     # --- one step -----------------------------------------------------------
     def apply(
@@ -212,27 +200,27 @@ class LossScaleOptimizer(HostReadsMixin, keras.optimizers.LossScaleOptimizer):
             self.check()
 
     def _stateful_step(self, grads, variables, trainable_variables):
-        ops = self._ops
-        scale = self.dynamic_scale.value
-        state = self._read_state()
-        index = [self._get_variable_index(v) for v in variables]
-        state, measured = self._measured(state, grads, index, host=ops.host_control())
-        unscaled, divided = step.unscale(ops, grads, self._overwrites(variables), scale)
-        take, new = self._decide(state, grads, unscaled, divided, scale, index, measured)
-        inner = self.inner_optimizer
-        gates.run_stateful(
-            ops.NAME,
-            take,
-            lambda grads: inner.apply(grads, trainable_variables=trainable_variables),
-            unscaled,
-            [*inner.variables, *variables],
+        ops, inner = self._ops, self.inner_optimizer
+        state = state_layout.read(self._state, _value)
+
+        def inner_step(decision):
+            gates.run_stateful(
+                ops.NAME,
+                decision.keep,
+                lambda grads: inner.apply(grads, trainable_variables=trainable_variables),
+                decision.grads,
+                [*inner.variables, *variables],
+            )
+
+        new, _ = step.run(
+            ops,
+            self.policy,
+            state,
+            self._gradients(grads, variables),
+            inner_step,
+            due=self._due(state, host=ops.host_control()),
         )
-        targets = dict(step.flat_items(self._state))
-        writes = list(step.flat_items(new))
-        # A live value passing into another variable (scale -> history) is copied first.
-        live = {id(targets[key].value) for key, _ in writes}
-        for key, value in [(k, ops.copy(x) if id(x) in live else x) for k, x in writes]:
-            targets[key].assign(value)
+        state_layout.write_back(ops, self._state, state, new, _value)
 
     def stateless_apply(
         self,
@@ -259,27 +247,31 @@ class LossScaleOptimizer(HostReadsMixin, keras.optimizers.LossScaleOptimizer):
                 f"({len(own)}). Received: {len(optimizer_variables)} values"
             )
         values = {id(v): x for v, x in zip(own, optimizer_variables)}
-        state = self._read_state(values)
-        variables = self._trainable_variables
-        grads = list(grads)
-        index = [self._get_variable_index(v) for v in variables]
-        state, measured = self._measured(state, grads, index, host=False)
-        unscaled, divided = step.unscale(ops, grads, self._overwrites(variables), state.scale)
-        take, new = self._decide(state, grads, unscaled, divided, state.scale, index, measured)
-        count = len(self._variables)
-        inner_values = optimizer_variables[count:]
+        state = state_layout.read(self._state, lambda v: values[id(v)])
+        inner_values = optimizer_variables[len(self._variables) :]
         trainable = list(trainable_variables)
 
-        def applied():
-            new_trainable, new_inner = self.inner_optimizer.stateless_apply(
-                inner_values, unscaled, trainable
-            )
-            return list(new_trainable), list(new_inner)
+        def inner_step(decision):
+            def applied():
+                new_trainable, new_inner = self.inner_optimizer.stateless_apply(
+                    inner_values, decision.grads, trainable
+                )
+                return list(new_trainable), list(new_inner)
 
-        new_trainable, new_inner = gates.run_stateless(
-            ops.NAME, take, applied, lambda: (trainable, inner_values)
+            return gates.run_stateless(
+                ops.NAME, decision.keep, applied, lambda: (trainable, inner_values)
+            )
+
+        new, (new_trainable, new_inner) = step.run(
+            ops,
+            self.policy,
+            state,
+            self._gradients(list(grads), self._trainable_variables),
+            inner_step,
+            due=self._due(state, host=False),
         )
-        written = {id(self._state_item(key)): value for key, value in step.flat_items(new)}
+        holders = dict(state_layout.flatten(self._state))
+        written = {id(holders[key]): value for key, value in state_layout.flatten(new)}
         given = {id(x) for x in optimizer_variables}
         mine = []
         for v in self._variables:
@@ -289,46 +281,75 @@ class LossScaleOptimizer(HostReadsMixin, keras.optimizers.LossScaleOptimizer):
             mine.append(ops.cast(value, v.dtype) if id(v) in written else value)
         return list(new_trainable), mine + list(new_inner)
 
-    def _state_item(self, key):
-        name, index = key
-        target = self._state[name]
-        return target if index is None else target[index]
+    def _gradients(self, grads, variables):
+        """The step's `step.Gradients`: divided but for overwrite-with-gradient ones, copies."""
+        return step.Gradients(
+            grads,
+            divided=[
+                g is not None and not self._overwrite_variable_with_gradient(v)
+                for g, v in zip(grads, variables)
+            ],
+            index_of=lambda i: self._get_variable_index(variables[i]),
+            variable_count=len(self._trainable_variables),
+            unscale="copy",
+        )
 
-    def _overwrites(self, variables):
-        return [self._overwrite_variable_with_gradient(v) for v in variables]
+    def _due(self, state, host):
+        """Whether this step measures the float16 range (None without diagnostics).
 
-    def _measured(self, state, grads, index, host):
-        """`(state, measured)`: the state with this step's float16 range where it is due.
-
-        `index`: each gradient's variable's place in the build order.
         `host`: whether the cadence is decided on the host (eager torch),
         else from the state's step count on the device.
         """
         policy = self.policy
         if not policy.diagnoses:
-            return state, None
+            return None
         if host:
             due = self._host_steps % policy.diagnostics_every == 0
             self._host_steps += 1
-        else:
-            due = diagnostics.due(policy, state.steps)
-        return step.measured(self._ops, state, grads, policy, index, due), due
+            return due
+        return diagnostics.due(policy, state.steps)
 
-    def _decide(self, state, grads, unscaled, divided, scale, index, measured):
-        ops = self._ops
-        return step.decide(
-            ops,
-            state,
-            grads,
-            unscaled,
-            divided,
-            scale,
-            self.policy,
-            index,
-            len(self._trainable_variables),
-            (lambda flag: ops.all_true(flag, None), lambda peak: ops.all_max(peak, None)),
-            measured,
+    # --- on the host: summaries and the fail-fast check ----------------------
+    def summary(self, optimizer_variables: Sequence[Any] | None = None) -> dict[str, Any]:
+        """The loss-scale state as a dict of Python values, for loggers (reads the device).
+
+        The keys of `lossscale.LossScaleOptimizer.summary()`.
+
+        Args:
+            optimizer_variables: Optional values for `optimizer.variables`
+                (as `stateless_apply` takes and returns them). Defaults to
+                the optimizer's own variables.
+        """
+        state = state_layout.read(self._state, self._reader(optimizer_variables))
+        paths = [v.path for v in self._trainable_variables]
+        return telemetry.state_summary(self._ops, state, self.policy, paths)
+
+    def check(self, optimizer_variables: Sequence[Any] | None = None) -> None:
+        """Raises `LossScaleError` if the state records a crossed limit (see the class docstring).
+
+        Args:
+            optimizer_variables: Optional values for `optimizer.variables`.
+        """
+        if not self.policy.fails_fast:
+            return
+        error = self._reader(optimizer_variables)(self._state["error"])
+        telemetry.raise_if_failed(
+            self._ops, error, self.policy, lambda: self.summary(optimizer_variables)
         )
+
+    def _reader(self, optimizer_variables):
+        """`variable -> value`: its own, or its entry of `optimizer_variables`."""
+        if optimizer_variables is None:
+            return _value
+        optimizer_variables = list(optimizer_variables)
+        own = self.variables
+        if len(optimizer_variables) != len(own):
+            raise ValueError(
+                "`optimizer_variables` must hold one value per optimizer variable "
+                f"({len(own)}). Received: {len(optimizer_variables)} values"
+            )
+        values = {id(v): x for v, x in zip(own, optimizer_variables)}
+        return lambda v: values[id(v)]
 
     # --- configuration ----------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
@@ -383,6 +404,10 @@ def _check_inner(inner):
             "`inner_optimizer` must be a keras.optimizers.Optimizer instance, such as "
             f"keras.optimizers.Adam(). Received: inner_optimizer={inner!r}"
         )
+
+
+def _value(variable):
+    return variable.value
 
 
 def _executing_eagerly(backend, value):

@@ -68,6 +68,7 @@ def next_loss_scale(
     skip: Array | None = None,
     in_place: bool = False,
     measured: Array | bool | None = None,
+    scale_at_least: float = 0.0,
 ) -> LossScaleState:
     """Advances the loss-scale state by one step.
 
@@ -112,6 +113,10 @@ def next_loss_scale(
             `state` hold this step's measurement (a boolean scalar, or a
             Python bool where the caller decided on the host). `None`: not
             measured.
+        scale_at_least: A lower bound of `state.scale` known on the host
+            (`scale_lower_bound`), or 0.0: lets a plain policy's kernel
+            leave out the floor where the bound shows a backoff cannot
+            reach it.
 
     Returns:
         The next `LossScaleState`.
@@ -124,18 +129,16 @@ def next_loss_scale(
             f"({len(state.nonfinite)}). Received: {len(variable_finite)} entries"
         )
     state = _complete(ops, state, policy)
-    kernel = ops.fused_scale_update() if policy.is_plain else None
-    if kernel is not None:
-        scale, counter = kernel(
+    if policy.is_plain and ops.fused_scale_update() is not None:
+        scale, counter = plain_update(
+            ops,
             state.scale,
             state.counter,
             finite,
-            policy.dynamic_growth_steps,
-            policy.growth_factor,
-            policy.backoff_factor,
-            MIN_SCALE,
+            policy,
             skip=skip,
             in_place=in_place,
+            scale_at_least=scale_at_least,
         )
         counted = _counted(ops, state, policy, measured, in_place=in_place and ops.MUTABLE)
         return replaced(state, scale=scale, counter=counter, **counted)
@@ -217,6 +220,84 @@ def next_loss_scale(
             name: _select(ops, frozen, getattr(state, name), value) for name, value in new.items()
         }
     return replaced(state, **new)
+
+
+def plain_update(
+    ops: BackendOps,
+    scale: Array,
+    counter: Array,
+    finite: Array | None,
+    policy: LossScalePolicy,
+    *,
+    skip: Array | None = None,
+    in_place: bool = False,
+    scale_at_least: float = 0.0,
+) -> tuple[Array, Array]:
+    """`(scale, counter)` after one step of a plain policy (`LossScalePolicy.is_plain`).
+
+    Keras's rule with the two guards, in the backend's kernel where it has
+    one (torch's `_amp_update_scale_`, `fused_scale_update`), else the
+    generic selects of `next_loss_scale`. A front end that keeps nothing
+    but the scale and the counter calls it directly (`GradScaler` between
+    measurements); `next_loss_scale` calls it for a plain policy.
+
+    Args:
+        ops: The backend module.
+        scale, counter: The state's two arrays.
+        finite: Boolean scalar, whether every gradient was finite; may be
+            None where `skip` is given.
+        policy: A plain `LossScalePolicy`.
+        skip: Optional float32 scalar, 1.0 where the step overflowed
+            (torch's AMP form of `not finite`).
+        in_place: Whether `scale` and `counter` may be updated where they are.
+        scale_at_least: A lower bound of `scale` known on the host
+            (`scale_lower_bound`), or 0.0.
+    """
+    kernel = ops.fused_scale_update()
+    if kernel is None:
+        if finite is None:
+            finite = skip == 0
+        new = next_loss_scale(ops, LossScaleState(scale=scale, counter=counter), finite, policy)
+        return new.scale, new.counter
+    return kernel(
+        scale,
+        counter,
+        finite,
+        policy.dynamic_growth_steps,
+        policy.growth_factor,
+        policy.backoff_factor,
+        MIN_SCALE,
+        skip=skip,
+        in_place=in_place,
+        scale_at_least=scale_at_least,
+    )
+
+
+# After an update the scale is at least `backoff_factor` times what it was,
+# up to float32 rounding (of the factor and of the product): the host's
+# bound shrinks by this much more, so that it stays a lower bound.
+BOUND_ROUNDING = 1 - 2.0**-20
+
+
+def scale_lower_bound(bound: float, policy: LossScalePolicy) -> float:
+    """A lower bound of the scale after one update, from one before it, known on the host.
+
+    A front end that decides on the host (whether unscaling may overflow,
+    whether the plain update needs its floor) keeps this bound instead of
+    reading the scale, which would wait for the device every step:
+
+    ```
+    bound' = bound * backoff_factor * (1 - 2^-20)   # float32 rounding of the product
+    bound' = min(bound', max_scale)                  # where the policy caps the scale
+    bound' = max(bound', MIN_SCALE)                  # a plain policy at or above its floor
+    ```
+    """
+    new = bound * policy.backoff_factor * BOUND_ROUNDING
+    if policy.max_scale is not None:
+        new = min(new, policy.max_scale)
+    if policy.is_plain and bound >= MIN_SCALE:
+        new = max(new, MIN_SCALE)
+    return new
 
 
 def _counted(ops, state, policy, measured, in_place=False):

@@ -8,6 +8,7 @@ once, never written by hand.
 """
 
 import dataclasses
+import operator
 
 # Entries kept in each history field (`LossScaleState.scale_history`, the
 # overflow window) unless `LossScalePolicy.history_length` says otherwise.
@@ -129,3 +130,135 @@ def replaced(state, **changes):
             f"Expected names among: {list(STATE_FIELD_NAMES)}."
         )
     return LossScaleState(**{n: changes.get(n, getattr(state, n)) for n in STATE_FIELD_NAMES})
+
+
+# --- the layout: where a front end keeps the fields -----------------------
+# A front end holds the state as `{field name: holder, or a tuple of them}`
+# (its variables, Keras variables or tensors): `variable_specs` says what to
+# make, `read` makes the `LossScaleState` of the holders, `write_back`
+# writes a new state into them.
+
+
+def variable_specs(policy, variable_paths=(), kinds=("step", "history", "variable", "vector")):
+    """`(field, variable name, dtype, initial, shape, index)` of each holder `policy` needs.
+
+    Args:
+        policy: The `LossScalePolicy` (its tracked fields).
+        variable_paths: The model variables' paths, in build order: one
+            holder per variable of a `"variable"` field (named
+            `{path with "/" as "_"}_{field}`), an entry per variable of a
+            `"vector"` one.
+        kinds: Which fields' holders to list, by their `per`.
+
+    Yields:
+        One tuple per holder to make, in field order; `initial` is None for
+        `initial_scale`, `index` the place in a tuple field (None for one
+        holder).
+    """
+    for name in policy._field_names:
+        meta = _FIELDS[name].metadata
+        per = meta["per"]
+        if per not in kinds:
+            continue
+        variable = meta["variable"] or name
+        dtype, initial = meta["dtype"], meta["initial"]
+        if per == "step":
+            yield name, variable, dtype, initial, (), None
+        elif per == "vector":
+            yield name, variable, dtype, initial, (len(variable_paths),), None
+        elif per == "history":
+            for i in range(policy.history_length):
+                yield name, f"{variable}_{i}", dtype, initial, (), i
+        else:
+            for i, path in enumerate(variable_paths):
+                yield name, f"{path.replace('/', '_')}_{variable}", dtype, initial, (), i
+
+
+def holders_of(specs, make):
+    """`{field: holder or tuple of holders}`: `make(spec)` for each of `variable_specs`."""
+    holders = {}
+    for spec in specs:
+        name, index = spec[0], spec[5]
+        made = make(spec)
+        if index is None:
+            holders[name] = made
+        else:
+            holders[name] = (*holders.get(name, ()), made)
+    return holders
+
+
+def flatten(state):
+    """`((field, index), value)` of a `LossScaleState` or of `{field: holder(s)}`.
+
+    `index` is the place in a tuple field, None for a single value; fields
+    that are None (untracked) are left out.
+    """
+    items = (
+        state.items()
+        if isinstance(state, dict)
+        else ((name, getattr(state, name)) for name in STATE_FIELD_NAMES)
+    )
+    for name, value in items:
+        if isinstance(value, tuple):
+            yield from (((name, i), x) for i, x in enumerate(value))
+        elif value is not None:
+            yield (name, None), value
+
+
+def read(holders, value_of):
+    """The `LossScaleState` of `{field: holder or tuple of holders}`, each read by `value_of`."""
+    return LossScaleState(
+        **{
+            name: tuple(map(value_of, held)) if isinstance(held, tuple) else value_of(held)
+            for name, held in holders.items()
+        }
+    )
+
+
+def changed(old, new):
+    """`{field: new value}` of the fields of `new` that are not `old`'s, object for object."""
+    out = {}
+    for name in STATE_FIELD_NAMES:
+        value, before = getattr(new, name), getattr(old, name)
+        # Element by element: torch.compile traces no identity test of tuples.
+        if isinstance(value, tuple):
+            same = (
+                isinstance(before, tuple)
+                and len(value) == len(before)
+                and all(map(operator.is_, value, before))
+            )
+        else:
+            same = value is before
+        if not same:
+            out[name] = value
+    return out
+
+
+def write_back(ops, holders, old, new, storage_of):
+    """Writes the fields of `new` that changed from `old` into their holders.
+
+    A value that is its holder's own storage (`storage_of(holder)`: a
+    kernel updated it in place) is not written again; on a mutable backend
+    a value that is another field's old array (the scale passing into the
+    history) is copied before any write changes that array.
+
+    Args:
+        ops: The backend module.
+        holders: `{field: holder or tuple of holders}`; each has `assign`.
+        old: The state read from the holders.
+        new: The next state.
+        storage_of: `storage_of(holder)`: the array it holds.
+    """
+    fresh = changed(old, new)
+    targets = dict(flatten({name: holders[name] for name in fresh if name in holders}))
+    before = {id(x) for _, x in flatten({name: getattr(old, name) for name in fresh})}
+    writes = []
+    for key, value in flatten(fresh):
+        holder = targets.get(key)
+        if holder is None or value is storage_of(holder):
+            continue
+        if ops.MUTABLE and id(value) in before:
+            value = ops.copy(value)
+        writes.append((holder, value))
+    for holder, value in writes:
+        holder.assign(value)

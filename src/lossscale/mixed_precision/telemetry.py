@@ -34,6 +34,35 @@ class UnscaledLossWarning(UserWarning):
     """
 
 
+def state_summary(ops, state, policy, variable_paths, modules_at=None):
+    """`summarize` of a `LossScaleState` read on the host (a device synchronisation).
+
+    Args:
+        ops: The backend module of the state's arrays.
+        state: The `LossScaleState`.
+        policy: The `LossScalePolicy`.
+        variable_paths: Paths of the model variables, in build order.
+        modules_at: Optional `steps -> {step: module name or None}`: where
+            each overflow of the window started.
+    """
+    fields = loss_scale.state_fields(policy)
+    values = as_numpy(ops, {f.name: getattr(state, f.name) for f in fields})
+    values.setdefault("nonfinite", [])
+    modules = {}
+    if policy.records_details and modules_at is not None:
+        modules = modules_at([int(s) for s in values["overflow_steps"] if int(s) >= 0])
+    return summarize(values, policy, variable_paths, modules)
+
+
+def raise_if_failed(ops, error, policy, summary):
+    """Raises `LossScaleError` if `error` (the state's field) records a crossed limit.
+
+    `summary()` is called only then, for the message.
+    """
+    if policy.fails_fast and int(ops.to_numpy(error)) != loss_scale.NO_ERROR:
+        raise LossScaleError(failure_message(summary(), policy))
+
+
 def summarize(values, policy, variable_paths, modules=None):
     """Turns the state's values into a dict for loggers.
 

@@ -204,7 +204,7 @@ class OptaxAdapter(Optimizer):
             self._learning_rate_variable = self._state_leaves[learning_rate]
 
     # --- one step -----------------------------------------------------------
-    def _apply_validated(self, grads, variables, grad_scale=None, keep=None, found_inf=None):
+    def _run_step(self, grads, variables, plan, grad_scale=None, keep=None, found_inf=None):
         given = {id(v) for g, v in zip(grads, variables) if g is not None}
         absent = [v.path for v in self._trainable_variables if id(v) not in given]
         if absent:
@@ -214,9 +214,9 @@ class OptaxAdapter(Optimizer):
                 "variable without a gradient, or freeze it inside the transformation "
                 f"(optax.masked, optax.set_to_zero). Received: no gradient for {absent}"
             )
-        super()._apply_validated(grads, variables, grad_scale, keep, found_inf)
+        super()._run_step(grads, variables, plan, grad_scale, keep, found_inf)
 
-    def _update(self, ops, grads, variables, grad_scale=None, keep=None, found_inf=None):
+    def _update(self, ops, grads, variables, plan, grad_scale=None, keep=None, found_inf=None):
         params = [v.value for v in self._trainable_variables]
         ordered = [None] * len(params)
         for g, v in zip(grads, variables):

@@ -18,15 +18,9 @@ import optax
 
 from lossscale import validation
 from lossscale.backends import get_ops
-from lossscale.mixed_precision import diagnostics, inspection
-from lossscale.mixed_precision.loss_scale import (
-    LossScalePolicy,
-    LossScaleState,
-    may_apply,
-    next_loss_scale,
-    replaced,
-    state_fields,
-)
+from lossscale.mixed_precision import diagnostics, step
+from lossscale.mixed_precision import state as state_layout
+from lossscale.mixed_precision.loss_scale import LossScalePolicy, LossScaleState, replaced
 from lossscale.optax import checks, gate, placement
 from lossscale.optax.state import DynamicLossScaleState
 
@@ -168,70 +162,69 @@ def dynamic_loss_scale(
         checks.check_state(state, policy)
         leaves, treedef, dtypes = checks.check_updates(updates, params, state)
         checks.check_inner_state_matches(inner, state.inner_state, params)
-        scale = state.scale
-        current = _observed(
-            state.loss_scale_state, leaves, policy, extra_args.get("value"), axis_name
+        current = _with_loss(state.loss_scale_state, policy, extra_args.get("value"), axis_name)
+        gradients = step.Gradients(
+            leaves,
+            divided=[True] * len(leaves),
+            index_of=_same_index,
+            variable_count=len(leaves),
+            unscale="after_check",
+            divide_fn=lambda grads, scale: unscale(grads, dtypes, scale),
+            unscaled_dtypes=[jnp.dtype(d).name for d in dtypes],
         )
-        finite, peak, variable_finite = _inspect(leaves, dtypes, scale, policy)
-        if axis_name is not None:  # each device's own block: one decision over the axes
-            finite = _ops.all_true(finite, axis_name)
-            peak = None if peak is None else _ops.all_max(peak, axis_name)
-            variable_finite = inspection.agreed_flags(_ops, variable_finite, axis_name)
-        # A barrier keeps XLA from fusing the reduction behind the decision
-        # into each consumer.
-        applied = jax.lax.optimization_barrier(may_apply(_ops, current, finite, policy))
-        grads = _sanitised(applied, unscale(leaves, dtypes, scale), treedef)
-        new_updates, new_inner = gate.gated_update(
-            inner.update,
-            applied,
-            grads,
-            state.inner_state,
-            params,
-            extra_args,
-            check=checks.inner_output_check(state.inner_state),
-        )
-        measured = diagnostics.due(policy, current.steps) if policy.diagnoses else None
-        new_loss_scale = next_loss_scale(
+
+        def inner_step(decision):
+            # A barrier keeps XLA from fusing the reduction behind the
+            # decision into each consumer.
+            applied = jax.lax.optimization_barrier(decision.keep)
+            return gate.gated_update(
+                inner.update,
+                applied,
+                _sanitised(applied, decision.grads, treedef),
+                state.inner_state,
+                params,
+                extra_args,
+                check=checks.inner_output_check(state.inner_state),
+            )
+
+        new_loss_scale, (new_updates, new_inner) = step.run(
             _ops,
-            current,
-            finite,
             policy,
-            peak=peak,
-            variable_finite=variable_finite,
-            measured=measured,
+            current,
+            gradients,
+            inner_step,
+            participants=_participants(axis_name),
+            due=diagnostics.due(policy, current.steps) if policy.diagnoses else None,
         )
         return new_updates, DynamicLossScaleState(new_loss_scale, new_inner, policy, state.paths)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _observed(current, leaves, policy, loss, axis_name):
-    """`current` with this step's loss flag (telemetry) and float16 range (when due) in it.
+def _with_loss(current, policy, loss, axis_name):
+    """`current` with this step's loss flag, where telemetry keeps it and the loss is given.
 
-    The range is measured on the scaled gradients under a `lax.cond`: a step
-    that is not due runs none of it. With `axis_name`, over the devices
-    (`diagnostics.over_axes`).
+    `update` is given the loss as `value=` (optax's name for it); with
+    `axis_name`, each device's own loss: finite only if all are.
     """
-    if policy.records_details and loss is not None:
-        flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(loss)]
-        finite = functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
-        if axis_name is not None:  # each device's own loss: finite only if all are
-            finite = _ops.all_true(finite, axis_name)
-        current = replaced(current, loss_finite=finite.astype(jnp.int32))
-    if not policy.diagnoses:
+    if not policy.records_details or loss is None:
         return current
-    old = tuple(getattr(current, name) for name in diagnostics.FIELDS)
-    present = [i for i, g in enumerate(leaves) if g.size]
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(loss)]
+    finite = functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
+    if axis_name is not None:
+        finite = _ops.all_true(finite, axis_name)
+    return replaced(current, loss_finite=finite.astype(jnp.int32))
 
-    def measure():
-        grads = [leaves[i] for i in present]
-        columns = diagnostics.measure_at(_ops, grads, policy.growth_factor, old, present)
-        return columns if axis_name is None else diagnostics.over_axes(_ops, columns, axis_name)
 
-    if not present:
-        return current
-    ranges = jax.lax.cond(diagnostics.due(policy, current.steps), measure, lambda: old)
-    return replaced(current, **dict(zip(diagnostics.FIELDS, ranges)))
+def _participants(axis_name):
+    """Each device's own block of the gradients, inside `shard_map` / `pmap`: one decision."""
+    if axis_name is None:
+        return step.Participants()
+    return step.Participants(axis_name, per_variable=True, measurements="axes")
+
+
+def _same_index(i):
+    return i  # leaf i is parameter i
 
 
 def _sanitised(applied, unscaled, treedef):
@@ -273,52 +266,11 @@ def leaf_paths(tree):
 
 def _initial_state(policy, count, like):
     """The `LossScaleState` a policy starts from, placed like `like` (or not at all)."""
-    values = {}
-    for f in state_fields(policy):
-        meta = f.metadata
-        value = policy.initial_scale if meta["initial"] is None else meta["initial"]
-        if meta["per"] == "vector":
-            values[f.name] = _ops.full((count,), value, meta["dtype"], like=like)
-            continue
-        number = {"step": None, "history": policy.history_length, "variable": count}[meta["per"]]
-        scalars = [_ops.full((), value, meta["dtype"], like=like) for _ in range(number or 1)]
-        values[f.name] = scalars[0] if number is None else tuple(scalars)
-    return LossScaleState(**values)
 
+    def make(spec):
+        _, _, dtype, initial, shape, _ = spec
+        value = policy.initial_scale if initial is None else initial
+        return _ops.full(shape, value, dtype, like=like)
 
-def _finite_in(group, dtype, scale):
-    """Whether every gradient of `group`, divided by `scale` and cast to `dtype`, is finite.
-
-    For float32 and float64 that is whether the float32 division is
-    finite (the peaks are float32): the backend's `finite_unscaled`, which
-    settles most steps with sums (see its doc). A narrower dtype's range
-    is checked on the divided peak, cast to it.
-    """
-    if dtype in (jnp.float32, jnp.float64):
-        return _ops.finite_unscaled(group, scale)
-    return _ops.isfinite((_ops.max_abs(group) / scale).astype(dtype))
-
-
-def _inspect(leaves, dtypes, scale, policy):
-    """`(finite, peak, variable_finite)` of the gradients for `next_loss_scale`.
-
-    The flag alone is one check per unscaled dtype (`_finite_in`); a
-    statistic (the headroom policy's peak, telemetry's per-leaf flags) is
-    `inspection.inspect` of each leaf's largest scaled magnitude (each
-    dtype's, without telemetry): each scaled gradient read once, and a
-    finite gradient that overflows when unscaled counts as an overflow.
-    """
-    if policy.records_details:
-        peaks = [_ops.max_abs([g]) if g.size else None for g in leaves]
-        return inspection.inspect(_ops, peaks, [jnp.dtype(d).name for d in dtypes], scale, policy)
-    # One reduction per unscaled dtype, not per gradient: on CPU each is
-    # several XLA thunks.
-    groups = {}
-    for g, d in zip(leaves, dtypes):
-        groups.setdefault(jnp.dtype(d), []).append(g)
-    if policy.growth_policy != "headroom":  # the flag alone
-        flags = [_finite_in(group, dtype, scale) for dtype, group in groups.items()]
-        finite = functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
-        return finite, None, ()
-    peaks = [_ops.max_abs(group) for group in groups.values()]
-    return inspection.inspect(_ops, peaks, [d.name for d in groups], scale, policy)
+    specs = state_layout.variable_specs(policy, [""] * count)
+    return LossScaleState(**state_layout.holders_of(specs, make))

@@ -2,32 +2,40 @@
 
 A subclass declares its hyperparameters as `__init__` arguments stored under
 the same attribute names, creates its slots in `build`, and writes its update
-rule once in `update_step`. `apply` (validate, build, run the step) lives
-here; the step itself (`pipeline.py`), stateless application
-(`stateless.py`), variable creation (`slots.py`), config (`config.py`),
-saving (`state.py`), gradient checks (`gradients.py`) and the pipeline's
-pieces (`clipping.py`, `weight_decay.py`, `ema.py`, `accumulation.py`) live
-in the small modules it composes.
+rule once in `update_step`. Everything else is here, in the order a user
+meets it: the constructor and learning rate, `build` and the variables it
+makes, `apply` and the step it runs, `stateless_apply`, config, saving.
+The step's pieces are functions of what they read, in their own modules:
+the fast paths a step may take (`plan.py`), the rule's kernel
+(`pipeline.py`), clipping, weight decay, EMA, accumulation and
+overwrite-with-gradient variables, gradient checks (`gradients.py`),
+config (`config.py`) and the two checkpoint layouts (`checkpoint.py`).
 """
 
 from __future__ import annotations
 
+import operator
 import re
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from typing import Any, TypeVar, overload
 
 from lossscale import validation
-from lossscale.backends import get_ops
-from lossscale.optimizers import ema, gradients
-from lossscale.optimizers.checkpoint import CheckpointMixin
-from lossscale.optimizers.config import ConfigMixin
-from lossscale.optimizers.pipeline import PipelineMixin, hyper_type
-from lossscale.optimizers.slots import SlotsMixin
-from lossscale.optimizers.stateless import StatelessMixin
-from lossscale.optimizers.weight_decay import WeightDecayExclusions
+from lossscale.backends import _common, common_backend, get_ops
+from lossscale.optimizers import (
+    accumulation,
+    checkpoint,
+    clipping,
+    config,
+    ema,
+    gradients,
+    overwrite,
+    pipeline,
+)
+from lossscale.optimizers.plan import StepPlan, step_plan
+from lossscale.optimizers.weight_decay import WeightDecayExclusions, apply_weight_decay
 from lossscale.schedules.base import LearningRateSchedule
-from lossscale.typing import Array, LearningRate
-from lossscale.variables import Variable
+from lossscale.typing import Array, Config, Initializer, LearningRate, Shape
+from lossscale.variables import Variable, is_keras_variable
 
 # Accepted ranges of the base keyword arguments (all but `ema_momentum` may be None).
 _BASE_BOUNDS = {
@@ -45,6 +53,9 @@ _BASE_BOUNDS = {
 # The base keyword arguments (not a rule's hyperparameters).
 _BASE_KEYS = frozenset(_BASE_BOUNDS) | {"learning_rate", "use_ema", "name"}
 
+# `from_config` returns an instance of the class it is called on.
+_OptimizerT = TypeVar("_OptimizerT", bound="Optimizer")
+
 
 def _snake_case(name):
     # Keras's naming: "LossScaleOptimizer" -> "loss_scale_optimizer",
@@ -53,7 +64,7 @@ def _snake_case(name):
     return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()
 
 
-class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, CheckpointMixin):
+class Optimizer:
     """Abstract optimizer base class.
 
     Subclass it and override `build` (create slot variables with
@@ -115,6 +126,14 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
     # the class that declares it gets the kernel: a subclass that changes the
     # rule takes the per-variable `update_step` unless it declares a name too.
     update_kernel: str | None = None
+    # Attribute names of the slot lists `update_kernel` reads, e.g.
+    # `("_momentums", "_velocities")`. A kernel gets them as `slots`, keyed by
+    # the name without its leading underscore; an empty or missing list is
+    # left out (a setting the optimizer was built without).
+    kernel_slots: tuple = ()
+    # Attributes besides the constructor arguments that the kernel reads
+    # as hyperparameters (fixed numbers of the rule).
+    kernel_hyperparameters: tuple = ()
 
     def __init__(
         self,
@@ -171,7 +190,7 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
         # dict the backend's kernels keep derived data in between steps
         # (tensor lists, scratch buffers, traced functions), which lives and
         # dies with this optimizer.
-        self._hyper_type = hyper_type(type(self), _BASE_KEYS)
+        self._hyper_type = pipeline.hyper_type(type(self), _BASE_KEYS)
         self._kernel_cache = {}
         self._variables = []
         self._trainable_variables = []
@@ -242,6 +261,11 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
             return self._steps_taken()
         return self._iterations
 
+    @iterations.setter
+    def iterations(self, value: int) -> None:
+        validation.check_number("iterations", int(value), low=0, integer=True)
+        self._iterations.assign(int(value) * (self.gradient_accumulation_steps or 1))
+
     def _steps_taken(self):
         """`iterations` as a backend array."""
         steps = self._iterations.value
@@ -249,11 +273,12 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
             steps // self.gradient_accumulation_steps if self.gradient_accumulation_steps else steps
         )
 
-    @iterations.setter
-    def iterations(self, value: int) -> None:
-        validation.check_number("iterations", int(value), low=0, integer=True)
-        self._iterations.assign(int(value) * (self.gradient_accumulation_steps or 1))
+    @property
+    def variables(self) -> list[Variable]:
+        """Every variable holding this optimizer's state, in creation order."""
+        return self._variables[:]
 
+    # --- building: the optimizer's variables -------------------------------
     def build(self, var_list: Sequence[Variable | Array]) -> None:
         """Creates the optimizer's state for `var_list` (called by `apply`)."""
         var_list = self._as_variables(var_list, "var_list")
@@ -280,14 +305,182 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
             ]
         self.built = True
 
-    def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
-        """Applies the update rule to one variable; subclasses implement it."""
-        raise NotImplementedError(
-            f"{type(self).__name__} must implement `update_step(gradient, variable, "
-            "learning_rate)`."
+    def add_variable(
+        self,
+        shape: Shape,
+        initializer: Initializer = "zeros",
+        dtype: str | None = None,
+        aggregation: str | None = "none",
+        layout: Any = None,
+        name: str | None = None,
+    ) -> Variable:
+        """Adds a (non-trainable) variable to the optimizer.
+
+        Args:
+            shape: Shape tuple for the variable.
+            initializer: Initializer (`"zeros"`, `"ones"`, a number or a
+                callable `(shape, dtype)`). Defaults to `"zeros"`.
+            dtype: Dtype of the variable. Defaults to `"float32"`.
+            aggregation: One of `None`, `"none"`, `"mean"`, `"sum"` or
+                `"only_first_replica"`. Defaults to `"none"`.
+            layout: Optional tensor layout; stored for sharding-aware users.
+            name: String name of the variable.
+
+        Returns:
+            The new `Variable`, on the backend and device of the variables
+            the optimizer is built with (NumPy before that).
+        """
+        # The storage itself (not a read of it): a TensorFlow slot follows a
+        # mirrored model variable into its strategy.
+        like = self._trainable_variables[0].storage if self._trainable_variables else None
+        variable = Variable(
+            initializer,
+            shape=shape,
+            dtype=dtype,
+            trainable=False,
+            name=name,
+            aggregation=aggregation,
+            like=like,
+        )
+        variable.path = f"{self.name}/{variable.name}"
+        variable.layout = layout
+        self._variables.append(variable)
+        return variable
+
+    def add_variable_from_reference(
+        self,
+        reference_variable: Variable | Array,
+        name: str | None = None,
+        initializer: Initializer = "zeros",
+    ) -> Variable:
+        """Adds a variable shaped like `reference_variable`.
+
+        Its name is `{reference path with "/" as "_"}_{name}`; `name`
+        defaults to `"var"`.
+
+        Returns:
+            The new `Variable`, with the reference's shape, dtype and device.
+        """
+        reference = self._as_variable(reference_variable)
+        full_name = f"{reference.path.replace('/', '_')}_{name or 'var'}"
+        variable = Variable(
+            initializer,
+            shape=reference.shape,
+            dtype=reference.dtype,
+            trainable=False,
+            name=full_name,
+            like=reference.storage,
+        )
+        variable.path = f"{self.name}/{full_name}"
+        self._variables.append(variable)
+        return variable
+
+    @overload
+    def add_optimizer_variables(
+        self,
+        trainable_variables: Sequence[Variable | Array],
+        name: str,
+        initializer: Initializer = "zeros",
+    ) -> list[Variable | None]: ...
+
+    @overload
+    def add_optimizer_variables(
+        self,
+        trainable_variables: Sequence[Variable | Array],
+        name: Sequence[str],
+        initializer: Initializer | Sequence[Initializer] = "zeros",
+    ) -> tuple[list[Variable | None], ...]: ...
+
+    def add_optimizer_variables(
+        self,
+        trainable_variables: Sequence[Variable | Array],
+        name: str | Sequence[str],
+        initializer: Initializer | Sequence[Initializer] = "zeros",
+    ) -> list[Variable | None] | tuple[list[Variable | None], ...]:
+        """Adds one slot variable per trainable variable, for one or several names.
+
+        Overwrite-with-gradient variables get `None` instead of a slot.
+
+        Args:
+            trainable_variables: The model variables.
+            name: A name prefix, or a list of them (one slot per name).
+            initializer: One initializer for all names, or one per name.
+
+        Returns:
+            A list of variables for a single name, else a tuple of lists.
+        """
+        names = [name] if isinstance(name, str) else list(name)
+        inits = (
+            list(initializer)
+            if isinstance(initializer, (list, tuple))
+            else [initializer] * len(names)
+        )
+        if len(names) != len(inits):
+            raise ValueError(
+                "The number of provided names must match the number of provided "
+                f"initializers. Received: name={name!r}, initializer={initializer!r}"
+            )
+        slots = tuple([] for _ in names)
+        for variable in map(self._as_variable, trainable_variables):
+            for slot, n, init in zip(slots, names, inits):
+                slot.append(
+                    None
+                    if variable.overwrite_with_gradient
+                    else self.add_variable_from_reference(variable, n, init)
+                )
+        return slots[0] if isinstance(name, str) else slots
+
+    def exclude_from_weight_decay(
+        self,
+        var_list: Sequence[Variable | Array] | None = None,
+        var_names: Sequence[str] | None = None,
+    ) -> None:
+        """Excludes variables from weight decay (call before `build`).
+
+        Args:
+            var_list: A list of variables to exclude.
+            var_names: A list of strings; a variable whose name contains any
+                of them is excluded (e.g. `["bias"]`).
+        """
+        if self.built:
+            raise ValueError(
+                "`exclude_from_weight_decay()` can only be configured before the optimizer "
+                "is built."
+            )
+        self._exclusions = WeightDecayExclusions(
+            [self._as_variable(v) for v in var_list or ()], var_names
         )
 
-    # --- applying -----------------------------------------------------------
+    def _get_variable_index(self, variable):
+        return self._indices[id(variable)]
+
+    def _as_variable(self, x):
+        """Wraps a native array once (cached by identity); Variables pass through."""
+        if isinstance(x, Variable):
+            return x
+        wrapped = self._wrappers.get(id(x))
+        if wrapped is not None:
+            if wrapped.storage is x:  # a raw array wrapped before: every step's case
+                return wrapped
+            if wrapped.source is x:  # a keras.Variable, maybe assigned since (JAX)
+                wrapped.sync_from_source()
+                return wrapped
+        # A keras.Variable keeps its own name and path; a raw array gets one.
+        name = None if is_keras_variable(x) else f"param_{len(self._wrappers)}"
+        wrapped = Variable(x, name=name)
+        self._wrappers[id(x)] = wrapped
+        return wrapped
+
+    def _as_variables(self, xs, argname="trainable_variables"):
+        variables = [self._as_variable(x) for x in xs]
+        # One backend module per backend: comparing them is the cheap check;
+        # `common_backend` names the two found.
+        ops = variables[0]._ops if variables else None
+        if any(v._ops is not ops for v in variables):
+            common_backend(variables, what=f"`{argname}`")
+        return variables
+
+    # --- one step ------------------------------------------------------------
     def apply_gradients(
         self, grads_and_vars: Iterable[tuple[Array | None, Variable | Array]]
     ) -> Variable | Array:
@@ -315,11 +508,65 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
             return
         grads, variables = self._prepare(grads, trainable_variables)
         with self._ops.quiet():
-            self._apply_validated(grads, variables)
+            self._apply_prepared(grads, variables, owns_grads=True)
         if not self._ops.MUTABLE:
             # JAX rebinds: a wrapped keras.Variable takes its new value.
             for v in variables:
                 v.sync_to_source()
+
+    def stateless_apply(
+        self,
+        optimizer_variables: Sequence[Array],
+        grads: Sequence[Array | None],
+        trainable_variables: Sequence[Array],
+    ) -> tuple[list[Array], list[Array]]:
+        """Stateless version of `apply` that returns modified values.
+
+        Runs the same update as `apply` against the given values and leaves
+        every variable of the optimizer and the model as it was. On NumPy and
+        torch the inputs are copied first; on JAX it traces under `jax.jit`.
+
+        Args:
+            optimizer_variables: Values for `optimizer.variables`, in order.
+            grads: Gradients to apply.
+            trainable_variables: Values for the model variables the optimizer
+                was built with, in order.
+
+        Returns:
+            A tuple `(new_trainable_values, new_optimizer_values)`.
+        """
+        if not self.built:
+            raise ValueError(
+                f"To call `stateless_apply`, {type(self).__name__} must be built (i.e. its "
+                "variables must have been created). Call `optimizer.build(trainable_variables)`."
+            )
+        own, model = self.variables, self._trainable_variables
+        optimizer_variables, trainable_variables = (
+            list(optimizer_variables),
+            list(trainable_variables),
+        )
+        gradients.check_values("optimizer_variables", optimizer_variables, own)
+        gradients.check_values("trainable_variables", trainable_variables, model)
+        grads = list(grads)
+        self._resolve_variables(grads, None)
+        grads = gradients.validate_gradients(grads, model)
+        ops = self._ops
+        # Each variable is bound to a value of its own for the step (a copy
+        # where writes happen in place): the ordinary step runs, and nothing
+        # the caller passed is written.
+        values = [
+            ops.copy(x) if ops.MUTABLE else x for x in trainable_variables + optimizer_variables
+        ]
+        with _common.bound(model + own, values), ops.quiet():
+            self._apply_prepared(grads, model, owns_grads=False)
+            return [v.value for v in model], [v.value for v in own]
+
+    def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
+        """Applies the update rule to one variable; subclasses implement it."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement `update_step(gradient, variable, "
+            "learning_rate)`."
+        )
 
     def _prepare(self, grads, trainable_variables):
         """`apply`'s checks, before any write: `(grads, variables)`, built and checked.
@@ -332,8 +579,281 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
         if not self.built:
             self.build(variables)
         elif not known:
-            self._check_known(variables)
+            for v in variables:
+                if id(v) not in self._indices:
+                    raise ValueError(
+                        f"Unknown variable: {v.path!r}. This optimizer can only be called for "
+                        "the variables it was built with; create a new optimizer for new "
+                        "variables."
+                    )
         return grads, variables
+
+    def _resolve_variables(self, grads, trainable_variables):
+        """`(variables, known)`: `known` when all are ones the optimizer was built with.
+
+        Those share the backend `build` checked, so only other variables are
+        checked here (under `torch.compile` every `_ops` read of that check
+        would be a Python-level aliasing guard on each call); `apply` raises
+        for variables it was not built with, once the gradients are checked.
+        """
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "When passing `grads` without `trainable_variables`, the optimizer must "
+                    "already be built. Call `optimizer.build(trainable_variables)` first or "
+                    "pass `trainable_variables`. Received: trainable_variables=None"
+                )
+            variables, known = self._trainable_variables, True
+        elif trainable_variables is self._trainable_variables:  # its own list: nothing to resolve
+            variables, known = trainable_variables, True
+        else:
+            if not isinstance(trainable_variables, (list, tuple)):
+                trainable_variables = list(trainable_variables)  # a generator, say
+            # The last call's arrays are remembered where Python runs every
+            # step (not while a step is traced: there every read would be a
+            # guard), and never a keras.Variable, whose value `_as_variable`
+            # takes at every call.
+            eager = self.built and self._ops.host_control()
+            last = self._last_resolved if eager else None
+            if last is not None and _same_objects(trainable_variables, last[0]):
+                variables, known = last[1], True  # every step's case
+            else:
+                variables = [self._as_variable(x) for x in trainable_variables]
+                known = self.built and all(id(v) in self._indices for v in variables)
+                if not known:
+                    variables = self._as_variables(variables)  # Variables pass through
+                elif eager and all(v.source is None for v in variables):
+                    self._last_resolved = (tuple(trainable_variables), variables)
+        if len(grads) != len(variables):
+            raise ValueError(
+                "`grads` must match the trainable variables one to one. Received: "
+                f"{len(grads)} gradients for {len(variables)} variables"
+            )
+        return variables, known
+
+    def _apply_prepared(self, grads, variables, *, owns_grads):
+        """Runs one step on checked gradients and built variables.
+
+        What a wrapper changes (the loss-scale wrapper gates the step here).
+        `owns_grads`: whether the gradients are the caller's to hand over
+        (`apply`), so a fast path may write into them; not under
+        `stateless_apply`.
+        """
+        del owns_grads  # the rules never write the gradients
+        self._step(grads, variables)
+
+    def _step(self, grads, variables, keep=None, grad_scale=None, found_inf=None):
+        """One step on validated input: the contract wrappers call.
+
+        Args:
+            grads: The gradients, one per variable (`None` for none).
+            variables: The `Variable`s they update, all of this optimizer's.
+            keep: None (the step is taken), or a boolean scalar of the
+                backend: the step takes effect only where it holds, and
+                nothing reads it on the host. A step whose plan folds it
+                (`StepPlan.folds_keep`) passes it to the kernels; any other
+                runs under the backend's `cond(keep, ...)`.
+            grad_scale: None, or a scale still multiplied into `grads`, for
+                a step whose plan `takes_grad_scale` (its kernel divides it
+                out as it reads each gradient).
+            found_inf: None, or `keep` in torch's AMP form (float32, 1.0
+                where the step is skipped), where the caller's check made
+                it: a kernel that takes one (`takes_found_inf`) uses it
+                instead of making it again. Ignored without `keep`.
+        """
+        plan = self._step_plan(variables)
+        if keep is not None and not plan.folds_keep:
+            self._ops.cond(
+                keep,
+                lambda: self._run_step(grads, variables, plan, grad_scale),
+                None,
+                self._state_variables(),
+            )
+            return
+        self._run_step(grads, variables, plan, grad_scale, keep, found_inf)
+
+    def _step_plan(self, variables: Sequence[Variable]) -> StepPlan:
+        """The fast paths this step may take (`plan.step_plan`)."""
+        ops = self._ops
+        return step_plan(
+            self._fused_kernel(),
+            variables,
+            weight_decay=self.weight_decay,
+            weight_decay_kernel=(None if self.weight_decay is None else ops.fused_weight_decay()),
+            loss_scale_factor=self.loss_scale_factor,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            clips=(
+                self.clipnorm is not None
+                or self.clipvalue is not None
+                or self.global_clipnorm is not None
+            ),
+            use_ema=self.use_ema,
+        )
+
+    def _fused_kernel(self):
+        """The backend's kernel for this exact class's `update_kernel`, or None."""
+        return self._ops.fused_update(self._kernel_name)
+
+    def _run_step(self, grads, variables, plan, grad_scale=None, keep=None, found_inf=None):
+        """The step, in the order of `pipeline`'s docstring.
+
+        `grad_scale` only where `plan.takes_grad_scale`, `keep` and
+        `found_inf` only where `plan.folds_keep`.
+        """
+        ops = self._ops
+        grads, variables = overwrite.take_gradients(
+            ops, grads, variables, self._overwrite_accumulation()
+        )
+        grads, variables = gradients.drop_missing(grads, variables)
+        if grads:
+            if self.loss_scale_factor is not None:
+                grads = [g / self.loss_scale_factor for g in grads]
+            if self.gradient_accumulation_steps:
+                self._accumulate_or_update(ops, grads, variables, plan)
+            else:
+                self._update(ops, grads, variables, plan, grad_scale, keep, found_inf)
+            for v in variables:
+                if v.constraint is not None:
+                    v.assign(v.constraint(v.value))
+            if self.use_ema:
+                self._update_ema(ops)
+        # + 1 where the step is taken, + 0 where it is not (a boolean adds as
+        # an integer: on torch one kernel).
+        self._iterations.assign_add(1 if keep is None else keep)
+
+    def _overwrite_accumulation(self):
+        """`(accumulator_of, is_update)` for overwrite-with-gradient variables, or None.
+
+        With gradient accumulation such a variable keeps the running maximum
+        in its accumulator (`accumulator_of(variable)`) and takes it where
+        `is_update()` (a backend boolean) holds.
+        """
+        steps = self.gradient_accumulation_steps
+        if not steps:
+            return None
+        return (
+            lambda v: self._accumulated_gradients[self._get_variable_index(v)],
+            lambda: accumulation.is_update_step(self._iterations.value, steps),
+        )
+
+    def _update(self, ops, grads, variables, plan, grad_scale=None, keep=None, found_inf=None):
+        """Clip, decay, then the rule: the update of one step's gradients."""
+        grads = clipping.clip_gradients(
+            ops, grads, self.clipnorm, self.clipvalue, self.global_clipnorm
+        )
+        learning_rate = self.learning_rate
+        rest = (learning_rate, grad_scale, keep, found_inf)
+        if self.weight_decay is None:
+            self._update_variables(grads, variables, *rest)
+            return
+        if plan.folds_weight_decay:
+            # The kernel decays the variables it is given as it updates
+            # them: the decayed ones in one call, the excluded ones in another.
+            for positions, rate in pipeline.decayed_groups(
+                variables, self.weight_decay, self._exclusions
+            ):
+                if positions is None:
+                    self._update_variables(grads, variables, *rest, weight_decay=rate)
+                else:
+                    part_grads = [grads[i] for i in positions]
+                    part = [variables[i] for i in positions]
+                    self._update_variables(part_grads, part, *rest, weight_decay=rate)
+            return
+        apply_weight_decay(
+            ops,
+            variables,
+            self.weight_decay,
+            learning_rate,
+            self._exclusions,
+            self._kernel_cache,
+            keep,
+        )
+        self._update_variables(grads, variables, *rest)
+
+    def _update_variables(
+        self,
+        grads,
+        variables,
+        learning_rate,
+        grad_scale=None,
+        keep=None,
+        found_inf=None,
+        weight_decay=None,
+    ):
+        """Runs the update rule on every one of `variables` (`pipeline.run_rule`)."""
+        kernel = self._fused_kernel()
+        pipeline.run_rule(
+            kernel,
+            self.update_step,
+            grads,
+            variables,
+            self._kernel_slots(variables) if kernel is not None else None,
+            self._hyper_type(*(getattr(self, k) for k in self._hyper_type._fields)),
+            iterations=self.iterations,
+            learning_rate=learning_rate,
+            cache=self._kernel_cache,
+            grad_scale=grad_scale,
+            keep=keep,
+            found_inf=found_inf,
+            weight_decay=weight_decay,
+        )
+
+    def _kernel_slot_lists(self):
+        """`{slot name: list aligned with the trainable variables}` for the kernel."""
+        lists = {}
+        for attr in self.kernel_slots:
+            slots = getattr(self, attr, None)
+            if slots:
+                lists[attr.lstrip("_")] = slots
+        return lists
+
+    def _kernel_slots(self, variables):
+        """The slot lists, aligned with `variables` (all of them, or some in any order)."""
+        lists = self._kernel_slot_lists()
+        every = self._trainable_variables
+        if len(variables) == len(every) and all(map(operator.is_, variables, every)):
+            return lists
+        positions = [self._get_variable_index(v) for v in variables]
+        return {name: [slots[i] for i in positions] for name, slots in lists.items()}
+
+    def _accumulate_or_update(self, ops, grads, variables, plan):
+        steps = self.gradient_accumulation_steps
+        accumulators = [self._accumulated_gradients[self._get_variable_index(v)] for v in variables]
+
+        def update():
+            self._update(
+                ops, accumulation.mean_with_accumulated(grads, accumulators, steps), variables, plan
+            )
+            # The window is over for every variable, as in Keras: the partial
+            # sum of one without a gradient at this step is dropped, not
+            # carried into the next window.
+            accumulation.reset(ops, self._accumulated_gradients)
+
+        ops.cond(
+            accumulation.is_update_step(self._iterations.value, steps),
+            update,
+            lambda: accumulation.accumulate(grads, accumulators),
+            self._state_variables(),
+        )
+
+    def _update_ema(self, ops):
+        iterations = self._steps_taken()
+        ema.update_moving_averages(
+            ops,
+            self._model_variables_moving_average,
+            self._trainable_variables,
+            self.ema_momentum,
+            iterations == 0,
+        )
+        if self.ema_overwrite_frequency:
+            ops.cond(
+                (iterations + 1) % self.ema_overwrite_frequency == 0,
+                lambda: ema.overwrite_with_averages(
+                    self._trainable_variables, self._model_variables_moving_average
+                ),
+                lambda: None,
+                self._state_variables(),
+            )
 
     @property
     def _ops(self):
@@ -345,6 +865,33 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
         """Everything an update may write: model variables, then optimizer state."""
         return self._trainable_variables + self.variables
 
+    # --- what update rules write through -------------------------------------
+    def assign(self, variable: Variable | Array, value: Array) -> None:
+        """Assigns `value` to `variable` (a `Variable` or a mutable native array)."""
+        self._assign("assign", variable, value)
+
+    def assign_add(self, variable: Variable | Array, value: Array) -> None:
+        """Adds `value` to `variable`."""
+        self._assign("assign_add", variable, value)
+
+    def assign_sub(self, variable: Variable | Array, value: Array) -> None:
+        """Subtracts `value` from `variable`."""
+        self._assign("assign_sub", variable, value)
+
+    @staticmethod
+    def _assign(method, variable, value):
+        if isinstance(variable, Variable):
+            getattr(variable, method)(value)
+            return
+        ops = get_ops(common_backend([variable]))
+        if not ops.MUTABLE:
+            raise TypeError(
+                f"`variable` must be a lossscale.Variable on the {ops.NAME} backend, whose arrays "
+                f"are immutable. Received: variable of type {type(variable).__name__}"
+            )
+        getattr(ops, method)(variable, value)
+
+    # --- around the step -------------------------------------------------------
     def finalize_variable_values(self, var_list: Sequence[Variable | Array]) -> None:
         """Writes the EMA into `var_list` when `use_ema=True`; otherwise does nothing."""
         if self.use_ema:
@@ -357,6 +904,140 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
         if self.loss_scale_factor is not None:
             return loss * self.loss_scale_factor
         return loss
+
+    # --- configuration ---------------------------------------------------------
+    @classmethod
+    def _config_keys(cls):
+        """Every named constructor argument along the class hierarchy."""
+        return config.config_keys(cls)
+
+    def get_config(self) -> Config:
+        """Returns the optimizer's config: every constructor argument, by name."""
+        return config.config_of(self, self._learning_rate)
+
+    @classmethod
+    def from_config(
+        cls: type[_OptimizerT], config: Config, custom_objects: dict[str, Any] | None = None
+    ) -> _OptimizerT:
+        """Creates an optimizer from its config (the reverse of `get_config`).
+
+        Args:
+            config: A Python dictionary, typically the output of `get_config`.
+            custom_objects: A dictionary mapping names to user-defined
+                classes or functions needed to recreate this optimizer.
+
+        Returns:
+            An optimizer instance.
+        """
+        from lossscale.optimizers import config as configs
+
+        return configs.from_config(cls, config, custom_objects)
+
+    # --- saving and loading ------------------------------------------------------
+    def save_own_variables(self, store: MutableMapping[str, Array]) -> None:
+        """Writes every variable, as a NumPy array, to `store["0"]`, `store["1"]`, ...
+
+        The arrays are copies: a store is a snapshot that later steps do not
+        change.
+        """
+        checkpoint.save(self.variables, store)
+
+    def load_own_variables(self, store: Mapping[str, Array]) -> None:
+        """Restores the variables from a store written by `save_own_variables`.
+
+        A store holding a different number of variables is not loaded: a
+        warning says so and nothing changes. A shape mismatch raises before
+        anything is written. Values are copied into the variables' own
+        buffers, so training afterwards never writes into `store`.
+        """
+        checkpoint.load(self.name, self.built, self.variables, store)
+
+    def set_weights(self, weights: Sequence[Array]) -> None:
+        """Sets every optimizer variable from a list of arrays, in `variables` order."""
+        if not self.built:
+            raise ValueError(
+                "You are calling `set_weights()` on an optimizer that has not yet been built. "
+                "Call `optimizer.build(trainable_variables)` first."
+            )
+        checkpoint.set_values(self.variables, weights)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Returns the optimizer's state in the form torch optimizers use.
+
+        ```
+        {
+            "state": {0: {"momentum": m0, "velocity": v0}, 1: {...}, ...},
+            "param_groups": [{"params": [0, 1, ...], "beta_1": 0.9, ...}],
+            "optimizer_variables": {"adam/iteration": t, "adam/learning_rate": lr},
+        }
+        ```
+
+        `state[i]` holds the slots of the `i`-th variable the optimizer was
+        built with, named as they were created (`"momentum"`, `"velocity"`,
+        `"average"` for the EMA, `"gradient_accumulator"`, ...); variables
+        without slots have no entry. `optimizer_variables` holds every other
+        variable (step counter, learning rate, loss-scale state) by `path`.
+        `param_groups` has one group listing every parameter index, with the
+        optimizer's hyperparameters for reference. Values are copies, as
+        arrays of the optimizer's backend (tensors on their device on
+        torch), so the dict is a snapshot that later steps do not change.
+
+        Returns:
+            A dict that `load_state_dict` accepts.
+        """
+        self._check_built("state_dict()")
+        return checkpoint.state_dict(self, self._trainable_variables)
+
+    def state_variables(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+        """The variables as `state_dict()` lays them out, live: the optimizer's own `Variable`s.
+
+        What a later step writes, they hold: for a view of the state that
+        tools read live, as `torch.optim.Optimizer.state` is.
+
+        Returns:
+            `({parameter index: {slot name: Variable}}, {path: Variable})`:
+            the layout of `state_dict()["state"]` (variables without slots
+            have no entry) and of `state_dict()["optimizer_variables"]`.
+        """
+        self._check_built("state_variables()")
+        return checkpoint.layout(self.name, self.variables, self._trainable_variables)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the state written by `state_dict()`, continuing its trajectory.
+
+        The optimizer must be built, on variables of the same number and
+        shapes as the saved one. Everything is checked before anything is
+        written: a mismatch raises `ValueError` and changes nothing. Arrays
+        may come from another backend or device (they are converted and
+        copied into the existing variables). Hyperparameters are those of
+        this optimizer; the saved `param_groups` only have to list the same
+        parameters.
+
+        Args:
+            state_dict: A dict returned by `state_dict()`.
+        """
+        for variable, value in self._state_dict_writes(state_dict):
+            variable.assign(value)
+
+    def _state_dict_writes(self, state_dict):
+        """Checks `state_dict` whole; returns the `(variable, value)` writes that load it."""
+        if not self.built:
+            raise ValueError(
+                f"`load_state_dict()` writes into the optimizer's variables, which "
+                f"{type(self).__name__} creates when it is built. Call "
+                "`optimizer.build(trainable_variables)` with the model's variables first."
+            )
+        return checkpoint.state_dict_writes(
+            self.name, self.variables, self._trainable_variables, state_dict
+        )
+
+    def _check_built(self, method):
+        if not self.built:
+            raise ValueError(
+                f"`{method}` needs the optimizer's variables, which {type(self).__name__} "
+                "creates when it is built. Call `optimizer.build(trainable_variables)` (or "
+                "take one step) first."
+            )
 
     # --- copies: `copy.deepcopy` and `pickle` ---------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -379,7 +1060,7 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
         state = dict(state)
         wrappers = state.pop("_wrappers")
         self.__dict__.update(state)
-        self._hyper_type = hyper_type(type(self), _BASE_KEYS)
+        self._hyper_type = pipeline.hyper_type(type(self), _BASE_KEYS)
         self._kernel_cache = {}
         self._last_resolved = None
         self._indices = {id(v): i for i, v in enumerate(self._trainable_variables)}
@@ -388,3 +1069,8 @@ class Optimizer(SlotsMixin, PipelineMixin, StatelessMixin, ConfigMixin, Checkpoi
 
     def __repr__(self):
         return f"<{type(self).__name__} name={self.name!r} built={self.built}>"
+
+
+def _same_objects(xs, ys):
+    """Whether the sequences hold the same objects, in order (one identity test each, in C)."""
+    return len(xs) == len(ys) and all(map(operator.is_, xs, ys))

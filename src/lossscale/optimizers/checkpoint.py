@@ -1,7 +1,8 @@
 """Saving, loading and setting an optimizer's variables.
 
-Kept apart from the update logic: these methods only read and write the
-`variables` list, in order, and check everything before writing anything.
+Kept apart from the update logic: these functions only read and write an
+optimizer's `variables` list, in order, and check everything before
+writing anything (`Optimizer`'s methods of the same names call them).
 
 Two forms of the same state:
 - Keras's: `save_own_variables(store)` / `load_own_variables(store)`, a flat
@@ -9,7 +10,7 @@ Two forms of the same state:
 - torch's: `state_dict()` / `load_state_dict(state_dict)`, a nested dict
   keyed by parameter index, which `torch.save` and `torch.load` (also with
   `weights_only=True`) handle as they handle any `torch.optim` state. See
-  docs/torch.md.
+  docs/torch_optim.md.
 """
 
 from __future__ import annotations
@@ -26,153 +27,81 @@ from lossscale.typing import Array
 STATE_DICT_KEYS = ("state", "param_groups", "optimizer_variables")
 
 
-class CheckpointMixin:
-    """`save_own_variables`, `load_own_variables`, `set_weights`, `state_dict` and
-    `load_state_dict`."""
-
-    def save_own_variables(self, store: MutableMapping[str, Array]) -> None:
-        """Writes every variable, as a NumPy array, to `store["0"]`, `store["1"]`, ...
-
-        The arrays are copies: a store is a snapshot that later steps do not
-        change.
-        """
-        for i, variable in enumerate(self.variables):
-            store[str(i)] = variable.numpy()
-
-    def load_own_variables(self, store: Mapping[str, Array]) -> None:
-        """Restores the variables from a store written by `save_own_variables`.
-
-        A store holding a different number of variables is not loaded: a
-        warning says so and nothing changes. A shape mismatch raises before
-        anything is written. Values are copied into the variables' own
-        buffers, so training afterwards never writes into `store`.
-        """
-        variables = self.variables
-        if len(store.keys()) != len(variables):
-            msg = (
-                f"Skipping variable loading for optimizer '{self.name}', because it has "
-                f"{len(variables)} variables whereas the saved optimizer has "
-                f"{len(store.keys())} variables."
-            )
-            if not self.built:
-                msg += " This is likely because the optimizer has not been called/built yet."
-            warnings.warn(msg, stacklevel=2)
-            return
-        values = [store[str(i)] for i in range(len(variables))]
-        _check_shapes("store", variables, values)
-        for variable, value in zip(variables, values):
-            variable.assign(value)
-
-    def set_weights(self, weights: Sequence[Array]) -> None:
-        """Sets every optimizer variable from a list of arrays, in `variables` order."""
-        if not self.built:
-            raise ValueError(
-                "You are calling `set_weights()` on an optimizer that has not yet been built. "
-                "Call `optimizer.build(trainable_variables)` first."
-            )
-        weights = list(weights)
-        variables = self.variables
-        if len(weights) != len(variables):
-            raise ValueError(
-                f"`weights` must hold one array per optimizer variable ({len(variables)}). "
-                f"Received: {len(weights)} arrays"
-            )
-        _check_shapes("weights", variables, weights)
-        for variable, weight in zip(variables, weights):
-            variable.assign(weight)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Returns the optimizer's state in the form torch optimizers use.
-
-        ```
-        {
-            "state": {0: {"momentum": m0, "velocity": v0}, 1: {...}, ...},
-            "param_groups": [{"params": [0, 1, ...], "beta_1": 0.9, ...}],
-            "optimizer_variables": {"adam/iteration": t, "adam/learning_rate": lr},
-        }
-        ```
-
-        `state[i]` holds the slots of the `i`-th variable the optimizer was
-        built with, named as they were created (`"momentum"`, `"velocity"`,
-        `"average"` for the EMA, `"gradient_accumulator"`, ...); variables
-        without slots have no entry. `optimizer_variables` holds every other
-        variable (step counter, learning rate, loss-scale state) by `path`.
-        `param_groups` has one group listing every parameter index, with the
-        optimizer's hyperparameters for reference. Values are copies, as
-        arrays of the optimizer's backend (tensors on their device on
-        torch), so the dict is a snapshot that later steps do not change.
-
-        Returns:
-            A dict that `load_state_dict` accepts.
-        """
-        if not self.built:
-            raise ValueError(
-                f"`state_dict()` needs the optimizer's variables, which {type(self).__name__} "
-                "creates when it is built. Call `optimizer.build(trainable_variables)` (or "
-                "take one step) first."
-            )
-        per_parameter, shared = _state_layout(self)
-        return {
-            "state": {
-                i: {name: v._ops.copy(v.value) for name, v in slots.items()}
-                for i, slots in per_parameter.items()
-            },
-            "param_groups": [
-                {"params": list(range(len(self._trainable_variables))), **_hyperparameters(self)}
-            ],
-            "optimizer_variables": {path: v._ops.copy(v.value) for path, v in shared.items()},
-        }
-
-    def state_variables(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
-        """The variables as `state_dict()` lays them out, live: the optimizer's own `Variable`s.
-
-        What a later step writes, they hold: for a view of the state that
-        tools read live, as `torch.optim.Optimizer.state` is.
-
-        Returns:
-            `({parameter index: {slot name: Variable}}, {path: Variable})`:
-            the layout of `state_dict()["state"]` (variables without slots
-            have no entry) and of `state_dict()["optimizer_variables"]`.
-        """
-        if not self.built:
-            raise ValueError(
-                f"`state_variables()` needs the optimizer's variables, which "
-                f"{type(self).__name__} creates when it is built. Call "
-                "`optimizer.build(trainable_variables)` (or take one step) first."
-            )
-        return _state_layout(self)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores the state written by `state_dict()`, continuing its trajectory.
-
-        The optimizer must be built, on variables of the same number and
-        shapes as the saved one. Everything is checked before anything is
-        written: a mismatch raises `ValueError` and changes nothing. Arrays
-        may come from another backend or device (they are converted and
-        copied into the existing variables). Hyperparameters are those of
-        this optimizer; the saved `param_groups` only have to list the same
-        parameters.
-
-        Args:
-            state_dict: A dict returned by `state_dict()`.
-        """
-        for variable, value in self._state_dict_writes(state_dict):
-            variable.assign(value)
-
-    def _state_dict_writes(self, state_dict):
-        """Checks `state_dict` whole; returns the `(variable, value)` writes that load it."""
-        if not self.built:
-            raise ValueError(
-                f"`load_state_dict()` writes into the optimizer's variables, which "
-                f"{type(self).__name__} creates when it is built. Call "
-                "`optimizer.build(trainable_variables)` with the model's variables first."
-            )
-        per_parameter, shared = _state_layout(self)
-        return _match_state_dict(self, state_dict, per_parameter, shared)
+def save(variables: Sequence[Any], store: MutableMapping[str, Array]) -> None:
+    """Writes each variable, as a NumPy copy, to `store["0"]`, `store["1"]`, ..."""
+    for i, variable in enumerate(variables):
+        store[str(i)] = variable.numpy()
 
 
-def _state_layout(optimizer):
-    """Splits `optimizer.variables` into per-parameter slots and the rest.
+def load(name: str, built: bool, variables: Sequence[Any], store: Mapping[str, Array]) -> None:
+    """Restores `variables` from a store written by `save`.
+
+    A store holding a different number of variables is not loaded: a
+    warning (naming optimizer `name`) says so and nothing changes. A shape
+    mismatch raises before anything is written.
+    """
+    if len(store.keys()) != len(variables):
+        msg = (
+            f"Skipping variable loading for optimizer '{name}', because it has "
+            f"{len(variables)} variables whereas the saved optimizer has "
+            f"{len(store.keys())} variables."
+        )
+        if not built:
+            msg += " This is likely because the optimizer has not been called/built yet."
+        warnings.warn(msg, stacklevel=3)
+        return
+    values = [store[str(i)] for i in range(len(variables))]
+    _check_shapes("store", variables, values)
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
+def set_values(variables: Sequence[Any], weights: Sequence[Array]) -> None:
+    """Sets each of `variables` from `weights`, in order, after checking them all."""
+    weights = list(weights)
+    if len(weights) != len(variables):
+        raise ValueError(
+            f"`weights` must hold one array per optimizer variable ({len(variables)}). "
+            f"Received: {len(weights)} arrays"
+        )
+    _check_shapes("weights", variables, weights)
+    for variable, weight in zip(variables, weights):
+        variable.assign(weight)
+
+
+def state_dict(optimizer: Any, params: Sequence[Any]) -> dict[str, Any]:
+    """`optimizer`'s state in torch's layout (see `Optimizer.state_dict`), as copies.
+
+    `params`: the model variables it was built with, in order.
+    """
+    per_parameter, shared = layout(optimizer.name, optimizer.variables, params)
+    return {
+        "state": {
+            i: {name: v.ops.copy(v.value) for name, v in slots.items()}
+            for i, slots in per_parameter.items()
+        },
+        "param_groups": [{"params": list(range(len(params))), **_hyperparameters(optimizer)}],
+        "optimizer_variables": {path: v.ops.copy(v.value) for path, v in shared.items()},
+    }
+
+
+def state_dict_writes(
+    name: str, variables: Sequence[Any], params: Sequence[Any], state_dict: dict[str, Any]
+) -> list:
+    """Checks `state_dict` whole against the layout; returns the `(variable, value)` writes.
+
+    Args:
+        name: The optimizer's name (for messages).
+        variables: Its `variables`.
+        params: The model variables it was built with, in order.
+        state_dict: What `state_dict` returned.
+    """
+    per_parameter, shared = layout(name, variables, params)
+    return _match_state_dict(len(params), state_dict, per_parameter, shared)
+
+
+def layout(name: str, variables: Sequence[Any], params: Sequence[Any]) -> tuple[dict, dict]:
+    """Splits an optimizer's `variables` into per-parameter slots and the rest.
 
     A slot made by `add_variable_from_reference(reference, name)` is named
     `{reference path with "/" as "_"}_{name}` and shaped like its
@@ -184,13 +113,12 @@ def _state_layout(optimizer):
     Returns:
         `({parameter index: {slot name: Variable}}, {path: Variable})`.
     """
-    params = optimizer._trainable_variables
     by_prefix = {}
     for i, p in enumerate(params):
         by_prefix.setdefault(p.path.replace("/", "_") + "_", []).append(i)
     taken = {}
     per_parameter, shared = {}, {}
-    for variable in optimizer.variables:
+    for variable in variables:
         owner = _owner(variable, params, by_prefix, taken)
         if owner is not None:
             index, slot = owner
@@ -198,7 +126,7 @@ def _state_layout(optimizer):
             continue
         if variable.path in shared:
             raise ValueError(
-                f"Two variables of optimizer '{optimizer.name}' share the path "
+                f"Two variables of optimizer '{name}' share the path "
                 f"{variable.path!r}, so `state_dict()` cannot key them apart. Give each "
                 "optimizer (and the inner optimizer of a LossScaleOptimizer) its own `name`."
             )
@@ -224,8 +152,9 @@ def _owner(variable, params, by_prefix, taken):
 def _hyperparameters(optimizer):
     """The optimizer's plain-valued constructor arguments (nested for a wrapped one)."""
     from lossscale.optimizers.base import Optimizer
+    from lossscale.optimizers.config import config_keys
 
-    keys = optimizer._config_keys()
+    keys = config_keys(type(optimizer))
     # A wrapper accepts the base arguments only at their defaults (they are
     # set on its inner optimizer, listed below), so they would only mislead.
     wraps = any(isinstance(getattr(optimizer, key, None), Optimizer) for key in keys)
@@ -244,7 +173,7 @@ def _hyperparameters(optimizer):
     return values
 
 
-def _match_state_dict(optimizer, state_dict, per_parameter, shared):
+def _match_state_dict(count, state_dict, per_parameter, shared):
     """Checks `state_dict` against the layout; returns `[(variable, value), ...]`."""
     if not isinstance(state_dict, dict) or set(state_dict) != set(STATE_DICT_KEYS):
         got = (
@@ -256,7 +185,6 @@ def _match_state_dict(optimizer, state_dict, per_parameter, shared):
             f"`state_dict` must be a dict with keys {list(STATE_DICT_KEYS)}, as returned by "
             f"`state_dict()`. Received: {got}"
         )
-    count = len(optimizer._trainable_variables)
     groups = state_dict["param_groups"]
     if (
         not isinstance(groups, (list, tuple))

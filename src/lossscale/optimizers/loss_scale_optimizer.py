@@ -1,22 +1,29 @@
-"""`LossScaleOptimizer`: dynamic loss scaling around any optimizer."""
+"""`LossScaleOptimizer`: dynamic loss scaling around any optimizer.
+
+The wrapper holds the loss-scale state in its own variables and runs the
+one loss-scale step (`mixed_precision.step.run`) around its inner
+optimizer: the inner step takes the decision as its `keep` argument
+(`Optimizer._step`), folded into its kernels or gated by `ops.cond`. The
+learning rate, the step count, EMA values and weight-decay exclusions are
+the inner optimizer's, read and written through.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+import math
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from lossscale import validation
-from lossscale.mixed_precision.host_reads import HostReadsMixin
+from lossscale.mixed_precision import diagnostics, step, telemetry
+from lossscale.mixed_precision import state as state_layout
 from lossscale.mixed_precision.loss_scale import LossScalePolicy, state_fields
 from lossscale.mixed_precision.telemetry import warn_unscaled_loss
 from lossscale.optimizers.base import Optimizer
-from lossscale.optimizers.loss_scale_delegation import InnerDelegationMixin
-from lossscale.optimizers.loss_scale_diagnostics import LossScaleDiagnosticsMixin
-from lossscale.optimizers.loss_scale_step import LossScaleStepMixin
-from lossscale.optimizers.native import NativeInnerStateMixin, wrap_native
+from lossscale.optimizers.native import wrap_native
 from lossscale.shared_handles import SharedHandle
-from lossscale.typing import Array, Config
+from lossscale.typing import Array, Config, LearningRate
 from lossscale.variables import Variable
 
 if TYPE_CHECKING:
@@ -37,14 +44,7 @@ _INNER_ONLY = {
 }
 
 
-class LossScaleOptimizer(
-    LossScaleDiagnosticsMixin,  # first: its loads wrap every other's
-    InnerDelegationMixin,
-    NativeInnerStateMixin,
-    HostReadsMixin,
-    LossScaleStepMixin,
-    Optimizer,
-):
+class LossScaleOptimizer(Optimizer):
     """An optimizer that dynamically scales the loss to prevent underflow.
 
     Loss scaling multiplies the loss by a large factor, the "loss scale", so
@@ -230,29 +230,30 @@ class LossScaleOptimizer(
         # Made now on NumPy and moved to the model's backend by `build`, so
         # they can be read (and checkpoints matched) before the first step.
         # Keras's order first: step_counter, then dynamic_scale.
-        self._state = {}
-        for f in sorted(state_fields(self.policy), key=lambda f: f.name != "counter"):
-            if f.metadata["per"] == "step":
-                self._state[f.name] = self._add_state_variable(f, f.metadata["variable"] or f.name)
-            elif f.metadata["per"] == "history":
-                self._state[f.name] = tuple(
-                    self._add_state_variable(f, f"{f.name}_{i}")
-                    for i in range(self.policy.history_length)
-                )
+        specs = sorted(
+            state_layout.variable_specs(self.policy, kinds=("step", "history")),
+            key=lambda spec: spec[0] != "counter",
+        )
+        self._state = state_layout.holders_of(specs, self._add_state_variable)
         self.step_counter = self._state["counter"]
         self.dynamic_scale = self._state["scale"]
         # Steps taken by `apply`, counted on the host: where the backend
         # re-runs Python at every step, the diagnostics cadence is decided
         # on it, with no device read.
         self._host_steps = 0
+        # Step observers (`lossscale.torch.watch`), and the last step's
+        # decision (`last_step_applied`).
         self._observers = []
+        self._last_applied = None
 
-    def _add_state_variable(self, field, name):
-        initial = field.metadata["initial"]
+    def _add_state_variable(self, spec):
+        _, name, dtype, initial, shape, _ = spec
+        if initial is None:
+            initial = self.initial_scale
         return self.add_variable(
-            (),
-            initializer=self.initial_scale if initial is None else initial,
-            dtype=field.metadata["dtype"],
+            shape,
+            initializer="zeros" if initial == 0 else initial,  # (a boolean field's False too)
+            dtype=dtype,
             name=name,
         )
 
@@ -268,54 +269,75 @@ class LossScaleOptimizer(
                 f"Received: axis_name={self.axis_name!r}"
             )
         super().build(var_list)
-        for f in state_fields(self.policy):
-            if f.metadata["per"] == "vector":
-                self._state[f.name] = self.add_variable(
-                    (len(var_list),),
-                    initializer="zeros",
-                    dtype=f.metadata["dtype"],
-                    name=f.name,
-                )
-            elif f.metadata["per"] == "variable":
-                self._state[f.name] = tuple(
-                    self.add_variable(
-                        (),
-                        initializer="zeros",
-                        dtype=f.metadata["dtype"],
-                        name=f"{v.path.replace('/', '_')}_{f.name}",
-                    )
-                    for v in var_list
-                )
+        specs = state_layout.variable_specs(
+            self.policy, [v.path for v in var_list], kinds=("variable", "vector")
+        )
+        self._state.update(state_layout.holders_of(specs, self._add_state_variable))
         self.inner_optimizer.build(var_list)
-
-    @property
-    def _participants(self) -> Any:
-        """Whom each skip is agreed with: the JAX axis names, else the process group."""
-        return self.process_group if self.axis_name is None else self.axis_name
 
     @property
     def variables(self) -> list[Variable]:
         """The wrapper's own variables, then the inner optimizer's."""
         return self._variables + self.inner_optimizer.variables
 
-    # --- copies: the process group is shared, not copied ---------------------
-    def __getstate__(self) -> dict[str, Any]:
-        """What a copy takes (see `Optimizer.__getstate__`); the process group shared.
+    # --- what belongs to the inner optimizer ------------------------------
+    @property
+    def learning_rate(self) -> Array:
+        return self.inner_optimizer.learning_rate
 
-        `copy.deepcopy` keeps the same group; `pickle` refuses it with an
-        error that says what to save instead (`shared_handles`).
+    @learning_rate.setter
+    def learning_rate(self, learning_rate: LearningRate) -> None:
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self) -> Variable | Array:
+        return self.inner_optimizer.iterations
+
+    @iterations.setter
+    def iterations(self, value: int) -> None:
+        self.inner_optimizer.iterations = value
+
+    @property
+    def param_groups(self) -> NoReturn:
+        """Not a `torch.optim.Optimizer`: raises an `AttributeError` that says what to use.
+
+        torch's LR schedulers read `optimizer.param_groups`; a lossscale
+        optimizer keeps its learning rate as a variable instead.
         """
-        state = super().__getstate__()
-        state["process_group"] = SharedHandle.wrap(
-            self.process_group, "process_group", type(self).__name__
+        raise AttributeError(
+            "'LossScaleOptimizer' object has no attribute 'param_groups': it is not a "
+            "torch.optim.Optimizer, so torch's LR schedulers cannot drive it. To use a torch "
+            "LR scheduler, wrap the rule as a torch optimizer: "
+            "`opt = lossscale.torch.Optimizer(model.parameters(), ls.optimizers.AdamW(...))` "
+            "under a `lossscale.torch.GradScaler`, and schedule `opt`; or give the inner "
+            "optimizer a `lossscale.schedules` schedule as its `learning_rate`."
         )
-        return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state = {**state, "process_group": SharedHandle.unwrap(state.get("process_group"))}
-        super().__setstate__(state)
+    def finalize_variable_values(self, var_list: Sequence[Variable | Array]) -> None:
+        """Delegates to the inner optimizer."""
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def exclude_from_weight_decay(
+        self,
+        var_list: Sequence[Variable | Array] | None = None,
+        var_names: Sequence[str] | None = None,
+    ) -> None:
+        """Delegates to the inner optimizer, which applies the weight decay."""
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     # --- one step -----------------------------------------------------------
+    def scale_loss(self, loss: Array) -> Array:
+        """Multiplies `loss` by the current loss scale.
+
+        That is `initial_scale` until a step (or a loaded checkpoint) changes
+        it. Before `build` the scale is read as a Python float: the
+        optimizer's scalars live on NumPy until it knows the model's backend.
+        """
+        self._loss_scaled = True
+        if self.built and self.policy.records_details:
+            self._record_loss(loss)
+        return loss * (self.dynamic_scale.value if self.built else float(self.dynamic_scale))
+
     def apply(
         self,
         grads: Sequence[Array | None],
@@ -333,17 +355,318 @@ class LossScaleOptimizer(
         super().apply(grads, trainable_variables)
         self.check()
 
-    def scale_loss(self, loss: Array) -> Array:
-        """Multiplies `loss` by the current loss scale.
+    def _apply_prepared(self, grads, variables, *, owns_grads):
+        ops, policy, inner = self._ops, self.policy, self.inner_optimizer
+        state = state_layout.read(self._state, _value)
+        in_kernel = self._unscales_in_kernel(variables, owns_grads)
+        due, host = self._due(state, owns_grads)
+        gradients = step.Gradients(
+            grads,
+            divided=() if in_kernel else [not v.overwrite_with_gradient for v in variables],
+            index_of=lambda i: self._indices[id(variables[i])],
+            variable_count=len(self._trainable_variables),
+            # Outside `stateless_apply` the gradients are the caller's to
+            # hand over: torch divides them in place, as GradScaler does,
+            # instead of allocating unscaled copies.
+            unscale="in_kernel" if in_kernel else ("in_place" if owns_grads else "copy"),
+        )
 
-        That is `initial_scale` until a step (or a loaded checkpoint) changes
-        it. Before `build` the scale is read as a Python float: the
-        optimizer's scalars live on NumPy until it knows the model's backend.
+        def inner_step(decision):
+            inner._step(
+                decision.grads,
+                variables,
+                keep=decision.keep,
+                grad_scale=decision.grad_scale,
+                found_inf=decision.found_inf,
+            )
+            if owns_grads:  # never keep a traced value
+                self._last_applied = decision.keep
+                self._notify_observers(decision.finite, decision.step)
+
+        new, _ = step.run(
+            ops,
+            policy,
+            state,
+            gradients,
+            inner_step,
+            participants=self._participants_of(host),
+            due=due,
+            in_place=ops.MUTABLE,
+        )
+        state_layout.write_back(ops, self._state, state, new, _storage)
+
+    def _unscales_in_kernel(self, variables, owns_grads):
+        """Whether the inner kernel divides the scale out as it reads each gradient.
+
+        One pass fewer where it can (NumPy's, JAX's, a compiled torch step's
+        Adam and SGD): division is monotone, so the largest scaled
+        magnitude over the scale is the largest unscaled one, and the check
+        still catches a gradient that overflows when unscaled. Not where the
+        backend divides and checks in one pass anyway (eager torch), not
+        under `stateless_apply` on a backend that writes in place (such a
+        kernel may leave the unscaled values in the gradient buffers, which
+        belong to the caller there), and not where the policy reads each
+        gradient's peak.
         """
-        self._loss_scaled = True
-        if self.built and self.policy.records_details:
-            self._record_loss(loss)
-        return loss * (self.dynamic_scale.value if self.built else float(self.dynamic_scale))
+        ops, policy = self._ops, self.policy
+        return (
+            (owns_grads or not ops.MUTABLE)
+            and not policy.records_details
+            and policy.growth_policy == "fixed"
+            and not ops.checks_while_unscaling()
+            and self.inner_optimizer._step_plan(variables).takes_grad_scale
+        )
+
+    def _due(self, state, owns_grads):
+        """`(due, host)`: whether this step measures the float16 range, and who decided.
+
+        Where Python runs every step (eager NumPy and torch, not under
+        `stateless_apply`) the host counts the steps; elsewhere the step's
+        count on the device decides.
+        """
+        policy = self.policy
+        if not policy.diagnoses:
+            return None, False
+        if self._ops.host_control() and owns_grads:
+            due = self._host_steps % policy.diagnostics_every == 0
+            self._host_steps += 1
+            return due, True
+        return diagnostics.due(policy, state.steps), False
+
+    def _participants_of(self, host):
+        """Whom each decision is agreed with: the JAX axis names, else the process group."""
+        if self.axis_name is not None:
+            return step.Participants(self.axis_name, per_variable=True, measurements="axes")
+        group = self.process_group
+        # Each rank measured its own gradients: the near-maximum share and the
+        # peak are agreed (the statistics policy decides on them), over
+        # `process_group`, or the default group where torch.distributed runs.
+        measurements = "peaks" if host or group is not None else None
+        return step.Participants(group, measurements=measurements)
+
+    def _record_loss(self, loss):
+        """Stores whether `loss` is finite in the `loss_finite` state variable (no host read).
+
+        A traced loss (inside `jax.grad` or `jax.jit`) cannot be kept in a
+        variable: it is not recorded, and the step reports the loss as
+        unknown.
+        """
+        ops = self._ops
+        is_traced = getattr(ops, "is_traced", None)
+        if is_traced is not None and is_traced(loss):
+            return
+        if ops.is_native(loss):
+            flag = ops.cast(ops.isfinite(loss), ops.INT_DTYPE)
+            if ops.shape(flag):  # a loss per example: finite only if all are
+                flag = ops.cast(ops.sum(1 - flag) == 0, ops.INT_DTYPE)
+        else:
+            flag = int(math.isfinite(float(loss)))
+        self._state["loss_finite"].assign(flag)
+
+    @property
+    def last_step_applied(self) -> Array | None:
+        """Whether the last `apply` was applied (a backend boolean scalar), or None before one.
+
+        False for a skipped (overflowing) step. A device value on torch:
+        reading it on the host (`bool(...)`) waits for the step.
+        `stateless_apply` does not set it.
+        """
+        return self._last_applied
+
+    def check_finite(self, grads: Sequence[Array | None]) -> Array:
+        """Returns a backend boolean scalar: whether every non-`None` gradient is finite."""
+        present = [g for g in grads if g is not None]
+        if self.built:
+            return self._ops.all_finite(present)
+        from lossscale.backends import ops_for
+
+        return ops_for(*present).all_finite(present)
+
+    # --- observers: where an overflow started --------------------------------
+    def register_step_observer(self, observer: Any) -> ObserverHandle:
+        """Calls `observer.on_step(finite, step)` in every `apply`, with device values.
+
+        `finite` is the step's agreed skip decision (True: applied), `step`
+        the step's index (`None` unless telemetry or diagnostics count
+        steps). `summary()` asks `observer.modules_at(steps)` for the
+        module where each overflow of the window started. Used by
+        `lossscale.torch.watch`. Not called under `stateless_apply`.
+
+        Returns:
+            A handle whose `remove()` unregisters the observer.
+        """
+        self._observers.append(observer)
+        return ObserverHandle(self._observers, observer)
+
+    def _notify_observers(self, finite: Array, step_index: Array | None) -> None:
+        if not self._observers:
+            return
+        if step_index is not None and self._ops.MUTABLE:
+            # The state's own buffer is written in place next.
+            step_index = self._ops.copy(step_index)
+        for observer in list(self._observers):
+            observer.on_step(finite, step_index)
+
+    def _overflow_modules(self, steps: list[int]) -> dict[int, str | None]:
+        """`{step: module}` for the overflows at `steps`, from the observers that know it."""
+        found = {}
+        for observer in self._observers:
+            for at, module in observer.modules_at(steps).items():
+                if module is not None:
+                    found.setdefault(at, module)
+        return found
+
+    # --- on the host: summaries and the fail-fast check ----------------------
+    def summary(self, optimizer_variables: Sequence[Array] | None = None) -> dict[str, Any]:
+        """Returns the loss-scale state as a dict of Python values, for loggers.
+
+        Reads the values back to the host (a device synchronisation on an
+        accelerator): call it when logging, not inside the step.
+
+        Args:
+            optimizer_variables: Optional values for `optimizer.variables`
+                (as passed to and returned by `stateless_apply`). Defaults to
+                the optimizer's own variables.
+
+        Returns:
+            A dict with `dynamic_scale` and `step_counter`, and, as the
+            settings track them, `consecutive_skips`, `steps`,
+            `skipped_steps`, `last_overflow_step`, `scale_history`,
+            `nonfinite_variables` (paths), `error`, `error_step`,
+            `overflows` (the overflow window, oldest first: `{"step",
+            "variables", "module", "loss_finite"}` each) and, with
+            `diagnostics_every`, `float16_range` and `float16_range_step`.
+        """
+        state = state_layout.read(self._state, self._reader(optimizer_variables))
+        paths = [v.path for v in self._trainable_variables]
+        return telemetry.state_summary(self._ops, state, self.policy, paths, self._overflow_modules)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The loss-scale state as host values: `summary()`, a copy that later steps leave alone.
+
+        `optimizer.dynamic_scale` is a live variable (a list of it logs the
+        final value at every entry); keep snapshots instead.
+        """
+        return self.summary()
+
+    def check(self, optimizer_variables: Sequence[Array] | None = None) -> None:
+        """Raises `LossScaleError` if the state records a crossed limit.
+
+        `apply` calls it after every step when `min_scale` or
+        `max_consecutive_skips` is set (reading one scalar); call it
+        yourself after `stateless_apply` (for example every few steps of a
+        `jax.jit` loop), with the values it returned. Without those limits
+        there is nothing to check and nothing is read.
+
+        Args:
+            optimizer_variables: Optional values for `optimizer.variables`.
+                Defaults to the optimizer's own variables.
+        """
+        if not self.policy.fails_fast:
+            return
+        error = self._reader(optimizer_variables)(self._state["error"])
+        telemetry.raise_if_failed(
+            self._ops, error, self.policy, lambda: self.summary(optimizer_variables)
+        )
+
+    def _reader(self, optimizer_variables):
+        """`variable -> value`: its own, or its entry of `optimizer_variables`."""
+        if optimizer_variables is None:
+            return _value
+        optimizer_variables = list(optimizer_variables)
+        own = self.variables
+        if len(optimizer_variables) != len(own):
+            raise ValueError(
+                "`optimizer_variables` must hold one value per optimizer variable "
+                f"({len(own)}). Received: {len(optimizer_variables)} values"
+            )
+        values = {id(v): x for v, x in zip(own, optimizer_variables)}
+        return lambda v: values[id(v)]
+
+    # --- saving and loading: a native inner optimizer's state, the host count ----
+    def _native_inner(self):
+        """The inner optimizer, where it keeps its state outside lossscale variables.
+
+        A `TorchAdapter` keeps its state in the torch optimizer (it says so
+        with `keeps_native_state = True`): `state_dict()` and
+        `load_state_dict()` go through its own, with the wrapper's variables
+        carried in `optimizer_variables`.
+        """
+        inner = self.inner_optimizer
+        return inner if getattr(inner, "keeps_native_state", False) else None
+
+    def _build_over_native(self, inner) -> None:
+        """Builds the wrapper over `inner.parameters()` if its state needs them.
+
+        Telemetry and diagnostics keep variables per model variable (named
+        after it) or per model (sized by it), made by `build`. A torch
+        optimizer knows its parameters from the start, so a state dict
+        saved or loaded before the first step holds those too, as after
+        it: the wrapper builds itself, as its first step would with the
+        parameters in param-group order (their Variables are named
+        `param_0`, `param_1`, ...). A wrapper without such state stays
+        unbuilt.
+        """
+        if self.built or not any(state_layout.per_variable(f) for f in state_fields(self.policy)):
+            return
+        self.build(inner.parameters())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state (see `Optimizer.state_dict`); with a native inner
+        optimizer, its `state_dict()` carrying this wrapper's variables in
+        `optimizer_variables`."""
+        inner = self._native_inner()
+        if inner is None:
+            return super().state_dict()
+        self._build_over_native(inner)
+        return inner.state_dict(extra_variables=self._variables)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the state written by `state_dict()` (checked before writing).
+
+        With a native inner optimizer, a wrapper never stepped whose
+        telemetry or diagnostics keep per-variable state builds itself
+        first (as `state_dict()` does), so it loads a dict saved before or
+        after any step; a dict that does not fit then leaves every
+        variable's value as it was.
+        """
+        inner = self._native_inner()
+        if inner is None:
+            super().load_state_dict(state_dict)
+        else:
+            self._build_over_native(inner)
+            inner.load_state_dict(state_dict, extra_variables=self._variables)
+        self._restart_host_count()
+
+    def save_own_variables(self, store: MutableMapping[str, Array]) -> None:
+        """Writes every variable to `store`; raises if the inner optimizer keeps native state."""
+        inner = self._native_inner()
+        if inner is not None:
+            inner.save_own_variables(store)  # raises, naming `state_dict()`
+        super().save_own_variables(store)
+
+    def load_own_variables(self, store: Mapping[str, Array]) -> None:
+        """Restores the variables from `store`; raises if the inner optimizer keeps native state."""
+        inner = self._native_inner()
+        if inner is not None:
+            inner.load_own_variables(store)  # raises, naming `load_state_dict()`
+        super().load_own_variables(store)
+        self._restart_host_count()
+
+    def set_weights(self, weights: Sequence[Array]) -> None:
+        """Sets every variable from `weights` (see `Optimizer.set_weights`)."""
+        super().set_weights(weights)
+        self._restart_host_count()
+
+    def _restart_host_count(self):
+        """Sets the host's count of steps (the cadence of `diagnostics_every`) to `steps`.
+
+        One host read, at a load: a resumed run measures on the steps the
+        uninterrupted one does.
+        """
+        steps = self._state.get("steps")
+        if self.policy.diagnoses and steps is not None:
+            self._host_steps = int(steps.numpy())
 
     # --- configuration ----------------------------------------------------------
     def get_config(self) -> Config:
@@ -371,6 +694,47 @@ class LossScaleOptimizer(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
+
+    # --- copies: the process group is shared, observers are not --------------
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy takes (see `Optimizer.__getstate__`).
+
+        `copy.deepcopy` keeps the same process group; `pickle` refuses it
+        with an error that says what to save instead (`shared_handles`). An
+        observer is bound to a model (`lossscale.torch.watch` hooks its
+        modules): a copy starts with none, as a copy of a torch optimizer
+        starts without its hooks.
+        """
+        state = super().__getstate__()
+        state["process_group"] = SharedHandle.wrap(
+            self.process_group, "process_group", type(self).__name__
+        )
+        state["_observers"] = []
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = {**state, "process_group": SharedHandle.unwrap(state.get("process_group"))}
+        super().__setstate__(state)
+
+
+class ObserverHandle:
+    """What `register_step_observer` returns: `remove()` unregisters the observer."""
+
+    def __init__(self, observers: list, observer: Any) -> None:
+        self._observers, self._observer = observers, observer
+
+    def remove(self) -> None:
+        """Unregisters the observer (nothing if it already was)."""
+        if self._observer in self._observers:
+            self._observers.remove(self._observer)
+
+
+def _value(variable):
+    return variable.value
+
+
+def _storage(variable):
+    return variable.storage
 
 
 def _policy_property(field):

@@ -90,19 +90,16 @@ class Nadam(Optimizer):
         lists["u_product"] = [self._u_product] * len(self._trainable_variables)
         return lists
 
-    def _update_variables(
-        self, grads, variables, learning_rate, grad_scale=None, keep=None, found_inf=None
-    ):
+    def _update(self, ops, grads, variables, plan, grad_scale=None, keep=None, found_inf=None):
         # The product advances once per optimizer step, before any variable
         # is updated, and only on steps that update (not on accumulation-only
         # or skipped steps), which keeps it in step with `iterations`.
-        ops = self._ops
         u_product = self._u_product
         step = ops.cast(self.iterations + 1, u_product.dtype)
         u_t = self.beta_1 * (1.0 - 0.5 * ops.power(self.schedule_decay, step))
         new = u_product.value * u_t
         self.assign(u_product, new if keep is None else ops.where(keep, new, u_product.value))
-        super()._update_variables(grads, variables, learning_rate, grad_scale, keep, found_inf)
+        super()._update(ops, grads, variables, plan, grad_scale, keep, found_inf)
 
     def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
         ops = self._ops

@@ -1,60 +1,53 @@
 """`GradScaler`: `torch.amp.GradScaler`'s API and defaults on lossscale's state machine.
 
-A subclass of torch's class. It keeps torch's machinery where that machinery
-is the behaviour users rely on: `scale` (tensors and nested outputs), the
-per-optimizer stages of `unscale_` and `step` with their errors, the fused
-optimizers' `grad_scale` / `found_inf` protocol, and torch's check-and-unscale
-kernel, which multiplies each gradient by the float32 reciprocal of the scale
-and so gives the same unscaled gradients and the same skip decisions. It
-replaces the scale update with `next_loss_scale` (on a plain policy that is
-torch's own `_amp_update_scale_` kernel) and adds what torch's lacks: the
-extras of `LossScalePolicy`, agreement over a process group, and a guard
-against gradients that overflow only once unscaled.
+A subclass of torch's class, with torch's methods overridden in torch's
+order (`scale`, `unscale_`, `step`, `update`, then the settings and state
+dicts). It keeps torch's machinery where that machinery is the behaviour
+users rely on: `scale` (tensors and nested outputs), the per-optimizer
+stages of `unscale_` and `step` with their errors, the fused optimizers'
+`grad_scale` / `found_inf` protocol, and torch's check-and-unscale kernel,
+which multiplies each gradient by the float32 reciprocal of the scale and
+so gives the same unscaled gradients and the same skip decisions. Its
+`update` is the loss-scale step's (`mixed_precision.step.advance`: on a
+plain policy that is torch's own `_amp_update_scale_` kernel), and it adds
+what torch's lacks: the extras of `LossScalePolicy`, agreement over a
+process group, and a guard against gradients that overflow only once
+unscaled. Its extra state is made, saved and checked in `scaler_state`;
+the last float16 ranges are kept in `scaler_ranges`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch.amp.grad_scaler import OptState
 
 from lossscale import validation
 from lossscale.backends import get_ops
+from lossscale.mixed_precision import diagnostics, inspection, loss_scale, step, telemetry
 from lossscale.mixed_precision.loss_scale import (
     MAX_SCALE,
-    MIN_SCALE,
     NO_ERROR,
     LossScalePolicy,
     LossScaleState,
 )
 from lossscale.mixed_precision.telemetry import LossScaleError
-from lossscale.torch import (
-    scale_bound,
-    scaler_arguments,
-    scaler_checks,
-    scaler_diagnostics,
-    scaler_host,
-    scaler_step,
-)
+from lossscale.shared_handles import SharedHandle
+from lossscale.torch import fused_sgd, gradients, scaler_arguments, scaler_state
 from lossscale.torch.scaler_ranges import ParameterRanges
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 _OPS = get_ops("torch")
-# The plain update's kernel (torch's `_amp_update_scale_` and the floor),
-# looked up once: `update()` runs it every step.
-_SCALE_UPDATE = _OPS.fused_scale_update()
 
 
-class GradScaler(
-    scaler_host.ScalerHostMixin,
-    scaler_diagnostics.ScalerDiagnosticsMixin,
-    scaler_checks.ScalerChecksMixin,
-    scaler_step.ScalerStepMixin,
-    torch.amp.GradScaler,
-):
+class GradScaler(torch.amp.GradScaler):
     """`torch.amp.GradScaler` with lossscale's dynamic loss scale.
 
     A drop-in replacement: the same arguments, defaults, methods, state dict
@@ -223,8 +216,8 @@ class GradScaler(
         self._allow_fp16_gradients = allow_fp16_gradients
         self._last_skip = None  # the last update's overflow flag, on the device (1.0: skipped)
         # The extra state fields: Python values until the scale exists, then
-        # 0-d tensors beside it (see `scaler_host`).
-        self._extra_start = scaler_host.initial_values(policy)
+        # 0-d tensors beside it (see `scaler_state`).
+        self._extra_start = scaler_state.initial_values(policy)
         self._extras = None
         # A lower bound of the scale known on the host, without reading the
         # device (see `_unscaling_may_overflow`).
@@ -234,8 +227,8 @@ class GradScaler(
         # (`scaler_ranges`), and the step observers by id.
         self._host_steps = self._extra_start.get("steps", 0)
         # The count the device's `steps` holds: a plain update counts on the
-        # host only (an operation fewer per step), and the device's count is
-        # written where it is next read (`_written_steps`).
+        # host only, and the device's count is written where it is next
+        # read (`_written_steps`).
         self._device_steps = self._host_steps
         self._per_variable = {}
         self._ranges = ParameterRanges()
@@ -253,45 +246,282 @@ class GradScaler(
         """The process group whose ranks take one skip decision, or `None`."""
         return self._process_group
 
-    # -- the scale and its state ---------------------------------------------
+    # -- torch's stages, in its order: scale, unscale_, step, update ------------
 
-    def _lazy_init_scale_growth_tracker(self, dev):
-        super()._lazy_init_scale_growth_tracker(dev)
-        self._extras = scaler_host.make_tensors(self._extra_start, self._policy, self._scale.device)
-        self._scale_bound = float(np.float32(self._init_scale))
+    def scale(self, outputs: torch.Tensor | Iterable[Any]) -> torch.Tensor | Iterable[Any]:
+        """Multiplies `outputs` (a tensor or nested iterables of them) by the scale, as torch's.
 
-    def _check_scale_growth_tracker(self, funcname):
-        if self._scale is None or self._growth_tracker is None:
-            raise RuntimeError(
-                f"`GradScaler.{funcname}()` needs the loss scale, which the first "
-                "`scaler.scale(outputs)` creates on the outputs' device: compute the loss, "
-                f"call `scaler.scale(loss).backward()`, then `scaler.{funcname}(...)`. "
-                "Received: a GradScaler that has scaled nothing yet"
-            )
-        return self._scale, self._growth_tracker
+        With telemetry it also records, on the device, whether they were all
+        finite: an overflow of this step is then told apart from a NaN/inf
+        loss (`summary()["overflows"]`, `LossScaleError`).
+        """
+        scaled = super().scale(outputs)
+        if self._enabled and self._policy.records_details:
+            self._record_loss(outputs)
+        return scaled
 
-    def _state(self, per_variable=None):
-        scale = self._scale
-        if self._policy.records_details:
-            # The history keeps this step's scale, which `update` then
-            # overwrites in place: it gets a copy.
-            scale = scale.clone()
-        return LossScaleState(
-            scale=scale,
-            counter=self._growth_tracker,
-            **self._written_steps(),
-            **(per_variable or {}),
+    def _record_loss(self, outputs):
+        """Keeps in `loss_finite` whether every scaled output was finite (0 once one was not)."""
+        tensors = [t for t in _flatten(outputs) if t.is_floating_point()]
+        if not tensors or self._extras is None:
+            return
+        device = self._scale.device
+        flags = [torch.isfinite(t).all().to(device, non_blocking=True) for t in tensors]
+        ok = (flags[0] if len(flags) == 1 else torch.stack(flags).all()).to(torch.int32)
+        current = self._extras["loss_finite"]
+        self._extras = {**self._extras, "loss_finite": torch.where(current == 0, current, ok)}
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        # `unscale_` (inherited: its stage checks and errors are torch's)
+        # calls this with the float32 reciprocal of the scale. Called
+        # directly before any `scale()`, there is no scale to check against.
+        self._check_scale_growth_tracker("_unscale_grads_")
+        allow_fp16 = allow_fp16 or self._allow_fp16_gradients
+        return self._unscale_and_check(
+            optimizer, inv_scale, found_inf, allow_fp16, self._unscaling_may_overflow()
         )
 
-    def _written_steps(self):
-        """The extra state tensors, their `steps` brought up to the host's count of updates."""
-        steps = self._extras.get("steps")
-        if steps is not None and self._device_steps != self._host_steps:
-            steps.fill_(self._host_steps)
-            self._device_steps = self._host_steps
-        return self._extras
+    def _unscale_and_check(self, optimizer, inv_scale, found_inf, allow_fp16, recheck):
+        self._check_process_group()
+        # Both measured on the scaled gradients, before they are unscaled in place.
+        peak = self._inspect(optimizer)
+        measured = self._measure(optimizer)  # the scaled gradients' float16 range
+        found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if recheck:
+            # The same kernel at scale 1 writes every value back unchanged
+            # and flags the unscaled gradients that are not finite.
+            found = gradients.merge_flags(found, self._check_only(optimizer))
+        self._per_optimizer_states[id(optimizer)]["measured"] = measured
+        return self._agreed(optimizer, found, peak)
 
-    # -- the update ----------------------------------------------------------
+    def _check_only(self, optimizer):
+        # torch's `_unscale_grads_` only reads `one` and copies `zero` per
+        # device: both are made once per device (two allocations a step less).
+        device = self._scale.device
+        units = self._check_units.get(device)
+        if units is None:
+            with torch.inference_mode(False):  # usable in and out of inference mode
+                units = (torch.ones((), device=device), torch.zeros((), device=device))
+            self._check_units[device] = units
+        one, zero = units
+        return super()._unscale_grads_(optimizer, one, zero, True)
+
+    def _check_process_group(self):
+        # Before any gradient is touched: the agreement comes after the unscaling.
+        dist = torch.distributed
+        if self._process_group is not None and not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                "`process_group` was given but torch.distributed is not initialised: call "
+                "`torch.distributed.init_process_group` before stepping. Received: "
+                f"process_group={self._process_group!r}"
+            )
+
+    def _unscaling_may_overflow(self):
+        """Whether a finite scaled gradient may overflow once unscaled.
+
+        Only if the scale is below 1: a reciprocal <= 1 (or a division by a
+        scale >= 1) cannot take a finite value out of range. The host keeps
+        a lower bound of the scale (exact when the scale was set or read,
+        times `backoff_factor` per update since) and reads the scale, once,
+        only when that bound falls below 1: with optimizers that torch's
+        scaler reads anyway (every step) never while the scale is >= 2, and
+        with fused optimizers once per about log2(scale) steps. Every rank
+        holds the same bound, so all take the same path.
+        """
+        if self._scale_bound >= 1.0:
+            return False
+        self._scale_bound = float(self._scale)
+        return not self._scale_bound >= 1.0
+
+    def _inspect(self, optimizer):
+        """The policy's statistics of the scaled gradients: `inspection.inspect`.
+
+        Keeps each parameter's finite flag (telemetry) by name in the
+        optimizer's state, and returns the largest scaled magnitude
+        (`growth_policy="headroom"`), or None. Each gradient's peak is one
+        multi-tensor norm per device and dtype; a DTensor's (FSDP2) is its
+        shard's, and a parameter is non-finite, and the peak the largest,
+        over every rank's shard: every rank reports the same.
+        """
+        policy = self._policy
+        state = self._per_optimizer_states[id(optimizer)]
+        state["finite_per_parameter"] = {}
+        if not policy.records_details and policy.growth_policy != "headroom":
+            return None
+        named = self._named_gradients(optimizer, sparse_values=True)
+        groups = {}
+        for name, grad in named:
+            if grad.numel():  # an empty one has no peak, as a missing one
+                groups.setdefault((grad.device, grad.dtype), []).append((name, grad))
+        names, peaks, dtypes = [], [], []
+        for (_, dtype), members in groups.items():
+            norms = torch._foreach_norm([g for _, g in members], math.inf)
+            names.extend(name for name, _ in members)
+            peaks.extend(n.float().to(self._scale.device, non_blocking=True) for n in norms)
+            dtypes.extend([str(dtype).removeprefix("torch.")] * len(members))
+        found = inspection.inspect(_OPS, peaks, dtypes, self._scale, policy)
+        mesh_groups = gradients.mesh_groups(optimizer)
+        if found.variable_finite:
+            bad = (~torch.stack(found.variable_finite)).to(torch.float32)
+            for group in mesh_groups:
+                bad = _OPS.all_max(bad, group)
+            finite = bad == 0
+            state["finite_per_parameter"] = {name: finite[i] for i, name in enumerate(names)}
+        peak = found.peak
+        if peak is not None:
+            for group in mesh_groups:
+                peak = _OPS.all_max(peak, group)
+        return peak
+
+    def _measures_now(self):
+        """Whether this step measures the float16 range (a count kept on the host)."""
+        policy = self._policy
+        return policy.diagnoses and self._host_steps % policy.diagnostics_every == 0
+
+    def _measure(self, optimizer):
+        """`(names, columns)`: the float16 range of the optimizer's scaled gradients, or None.
+
+        None off a due step. `columns` are `diagnostics.measure_all`'s four
+        vectors, entry i the gradient of `names[i]`.
+        """
+        if not self._measures_now():
+            return None
+        named = self._named_gradients(optimizer)
+        named = [(name, grad) for name, grad in named if grad.numel()]
+        if not named:
+            return None
+        columns = list(
+            diagnostics.measure_all(_OPS, [grad for _, grad in named], self._policy.growth_factor)
+        )
+        # Each rank measured its own gradients (an FSDP2 shard, a rank's
+        # batch): the statistics policy decides on the near-maximum share and
+        # the peak, so every rank takes their largest, and decides alike.
+        groups = gradients.mesh_groups(optimizer)
+        if self._process_group is not None:
+            groups.append(self._process_group)
+        for group in groups:
+            for k in (2, 3):  # near_max, max_abs
+                columns[k] = _OPS.all_max(columns[k], group)
+        return [name for name, _ in named], tuple(columns)
+
+    def _named_gradients(self, optimizer, sparse_values=False):
+        """`(name, gradient)` of the optimizer's dense local gradients.
+
+        With `sparse_values`, a sparse gradient's stored values too.
+        """
+        known = {k: v for _, names in self._observers.values() for k, v in names.items()}
+        out = []
+        for g, group in enumerate(optimizer.param_groups):
+            group_names = group.get("param_names")
+            for i, param in enumerate(group["params"]):
+                grad = param.grad
+                if grad is None or not isinstance(grad, torch.Tensor):
+                    continue
+                if grad.is_sparse:
+                    if not sparse_values:
+                        continue
+                    grad = gradients.stored_values(grad)
+                if type(grad) is not torch.Tensor and hasattr(grad, "to_local"):
+                    grad = grad.to_local()  # a DTensor: this rank's shard
+                name = known.get(id(param))
+                if name is None:
+                    name = group_names[i] if group_names else f"group{g}.param{i}"
+                out.append((name, grad))
+        return out
+
+    def _agreed(self, optimizer, found, peak):
+        """The optimizer's overflow flags, agreed over the process group and gated by errors.
+
+        Untouched (torch's own result) without a process group, fail-fast
+        limits or several devices; otherwise one flag on the scale's device,
+        0 or 1 (fused kernels skip only on exactly 1, so flags are combined
+        by their maximum, not their sum as torch's does).
+        """
+        state = self._per_optimizer_states[id(optimizer)]
+        group = self._process_group
+        if peak is not None:
+            state["peak"] = peak if group is None else _OPS.all_max(peak, group)
+        if group is None and not self._policy.fails_fast and len(found) <= 1:
+            return found
+        device = self._scale.device
+        flags = [f.to(device).reshape(()) for f in found.values()]
+        flag = torch.stack(flags).amax() if flags else torch.zeros((), device=device)
+        if group is not None:
+            flag = _OPS.all_max(flag, group)
+        if self._policy.fails_fast:
+            # Once a limit was crossed every step is skipped, as the state
+            # machine leaves the state as it is, until the state is restored.
+            flag = torch.maximum(flag, (self._extras["error"] != NO_ERROR).to(flag.dtype))
+        return {device: flag}
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Steps `optimizer` unless this iteration's gradients overflowed (torch's `step`).
+
+        Unscales the gradients first if `unscale_(optimizer)` was not called
+        (an optimizer with a fused kernel divides them itself), and returns
+        what `optimizer.step` returns, or `None` where the step is skipped.
+        The stages and their errors are torch's.
+
+        Args:
+            optimizer: The `torch.optim.Optimizer` to step.
+            *args, **kwargs: Passed on to `optimizer.step` (no `closure`).
+        """
+        if (
+            self._enabled
+            and "closure" not in kwargs
+            and fused_sgd.makes_momentum_buffers(optimizer)
+        ):
+            state = self._per_optimizer_states[id(optimizer)]
+            if state["stage"] is not OptState.STEPPED:  # else torch's error, below
+                if state["stage"] is OptState.READY:
+                    # Checked here to decide on the host; torch's `step` checks
+                    # again below (this step only) and hands the kernel the scale.
+                    self._check_inf_per_device(optimizer)
+                if self._found_inf_on_host(state):
+                    state["stage"] = OptState.STEPPED
+                    return None
+        return super().step(optimizer, *args, **kwargs)
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        # torch reads the overflow flag on the host here (an optimizer without
+        # a fused kernel).
+        if self._found_inf_on_host(optimizer_state):
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def _found_inf_on_host(self, optimizer_state):
+        """Whether the optimizer's gradients overflowed: its flags, read on the host.
+
+        The scale comes back in the same copy, which keeps `_scale_bound`
+        exact.
+        """
+        device = self._scale.device
+        flags = [f.to(device).reshape(()) for f in optimizer_state["found_inf_per_device"].values()]
+        found, self._scale_bound = torch.stack([torch.stack(flags).sum(), self._scale]).tolist()
+        return bool(found)
+
+    def _check_inf_per_device(self, optimizer):
+        # `step` calls this for an optimizer that unscales inside its own
+        # kernel (`_step_supports_amp_scaling`): it divides by the scale as
+        # it reads each gradient, so only the scaled values are checked here.
+        self._check_scale_growth_tracker("step")
+        self._check_process_group()
+        state = self._per_optimizer_states[id(optimizer)]
+        if self._unscaling_may_overflow():
+            # The kernel's quotients cannot be checked: unscale here instead.
+            # torch's protocol then hands the optimizer no `grad_scale`.
+            inv_scale = self._scale.double().reciprocal().float()
+            found_inf = torch.zeros((), device=self._scale.device)
+            state["found_inf_per_device"] = self._unscale_and_check(
+                optimizer, inv_scale, found_inf, True, recheck=True
+            )
+            state["stage"] = OptState.UNSCALED
+        else:
+            peak = self._inspect(optimizer)
+            state["measured"] = self._measure(optimizer)
+            found = self._check_only(optimizer)
+            state["found_inf_per_device"] = self._agreed(optimizer, found, peak)
+        return state["found_inf_per_device"]
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Updates the scale from this iteration's overflow checks (see the class docstring).
@@ -316,61 +546,125 @@ class GradScaler(
             return
         states = self._per_optimizer_states
         skip = self._skip_flag(states)
+        if skip.dtype != torch.float32:  # (a `to` of the same dtype is a dispatch too)
+            skip = skip.to(torch.float32)
         self._last_skip = skip
         policy = self._policy
         measuring = self._measures_now()
-        if measuring:
-            self._record_ranges(states)
-        if policy.is_plain:  # (no telemetry: nothing else is kept per parameter)
-            states.clear()
-            if measuring:  # the step of the measurement, as `next_loss_scale` keeps it
+        if policy.is_plain:
+            # Torch's kernel alone (`loss_scale.plain_update`): with
+            # diagnostics the count of steps is kept on the host, an
+            # operation fewer per step, and written where it is next read
+            # (`_written_steps`).
+            if measuring:
+                self._record_ranges(states)
                 self._extras["range_step"].fill_(self._host_steps)
-            self._update_plain(skip, policy)
+            states.clear()
+            self._host_steps += 1
+            loss_scale.plain_update(
+                _OPS,
+                self._scale,
+                self._growth_tracker,
+                None,
+                policy,
+                skip=skip,
+                in_place=True,
+                scale_at_least=self._scale_bound,
+            )
+            self._scale_bound = loss_scale.scale_lower_bound(self._scale_bound, policy)
             return
-        finite = skip == 0
-        peak = None
-        if self._policy.growth_policy == "headroom":
+        names, per_variable, variable_finite, peak = (), {}, (), None
+        if measuring:  # the statistics policy decides on them
+            self._record_ranges(states)
+            columns = self._ranges.columns
+            per_variable.update({f: columns.get(f, ()) for f in diagnostics.FIELDS})
+        if policy.records_details:
+            names, per_variable_fields, variable_finite = self._telemetry_state(states)
+            per_variable.update(per_variable_fields)
+        if policy.growth_policy == "headroom":
             peak = torch.stack([s["peak"] for s in states.values() if "peak" in s]).amax()
-        new = self._advance(states, finite, peak, skip, measuring)
+        state = self._state(per_variable)
+        finite = skip == 0
+        new = step.advance(
+            _OPS,
+            policy,
+            state,
+            finite,
+            peak=peak,
+            variable_finite=variable_finite,
+            found_inf=skip,
+            in_place=True,
+            measured=True if measuring else None,
+            scale_at_least=self._scale_bound,
+        )
+        states.clear()
         if new.scale is not self._scale:  # else updated in place by the fused kernel
             self._scale.copy_(new.scale)
         if new.counter is not self._growth_tracker:
             self._growth_tracker.copy_(new.counter)
         self._extras = {name: getattr(new, name) for name in self._extras}
-        states.clear()
-        self._scale_bound = scale_bound.after_update(self._scale_bound, self._policy)
-        if self._policy.fails_fast:
+        for f in scaler_state.telemetry_fields(policy) if names else ():
+            for name, value in zip(names, getattr(new, f.name)):
+                self._per_variable[name][f.name] = value
+        for observer, _ in list(self._observers.values()):
+            observer.on_step(finite, state.steps)
+        self._host_steps += 1
+        self._device_steps = self._host_steps  # `next_loss_scale` counted it there too
+        self._scale_bound = loss_scale.scale_lower_bound(self._scale_bound, policy)
+        if policy.fails_fast:
             # The one host read the limits cost per step (as in LossScaleOptimizer).
             code = self._extras["error"].to(torch.float32)
             error, self._scale_bound = torch.stack([code, self._scale]).tolist()
             if error != NO_ERROR:
                 raise LossScaleError(self._failure_message())
 
-    def _update_plain(self, skip, policy):
-        """`update()` of a plain policy: torch's kernel and the floor.
+    def _skip_flag(self, states):
+        """The steps' overflow flags, one scalar on the scale's device (1.0: skip), for `update`."""
+        device = self._scale.device
+        flags = []
+        for state in states.values():
+            for f in state["found_inf_per_device"].values():
+                f = f.to(device, non_blocking=True)
+                # Reshaped only when not 0-d already (torch's are): a `view` is a dispatch too.
+                flags.append(f.reshape(()) if f.ndim else f)
+        if not flags:
+            raise RuntimeError(
+                "`GradScaler.update()` found no overflow check to update the scale from: "
+                "no optimizer was stepped (or unscaled) by this scaler since the last update. "
+                "Call `scaler.step(optimizer)` first. Received: no `step()` or `unscale_()` "
+                "since the last `update()`"
+            )
+        # Each flag is 0 or 1 (torch's kernel, or `_agreed`): torch's AMP form.
+        return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
 
-        `next_loss_scale` would run the same kernel (`fused_scale_update`)
-        and, with diagnostics, count the step; called directly, the update
-        costs no state to build, and the host's lower bound of the scale
-        decides whether the floor needs an operation (see `update_scale`).
+    def _telemetry_state(self, states):
+        """The telemetry's per-parameter fields for `next_loss_scale`.
+
+        Returns:
+            `(names, fields, variable_finite)`: the parameter names (every
+            one checked so far), `{field: tuple}` in that order, and
+            `variable_finite` (None where a parameter had no gradient).
         """
-        # The count `next_loss_scale` keeps on the device: here on the host
-        # only (`_written_steps`).
-        self._host_steps += 1
-        bound = self._scale_bound
-        _SCALE_UPDATE(
-            self._scale,
-            self._growth_tracker,
-            None,
-            policy.dynamic_growth_steps,
-            policy.growth_factor,
-            policy.backoff_factor,
-            MIN_SCALE,
-            skip=skip if skip.dtype == torch.float32 else skip.to(torch.float32),
-            in_place=True,
-            scale_at_least=bound,
-        )
-        self._scale_bound = scale_bound.after_update(bound, policy)
+        fields = scaler_state.telemetry_fields(self._policy)
+        finite = {}
+        for state in states.values():
+            finite.update(state.get("finite_per_parameter", {}))
+        device = self._scale.device
+        for name in finite:
+            if name not in self._per_variable:
+                self._per_variable[name] = {
+                    f.name: scaler_state.initial_tensor(f, device) for f in fields
+                }
+        names = list(self._per_variable)
+        columns = {f.name: tuple(self._per_variable[n][f.name] for n in names) for f in fields}
+        return names, columns, tuple(finite.get(n) for n in names)
+
+    def _record_ranges(self, states):
+        """Keeps this update's measurements (`_measure`'s, one per optimizer stepped)."""
+        for state in states.values():
+            measured = state.get("measured")
+            if measured is not None:
+                self._ranges.record(*measured, self._scale.device)
 
     @property
     def last_step_skipped(self) -> bool | None:
@@ -385,3 +679,329 @@ class GradScaler(
         if self._last_skip is None:
             return None
         return bool(self._last_skip != 0)
+
+    # -- the scale and its settings ------------------------------------------------
+
+    def _lazy_init_scale_growth_tracker(self, dev):
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._extras = scaler_state.make_tensors(
+            self._extra_start, self._policy, self._scale.device
+        )
+        self._scale_bound = float(np.float32(self._init_scale))
+
+    def _check_scale_growth_tracker(self, funcname):
+        if self._scale is None or self._growth_tracker is None:
+            raise RuntimeError(
+                f"`GradScaler.{funcname}()` needs the loss scale, which the first "
+                "`scaler.scale(outputs)` creates on the outputs' device: compute the loss, "
+                f"call `scaler.scale(loss).backward()`, then `scaler.{funcname}(...)`. "
+                "Received: a GradScaler that has scaled nothing yet"
+            )
+        return self._scale, self._growth_tracker
+
+    def _state(self, per_variable=None):
+        """The `LossScaleState` the scaler holds, with `per_variable`'s fields lent to it."""
+        scale = self._scale
+        if self._policy.records_details:
+            # The history keeps this step's scale, which `update` then
+            # overwrites in place: it gets a copy.
+            scale = scale.clone()
+        return LossScaleState(
+            scale=scale,
+            counter=self._growth_tracker,
+            **self._written_steps(),
+            **(per_variable or {}),
+        )
+
+    def _written_steps(self):
+        """The extra state tensors, their `steps` brought up to the host's count of updates."""
+        steps = self._extras.get("steps")
+        if steps is not None and self._device_steps != self._host_steps:
+            steps.fill_(self._host_steps)
+            self._device_steps = self._host_steps
+        return self._extras
+
+    def _set_scale(self, new_scale):
+        if isinstance(new_scale, torch.Tensor):
+            if (
+                not new_scale.is_floating_point()
+                or new_scale.numel() != 1
+                or new_scale.requires_grad
+                or new_scale.device != self._scale.device
+            ):
+                raise ValueError(
+                    "`new_scale` must be a Python float or a one-element floating-point "
+                    f"tensor on the scale's device ({self._scale.device}) that does not "
+                    f"require grad. Received: new_scale=tensor of shape "
+                    f"{tuple(new_scale.shape)}, dtype {new_scale.dtype}, on "
+                    f"{new_scale.device}, requires_grad={new_scale.requires_grad}"
+                )
+            # Checked as a float is (one host read: `update(new_scale)` is rare).
+            value = float(new_scale.detach().reshape(()).to(torch.float32))
+            validation.check_number("new_scale", value, low=0, low_open=True, high=MAX_SCALE)
+            self._scale.copy_(new_scale.detach().reshape(()))
+            self._scale_bound = value
+        else:
+            validation.check_number("new_scale", new_scale, low=0, low_open=True, high=MAX_SCALE)
+            self._scale.fill_(float(new_scale))
+            self._scale_bound = float(np.float32(new_scale))
+        self._per_optimizer_states.clear()
+        self._last_skip = None
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled); reads the device."""
+        value = super().get_scale()
+        if self._enabled and self._scale is not None:
+            self._scale_bound = value
+        return value
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Sets the growth factor (a float > 1)."""
+        validation.check_number("new_factor", new_factor, low=1, low_open=True)
+        self._policy = dataclasses.replace(self._policy, growth_factor=float(new_factor))
+        super().set_growth_factor(new_factor)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Sets the backoff factor (a float in (0, 1))."""
+        validation.check_number(
+            "new_factor", new_factor, low=0, high=1, low_open=True, high_open=True
+        )
+        self._policy = dataclasses.replace(self._policy, backoff_factor=float(new_factor))
+        super().set_backoff_factor(new_factor)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Sets the growth interval (an integer >= 1)."""
+        validation.check_number("new_interval", new_interval, low=1, integer=True)
+        self._policy = dataclasses.replace(self._policy, dynamic_growth_steps=int(new_interval))
+        super().set_growth_interval(new_interval)
+
+    # -- state dicts and copies ------------------------------------------------------
+
+    def _extra_values(self):
+        if self._extras is None:
+            return dict(self._extra_start)
+        return scaler_state.read_tensors(self._written_steps(), self._policy)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's five entries, and the extra state fields under `"lossscale"` if any.
+
+        Empty when disabled. Reads the state on the host; call it after `update()`.
+        """
+        out = super().state_dict()
+        if out and scaler_state.extra_fields(self._policy):
+            out[scaler_state.STATE_KEY] = scaler_state.to_state_dict(
+                self._extra_values(), self._policy
+            )
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict of this class or of `torch.amp.GradScaler`.
+
+        Works before the first step (the values are used when the scale is
+        created). As in torch, the growth factor, backoff factor and growth
+        interval come from the dict; the extras' settings stay as
+        constructed, and extra fields the dict lacks start afresh. Checks
+        everything before writing anything. Does nothing when disabled.
+        """
+        if not self._enabled:
+            return
+        if hasattr(state_dict, "keys") and len(state_dict) == 0:
+            raise RuntimeError(
+                "`state_dict` is empty: it comes from a GradScaler with enabled=False, which "
+                "has no state to load. Received: state_dict={}"
+            )
+        extras = scaler_state.check_state_dict(state_dict, self._policy)
+        check = validation.check_number
+        check("state_dict['growth_factor']", state_dict["growth_factor"], low=1, low_open=True)
+        check(
+            "state_dict['backoff_factor']",
+            state_dict["backoff_factor"],
+            low=0,
+            high=1,
+            low_open=True,
+            high_open=True,
+        )
+        check("state_dict['growth_interval']", state_dict["growth_interval"], low=1, integer=True)
+        policy = dataclasses.replace(
+            self._policy,
+            growth_factor=float(state_dict["growth_factor"]),
+            backoff_factor=float(state_dict["backoff_factor"]),
+            dynamic_growth_steps=int(state_dict["growth_interval"]),
+        )
+        super().load_state_dict(state_dict)
+        self._policy = policy
+        self._extra_start = extras
+        if self._extras is not None:
+            self._extras = scaler_state.make_tensors(extras, policy, self._scale.device)
+        # The per-parameter records are not in a state dict: they start afresh.
+        self._per_variable = {}
+        self._ranges = ParameterRanges()
+        self._host_steps = self._device_steps = extras.get("steps", 0)
+        self._scale_bound = float(np.float32(state_dict["scale"]))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # torch's: the scale becomes lazy again
+        if self._enabled:
+            state["_extra_start"] = self._extra_values()
+            state["_extras"] = None
+        # Observers hold hooks on a live model: a copy has none.
+        state["_observers"] = {}
+        # The process group is shared by a copy, refused by pickle by name.
+        state["_process_group"] = SharedHandle.wrap(
+            self._process_group, "process_group", type(self).__name__
+        )
+        state["_check_units"] = {}  # device constants, made again where it is used
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = {**state, "_process_group": SharedHandle.unwrap(state.get("_process_group"))}
+        super().__setstate__(state)
+        self.__dict__.setdefault("_check_units", {})  # pickled before it existed
+        self.__dict__.setdefault("_device_steps", self._host_steps)
+        self.__dict__.setdefault("_ranges", ParameterRanges())
+
+    # -- on the host: observers, summaries, the fail-fast check -------------------
+
+    def register_step_observer(
+        self, observer: Any, *, parameter_names: list[tuple[torch.Tensor, str]] | None = None
+    ) -> _Registration:
+        """Calls `observer.on_step(finite, step)` after every `update()`.
+
+        `lossscale.torch.watch(model, scaler)` registers itself here; its
+        `modules_at(steps)` fills `"module"` of `summary()["overflows"]`.
+
+        Args:
+            observer: An object with `on_step(finite, step)` (device values:
+                whether the step's gradients were finite, its index) and
+                `modules_at(steps) -> {step: module name or None}`.
+            parameter_names: Optional `(parameter, name)` pairs: the names
+                of the parameters in `summary()` and errors.
+
+        Returns:
+            A handle whose `remove()` unregisters the observer.
+
+        Raises:
+            ValueError: The scaler keeps no overflow window
+                (`telemetry=False` and no fail-fast limit).
+        """
+        if not self._policy.records_details:
+            raise ValueError(
+                "`register_step_observer` (and `watch`) needs the overflow window: construct "
+                "the GradScaler with `telemetry=True` (or a fail-fast limit). Received: "
+                "a GradScaler with telemetry=False"
+            )
+        for method in ("on_step", "modules_at"):
+            if not callable(getattr(observer, method, None)):
+                raise ValueError(
+                    f"`observer` must have an `{method}` method. Received: "
+                    f"observer={type(observer).__name__}"
+                )
+        names = {id(p): name for p, name in (parameter_names or [])}
+        self._observers[id(observer)] = (observer, names)
+        return _Registration(self._observers, observer)
+
+    def summary(self) -> dict[str, Any]:
+        """The loss-scale state as a dict of Python values, for loggers.
+
+        Reads the device: call it when logging, not inside the step.
+
+        Returns:
+            `{}` when disabled; otherwise `dynamic_scale` and `step_counter`
+            (torch's scale and growth tracker) and, as the settings track
+            them, `consecutive_skips`, `steps`, `skipped_steps`,
+            `last_overflow_step`, `scale_history`, `nonfinite_variables`
+            (parameter names), `error`, `error_step`, `overflows` (the
+            window, oldest first: `{"step", "variables", "module",
+            "loss_finite"}`), `float16_range` (`{parameter name: {"zero",
+            "subnormal", "near_max", "max_abs"}}`, the last measurement) and
+            `float16_range_step`: the keys of `LossScaleOptimizer.summary()`.
+        """
+        if not self._enabled:
+            return {}
+        names, per_variable = self._per_variable_values()
+        values = {
+            "scale": self.get_scale(),
+            "counter": self._get_growth_tracker(),
+            **self._extra_values(),
+            **per_variable,
+        }
+        modules = {}
+        if self._observers:
+            modules = self._overflow_modules([s for s in values["overflow_steps"] if s >= 0])
+        return telemetry.summarize(values, self._policy, names, modules)
+
+    def check(self) -> None:
+        """Raises `LossScaleError` if the state records a crossed fail-fast limit.
+
+        `update()` already does so after every step when `min_scale` or
+        `max_consecutive_skips` is set; without them there is nothing to check.
+        """
+        if not self._enabled or not self._policy.fails_fast:
+            return
+        if self._extra_values()["error"] != NO_ERROR:
+            raise LossScaleError(self._failure_message())
+
+    def _failure_message(self):
+        return telemetry.failure_message(self.summary(), self._policy)
+
+    def _per_variable_values(self):
+        """`(names, {field: list of Python values})`, read in one transfer.
+
+        The names are the telemetry's (every parameter checked), then any
+        only measured; a field a parameter has no value of reads as its
+        initial value.
+        """
+        policy = self._policy
+        fields = scaler_state.telemetry_fields(policy)
+        checked = list(self._per_variable)
+        seen = set(checked)
+        names = checked + [n for n in self._ranges.names if n not in seen]
+        parts = [
+            torch.stack([self._per_variable[n][f.name].to(torch.float64) for n in checked])
+            for f in (fields if checked else ())
+        ]
+        if policy.diagnoses and names:
+            parts.extend(self._ranges.values(names).values())
+        # One copy to the host (every part on the device of the first).
+        flat = torch.cat([p.to(parts[0].device) for p in parts]).tolist() if parts else []
+        values, at = {}, 0
+        for f in fields:
+            cast = float if f.metadata["dtype"] == "float32" else int
+            initial = cast(f.metadata["initial"])
+            taken = [cast(x) for x in flat[at : at + len(checked)]]
+            values[f.name] = taken + [initial] * (len(names) - len(checked))
+            at += len(checked)
+        for f in diagnostics.FIELDS if policy.diagnoses else ():
+            values[f] = flat[at : at + len(names)]
+            at += len(names)
+        return names, values
+
+    def _overflow_modules(self, steps):
+        """`{step: module}` from the observers (the first that knows one)."""
+        out = {}
+        for observer, _ in list(self._observers.values()):
+            for at, module in observer.modules_at(steps).items():
+                if out.get(at) is None:
+                    out[at] = module
+        return out
+
+
+class _Registration:
+    """What `register_step_observer` returns: `remove()` unregisters the observer."""
+
+    def __init__(self, observers, observer):
+        self._observers = observers
+        self._observer = observer
+
+    def remove(self) -> None:
+        """Unregisters the observer (and its parameter names). Idempotent."""
+        self._observers.pop(id(self._observer), None)
+
+
+def _flatten(outputs):
+    """The tensors of `outputs` (a tensor or nested iterables of them, as `scale` takes)."""
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, Iterable):
+        return [t for o in outputs for t in _flatten(o)]
+    return []

@@ -18,17 +18,18 @@ import torch
 
 from lossscale import validation
 from lossscale.backends import get_ops
-from lossscale.backends.torch import kernels as torch_kernels
 from lossscale.optimizers.base import Optimizer as LossscaleOptimizer
 from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
-from lossscale.torch import optimizer_checkpoint
 from lossscale.variables import Variable
 
 _OPS = get_ops("torch")
+# The key of each param group that holds its rule's variables other than
+# the slots (live in `param_groups`, copies in a state dict).
+RULE_VARIABLES = "optimizer_variables"
 _STRIDED = torch.strided
 
 
-class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optimizer):
+class Optimizer(torch.optim.Optimizer):
     """Runs a lossscale optimizer (SGD ... Lamb) as a `torch.optim.Optimizer`.
 
     ```
@@ -55,7 +56,7 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
     A learning-rate schedule belongs to a torch scheduler on this optimizer
     (the rule's `learning_rate` must be a float). The state lives in the
     rules' variables: `state_dict()` holds copies of it in torch's layout
-    (see `OptimizerCheckpointMixin`). `self.state[p]` names parameter `p`'s
+    (see `state_dict`). `self.state[p]` names parameter `p`'s
     slots (`{"momentum": tensor, ...}`, empty for a rule without any) and
     each group's `"optimizer_variables"` its rule's other variables (step
     counter, learning rate): the live tensors the rule writes in place.
@@ -171,7 +172,7 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
         slots, shared = rule.state_variables() if rule.built else ({}, {})
         for j, p in enumerate(group["params"]):
             self.state[p] = {name: v.value for name, v in slots.get(j, {}).items()}
-        group[optimizer_checkpoint.RULE_VARIABLES] = {path: v.value for path, v in shared.items()}
+        group[RULE_VARIABLES] = {path: v.value for path, v in shared.items()}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -208,7 +209,7 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
         for _, _, rule, grads, variables in steps:
             folded = None
             if grad_scale is not None:  # still scaled
-                if _divides_grad_scale(rule):
+                if rule._step_plan(variables).takes_grad_scale:
                     folded = grad_scale
                 else:  # unscaled in place, as fused kernels do
                     grads = _OPS.unscale(grads, grad_scale, in_place=True)
@@ -256,6 +257,116 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
                 rule.learning_rate = value
                 self._rule_lrs[index] = value
 
+    # --- state dicts, in torch's layout --------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state of every param group's rule, in torch's layout (copies).
+
+        Returns:
+            A dict that `load_state_dict` accepts; `torch.save` and
+            `torch.load(..., weights_only=True)` handle it.
+        """
+        state, groups, offset = {}, [], 0
+        for group, rule in zip(self.param_groups, self._rules):
+            # An empty group's rule is never built: no state.
+            own = rule.state_dict() if rule.built else {"state": {}, RULE_VARIABLES: {}}
+            count = len(group["params"])
+            state.update({offset + i: slots for i, slots in own["state"].items()})
+            hyper = {k: v for k, v in group.items() if k not in ("params", RULE_VARIABLES)}
+            groups.append(
+                {
+                    **hyper,
+                    "params": list(range(offset, offset + count)),
+                    RULE_VARIABLES: own[RULE_VARIABLES],
+                }
+            )
+            offset += count
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the state written by `state_dict()`; nothing is written unless all of it fits.
+
+        Args:
+            state_dict: A dict returned by `state_dict()`.
+        """
+        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+            got = (
+                sorted(map(str, state_dict))
+                if isinstance(state_dict, dict)
+                else type(state_dict).__name__
+            )
+            raise ValueError(
+                "`state_dict` must be a dict with keys ['state', 'param_groups'], as "
+                f"{type(self).__name__}.state_dict() returns it. Received: {got}"
+            )
+        saved_groups = state_dict["param_groups"]
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"`state_dict['param_groups']` must hold {len(self.param_groups)} groups, one per "
+                f"param group of this optimizer. Received: {saved_groups!r}"[:400]
+            )
+        # Saved parameter ids map to this optimizer's parameters by position,
+        # as torch's `load_state_dict` maps them: ints from `state_dict()`,
+        # or the names torch's distributed checkpoint puts in their place.
+        listed, writes = set(), []
+        for index, (group, rule, saved) in enumerate(
+            zip(self.param_groups, self._rules, saved_groups)
+        ):
+            count = len(group["params"])
+            if not isinstance(saved, dict) or RULE_VARIABLES not in saved:
+                raise ValueError(
+                    f"`state_dict['param_groups'][{index}]` has no {RULE_VARIABLES!r}: this is "
+                    f"not the state dict of a {type(self).__name__} (a torch optimizer's, say). "
+                    f"Received keys: {sorted(saved) if isinstance(saved, dict) else saved!r}"
+                )
+            ids = saved.get("params")
+            if not isinstance(ids, (list, tuple)) or len(ids) != count:
+                raise ValueError(
+                    f"`state_dict['param_groups'][{index}]['params']` must list the {count} "
+                    f"parameters of group {index}, one id each. Received: {ids!r}"[:400]
+                )
+            for key in ids:
+                if key in listed:
+                    raise ValueError(
+                        f"`state_dict['param_groups'][{index}]['params']` lists {key!r}, which "
+                        "an earlier entry lists too: each parameter is listed once."
+                    )
+                listed.add(key)
+            saved_state = state_dict["state"]
+            own = {
+                # An empty entry is a parameter without slots (torch's
+                # flattened checkpoints give every parameter one).
+                "state": {
+                    j: saved_state[key]
+                    for j, key in enumerate(ids)
+                    if key in saved_state and saved_state[key] != {}
+                },
+                "param_groups": [{"params": list(range(count))}],
+                RULE_VARIABLES: saved[RULE_VARIABLES],
+            }
+            if rule.built:
+                writes += rule._state_dict_writes(own)
+            elif saved[RULE_VARIABLES]:
+                raise ValueError(
+                    f"`state_dict['param_groups'][{index}]` holds variables "
+                    f"{sorted(saved[RULE_VARIABLES])}, but group {index} of this optimizer "
+                    "has no parameters: the state dict is of another optimizer."
+                )
+        extra = [key for key in state_dict["state"] if key not in listed]
+        if extra:
+            raise ValueError(
+                f"`state_dict['state']` names parameters {extra} that no group of "
+                f"`state_dict['param_groups']` lists (this optimizer has {len(listed)})."
+            )
+        for variable, value in writes:
+            variable.assign(value)
+        for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            group.update({k: v for k, v in saved.items() if k not in ("params", RULE_VARIABLES)})
+            # The group's lr is the one torch's tools read and set: the rule
+            # takes it at the next step, whatever lr its variables were
+            # saved with.
+            self._rule_lrs[index] = None
+
     def __getstate__(self) -> dict[str, Any]:
         """What a copy is rebuilt from: the rule's class and settings, the groups, the state.
 
@@ -266,8 +377,7 @@ class Optimizer(optimizer_checkpoint.OptimizerCheckpointMixin, torch.optim.Optim
         dict. As torch's optimizers, it carries no hooks over.
         """
         groups = [
-            {k: v for k, v in group.items() if k != optimizer_checkpoint.RULE_VARIABLES}
-            for group in self.param_groups
+            {k: v for k, v in group.items() if k != RULE_VARIABLES} for group in self.param_groups
         ]
         return {
             "rule": (self._rule_class, self._template),
@@ -329,23 +439,6 @@ def _rule_settings(group, tunable):
     if "betas" in tunable:
         settings["beta_1"], settings["beta_2"] = group["betas"]
     return settings
-
-
-def _divides_grad_scale(rule):
-    """Whether `rule`'s step can take the scaler's `grad_scale` into its torch kernel.
-
-    Its own class names a kernel that divides it out (`kernels.divides_grad_scale`)
-    and nothing reads the gradients before that kernel: no clipping, no
-    static loss-scale factor, no gradient accumulation.
-    """
-    return (
-        torch_kernels.divides_grad_scale(type(rule).__dict__.get("update_kernel"))
-        and rule.loss_scale_factor is None
-        and not rule.gradient_accumulation_steps
-        and rule.clipnorm is None
-        and rule.clipvalue is None
-        and rule.global_clipnorm is None
-    )
 
 
 def _keep(found_inf, device):

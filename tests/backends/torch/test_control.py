@@ -1,5 +1,7 @@
 """backends/torch/control.py: branches on device values, undone where not taken."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -119,7 +121,15 @@ def test_a_step_on_device_flags_equals_a_host_if_step(monkeypatch, make):
             grads = inject(random_grads(rng, 4.0), kind)
             if cond is host_cond:
                 # The inner step's flag read on the host: the skip by `if`.
-                monkeypatch.setattr(opt.inner_optimizer, "_folds_keep", lambda variables: False)
+                inner = opt.inner_optimizer
+                planned = type(inner)._step_plan
+                monkeypatch.setattr(
+                    inner,
+                    "_step_plan",
+                    lambda variables, inner=inner, planned=planned: dataclasses.replace(
+                        planned(inner, variables), folds_keep=False
+                    ),
+                )
             apply(opt, [torch.tensor(g) for g in grads], params)
         runs.append([p.clone() for p in params] + [v.value.clone() for v in opt.variables])
     for branched, plain in zip(*runs):

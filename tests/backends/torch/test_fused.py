@@ -29,7 +29,7 @@ def test_table_entries():
     assert kernel(Adam.update_kernel).fn is torch_fused.adam
     assert kernel(AdamW.update_kernel).fn is torch_fused.adam
     assert kernel(SGD.update_kernel).fn is torch_fused.sgd
-    assert kernel("adam").folds_keep and not kernel("adam").takes_grad_scale
+    assert kernel("adam").folds_keep and kernel("adam").takes_grad_scale
     assert torch_kernels.fused_scale_update() is scale_update.update_scale
 
 
@@ -226,9 +226,8 @@ def test_a_grad_scale_is_divided_out_as_an_unscale_pass_would_bit_for_bit(name, 
 
 
 def test_the_kernels_that_divide_a_grad_scale():
-    assert torch_kernels.divides_grad_scale("adam") and torch_kernels.divides_grad_scale("sgd")
-    assert not torch_kernels.divides_grad_scale("rmsprop")
-    assert not torch_kernels.divides_grad_scale(None)
+    taking = {n for n, k in torch_kernels.KERNELS.items() if k.takes_grad_scale}
+    assert taking == {"adam", "sgd"} and torch_kernels.fused_update(None) is None
 
 
 @pytest.mark.parametrize("nesterov", [False, True])

@@ -50,28 +50,17 @@ def test_every_optimizer_with_a_kernel_name_has_one_on_torch():
 def test_adam_and_sgd_run_on_torchs_fused_kernels_with_its_found_inf(name):
     kernel = kernels.KERNELS[name]
     assert kernel.fn is getattr(fused, name)
-    assert kernel.folds_keep and kernel.takes_found_inf
-    # They divide GradScaler's grad_scale out, but are not declared to:
-    # LossScaleOptimizer's AMP pass divides and checks the gradients at once.
-    assert not kernel.takes_grad_scale and kernels.divides_grad_scale(name)
+    # They divide a grad_scale out as they read the gradients (GradScaler's,
+    # or a compiled LossScaleOptimizer's: eagerly it unscales with torch's
+    # one-pass AMP kernel instead, `checks_while_unscaling`).
+    assert kernel.folds_keep and kernel.takes_found_inf and kernel.takes_grad_scale
 
 
-def test_while_tracing_adam_and_sgd_take_the_scale(monkeypatch):
-    # Traced, the AMP pass would become a loop writing divided copies of
-    # the gradients (tests/optimizers/test_loss_scale_step.py): the kernels
-    # divide them as they read them instead. Nothing else changes.
+def test_eagerly_the_loss_scale_step_unscales_with_the_amp_kernel(monkeypatch):
+    ops = ops_for(torch.zeros(()))
+    assert ops.checks_while_unscaling()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    for name, kernel in kernels.KERNELS.items():
-        traced = kernels.fused_update(name)
-        if name in ("adam", "sgd"):
-            assert traced.takes_grad_scale and traced.fn is kernel.fn
-            assert (traced.folds_keep, traced.takes_found_inf, traced.folds_weight_decay) == (
-                kernel.folds_keep,
-                kernel.takes_found_inf,
-                kernel.folds_weight_decay,
-            )
-        else:
-            assert traced is kernel
+    assert not ops.checks_while_unscaling()
 
 
 def test_the_foreach_kernels_fold_the_skip_only():
@@ -80,8 +69,6 @@ def test_the_foreach_kernels_fold_the_skip_only():
             continue
         assert kernel.folds_keep, name
         assert not kernel.takes_grad_scale and not kernel.takes_found_inf, name
-        assert not kernels.divides_grad_scale(name), name
-    assert kernels.GRAD_SCALE_KERNELS == {"adam", "sgd"}
 
 
 def test_the_other_hooks():

@@ -210,6 +210,11 @@ def all_true(flag, group=None):
     return lax.pmin(flag.astype(jnp.int32), axes) > 0
 
 
+def several_participants(group=None):
+    """Whether `group` names mapped axes (`shard_map` / `pmap`) to agree over."""
+    return _axes(group) is not None
+
+
 def all_mean(x, group):
     """The mean of `x` over the mapped axes `group` (`lax.pmean`)."""
     return lax.pmean(unwrap(x), _axes(group))
@@ -249,5 +254,18 @@ def cond(pred, true_fn, false_fn, variables):
         v.rebind(s)
 
 
+def cond_values(pred, true_fn, false_fn):
+    """`true_fn()` where `pred` holds, else `false_fn()`: `lax.cond` on a traced `pred`."""
+    pred = unwrap(pred)
+    if not isinstance(pred, jax.core.Tracer):
+        return true_fn() if bool(pred) else false_fn()
+    return lax.cond(pred, true_fn, false_fn)
+
+
 def quiet():
     return contextlib.nullcontext()
+
+
+def checks_while_unscaling():
+    """False: `unscale_checked` divides, then checks."""
+    return False

@@ -216,6 +216,16 @@ def all_true(flag, group=None):
     return all_max(flag, group)  # the same checks of `group`
 
 
+def several_participants(group=None):
+    """False: NumPy arrays live in one process."""
+    all_max(0.0, group)  # the same checks of `group`
+    return False
+
+
+def cond_values(pred, true_fn, false_fn):
+    return true_fn() if bool(unwrap(pred)) else false_fn()
+
+
 def cond(pred, true_fn, false_fn, variables):
     branch = true_fn if bool(unwrap(pred)) else false_fn
     if branch is not None:
@@ -226,3 +236,8 @@ def quiet():
     # A skipped overflow step computes inf/NaN on purpose; NumPy must not
     # warn about it.
     return np.errstate(over="ignore", invalid="ignore", divide="ignore")
+
+
+def checks_while_unscaling():
+    """False: `unscale_checked` divides, then checks."""
+    return False

@@ -26,6 +26,7 @@ from lossscale.backends.tensorflow.compiled import (
 )
 from lossscale.backends.tensorflow.control import (
     cond,
+    cond_values,
 )
 from lossscale.backends.tensorflow.kernels import (
     fused_float16_range,
@@ -48,6 +49,7 @@ from lossscale.backends.tensorflow.ops import (
     assign_add,
     assign_sub,
     cast,
+    checks_while_unscaling,
     clip,
     copy,
     cos,
@@ -81,6 +83,7 @@ from lossscale.backends.tensorflow.ops import (
 from lossscale.backends.tensorflow.replicas import (
     all_max,
     all_true,
+    several_participants,
 )
 
 __all__ = [
@@ -96,8 +99,10 @@ __all__ = [
     "assign_add",
     "assign_sub",
     "cast",
+    "checks_while_unscaling",
     "clip",
     "cond",
+    "cond_values",
     "copy",
     "cos",
     "dense_gradient",
@@ -125,6 +130,7 @@ __all__ = [
     "power",
     "quiet",
     "read",
+    "several_participants",
     "shape",
     "sign",
     "sqrt",

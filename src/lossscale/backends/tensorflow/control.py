@@ -52,6 +52,21 @@ def cond(pred, true_fn, false_fn, variables):
     _graph_cond(pred, true_fn, false_fn or (lambda: None), variables)
 
 
+def cond_values(pred, true_fn, false_fn):
+    """`true_fn()` where `pred` holds, else `false_fn()`: tuples of tensors alike.
+
+    `tf.cond` in a graph; eagerly both run and each tensor is selected
+    (`tf.where`), so the predicate is not read on the host.
+    """
+    host = _plain(pred)
+    if host is not None:
+        return true_fn() if host else false_fn()
+    pred = tf.cast(ops.read(unwrap(pred)), tf.bool)
+    if not tf.executing_eagerly():
+        return tuple(tf.cond(pred, lambda: tuple(true_fn()), lambda: tuple(false_fn())))
+    return tuple(tf.where(pred, a, b) for a, b in zip(true_fn(), false_fn()))
+
+
 def _where(keep, fn, variables):
     """Runs `fn`, then keeps its writes to `variables` only where `keep` holds."""
     saved = [tf.identity(ops.read(v.storage)) for v in variables]

@@ -2,10 +2,11 @@
 
 An optimizer class names the kernel that reproduces its `update_step`
 (`Optimizer.update_kernel`). Here SGD runs on TensorFlow's fused training
-kernels (`fused.sgd`) and every other rule is the optimizer's own
-`update_step`, variable by variable; either way an eager step traces the
-rule once and replays it (`compiled.run`), and inside a `tf.function` the
-rule joins the caller's graph. Each entry has a test proving it equals
+kernels (`fused.sgd`) and every other rule, whatever its name (a user's
+subclass too), is the optimizer's own `update_step`, variable by variable;
+either way an eager step traces the rule once and replays it
+(`compiled.run`), and inside a `tf.function` the rule joins the caller's
+graph. Each entry has a test proving it equals
 `update_step` bit for bit (tests/backends/tensorflow/test_kernels.py). Nothing here
 knows an optimizer class: a kernel gets its state as arguments
 (`lossscale.backends.kernel`).
@@ -70,31 +71,15 @@ def _traced(rule):
     return kernel
 
 
+# Any rule is the optimizer's own `update_step`, traced once under `tf.cond`
+# on the step's `keep` flag; SGD has TensorFlow's fused training kernels.
 _UPDATE = Kernel(_traced(_per_variable), folds_keep=True)
-
-# Every kernel traces its rule under `tf.cond` on the step's `keep` flag.
-KERNELS = {
-    "sgd": Kernel(_traced(fused.sgd), folds_keep=True),
-    **{
-        name: _UPDATE
-        for name in (
-            "adam",
-            "rmsprop",
-            "adagrad",
-            "adadelta",
-            "adamax",
-            "nadam",
-            "lion",
-            "ftrl",
-            "lamb",
-        )
-    },
-}
+KERNELS = {"sgd": Kernel(_traced(fused.sgd), folds_keep=True)}
 
 
 def fused_update(name):
-    """The `Kernel` named `name`, or None."""
-    return KERNELS.get(name)
+    """The `Kernel` named `name`; any other name, or None, traces the rule's `update_step`."""
+    return KERNELS.get(name, _UPDATE)
 
 
 def weight_decay(params, weight_decay, lr, *, cache, keep=None):

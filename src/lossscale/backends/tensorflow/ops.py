@@ -302,3 +302,8 @@ def sum(x):  # noqa: A001 - the seam's name for a full reduction
 def quiet():
     # TensorFlow raises no floating-point warnings.
     return contextlib.nullcontext()
+
+
+def checks_while_unscaling():
+    """False: `unscale_checked` divides, then checks."""
+    return False

@@ -43,6 +43,11 @@ def all_true(flag, group=None):
     return tf.equal(failed, 0.0)
 
 
+def several_participants(group=None):
+    """Whether several replicas of a `tf.distribute` strategy run in sync here."""
+    return _replica_context(group) is not None
+
+
 def all_max(x, group=None):
     """The maximum of scalar `x` over the replicas in sync (NaN if any is NaN)."""
     x = ops._tensor(x)

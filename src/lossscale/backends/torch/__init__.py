@@ -23,7 +23,7 @@ Each module imports only those above it in this list.
 
 import torch
 
-from lossscale.backends.torch.control import cond
+from lossscale.backends.torch.control import cond, cond_values
 from lossscale.backends.torch.kernels import (
     fused_float16_range,
     fused_scale_update,
@@ -32,6 +32,7 @@ from lossscale.backends.torch.kernels import (
 )
 from lossscale.backends.torch.multi import (
     all_finite,
+    checks_while_unscaling,
     finite_flags,
     finite_unscaled,
     global_norm,
@@ -70,6 +71,7 @@ from lossscale.backends.torch.ops import (
     power,
     quiet,
     read,
+    several_participants,
     shape,
     sign,
     sqrt,

@@ -36,6 +36,17 @@ def cond(pred, true_fn, false_fn, variables):
         _where(~keep, false_fn, variables)
 
 
+def cond_values(pred, true_fn, false_fn):
+    """`true_fn()` where `pred` holds, else `false_fn()`, with no host read of a tensor.
+
+    A tensor predicate runs both and selects each array (`torch.where`).
+    """
+    if not isinstance(pred, torch.Tensor):
+        return true_fn() if bool(pred) else false_fn()
+    keep = pred if pred.dtype == torch.bool else pred.to(torch.bool)
+    return tuple(torch.where(keep, a, b) for a, b in zip(true_fn(), false_fn()))
+
+
 def _where(keep, fn, variables):
     """Runs `fn`, then keeps its writes to `variables` only where `keep` holds."""
     with torch.no_grad():

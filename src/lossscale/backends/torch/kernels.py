@@ -11,21 +11,24 @@ Nothing here knows an optimizer class: a kernel gets its state as arguments
 declares and its hyperparameters' names are the whole contract.
 """
 
-import dataclasses
-
-import torch
-
 from lossscale.backends.kernel import Kernel
 from lossscale.backends.torch import adamw, float16_range, foreach, fused, scale_update
 
 # Every kernel here honours the step's `keep` flag itself: torch's fused
 # kernels as `found_inf` (the caller's own, where it has one), the others in
-# `plans.Writer`'s selects.
+# `plans.Writer`'s selects. Adam and SGD divide a loss scale still in the
+# gradients out as they read them (`grad_scale`, see `fused`).
 KERNELS = {
     # Adam decays its parameters itself: inside torch's fused AdamW kernel
     # where that is exact (`fused.adam`).
-    "adam": Kernel(fused.adam, folds_keep=True, takes_found_inf=True, folds_weight_decay=True),
-    "sgd": Kernel(fused.sgd, folds_keep=True, takes_found_inf=True),
+    "adam": Kernel(
+        fused.adam,
+        folds_keep=True,
+        takes_grad_scale=True,
+        takes_found_inf=True,
+        folds_weight_decay=True,
+    ),
+    "sgd": Kernel(fused.sgd, folds_keep=True, takes_grad_scale=True, takes_found_inf=True),
     **{
         name: Kernel(foreach.make_kernel(getattr(foreach, name)), folds_keep=True)
         for name in ("rmsprop", "adagrad", "adadelta", "adamax", "nadam", "lion", "ftrl", "lamb")
@@ -33,35 +36,8 @@ KERNELS = {
 }
 
 
-# The kernels that divide a loss scale still in the gradients out as they
-# read them (`grad_scale`, see `fused`). Not declared `takes_grad_scale`:
-# `LossScaleOptimizer` would then check the scaled gradients with a
-# reduction of their own, where on torch its one AMP pass already divides and
-# checks them at once. `lossscale.torch.Optimizer` gives them
-# `torch.amp.GradScaler`'s `grad_scale` (see `divides_grad_scale`).
-GRAD_SCALE_KERNELS = frozenset({"adam", "sgd"})
-
-
-# While `torch.compile` traces, the same kernels take the scale. The one
-# AMP pass is eager only: traced, the compiler writes the divided gradients
-# into fresh buffers every step (on the CPU, `large`'s 64 MiB page-faulted in
-# again each step: the compiled step 3.4x the eager one) and copies them
-# back into the caller's. Checked by a reduction that only reads them, the
-# gradients are divided where the update reads them instead.
-_TRACED_KERNELS = {
-    name: dataclasses.replace(KERNELS[name], takes_grad_scale=True) for name in GRAD_SCALE_KERNELS
-}
-
-
-def divides_grad_scale(name):
-    """Whether the kernel named `name` accepts a `grad_scale` and divides it out itself."""
-    return name in GRAD_SCALE_KERNELS
-
-
 def fused_update(name):
-    """The `Kernel` named `name`, or None (while tracing: see `_TRACED_KERNELS`)."""
-    if torch.compiler.is_compiling() and name in _TRACED_KERNELS:
-        return _TRACED_KERNELS[name]
+    """The `Kernel` named `name`, or None."""
     return KERNELS.get(name)
 
 

@@ -166,11 +166,14 @@ def unscale_checked(grads, scale, in_place=False):
     divided.
     """
     grads = [unwrap(g) for g in grads]
-    inverse = _exact_inverse(unwrap(scale)) if grads else None
-    parts = groups(grads) if inverse is not None else ()
-    if inverse is None or any(
-        dtype.itemsize >= 4 and not (in_place and _writable([grads[i] for i in indices]))
-        for _, dtype, indices in parts
+    parts = groups(grads) if grads else ()
+    if (
+        not parts
+        or any(
+            dtype.itemsize >= 4 and not (in_place and _writable([grads[i] for i in indices]))
+            for _, dtype, indices in parts
+        )
+        or (inverse := _exact_inverse(unwrap(scale))) is None
     ):
         return unscale_then_check(unscale, finite_flags, grads, scale, in_place)
     out = [None] * len(grads) if len(parts) > 1 else None
@@ -190,6 +193,11 @@ def unscale_checked(grads, scale, in_place=False):
     if copies:
         _RECENT_CPU_COPIES[:] = copies
     return out, skip == 0, skip
+
+
+def checks_while_unscaling():
+    """Whether `unscale_checked` runs torch's one-pass AMP kernel: eagerly, not traced."""
+    return not torch.compiler.is_compiling()
 
 
 # Device types whose scalars a step may read on the host: the value is in

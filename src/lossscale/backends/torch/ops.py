@@ -302,6 +302,11 @@ def all_true(flag, group=None):
     return reduced > 0
 
 
+def several_participants(group=None):
+    """Whether torch.distributed runs with more than one rank in `group` (see `all_max`)."""
+    return _several_ranks(group)
+
+
 def _several_ranks(group):
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):

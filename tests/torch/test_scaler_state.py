@@ -1,4 +1,4 @@
-"""`GradScaler` state dicts, pickling and summaries (lossscale/torch/scaler_host.py)."""
+"""`GradScaler`'s extra state (lossscale/torch/scaler_state.py): state dicts, pickling, summaries."""
 
 import copy
 import io

@@ -1,0 +1,200 @@
+"""`GradScaler`'s extra state: made, read back, saved and checked when it comes back in.
+
+torch's `GradScaler` keeps two tensors, the scale and the growth tracker
+(`LossScaleState.scale` and `.counter`). The fields a `LossScalePolicy` adds
+(the overflow streak for `hysteresis`, the telemetry counters and scale
+history, the fail-fast error) live next to them as 0-d tensors, created
+with the scale on its device. Here they are made, read back to Python
+values, and checked when a state dict brings them in. The telemetry's
+per-variable fields a scaler keeps by parameter name (`telemetry_fields`).
+
+In a state dict the extra fields sit under one key, `STATE_KEY`, beside torch's five
+entries, so torch's `GradScaler` loads our dicts (it reads only its own
+keys) and we load torch's (the extra fields then start from their initial
+values).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import torch
+
+from lossscale.mixed_precision import diagnostics, loss_scale
+from lossscale.mixed_precision.state import per_variable
+
+# torch's keys, which its `GradScaler.load_state_dict` reads.
+TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+STATE_KEY = "lossscale"
+# `LossScaleState` fields kept elsewhere: torch's two tensors. Per-variable
+# fields are not kept either: a scaler has no variables.
+_NOT_EXTRA = ("scale", "counter")
+_DTYPES = {"int32": torch.int32, "float32": torch.float32, "bool": torch.bool}
+
+
+def telemetry_fields(policy):
+    """The per-variable `LossScaleState` fields of the telemetry, kept by parameter name.
+
+    (The `range_*` ones are kept as vectors: `scaler_ranges`.)
+    """
+    return [
+        f
+        for f in loss_scale.state_fields(policy)
+        if per_variable(f) and f.name not in diagnostics.FIELDS
+    ]
+
+
+def initial_tensor(field, device):
+    """A per-variable field's initial value, a 0-d tensor on `device`."""
+    return torch.full(
+        (), field.metadata["initial"], dtype=_DTYPES[field.metadata["dtype"]], device=device
+    )
+
+
+def extra_fields(policy):
+    """The `LossScaleState` fields `policy` tracks beyond torch's scale and tracker."""
+    return [
+        f
+        for f in loss_scale.state_fields(policy)
+        if f.name not in _NOT_EXTRA and not per_variable(f)
+    ]
+
+
+def _key(field):
+    # The name a field has everywhere the user sees it (`summary()`, the
+    # wrapper's variables): `skipped_steps`, not `skipped`.
+    return field.metadata["variable"] or field.name
+
+
+def initial_values(policy):
+    """`{field name: Python value}` for a scaler that has taken no step."""
+    values = {}
+    for f in extra_fields(policy):
+        start = f.metadata["initial"]
+        if f.metadata["per"] == "history":
+            values[f.name] = [start] * policy.history_length
+        else:
+            values[f.name] = start
+    return values
+
+
+def make_tensors(values, policy, device):
+    """The extra fields as 0-d tensors on `device` (tuples for the history)."""
+    tensors = {}
+    for f in extra_fields(policy):
+        dtype = _DTYPES[f.metadata["dtype"]]
+        value = values[f.name]
+        if f.metadata["per"] == "history":
+            tensors[f.name] = tuple(torch.full((), v, dtype=dtype, device=device) for v in value)
+        else:
+            tensors[f.name] = torch.full((), value, dtype=dtype, device=device)
+    return tensors
+
+
+def read_tensors(tensors, policy):
+    """The extra fields' Python values, read in one transfer."""
+    fields = extra_fields(policy)
+    if not fields:
+        return {}
+    flat = []
+    for f in fields:
+        value = tensors[f.name]
+        flat.extend(value if isinstance(value, tuple) else (value,))
+    # One copy to the host. float64 holds every int32 and float32 exactly.
+    numbers_ = torch.stack([t.to(torch.float64) for t in flat]).tolist()
+    values, at = {}, 0
+    for f in fields:
+        cast = float if f.metadata["dtype"] == "float32" else int
+        if f.metadata["per"] == "history":
+            length = policy.history_length
+            values[f.name] = [cast(x) for x in numbers_[at : at + length]]
+            at += length
+        else:
+            values[f.name] = cast(numbers_[at])
+            at += 1
+    return values
+
+
+def to_state_dict(values, policy):
+    """The extra fields for a state dict, keyed as in `summary()`."""
+    return {_key(f): values[f.name] for f in extra_fields(policy)}
+
+
+def _fail(name, accepted, value):
+    raise ValueError(f"`{name}` must be {accepted}. Received: {name}={value!r}")
+
+
+def check_state_dict(state_dict, policy):
+    """Validates a state dict; returns the extra fields it sets, as Python values.
+
+    Fields `policy` tracks but the dict lacks (a dict from torch's
+    `GradScaler`, or from a scaler with other settings) start from their
+    initial values; fields it holds that `policy` does not track are
+    ignored. Anything else that does not fit raises `ValueError`.
+    """
+    if not hasattr(state_dict, "keys"):
+        _fail("state_dict", "a dict returned by GradScaler.state_dict()", state_dict)
+    missing = [k for k in TORCH_KEYS if k not in state_dict]
+    if missing:
+        raise ValueError(
+            "`state_dict` must be a GradScaler state dict, with the keys "
+            f"{list(TORCH_KEYS)}; {missing} are missing. Received: state_dict with keys "
+            f"{sorted(map(str, state_dict.keys()))}"
+        )
+    scale = state_dict["scale"]
+    if not _is_number(scale) or not 0 < scale <= loss_scale.MAX_SCALE:
+        _fail(
+            "state_dict['scale']",
+            f"a finite number > 0 and <= {loss_scale.MAX_SCALE}",
+            scale,
+        )
+    tracker = state_dict["_growth_tracker"]
+    if not _is_integer(tracker) or tracker < 0:
+        _fail("state_dict['_growth_tracker']", "an integer >= 0", tracker)
+    extras = state_dict.get(STATE_KEY, {})
+    if not hasattr(extras, "keys"):
+        _fail(f"state_dict[{STATE_KEY!r}]", "a dict", extras)
+    known = {
+        _key(f)
+        for f in dataclasses.fields(loss_scale.LossScaleState)
+        if f.name not in _NOT_EXTRA and not per_variable(f)
+    }
+    unknown = sorted(set(map(str, extras)) - known)
+    if unknown:
+        raise ValueError(
+            f"`state_dict[{STATE_KEY!r}]` holds unknown fields {unknown}; known fields are "
+            f"{sorted(known)}. Received: state_dict[{STATE_KEY!r}]={dict(extras)!r}"
+        )
+    values = initial_values(policy)
+    for f in extra_fields(policy):
+        key = _key(f)
+        if key not in extras:
+            continue
+        value = extras[key]
+        name = f"state_dict[{STATE_KEY!r}][{key!r}]"
+        if f.metadata["per"] == "history":
+            length = policy.history_length
+            ok = (
+                isinstance(value, (list, tuple))
+                and len(value) == length
+                and all(_is_number(v) for v in value)
+            )
+            if not ok:
+                _fail(name, f"a list of {length} finite numbers", value)
+            cast = float if f.metadata["dtype"] == "float32" else int
+            values[f.name] = [cast(v) for v in value]
+        else:
+            if not _is_integer(value):
+                _fail(name, "an integer", value)
+            values[f.name] = int(value)
+    return values
+
+
+def _is_number(x):
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_integer(x):
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
