@@ -464,7 +464,8 @@ class GradScaler(torch.amp.GradScaler):
 
         Args:
             optimizer: The `torch.optim.Optimizer` to step.
-            *args, **kwargs: Passed on to `optimizer.step` (no `closure`).
+            *args: Passed on to `optimizer.step`.
+            **kwargs: Passed on to `optimizer.step` (no `closure`).
         """
         if (
             self._enabled
