@@ -6,7 +6,12 @@ tensorflow.
 """
 
 from lossscale import mixed_precision, optimizers, pytree, saving, schedules
-from lossscale.mixed_precision import LossScaleError
+from lossscale.mixed_precision import (
+    LossScaleError,
+    PersistentSkipWarning,
+    ScaleMismatchWarning,
+    UnscaledLossWarning,
+)
 from lossscale.optimizers import LossScaleOptimizer
 from lossscale.variables import Variable
 
@@ -15,6 +20,9 @@ __version__ = "0.1.0"
 __all__ = [
     "LossScaleError",
     "LossScaleOptimizer",
+    "PersistentSkipWarning",
+    "ScaleMismatchWarning",
+    "UnscaledLossWarning",
     "Variable",
     "mixed_precision",
     "optimizers",

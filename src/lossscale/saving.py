@@ -279,7 +279,7 @@ def _check_loss_scale_values(optimizer, checkpoint):
             fields = restored.variable_fields([v.path.rsplit("/", 1)[-1] for v in own])
             for v in own:
                 field = fields.get(v.path.rsplit("/", 1)[-1])
-                found = field and restored.problem(field, v.path, arrays[v.path])
+                found = field and restored.problem(field, v.path, arrays[v.path], optimizer.policy)
                 if found:
                     checkpoint_files.fail(checkpoint.path, found)
         optimizer = getattr(optimizer, "inner_optimizer", None)

@@ -199,6 +199,9 @@ def guards():
             ("keras", keras.optimizers.LossScaleOptimizer),
             ("ours", lsk.LossScaleOptimizer),
         ):
+            if name == "ours" and kind == "zero":
+                # Ours refuses a subnormal scale: it starts at float32's smallest normal.
+                settings = {"initial_scale": 2.0**-126}
             m, _, steps, _ = fit(wrapper, x, y, jit=False, **settings)
             runs[name] = {"weights": weights(m), "steps": steps}
         out[kind] = runs
@@ -276,6 +279,81 @@ def fail_fast():
             out[f"jit={jit}"] = None
         except LossScaleError as error:
             out[f"jit={jit}"] = str(error)
+    return out
+
+
+def nan_labels():
+    """NaN labels in one batch of `fit`: the loss is NaN there, as the state records it."""
+    x, y = data()
+    y[:] = x[:, :1]
+    y[2 * BATCH : 3 * BATCH] = np.nan
+    out = {}
+    for jit in (False, COMPILE):
+        _, opt, _, _ = fit(lsk.LossScaleOptimizer, x, y, jit, telemetry=True)
+        out[f"jit={jit}"] = opt.summary()["overflows"]
+    return out
+
+
+def edges(folder):
+    """What comes back in: a bad gradient list, a `.keras` file holding a bad scale."""
+    import io
+    import zipfile
+
+    import h5py
+
+    out = {}
+    rng = np.random.default_rng(5)
+    variables = [
+        keras.Variable(rng.normal(size=s).astype("float32"), name=f"w{i}")
+        for i, s in enumerate(((64, 33), (7,)))
+    ]
+    opt = lsk.LossScaleOptimizer(keras.optimizers.Adam(0.01), 2.0**4)
+    opt.build(variables)
+
+    def gradient(shape, dtype="float32"):
+        return keras.ops.convert_to_tensor(rng.normal(size=shape).astype(dtype))
+
+    bad = {
+        "one_for_two": [gradient((64, 33))],
+        "second_shape": [gradient((64, 33)), gradient((8,))],
+        "second_dtype": [gradient((64, 33)), gradient((7,), "int32")],
+    }
+    before = [numpy(v).tolist() for v in variables + list(opt.variables)]
+    for name, grads in bad.items():
+        entry = {}
+        for how in ("apply", "stateless_apply"):
+            try:
+                if how == "apply":
+                    opt.apply(grads, variables)
+                else:
+                    opt.stateless_apply([v.value for v in opt.variables], grads, variables)
+                entry[how] = None
+            except ValueError as error:
+                entry[how] = str(error)
+        entry["unchanged"] = [numpy(v).tolist() for v in variables + list(opt.variables)] == before
+        out[name] = entry
+
+    x, y = data()
+    m, saved, _, _ = fit(lsk.LossScaleOptimizer, x, y, jit=False)
+    path = pathlib.Path(folder) / "edges.keras"
+    m.save(path)
+    index = [i for i, v in enumerate(saved.variables) if v is saved.dynamic_scale][0]
+    for value in (np.nan, -4.0):
+        with zipfile.ZipFile(path) as z:
+            files = {n: z.read(n) for n in z.namelist()}
+        buffer = io.BytesIO(files["model.weights.h5"])
+        with h5py.File(buffer, "r+") as f:
+            f[f"optimizer/vars/{index}"][...] = value
+        files["model.weights.h5"] = buffer.getvalue()
+        bad_path = pathlib.Path(folder) / f"scale_{value}.keras"
+        with zipfile.ZipFile(bad_path, "w") as z:
+            for n, data_ in files.items():
+                z.writestr(n, data_)
+        try:
+            keras.models.load_model(bad_path)
+            out[f"load scale={value}"] = None
+        except ValueError as error:
+            out[f"load scale={value}"] = str(error)
     return out
 
 
@@ -511,6 +589,8 @@ if __name__ == "__main__":
         "telemetry": telemetry,
         "saving": lambda: saving(pathlib.Path(sys.argv[1]).parent),
         "fail_fast": fail_fast,
+        "nan_labels": nan_labels,
+        "edges": lambda: edges(pathlib.Path(sys.argv[1]).parent),
         "diagnostics": diagnostics,
         "serialization": serialization,
         "variables": variables,

@@ -167,13 +167,63 @@ def test_fail_fast_raises_out_of_fit(run):
     backend, results = run
     messages = results["fail_fast"]
     assert set(messages) == ({"jit=False"} if backend == "torch" else {"jit=False", "jit=True"})
-    for message in messages.values():
+    for jit, message in messages.items():
         assert message is not None
-        assert message.startswith(
-            "Loss scaling failed at step 2: more than `max_consecutive_skips`"
-        )
+        first, second = message.splitlines()[:2]
+        # The cause first: NaN inputs make a NaN loss, recorded where Keras's step
+        # runs the write in `scale_loss` (torch; TensorFlow compiled: its eager
+        # relu maps NaN to 0, so the loss is finite and one kernel overflows).
+        assert first.startswith("Loss scaling failed at step 2: ")
+        if backend == "jax":  # Keras's JAX step drops what `scale_loss` writes
+            assert "(the loss was not recorded)" in first
+        elif backend == "torch" or jit == "jit=True":
+            assert "nonfinite_loss: the loss itself was NaN or inf at step 2" in first
+        assert second.startswith("Stopped because more than `max_consecutive_skips` steps in a row")
         assert "Steps skipped in a row: 3; in total: 3 of 3." in message
         assert "/dense" in message  # variables named by their Keras paths
+        assert len(message) < 4000
+
+
+def test_nan_labels_are_a_nonfinite_loss_where_keras_keeps_the_flag(run):
+    backend, results = run
+    for jit, window in results["nan_labels"].items():
+        # Batch 2's labels are NaN; batch 3 holds an inf input.
+        assert [o["step"] for o in window] == [2, 3], jit
+        every = [o["variables"] for o in window]
+        assert all(len(names) == 4 for names in every), jit
+        if backend == "jax":
+            # Keras's JAX trainer calls `scale_loss` in a scope whose writes it drops.
+            assert [(o["cause"], o["loss_finite"]) for o in window] == [("overflow", None)] * 2
+        else:
+            assert [(o["cause"], o["loss_finite"]) for o in window] == [
+                ("nonfinite_loss", False)
+            ] * 2, jit
+
+
+def test_a_bad_gradient_list_is_refused_with_nothing_written(run):
+    _, results = run
+    got = results["edges"]
+    expected = {
+        "one_for_two": "`grads` must match the trainable variables one to one. Received: 1 "
+        "gradients for 2 variables",
+        "second_shape": "The gradient for variable 'w1' must have the variable's shape "
+        "(7,). Received: gradient shape (8,)",
+        "second_dtype": "The gradient for variable 'w1' must have a floating-point "
+        "dtype. Received: gradient dtype int32",
+    }
+    for case, message in expected.items():
+        assert got[case] == {"apply": message, "stateless_apply": message, "unchanged": True}
+
+
+@pytest.mark.parametrize("value", ["nan", "-4.0"])
+def test_a_keras_file_with_a_bad_scale_is_refused_by_load_model(run, value):
+    _, results = run
+    message = results["edges"][f"load scale={value}"]
+    assert message is not None
+    assert (
+        f"`store['3']` holds {value}, but the loss scale's `scale` must be a normal float32 "
+        "number > 0 (from 1.17549e-38 to 3.40282e+38). Nothing was loaded."
+    ) in message
 
 
 def test_keras_takes_it_as_its_own(run):

@@ -175,10 +175,17 @@ def test_the_overflow_window_keeps_each_overflow_and_its_loss(name):
         opt.scale_loss(backend.array(np.float32(loss)))
         opt.apply([backend.array(g) for g in grads], variables)
     summary = opt.summary()
+    record = dict(module=None)
     assert summary["overflows"] == [
-        {"step": 3, "variables": ["v2"], "module": None, "loss_finite": True},
-        {"step": 5, "variables": ["v0", "v1"], "module": None, "loss_finite": False},
-        {"step": 6, "variables": ["v1"], "module": None, "loss_finite": True},
+        {"step": 3, "cause": "overflow", "variables": ["v2"], "loss_finite": True, **record},
+        {
+            "step": 5,
+            "cause": "nonfinite_loss",
+            "variables": ["v0", "v1"],
+            "loss_finite": False,
+            **record,
+        },
+        {"step": 6, "cause": "overflow", "variables": ["v1"], "loss_finite": True, **record},
     ]
     assert len(summary["scale_history"]) == 3
     assert [v.name for v in opt.variables if v.name.startswith("overflow_steps")] == [
@@ -201,8 +208,12 @@ def test_the_error_tells_a_nan_loss_from_an_overflow(name):
     with pytest.raises(LossScaleError) as info:
         opt.apply([backend.array(g) for g in grads], variables)
     message = str(info.value)
-    assert "  step 0: the loss was NaN/inf, non-finite in ['v0', 'v1', 'v2']" in message
-    assert "  step 1: gradients overflowed (the loss was finite), non-finite in ['v2']" in message
+    assert message.startswith(
+        "Loss scaling failed at step 1: overflow: gradients of 1 variable (v2) overflowed at "
+        "step 1 (the loss was finite); backing off the scale clears an overflow."
+    )
+    assert "  step 0: nonfinite_loss, loss NaN/inf; non-finite: 3 variables (v0, v1, v2)" in message
+    assert "  step 1: overflow, loss finite; non-finite: 1 variable (v2)" in message
 
 
 # --- growth_policy="statistics" ------------------------------------------------

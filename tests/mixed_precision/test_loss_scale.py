@@ -78,6 +78,8 @@ class Model:
         self.overflow_steps = [-1] * p.history_length
         self.overflow_loss = [-1] * p.history_length
         self.overflow_bits = [0] * n_vars
+        self.overflow_cause = [-1] * p.history_length
+        self.streak_scale, self.persistent_step = 0.0, -1
         self.range_step = -1
 
     def step(self, finite, peak, variable_finite, loss=-1, near=0.0):
@@ -98,7 +100,7 @@ class Model:
         if measured:
             self.range_step = self.steps
         if finite:
-            self.streak = 0
+            self.streak, self.streak_scale = 0, 0.0
             if early:
                 backed = float(f32(f32(used) * f32(p.backoff_factor)))
                 if p.min_scale is None:
@@ -121,6 +123,22 @@ class Model:
             else:
                 self.counter += 1
         else:
+            bad = {i for i, ok in enumerate(variable_finite) if ok is False}
+            before = {i for i, was in enumerate(self.nonfinite) if was}
+            # Persistent: the streak goes on, the scale fell by 2**8 since it
+            # began (or is at most 1), the same variables still bad (some).
+            persistent = (
+                self.streak > 0
+                and (self.streak_scale >= float(f32(f32(used) * f32(2.0**8))) or used <= 1)
+                and bad
+                and bad <= before
+            )
+            if self.streak == 0:
+                self.streak_scale = used
+            if persistent and self.persistent_step < 0:
+                self.persistent_step = self.steps
+            cause = 2 if persistent else (1 if self.loss_finite == 0 else 0)
+            self.overflow_cause = self.overflow_cause[1:] + [cause]
             self.counter, self.streak = 0, self.streak + 1
             if self.streak >= p.hysteresis:
                 backed = float(f32(f32(used) * f32(p.backoff_factor)))
@@ -165,6 +183,9 @@ class Model:
             overflow_steps=self.overflow_steps,
             overflow_loss=self.overflow_loss,
             overflow_bits=self.overflow_bits,
+            overflow_cause=self.overflow_cause,
+            streak_scale=self.streak_scale,
+            persistent_step=self.persistent_step,
             range_step=self.range_step,
         )
         return {

@@ -17,6 +17,14 @@ from tests.reference import F32_MAX, F32_TINY
     [
         ({"initial_scale": 0}, "`initial_scale` must be a finite number > 0"),
         ({"initial_scale": F32_MAX * 2}, "`initial_scale` must be a finite number > 0 and <= "),
+        # Subnormal in float32: 1 / scale overflows, as every gradient divided by it.
+        (
+            {"initial_scale": 1e-45},
+            r"`initial_scale` must be at least 2\*\*-126 \(1.17549e-38\), float32's smallest "
+            r"normal number: a subnormal scale overflows every gradient divided by it. "
+            r"Received: initial_scale=1e-45",
+        ),
+        ({"initial_scale": 2.0**-127}, r"Received: initial_scale=5.877471754111438e-39"),
         (
             {"dynamic_growth_steps": 0},
             "`dynamic_growth_steps` must be an integer >= 1. Received: dynamic_growth_steps=0",
@@ -109,9 +117,10 @@ def test_tracked_fields_follow_the_policy():
         "scale_history",
         "nonfinite",
     ]
-    window = ["loss_finite", "overflow_steps", "overflow_loss", "overflow_bits"]
-    assert names(LossScalePolicy(telemetry=True)) == telemetry + window
-    failing = telemetry + ["error", "error_step"] + window
+    causes = ["streak_scale", "persistent_step"]
+    window = ["loss_finite", "overflow_steps", "overflow_loss", "overflow_cause", "overflow_bits"]
+    assert names(LossScalePolicy(telemetry=True)) == telemetry + causes + window
+    failing = telemetry + ["error", "error_step"] + causes + window
     assert names(LossScalePolicy(max_consecutive_skips=3)) == failing
     assert names(LossScalePolicy(min_scale=1.0)) == failing
     measured = ["range_zero", "range_subnormal", "range_near_max", "range_max_abs", "range_step"]
@@ -204,7 +213,6 @@ def reachable_scales(policy, moves=40):
         ({}, True),
         ({"initial_scale": 1.0, "growth_factor": 4.0, "backoff_factor": 0.25}, True),
         ({"initial_scale": 2.0**-126}, True),
-        ({"initial_scale": 2.0**-127}, False),  # subnormal in float32: 1 / scale overflows
         ({"initial_scale": 3.0}, False),
         ({"growth_factor": 3.0}, False),
         ({"backoff_factor": 0.75}, False),

@@ -35,7 +35,7 @@ def message(name, value, field, accepted):
     )
 
 
-POSITIVE = "a finite number > 0"
+POSITIVE = "a float32 number from 1 to 3.40282e+38"  # SETTINGS: min_scale=1.0
 COUNT = "an integer >= 0"
 STEP = "an integer >= -1"
 HISTORY = "a finite number >= 0 (0 before the first step)"
@@ -52,14 +52,15 @@ BAD = [
     ("last_overflow_step", ".last_overflow_step", "last_overflow_step", -2, STEP),
     ("scale_history_3", ".scale_history[3]", "scale_history", np.nan, HISTORY),
     ("scale_history_0", ".scale_history[0]", "scale_history", -4.0, HISTORY),
-    ("error", ".error", "error", 7, "one of 0, ..., 2"),
+    ("error", ".error", "error", 7, "an integer in [0, 2]"),
     ("error_step", ".error_step", "error_step", -9, STEP),
 ]
 SETTINGS = dict(initial_scale=8.0, telemetry=True, min_scale=1.0, max_consecutive_skips=4)
 
 
 def test_every_field_but_the_boolean_one_has_a_rule():
-    assert set(restored.RULES) | {"nonfinite"} == set(STATE_FIELD_NAMES)
+    # (`iteration`: an optimizer's own step count, checked beside them.)
+    assert set(restored.RULES) - {"iteration"} | {"nonfinite"} == set(STATE_FIELD_NAMES)
 
 
 def trained_optimizer(backend, rng):
@@ -106,7 +107,7 @@ def test_valid_edge_values_restore(rng, tmp_path):
     path = tmp_path / "opt.safetensors"
     saving.save(opt, path)
     for variable, value in [
-        ("dynamic_scale", np.float32(2.0**-24)),
+        ("dynamic_scale", np.float32(1.0)),  # `min_scale` itself
         ("step_counter", 0),
         ("last_overflow_step", -1),
         ("scale_history_0", 0.0),
@@ -114,7 +115,24 @@ def test_valid_edge_values_restore(rng, tmp_path):
     ]:
         edit(path, f"loss_scale_optimizer/{variable}", value, files.FORMAT)
     saving.restore(opt, path)
-    assert float(opt.dynamic_scale) == 2.0**-24 and int(opt.step_counter) == 0
+    assert float(opt.dynamic_scale) == 1.0 and int(opt.step_counter) == 0
+
+
+def test_a_scale_outside_the_policys_bounds_is_refused(rng, tmp_path):
+    from tests.conftest import Backend
+
+    _, opt = trained_optimizer(Backend("numpy"), rng)  # min_scale=1.0
+    path = tmp_path / "opt.safetensors"
+    saving.save(opt, path)
+    edit(path, "loss_scale_optimizer/dynamic_scale", np.float32(2.0**-24), files.FORMAT)
+    expected = message(
+        "loss_scale_optimizer/dynamic_scale",
+        2.0**-24,
+        "scale",
+        "a float32 number from 1 to 3.40282e+38",
+    )
+    with pytest.raises(saving.CheckpointError, match=expected):
+        saving.restore(opt, path)
 
 
 def test_a_wrapper_under_another_name_is_checked_too(rng, tmp_path):

@@ -17,7 +17,7 @@ def test_field_names_are_the_dataclass_fields_in_declaration_order():
     names = tuple(f.name for f in dataclasses.fields(LossScaleState))
     assert state_module.STATE_FIELD_NAMES == names
     assert names[:2] == ("scale", "counter")
-    assert len(set(names)) == len(names) == 19
+    assert len(set(names)) == len(names) == 22
 
 
 def test_every_field_is_described():
@@ -126,7 +126,12 @@ def test_variable_specs_list_each_holder_a_policy_needs_in_field_order():
     plain = list(state_module.variable_specs(LossScalePolicy(8.0, 2), ["w"]))
     assert [spec[1] for spec in plain] == ["dynamic_scale", "step_counter"]
     only = state_module.variable_specs(policy, ["w"], kinds=("history",))
-    assert {spec[0] for spec in only} == {"scale_history", "overflow_steps", "overflow_loss"}
+    assert {spec[0] for spec in only} == {
+        "scale_history",
+        "overflow_steps",
+        "overflow_loss",
+        "overflow_cause",
+    }
 
 
 class _Box:

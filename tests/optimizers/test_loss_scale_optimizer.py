@@ -424,7 +424,17 @@ def test_signature_lists_the_policy_fields():
     named = {
         n: p.default
         for n, p in parameters.items()
-        if n not in ("self", "inner_optimizer", "name", "process_group", "axis_name", "kwargs")
+        if n
+        not in (
+            "self",
+            "inner_optimizer",
+            "name",
+            "on_persistent",
+            "agreement_every",
+            "process_group",
+            "axis_name",
+            "kwargs",
+        )
     }
     assert named == {f.name: f.default for f in dataclasses.fields(LossScalePolicy)}
     for f in dataclasses.fields(LossScalePolicy):
@@ -492,11 +502,30 @@ def test_telemetry_after_a_known_sequence(backend, rng):
         "last_overflow_step": 6,
         "scale_history": [8.0, 8.0, 4.0, 2.0, 2.0, 4.0, 4.0, 2.0],
         "nonfinite_variables": ["v0"],
+        "persistent_step": None,
         # `scale_loss` was never called: the loss's flag is not known.
         "overflows": [
-            {"step": 1, "variables": ["v1"], "module": None, "loss_finite": None},
-            {"step": 2, "variables": ["v0", "v1"], "module": None, "loss_finite": None},
-            {"step": 6, "variables": ["v0"], "module": None, "loss_finite": None},
+            {
+                "step": 1,
+                "cause": "overflow",
+                "variables": ["v1"],
+                "module": None,
+                "loss_finite": None,
+            },
+            {
+                "step": 2,
+                "cause": "overflow",
+                "variables": ["v0", "v1"],
+                "module": None,
+                "loss_finite": None,
+            },
+            {
+                "step": 6,
+                "cause": "overflow",
+                "variables": ["v0"],
+                "module": None,
+                "loss_finite": None,
+            },
         ],
     }
     names = [v.name for v in opt.variables]
@@ -528,15 +557,17 @@ def test_min_scale_raises_naming_variables_step_and_history(backend, rng):
     with pytest.raises(LossScaleError) as info:
         opt.apply(grads_for(backend, 1.0, ("f", "nan")), variables)
     message = str(info.value)
+    # v1 non-finite through back-offs down to a scale of 1: no back-off can clear it.
     assert message.startswith(
-        "Loss scaling failed at step 3: the loss scale would fall below "
-        "`min_scale` (min_scale=1.0, max_consecutive_skips=None, "
-        "hysteresis=1, backoff_factor=0.5)."
+        "Loss scaling failed at step 3: persistent: the same 1 variable (v1) stayed non-finite "
+        "through back-offs since step 1, down to scale 1; backing off cannot help"
     )
-    assert "Steps skipped in a row: 3; in total: 3 of 4." in message
+    assert (
+        "Stopped because the loss scale would fall below `min_scale` (min_scale=1.0, "
+        "max_consecutive_skips=None, hysteresis=1, backoff_factor=0.5). Steps skipped in a "
+        "row: 3; in total: 3 of 4."
+    ) in message
     assert "Loss scale of the last steps, oldest first: [4, 4, 2, 1]; now 1." in message
-    assert "non-finite at that step: ['v1']." in message
-    assert "not from float16 overflow" in message
     after = snapshot(backend, variables + opt.variables)
     changed = [
         v.name
@@ -555,10 +586,14 @@ def test_min_scale_raises_naming_variables_step_and_history(backend, rng):
         "v1_nonfinite",
         "v0_overflow_bits",
         "v1_overflow_bits",
-    } | {f"{n}_{i}" for n in ("scale_history", "overflow_steps", "overflow_loss") for i in range(8)}
-    assert "  step 3: gradients overflowed (the loss was not recorded), non-finite in ['v1']" in (
-        message
-    )
+        "streak_scale",
+        "persistent_step",
+    } | {
+        f"{n}_{i}"
+        for n in ("scale_history", "overflow_steps", "overflow_loss", "overflow_cause")
+        for i in range(8)
+    }
+    assert "  step 3: persistent, loss not recorded; non-finite: 1 variable (v1)" in message
     assert scalar(backend, opt.iterations) == 1
     frozen = snapshot(backend, variables + opt.variables)
     with pytest.raises(LossScaleError, match="failed at step 3"):
@@ -576,13 +611,17 @@ def test_max_consecutive_skips_raises(backend, rng):
     with pytest.raises(
         LossScaleError,
         match=re.escape(
-            "Loss scaling failed at step 2: more than `max_consecutive_skips` steps in a row "
-            "were skipped (min_scale=None, max_consecutive_skips=2,"
+            "Loss scaling failed at step 2: overflow: gradients of 1 variable (v0) overflowed at "
+            "step 2 (the loss was not recorded); backing off the scale clears an overflow.\n"
+            "Stopped because more than `max_consecutive_skips` steps in a row were skipped "
+            "(min_scale=None, max_consecutive_skips=2,"
         ),
     ) as info:
         opt.apply(grads_for(backend, 1.0, ("inf", "f")), variables)
     assert "[1024, 512, 256]; now 128." in str(info.value)
-    assert "['v0']" in str(info.value)
+    assert "  steps 0-2: overflow, loss not recorded; non-finite: 1 variable (v0)" in str(
+        info.value
+    )
 
 
 def test_stateless_apply_records_and_check_raises(backend, rng):

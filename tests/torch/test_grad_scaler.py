@@ -285,10 +285,11 @@ def test_max_scale_caps_growth_and_min_scale_fails_fast():
     with pytest.raises(lossscale.LossScaleError) as info:
         cases.train(ours)
     message = str(info.value)
-    assert "Loss scaling failed at step 3: the loss scale would fall below `min_scale`" in message
+    assert message.startswith("Loss scaling failed at step 3: overflow: gradients of ")
+    assert "Stopped because the loss scale would fall below `min_scale`" in message
     assert "min_scale=2097152.0" in message and "in total: 4 of 4" in message
     # The parameters are named (by their place in the param groups, here).
-    assert "Variables whose gradients were non-finite at that step: ['group0.param" in message
+    assert "variables (group0.param" in message
     assert ours.get_scale() == 2.0**21
 
 
@@ -323,6 +324,7 @@ def test_telemetry_summary_and_check():
         "last_overflow_step",
         "scale_history",
         "nonfinite_variables",
+        "persistent_step",
         "overflows",
     }
     skipped = [k for k, s in enumerate(run["skipped"]) if s]
@@ -535,10 +537,7 @@ def test_a_step_and_update_dispatch_torchs_operations(steps):
     "init_scale, steps, floor_ops",
     [
         (4 * TINY, 3, ["aten.clamp_min_.default"]),  # the bound at the floor: one operation
-        # Below it: floored on overflow only; the first backoff reaches the
-        # floor, and the bound (read while the scale is below 1) follows.
-        (1e-40, 1, ["aten.mul.Tensor", "aten.clamp_min_.Tensor"]),
-        (1e-40, 2, ["aten.clamp_min_.default"]),
+        (4 * TINY, 1, []),  # a backoff cannot reach the floor yet: none
     ],
 )
 def test_the_floor_costs_operations_only_where_the_bound_is_near_it(init_scale, steps, floor_ops):
@@ -550,7 +549,7 @@ def test_the_floor_costs_operations_only_where_the_bound_is_near_it(init_scale, 
 
 
 @pytest.mark.parametrize("optimizer", ["fused", "foreach"])
-@pytest.mark.parametrize("init_scale", [2.0**16, 2.0**-118, 3 * TINY, 1e-40])
+@pytest.mark.parametrize("init_scale", [2.0**16, 2.0**-118, 3 * TINY])
 def test_the_plain_update_follows_the_reference_rule(optimizer, init_scale):
     """The one-kernel update of a plain policy against `next_loss_scale`'s generic selects.
 
@@ -626,19 +625,6 @@ def test_a_tensor_new_scale_is_checked_as_a_float_is(bad):
         assert scaler.get_scale() == 8.0  # nothing written
     scaler.update(torch.tensor(4.0))
     assert scaler.get_scale() == 4.0
-
-
-def test_unscale_grads_before_scale_is_a_clear_error():
-    scaler = _scaler()
-    param = torch.nn.Parameter(torch.ones(3))
-    param.grad = torch.ones(3)
-    opt = torch.optim.SGD([param], lr=0.1)
-    found_inf = torch.zeros(1)
-    with pytest.raises(
-        RuntimeError, match=r"`GradScaler._unscale_grads_\(\)` needs the loss scale"
-    ):
-        scaler._unscale_grads_(opt, torch.ones(()), found_inf, False)
-    assert torch.equal(param.grad, torch.ones(3))
 
 
 def _one_step_at(cls, scale, grad, path):
@@ -839,8 +825,10 @@ def test_a_nan_loss_is_reported_as_such():
     lt.watch(model, failing)
     with pytest.raises(ls.LossScaleError) as info:
         scaled_steps(failing, model, optimizer_for(model, "fused"), steps=2, poison=(1,))
-    assert "step 1: the loss was NaN/inf" in str(info.value)
-    assert "'head.weight'" in str(info.value)
+    assert str(info.value).startswith(
+        "Loss scaling failed at step 1: nonfinite_loss: the loss itself was NaN or inf at step 1"
+    )
+    assert "  step 1: nonfinite_loss, loss NaN/inf; non-finite: " in str(info.value)
 
 
 def test_an_overflow_error_names_the_module_and_the_parameters():
@@ -850,9 +838,8 @@ def test_an_overflow_error_names_the_module_and_the_parameters():
     with pytest.raises(ls.LossScaleError) as info:
         scaled_steps(scaler, model, optimizer_for(model, "fused"), steps=3)
     message = str(info.value)
-    assert "step 1: gradients overflowed (the loss was finite)" in message
-    assert "starting in module 'encoder.linear2'" in message
-    assert "'encoder.linear1.weight'" in message
+    assert message.startswith("Loss scaling failed at step 1: overflow: gradients of ")
+    assert "  steps 0-1: overflow, loss finite; starting in module 'encoder.linear2'" in message
 
 
 # Both sides of 4096 and of 2**18 elements.

@@ -204,3 +204,160 @@ def test_accelerate_steps_saves_and_loads_our_scaler_on_cpu(tmp_path):
     assert skipped == theirs[0] == [False, True, False, False, False]
     assert all(torch.equal(p, q) for p, q in zip(params, theirs[1]))
     assert scaler.get_scale() == 2.0**10  # 1024 -> 512 (skip) -> 1024, then restored from disk
+
+
+# -- `_unscale_grads_` called directly (apex, some trainers) ---------------------
+#
+# Code in the wild calls the private `scaler._unscale_grads_(optimizer,
+# inv_scale, found_inf, allow_fp16)` itself, also before any `scale()` (apex's
+# and some trainers' own unscaling). Ours must then do what torch's does, bit
+# for bit: the same unscaled gradients (float32 and float16, dense and sparse)
+# and the same per-device overflow flags, returned as torch returns them.
+
+DIRECT_INV_SCALE = 1.0 / 3000.0  # not a power of two: the float32 rounding shows
+DIRECT_SIZES = (1, 4097, 65537)
+DIRECT_INF_AT = (None, "first", "last", "random")
+
+
+def _direct_gradient(layout, dtype, size, inf_at, gen):
+    """A scaled gradient of `size` stored values, with an inf at `inf_at`."""
+    values = torch.randn(size, generator=gen) * 1024.0
+    if inf_at is not None:
+        at = {"first": 0, "last": size - 1}.get(inf_at)
+        if at is None:
+            at = int(torch.randint(size, (), generator=gen))
+        values[at] = float("inf")
+    values = values.to(dtype)
+    if layout == "dense":
+        return torch.zeros(size, dtype=dtype), values
+    # Distinct positions in a vector twice as long, unsorted: not coalesced.
+    rows = torch.randperm(2 * size, generator=gen)[:size]
+    grad = torch.sparse_coo_tensor(rows[None], values, (2 * size,), check_invariants=True)
+    assert grad.is_coalesced() == (size == 1)
+    return torch.zeros(2 * size, dtype=dtype), grad
+
+
+def _direct_case(layout, dtype, size, inf_at, seed):
+    """An optimizer whose gradients are the case's plus a finite one of the other dtype.
+
+    Two param groups, so torch's grouping by device and dtype spans groups.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    param, grad = _direct_gradient(layout, dtype, size, inf_at, gen)
+    other = torch.float16 if dtype == torch.float32 else torch.float32
+    companion, companion_grad = _direct_gradient("dense", other, 5, None, gen)
+    params = [torch.nn.Parameter(param), torch.nn.Parameter(companion)]
+    params[0].grad, params[1].grad = grad, companion_grad
+    opt = torch.optim.SGD([{"params": [params[0]]}, {"params": [params[1]]}], lr=0.1)
+    return params, opt
+
+
+def _bits(t):
+    """What tells two tensors apart, NaN and -0.0 included: a flat list."""
+    if t.is_sparse:
+        return ["sparse", t.is_coalesced(), tuple(t.shape), t._indices(), *_bits(t._values())]
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return ["dense", t.dtype, tuple(t.shape), t.contiguous().view(ints[t.element_size()])]
+
+
+def _assert_same_bits(a, b):
+    left, right = _bits(a), _bits(b)
+    assert len(left) == len(right)
+    for x, y in zip(left, right):
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and torch.equal(x, y)
+        else:
+            assert x == y
+
+
+def _direct_scalers(stage):
+    """torch's scaler and ours, fresh (`before`) or after one `scale()`."""
+    extras = dict(telemetry=True, diagnostics_every=1) if stage == "after_with_extras" else {}
+    theirs, ours = torch.amp.GradScaler("cpu"), lt.GradScaler("cpu", **extras)
+    if stage != "before":
+        for scaler in (theirs, ours):
+            scaler.scale(torch.ones(()))
+            assert scaler._scale is not None
+    else:
+        assert theirs._scale is None and ours._scale is None
+    return theirs, ours
+
+
+def _direct_unscale(scaler, opt, allow_fp16):
+    inv_scale = torch.full((1,), DIRECT_INV_SCALE)
+    found_inf = torch.zeros(1)
+    found = scaler._unscale_grads_(opt, inv_scale, found_inf, allow_fp16)
+    return found, found_inf
+
+
+def _assert_same_found(theirs, ours):
+    assert type(ours) is type(theirs) and list(ours) == list(theirs)
+    for device in theirs:
+        _assert_same_bits(ours[device], theirs[device])
+
+
+@pytest.mark.parametrize("stage", ["before", "after", "after_with_extras"])
+@pytest.mark.parametrize("inf_at", DIRECT_INF_AT)
+@pytest.mark.parametrize("size", DIRECT_SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("layout", ["dense", "sparse"])
+def test_direct_unscale_grads_is_torchs_bit_for_bit(layout, dtype, size, inf_at, stage):
+    seed = size + 10 * DIRECT_INF_AT.index(inf_at)
+    theirs_scaler, ours_scaler = _direct_scalers(stage)
+    theirs_params, theirs_opt = _direct_case(layout, dtype, size, inf_at, seed)
+    ours_params, ours_opt = _direct_case(layout, dtype, size, inf_at, seed)
+    theirs_found, theirs_arg = _direct_unscale(theirs_scaler, theirs_opt, True)
+    ours_found, ours_arg = _direct_unscale(ours_scaler, ours_opt, True)
+
+    _assert_same_found(theirs_found, ours_found)
+    assert [float(f) for f in ours_found.values()] == [0.0 if inf_at is None else 1.0]
+    _assert_same_bits(ours_arg, theirs_arg)  # the caller's found_inf, as torch leaves it
+    for theirs_p, ours_p in zip(theirs_params, ours_params):
+        _assert_same_bits(ours_p.grad, theirs_p.grad)
+    # Control: the gradients were unscaled (the finite companion is no longer as made).
+    companion = _direct_case(layout, dtype, size, inf_at, seed)[0][1].grad
+    assert not torch.equal(ours_params[1].grad, companion)
+
+
+@pytest.mark.parametrize("stage", ["before", "after", "after_with_extras"])
+def test_direct_unscale_grads_of_float16_coalesces_sparse_gradients_as_torch(stage):
+    """Duplicate float16 entries that overflow only once summed: torch coalesces first."""
+    results = []
+    for scaler in _direct_scalers(stage):
+        param = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+        indices = torch.tensor([[3, 1, 3]])
+        values = torch.tensor([40000.0, 2.0, 40000.0], dtype=torch.float16)
+        param.grad = torch.sparse_coo_tensor(indices, values, (4,), check_invariants=True)
+        opt = torch.optim.SGD([param], lr=0.1)
+        found, _ = _direct_unscale(scaler, opt, True)
+        results.append((found, param.grad))
+    (theirs_found, theirs_grad), (ours_found, ours_grad) = results
+    _assert_same_found(theirs_found, ours_found)
+    assert [float(f) for f in ours_found.values()] == [1.0]
+    assert ours_grad.is_coalesced()  # replaced by its coalesced form, as torch does
+    _assert_same_bits(ours_grad, theirs_grad)
+
+
+@pytest.mark.parametrize("stage", ["before", "after"])
+def test_direct_unscale_grads_without_allow_fp16_is_torchs(stage):
+    """float32 gradients are unscaled; float16 ones raise torch's error, as torch's."""
+    theirs_scaler, ours_scaler = _direct_scalers(stage)
+    theirs_params, theirs_opt = _direct_case("dense", torch.float32, 4097, "random", 7)
+    ours_params, ours_opt = _direct_case("dense", torch.float32, 4097, "random", 7)
+    for opt in (theirs_opt, ours_opt):  # float32 gradients only
+        opt.param_groups[1]["params"][0].grad = None
+    theirs_found, _ = _direct_unscale(theirs_scaler, theirs_opt, False)
+    ours_found, _ = _direct_unscale(ours_scaler, ours_opt, False)
+    _assert_same_found(theirs_found, ours_found)
+    _assert_same_bits(ours_params[0].grad, theirs_params[0].grad)
+
+    messages = []
+    for scaler in _direct_scalers(stage):
+        params, opt = _direct_case("dense", torch.float16, 65, None, 7)
+        before = [p.grad.clone() for p in params]
+        with pytest.raises(ValueError) as error:
+            _direct_unscale(scaler, opt, False)
+        messages.append(str(error.value))
+        for p, grad in zip(params, before):
+            assert torch.equal(p.grad, grad)  # raised before unscaling anything
+    assert messages[0] == messages[1] == "Attempting to unscale FP16 gradients."

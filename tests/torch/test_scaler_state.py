@@ -63,9 +63,12 @@ def test_our_state_dict_is_torchs_plus_the_extra_fields():
         "skipped_steps",
         "last_overflow_step",
         "scale_history",
+        "streak_scale",
+        "persistent_step",
         "loss_finite",
         "overflow_steps",
         "overflow_loss",
+        "overflow_cause",
     }
     assert state["lossscale"]["steps"] == 7
 
@@ -179,20 +182,36 @@ def _replaced(path, value):
         ),
         ([1.0], ValueError, "`state_dict` must be a dict returned by GradScaler.state_dict()"),
         ({}, RuntimeError, "`state_dict` is empty: it comes from a GradScaler with enabled=False"),
-        (
-            _replaced(["scale"], 0.0),
-            ValueError,
-            r"`state_dict\['scale'\]` must be a finite number > 0",
-        ),
+        *[
+            (
+                _replaced(["scale"], bad),
+                ValueError,
+                rf"`state_dict\['scale'\]` holds {shown}, but the loss scale's `scale` must be "
+                r"a normal float32 number > 0 \(from 1.17549e-38 to 3.40282e\+38\). "
+                r"Nothing was loaded.",
+            )
+            for bad, shown in [
+                (0.0, "0.0"),
+                (-4.0, "-4.0"),
+                (float("nan"), "nan"),
+                (1e-45, "1e-45"),
+            ]
+        ],
         (
             _replaced(["scale"], "2"),
             ValueError,
-            r"`state_dict\['scale'\]` must be a finite number > 0",
+            r"`state_dict\['scale'\]` must be a number. Received: state_dict\['scale'\]='2'",
         ),
         (
             _replaced(["_growth_tracker"], -1),
             ValueError,
-            r"`state_dict\['_growth_tracker'\]` must be an integer >= 0. Received: .*=-1",
+            r"`state_dict\['_growth_tracker'\]` holds -1, but the loss scale's `counter` must be "
+            r"an integer >= 0. Nothing was loaded.",
+        ),
+        (
+            _replaced(["_growth_tracker"], 3.7),
+            ValueError,
+            r"`state_dict\['_growth_tracker'\]` holds 3.7, but",
         ),
         (
             _replaced(["growth_factor"], 0.5),
@@ -217,12 +236,19 @@ def _replaced(path, value):
         (
             _replaced(["lossscale", "steps"], 2.5),
             ValueError,
-            r"`state_dict\['lossscale'\]\['steps'\]` must be an integer. Received: .*=2.5",
+            r"`state_dict\['lossscale'\]\['steps'\]` holds 2.5, but the loss scale's `steps` "
+            r"must be an integer >= 0. Nothing was loaded.",
+        ),
+        (
+            _replaced(["lossscale", "consecutive_skips"], -5),
+            ValueError,
+            r"`state_dict\['lossscale'\]\['consecutive_skips'\]` holds -5, but the loss "
+            r"scale's `consecutive_skips` must be an integer >= 0. Nothing was loaded.",
         ),
         (
             _replaced(["lossscale", "scale_history"], [1.0, 2.0]),
             ValueError,
-            r"`state_dict\['lossscale'\]\['scale_history'\]` must be a list of 8 finite numbers",
+            r"`state_dict\['lossscale'\]\['scale_history'\]` must be a list of 8 numbers",
         ),
     ],
 )

@@ -30,6 +30,13 @@ class BackendOps(Protocol):
 
     # --- recognising and creating arrays -------------------------------
     def is_native(self, x: Any) -> bool: ...
+    def records_calls(self) -> bool:
+        """Whether a front end may keep Python-side records of this call (`diagnosis`).
+
+        False while a compiler traces Python that must stay free of such side
+        effects (torch.compile, a TensorFlow graph).
+        """
+
     def host_control(self) -> bool:
         """Whether a Python branch inside a step is taken again at every call.
 
@@ -198,6 +205,9 @@ class BackendOps(Protocol):
     # the gradients mapped over named axes (JAX's `shard_map` / `pmap`),
     # the mean of `x` over `group`'s axes. Called only with an `axis_name`,
     # which only such a backend takes.
+    # `all_gather(x, group)`: on a backend whose participants are processes
+    # (torch.distributed), `x` of each one stacked along a new first axis.
+    # Called only where `several_participants(group)`.
     # `dense_gradient(x)`: on a backend whose autodiff gives sparse
     # gradients (TensorFlow's `tf.IndexedSlices`), such a gradient as a
     # dense native array, else None. Read with `getattr`; absent: none.

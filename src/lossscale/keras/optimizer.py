@@ -7,10 +7,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
+import numpy as np
 
 from lossscale.backends import get_ops
 from lossscale.keras import gates
-from lossscale.mixed_precision import diagnostics, step, telemetry
+from lossscale.mixed_precision import diagnosis, diagnostics, restored, step, telemetry
 from lossscale.mixed_precision import state as state_layout
 from lossscale.mixed_precision.loss_scale import LossScalePolicy
 
@@ -79,6 +80,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             each variable's scaled gradient against float16's range, on
             the device (`summary()["float16_range"]`).
         history_length: Int in [1, 30]. Scales and overflows kept.
+        on_persistent: `"warn"` (default), `"raise"` or a callable taking
+            the `summary()` dict: what to do the first time a step is
+            skipped for a cause no back-off can clear (see
+            `lossscale.LossScaleOptimizer`). Acted on where the host reads
+            the state: `check()` (an eager `apply`, or
+            `lossscale.keras.LossScaleLogger` after each batch of `fit`) and
+            `summary()`. `"raise"` and a callable turn `telemetry` on.
         **kwargs: Base optimizer arguments, accepted only at their defaults
             (as by Keras's wrapper): set them on the `inner_optimizer`.
 
@@ -108,10 +116,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         telemetry: bool = False,
         diagnostics_every: int | None = None,
         history_length: int = 8,
+        on_persistent: Any = "warn",
         **kwargs: Any,
     ) -> None:
         arguments = dict(locals())  # first: holds exactly the named arguments
         settings = {f.name: arguments[f.name] for f in dataclasses.fields(LossScalePolicy)}
+        # What a persistent skip triggers reads the overflow window.
+        settings["telemetry"] = telemetry or (
+            diagnosis.check_on_persistent(on_persistent) != "warn"
+        )
         backend = keras.backend.backend()
         if backend not in BACKENDS:
             raise ValueError(
@@ -126,6 +139,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._ops = get_ops(backend)
         # Steps counted on the host: eager torch's diagnostics cadence, no device read.
         self._host_steps = 0
+        # What the host diagnoses between steps (`mixed_precision.diagnosis`).
+        self._persistent = diagnosis.PersistentWatch(on_persistent)
+        self._scale_use = diagnosis.ScaleUse(self.name, policy.initial_scale)
 
     # --- state ------------------------------------------------------------
     def build(self, var_list: Sequence[keras.Variable]) -> None:
@@ -158,17 +174,54 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
 
     def load_own_variables(self, store: dict) -> None:
-        """Keras's load; the host's step count (diagnostics cadence) is then the restored `steps`.
+        """Keras's load, its values checked first; the host's step count follows it.
 
-        Where Python runs every step (torch), that count picks the measuring
-        steps: a resumed run measures on the uninterrupted run's.
+        A `.keras` file whose loss-scale state no step could have left (a
+        NaN or negative scale, a negative counter, a step count below 0)
+        raises `ValueError` naming the entry, and nothing is loaded
+        (`mixed_precision.restored`). Where Python runs every step (torch),
+        the restored `steps` picks the measuring steps: a resumed run
+        measures on the uninterrupted run's.
         """
+        if len(store.keys()) == len(self.variables):  # else Keras warns and loads nothing
+            fields = {id(self.inner_optimizer.iterations): "iteration"}
+            for name, held in getattr(self, "_state", {}).items():
+                for holder in held if isinstance(held, tuple) else (held,):
+                    fields[id(holder)] = name
+            for i, variable in enumerate(self.variables):
+                field = fields.get(id(variable))
+                found = field and restored.refusal(
+                    field, f"store[{str(i)!r}]", np.asarray(store[str(i)]), self.policy
+                )
+                if found:
+                    raise ValueError(found)
         super().load_own_variables(store)
+        self._scale_use.changed()
         steps = getattr(self, "_state", {}).get("steps")
         if self.policy.diagnoses and steps is not None:
             self._host_steps = int(keras.ops.convert_to_numpy(steps.value))
 
     # --- one step -----------------------------------------------------------
+    def scale_loss(self, loss: Any) -> Any:
+        """Multiplies `loss` by the current scale; with telemetry, records whether it was finite.
+
+        The flag is a state variable written here, where Keras's `fit` calls
+        this inside its traced step (TensorFlow, torch): an overflow is then
+        told apart from a NaN or inf loss (NaN data, say). Keras's JAX
+        `fit` discards what this step writes: there the loss is not recorded.
+        """
+        if isinstance(loss, (str, bytes)):
+            raise TypeError(
+                f"`loss` must be a number or a tensor. Received: loss of type {type(loss).__name__}"
+            )
+        if self.built and self.policy.records_details:
+            finite = keras.ops.all(keras.ops.isfinite(loss))
+            flag = self._state["loss_finite"]
+            flag.assign(keras.ops.cast(finite, flag.dtype))
+        scaled = super().scale_loss(loss)
+        self._scale_use.scaled(loss, scaled, identity=_executing_eagerly(self._ops.NAME, scaled))
+        return scaled
+
     def apply(
         self,
         grads: Sequence[Any],
@@ -187,6 +240,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         variables = list(
             trainable_variables if trainable_variables is not None else self._trainable_variables
         )
+        _check_gradients(grads, variables)  # before anything is written
+        eager = _executing_eagerly(self._ops.NAME, self.dynamic_scale.value)
+        if eager:
+            self._scale_use.unscaling()
         if self._ops.NAME == "jax":
             # JAX arrays are immutable: the stateless step, then its values written.
             new_trainable, new_optimizer = self.stateless_apply(
@@ -196,7 +253,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 v.assign(x)
         else:
             self._stateful_step(grads, variables, trainable_variables)
-        if _executing_eagerly(self._ops.NAME, self.dynamic_scale.value):
+        if eager:
             self.check()
 
     def _stateful_step(self, grads, variables, trainable_variables):
@@ -247,6 +304,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"({len(own)}). Received: {len(optimizer_variables)} values"
             )
         values = {id(v): x for v, x in zip(own, optimizer_variables)}
+        grads = list(grads)
+        _check_gradients(grads, self._trainable_variables)
         state = state_layout.read(self._state, lambda v: values[id(v)])
         inner_values = optimizer_variables[len(self._variables) :]
         trainable = list(trainable_variables)
@@ -322,7 +381,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         state = state_layout.read(self._state, self._reader(optimizer_variables))
         paths = [v.path for v in self._trainable_variables]
-        return telemetry.state_summary(self._ops, state, self.policy, paths)
+        out = telemetry.state_summary(self._ops, state, self.policy, paths)
+        if self._persistent.on_persistent == "warn":
+            self._persistent.notice(out.get("persistent_step"), lambda: out, len(paths))
+        return out
 
     def check(self, optimizer_variables: Sequence[Any] | None = None) -> None:
         """Raises `LossScaleError` if the state records a crossed limit (see the class docstring).
@@ -330,12 +392,30 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Args:
             optimizer_variables: Optional values for `optimizer.variables`.
         """
-        if not self.policy.fails_fast:
-            return
-        error = self._reader(optimizer_variables)(self._state["error"])
-        telemetry.raise_if_failed(
-            self._ops, error, self.policy, lambda: self.summary(optimizer_variables)
+        policy, watch = self.policy, self._persistent
+        watching = (
+            policy.records_details
+            and not watch.seen
+            and (policy.fails_fast or watch.reads_every_step)
         )
+        if not watching and not policy.fails_fast:
+            return  # nothing to check, nothing read
+        read = self._reader(optimizer_variables)
+        count = len(self._trainable_variables)
+        if watching:
+            watch.notice(
+                self._ops.to_numpy(read(self._state["persistent_step"])),
+                lambda: self.summary(optimizer_variables),
+                count,
+            )
+        if policy.fails_fast:
+            telemetry.raise_if_failed(
+                self._ops,
+                read(self._state["error"]),
+                policy,
+                lambda: self.summary(optimizer_variables),
+                count,
+            )
 
     def _reader(self, optimizer_variables):
         """`variable -> value`: its own, or its entry of `optimizer_variables`."""
@@ -408,6 +488,37 @@ def _check_inner(inner):
 
 def _value(variable):
     return variable.value
+
+
+def _check_gradients(grads, variables):
+    """Refuses a gradient list that does not fit the variables, before anything is written.
+
+    One gradient per variable, each of its variable's shape and of a
+    floating-point dtype; `None` for none.
+    """
+    if len(grads) != len(variables):
+        raise ValueError(
+            "`grads` must match the trainable variables one to one. Received: "
+            f"{len(grads)} gradients for {len(variables)} variables"
+        )
+    for g, v in zip(grads, variables):
+        if g is None or hasattr(g, "dense_shape"):  # (a sparse one is the variable's by making)
+            continue
+        shape = tuple(None if d is None else int(d) for d in g.shape)
+        wanted = tuple(v.shape)
+        if len(shape) != len(wanted) or any(
+            d is not None and d != w for d, w in zip(shape, wanted)
+        ):
+            raise ValueError(
+                f"The gradient for variable {v.path!r} must have the variable's shape "
+                f"{wanted}. Received: gradient shape {shape}"
+            )
+        dtype = keras.backend.standardize_dtype(g.dtype)
+        if not keras.backend.is_float_dtype(dtype):
+            raise ValueError(
+                f"The gradient for variable {v.path!r} must have a floating-point dtype. "
+                f"Received: gradient dtype {dtype}"
+            )
 
 
 def _executing_eagerly(backend, value):

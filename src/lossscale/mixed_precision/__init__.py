@@ -1,13 +1,20 @@
 """Mixed-precision tools: the loss-scale wrapper, its state machine and telemetry."""
 
 from lossscale.mixed_precision.loss_scale import LossScalePolicy, LossScaleState, next_loss_scale
-from lossscale.mixed_precision.telemetry import LossScaleError, UnscaledLossWarning
+from lossscale.mixed_precision.telemetry import (
+    LossScaleError,
+    PersistentSkipWarning,
+    ScaleMismatchWarning,
+    UnscaledLossWarning,
+)
 
 __all__ = [
     "LossScaleError",
     "LossScaleOptimizer",
     "LossScalePolicy",
     "LossScaleState",
+    "PersistentSkipWarning",
+    "ScaleMismatchWarning",
     "UnscaledLossWarning",
     "next_loss_scale",
 ]

@@ -26,8 +26,13 @@ from lossscale.mixed_precision.policy import (  # noqa: F401 - re-exported
 )
 from lossscale.mixed_precision.state import (  # noqa: F401 - re-exported
     BELOW_MIN_SCALE,
+    CAUSES,
     HISTORY_LENGTH,
     NO_ERROR,
+    NONFINITE_LOSS,
+    OVERFLOW,
+    PERSISTENT,
+    PERSISTENT_DROP,
     STATE_FIELD_NAMES,
     TOO_MANY_SKIPS,
     LossScaleState,
@@ -196,7 +201,20 @@ def next_loss_scale(
             else ops.where(finite, old, ops.logical_not(ok))
             for old, ok in zip(state.nonfinite, variable_finite)
         )
-        new.update(_overflow_window(ops, state, overflow, step, variable_finite, policy))
+        persistent = _persistent(ops, state, overflow, variable_finite)
+        new["streak_scale"] = ops.where(
+            finite,
+            _zero(scale),
+            ops.where(state.consecutive_skips == 0, scale, state.streak_scale),
+        )
+        first = ops.logical_and(persistent, state.persistent_step < 0)
+        new["persistent_step"] = ops.where(first, step, state.persistent_step)
+        cause = ops.where(
+            persistent,
+            _zero(step) + PERSISTENT,
+            ops.where(state.loss_finite == 0, _zero(step) + NONFINITE_LOSS, _zero(step) + OVERFLOW),
+        )
+        new.update(_overflow_window(ops, state, overflow, step, variable_finite, cause, policy))
 
     if policy.fails_fast:
         # Only an overflow's backoff fails: an early one below `min_scale` is not taken.
@@ -355,11 +373,38 @@ def _largest(ops, values, like):
     return out
 
 
-def _overflow_window(ops, state, overflow, step, variable_finite, policy):
+def _persistent(ops, state, overflow, variable_finite):
+    """Whether this skip is persistent: no back-off can clear it.
+
+    The step before was skipped too, back-offs since the streak began have
+    lowered the scale by `PERSISTENT_DROP` (or it is at most 1), and every
+    variable non-finite now was non-finite at the skip before (and some is).
+    """
+    scale = state.scale
+    dropped = ops.logical_not(
+        ops.logical_and(state.streak_scale < scale * PERSISTENT_DROP, scale > 1)
+    )
+    condition = ops.logical_and(ops.logical_and(overflow, state.consecutive_skips > 0), dropped)
+    flags = [(ok, old) for ok, old in zip(variable_finite, state.nonfinite) if ok is not None]
+    if not flags:
+        return ops.logical_and(condition, scale < 0)  # no variable known: never
+    bad_now = ops.logical_not(ops.stack([ok for ok, _ in flags]))
+    bad_before = ops.stack([old for _, old in flags])
+    # Every variable bad now was bad before (none new), and some is.
+    new_ones = ops.logical_and(bad_now, ops.logical_not(bad_before))
+    same = ops.logical_and(
+        ops.logical_not(ops.max_abs([ops.cast(new_ones, "float32")]) > 0),
+        ops.max_abs([ops.cast(bad_now, "float32")]) > 0,
+    )
+    return ops.logical_and(condition, same)
+
+
+def _overflow_window(ops, state, overflow, step, variable_finite, cause, policy):
     """The overflow window's fields after this step: shifted by one entry on an overflow."""
     new = {
         "overflow_steps": _shifted(ops, overflow, state.overflow_steps, step),
         "overflow_loss": _shifted(ops, overflow, state.overflow_loss, state.loss_finite),
+        "overflow_cause": _shifted(ops, overflow, state.overflow_cause, cause),
         "loss_finite": _zero(state.loss_finite) - 1,
     }
     wrap = 2**policy.history_length
@@ -395,5 +440,6 @@ def _complete(ops, state, policy):
                 like = state.scale if isinstance(initial, float) else state.counter
                 missing[name] = (_zero(like) + initial,) * policy.history_length
         elif getattr(state, name) is None:
-            missing[name] = _zero(state.counter) + initial
+            like = state.scale if isinstance(initial, float) else state.counter
+            missing[name] = _zero(like) + initial
     return replaced(state, **missing) if missing else state

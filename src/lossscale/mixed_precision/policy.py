@@ -33,6 +33,21 @@ HEADROOM_MARGIN = 8.0
 GROWTH_POLICIES = ("fixed", "headroom", "statistics")
 
 
+def check_scale(name: str, value: Any) -> None:
+    """Checks a loss scale given as a setting: a normal float32 number > 0.
+
+    Below float32's smallest normal number (2**-126) a scale is subnormal,
+    and dividing an ordinary gradient by it overflows.
+    """
+    validation.check_number(name, value, low=0, low_open=True, high=MAX_SCALE)
+    if value < MIN_SCALE:
+        raise ValueError(
+            f"`{name}` must be at least 2**-126 ({MIN_SCALE:g}), float32's smallest normal "
+            "number: a subnormal scale overflows every gradient divided by it. Received: "
+            f"{name}={value!r}"
+        )
+
+
 def _setting(default, keras=False):
     # `keras`: the setting is in Keras's own config, so it is always written.
     return dataclasses.field(default=default, metadata={"keras": keras})
@@ -102,7 +117,7 @@ class LossScalePolicy:
 
     def __post_init__(self):
         check = validation.check_number
-        check("initial_scale", self.initial_scale, low=0, low_open=True, high=MAX_SCALE)
+        check_scale("initial_scale", self.initial_scale)
         check("dynamic_growth_steps", self.dynamic_growth_steps, low=1, integer=True)
         check("growth_factor", self.growth_factor, low=1, low_open=True)
         check("backoff_factor", self.backoff_factor, low=0, high=1, low_open=True, high_open=True)

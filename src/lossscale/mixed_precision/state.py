@@ -21,6 +21,19 @@ NO_ERROR = 0
 BELOW_MIN_SCALE = 1
 TOO_MANY_SKIPS = 2
 
+# Why a step was skipped (`LossScaleState.overflow_cause`): the loss was
+# finite and gradients overflowed at this scale (backing off helps); the loss
+# itself was NaN or inf; the same variables stayed non-finite through
+# back-offs that should have cleared an overflow (backing off cannot help).
+OVERFLOW = 0
+NONFINITE_LOSS = 1
+PERSISTENT = 2
+CAUSES = {OVERFLOW: "overflow", NONFINITE_LOSS: "nonfinite_loss", PERSISTENT: "persistent"}
+# A skip is persistent once back-offs have lowered the scale by this factor
+# since its streak began (or the scale is at most 1) and the same
+# variables are still non-finite.
+PERSISTENT_DROP = 2.0**8
+
 
 def _state(group, dtype, initial, variable=None, per="step"):
     """Describes a state field.
@@ -60,6 +73,10 @@ class LossScaleState:
         error: Int. `NO_ERROR`, `BELOW_MIN_SCALE` or `TOO_MANY_SKIPS`. Once
             set, the state no longer changes and no step is applied.
         error_step: Int. Index of the step that set `error`, or -1.
+        streak_scale: Float32. The scale at the first skip of the current
+            streak of skipped steps (0 between streaks).
+        persistent_step: Int. The first step found persistent (see
+            `PERSISTENT_DROP`), or -1.
         scale_history: The scales used by the last `history_length` steps,
             oldest first (entries before the first step are 0).
         nonfinite: One boolean per model variable (in build order): whether
@@ -69,6 +86,8 @@ class LossScaleState:
         overflow_steps: The steps of the last `history_length` overflows,
             oldest first (-1: no overflow there yet).
         overflow_loss: For each of those overflows, `loss_finite` then.
+        overflow_cause: For each of those overflows, its cause: `OVERFLOW`,
+            `NONFINITE_LOSS` or `PERSISTENT` (-1: no overflow there yet).
         overflow_bits: One int per model variable: bit k is set when its
             gradient was non-finite at the k-th most recent overflow of the
             window (bit 0: the last one).
@@ -95,9 +114,12 @@ class LossScaleState:
     nonfinite: tuple = _state("telemetry", "bool", False, per="variable")
     error: object = _state("fail_fast", "int32", NO_ERROR)
     error_step: object = _state("fail_fast", "int32", -1)
+    streak_scale: object = _state("telemetry", "float32", 0.0)
+    persistent_step: object = _state("telemetry", "int32", -1)
     loss_finite: object = _state("telemetry", "int32", -1)
     overflow_steps: tuple = _state("telemetry", "int32", -1, per="history")
     overflow_loss: tuple = _state("telemetry", "int32", -1, per="history")
+    overflow_cause: tuple = _state("telemetry", "int32", -1, per="history")
     overflow_bits: tuple = _state("telemetry", "int32", 0, per="variable")
     range_zero: object = _state("diagnostics", "float32", 0.0, per="vector")
     range_subnormal: object = _state("diagnostics", "float32", 0.0, per="vector")

@@ -26,11 +26,32 @@ class LossScaleError(RuntimeError):
     """
 
 
-class UnscaledLossWarning(UserWarning):
+class ScaleMismatchWarning(UserWarning):
+    """Gradients are unscaled by another factor than the one their loss was scaled by.
+
+    Warned once per optimizer (or scaler) for: a loss scaled twice
+    (`scale_loss` or `scale()` given its own output), the scale changed
+    between scaling the loss and applying the gradients (a
+    `load_state_dict`, `update(new_scale)`), or gradients applied whose
+    loss was never scaled (`UnscaledLossWarning`). Each makes every update
+    too large or too small by a constant factor, which no skip reveals.
+    """
+
+
+class UnscaledLossWarning(ScaleMismatchWarning):
     """`LossScaleOptimizer.apply` ran although `scale_loss` was never called.
 
     Silence it, when the loss is scaled by other means, with
     `warnings.filterwarnings("ignore", category=UnscaledLossWarning)`.
+    """
+
+
+class PersistentSkipWarning(UserWarning):
+    """Steps are skipped for a cause no back-off can clear (see `on_persistent`).
+
+    The same variables stayed non-finite while the scale backed off far
+    enough to have cleared any overflow: a NaN or inf in the weights, the
+    data or a gradient hook, not float16's range.
     """
 
 
@@ -54,13 +75,13 @@ def state_summary(ops, state, policy, variable_paths, modules_at=None):
     return summarize(values, policy, variable_paths, modules)
 
 
-def raise_if_failed(ops, error, policy, summary):
+def raise_if_failed(ops, error, policy, summary, variable_count=None):
     """Raises `LossScaleError` if `error` (the state's field) records a crossed limit.
 
-    `summary()` is called only then, for the message.
+    `summary()` is called only then, for the message (`failure_message`).
     """
     if policy.fails_fast and int(ops.to_numpy(error)) != loss_scale.NO_ERROR:
-        raise LossScaleError(failure_message(summary(), policy))
+        raise LossScaleError(failure_message(summary(), policy, variable_count))
 
 
 def summarize(values, policy, variable_paths, modules=None):
@@ -89,8 +110,8 @@ def summarize(values, policy, variable_paths, modules=None):
     """
     out = {}
     for f in loss_scale.state_fields(policy):
-        if f.name in _WINDOW or f.name in diagnostics.FIELDS or f.name == "loss_finite":
-            continue  # read together below; `loss_finite` is the step's own
+        if f.name in _WINDOW or f.name in diagnostics.FIELDS or f.name in _STEP_ONLY:
+            continue  # read together below, or the step's own
         name, value = f.metadata["variable"] or f.name, values[f.name]
         if f.name == "scale_history":
             taken = min(int(values["steps"]), policy.history_length)
@@ -101,7 +122,7 @@ def summarize(values, policy, variable_paths, modules=None):
             out["nonfinite_variables"] = [p for p, bad in zip(variable_paths, value) if bool(bad)]
         elif f.name == "error":
             out[name] = _REASONS.get(int(value))
-        elif f.name in ("last_overflow_step", "error_step"):
+        elif f.name in ("last_overflow_step", "error_step", "persistent_step"):
             out[name] = None if int(value) < 0 else int(value)
         elif f.metadata["dtype"] == "float32":
             out[name] = float(value)
@@ -114,32 +135,38 @@ def summarize(values, policy, variable_paths, modules=None):
     return out
 
 
-# The overflow window's fields (see `LossScaleState`).
-_WINDOW = ("overflow_steps", "overflow_loss", "overflow_bits")
+# The overflow window's fields (see `LossScaleState`), and those only a step reads.
+_WINDOW = ("overflow_steps", "overflow_loss", "overflow_cause", "overflow_bits")
+_STEP_ONLY = ("loss_finite", "streak_scale")
 _LOSS = {1: True, 0: False, -1: None}
 
 
 def overflows(values, variable_paths, modules):
-    """The overflow window, oldest first: `{"step", "variables", "module", "loss_finite"}` each.
+    """The overflow window, oldest first: `{"step", "cause", "variables", "module", "loss_finite"}`.
 
     Args:
         values: Host values of the `_WINDOW` fields (`overflow_bits` may be
-            an empty list: then `variables` are empty).
+            an empty list: then `variables` are empty; `overflow_cause` may
+            be missing: then the cause is read from the loss's flag).
         variable_paths: The names `overflow_bits` refers to, in order.
         modules: `{step: module name or None}`.
     """
     steps = [int(s) for s in values["overflow_steps"]]
     losses = [int(x) for x in values["overflow_loss"]]
+    causes = [int(x) for x in values.get("overflow_cause", [-1] * len(steps))]
     bits = [int(b) for b in values.get("overflow_bits", [])]
     out = []
-    for at, (step, loss) in enumerate(zip(steps, losses)):
+    for at, (step, loss, cause) in enumerate(zip(steps, losses, causes)):
         if step < 0:
             continue  # the window is not full yet
         age = len(steps) - 1 - at  # 0 for the most recent overflow
         names = [p for p, b in zip(variable_paths, bits) if (b >> age) & 1]
+        if cause < 0:
+            cause = loss_scale.NONFINITE_LOSS if loss == 0 else loss_scale.OVERFLOW
         out.append(
             {
                 "step": step,
+                "cause": loss_scale.CAUSES[cause],
                 "variables": names,
                 "module": modules.get(step),
                 "loss_finite": _LOSS[loss],
@@ -148,34 +175,89 @@ def overflows(values, variable_paths, modules):
     return out
 
 
-def failure_message(summary, policy):
-    """The `LossScaleError` message for a summary whose `error` is set."""
-    step = summary["error_step"]
-    limits = (
-        f"min_scale={policy.min_scale}, max_consecutive_skips="
-        f"{policy.max_consecutive_skips}, hysteresis={policy.hysteresis}, "
-        f"backoff_factor={policy.backoff_factor}"
-    )
-    history = ", ".join(f"{s:g}" for s in summary["scale_history"])
-    bad = summary["nonfinite_variables"]
-    lines = [
-        f"Loss scaling failed at step {step}: {summary['error']} ({limits}).",
-        f"Steps skipped in a row: {summary['consecutive_skips']}; in total: "
-        f"{summary['skipped_steps']} of {summary['steps']}.",
-        f"Loss scale of the last steps, oldest first: [{history}]; now "
-        f"{summary['dynamic_scale']:g}.",
-        "Variables whose gradients were non-finite at that step: "
-        + (
-            repr(bad)
-            if bad
-            else "none (the overflow came from gradients of variables not "
-            "passed to `apply`, or from the unscaling itself)"
+# How many variable names a message lists before "and N more".
+_NAMES_SHOWN = 3
+
+
+def names_in_short(names):
+    """`names` for a message: the first few, then how many more."""
+    if len(names) <= _NAMES_SHOWN:
+        return ", ".join(names)
+    return f"{', '.join(names[:_NAMES_SHOWN])} and {len(names) - _NAMES_SHOWN} more"
+
+
+def diagnosis(summary, variable_count=None, step=None):
+    """What a skipped step says about its cause, in one sentence (None: no overflow).
+
+    Args:
+        summary: A `summarize` dict with the overflow window.
+        variable_count: How many variables the step had (to tell "every
+            variable" apart), or None.
+        step: The skipped step to describe (it must be in the window);
+            defaults to the last one.
+    """
+    window = summary.get("overflows") or []
+    at = [i for i, o in enumerate(window) if step is None or o["step"] == step]
+    if not at:
+        return None
+    index = at[-1]
+    last = window[index]
+    names, step = last["variables"], last["step"]
+    if last["cause"] == "persistent":
+        since = index
+        while since > 0 and window[since - 1]["step"] == window[since]["step"] - 1:
+            since -= 1
+        return (
+            f"persistent: the same {_count(names)} ({names_in_short(names)}) stayed non-finite "
+            f"through back-offs since step {window[since]['step']}, down to scale "
+            f"{_scale_at(summary, step):g}; backing off cannot help: look for a NaN or inf "
+            "in the weights, the data or a gradient hook"
         )
-        + ".",
+    if last["cause"] == "nonfinite_loss":
+        return (
+            f"nonfinite_loss: the loss itself was NaN or inf at step {step}; look at the data "
+            "(an input batch) or the model (a log or a division by zero)"
+        )
+    if last["loss_finite"] and variable_count and len(names) == variable_count:
+        return (
+            f"overflow: every variable's gradient was non-finite at step {step} while the loss "
+            f"was finite: the scale ({_scale_at(summary, step):g}) is too high for this loss"
+        )
+    where = f" ({names_in_short(names)})" if names else ""
+    loss = "the loss was finite" if last["loss_finite"] else "the loss was not recorded"
+    return (
+        f"overflow: gradients of {_count(names)}{where} overflowed at step {step} "
+        f"({loss}); backing off the scale clears an overflow"
+    )
+
+
+def _count(names):
+    return f"{len(names)} variable{'s' if len(names) != 1 else ''}" if names else "variables"
+
+
+def _scale_at(summary, step):
+    history = summary.get("scale_history") or []
+    steps = summary.get("steps")
+    if steps is not None and history and step >= steps - len(history):
+        return history[step - (steps - len(history))]
+    return summary["dynamic_scale"]
+
+
+def failure_message(summary, policy, variable_count=None):
+    """The `LossScaleError` message for a summary whose `error` is set: the cause first, short."""
+    step = summary["error_step"]
+    found = diagnosis(summary, variable_count) or "steps kept being skipped"
+    lines = [
+        f"Loss scaling failed at step {step}: {found}.",
+        f"Stopped because {summary['error']} (min_scale={policy.min_scale}, "
+        f"max_consecutive_skips={policy.max_consecutive_skips}, hysteresis={policy.hysteresis}, "
+        f"backoff_factor={policy.backoff_factor}). Steps skipped in a row: "
+        f"{summary['consecutive_skips']}; in total: {summary['skipped_steps']} of "
+        f"{summary['steps']}.",
+        "Loss scale of the last steps, oldest first: "
+        f"[{', '.join(f'{s:g}' for s in summary['scale_history'])}]; now "
+        f"{summary['dynamic_scale']:g}.",
         *describe_overflows(summary.get("overflows", [])),
-        "Gradients that stay inf/NaN however small the loss scale gets usually come from "
-        "the model or the data (a log or division by zero, a bad input batch, a diverging "
-        "learning rate), not from float16 overflow.",
         "The failing steps were skipped: no model or optimizer variable was changed by "
         "them, and every later step is skipped until the state is restored.",
     ]
@@ -183,35 +265,38 @@ def failure_message(summary, policy):
 
 
 def describe_overflows(window):
-    """One line per overflow of the window: whether the loss or the gradients went non-finite."""
+    """The window's overflows, oldest first: one line per run of alike ones (cause, variables)."""
     if not window:
         return []
     lines = ["Overflows of the last steps, oldest first:"]
+    runs = []
     for o in window:
-        if o["loss_finite"] is False:
-            what = "the loss was NaN/inf"
-        elif o["loss_finite"] is True:
-            what = "gradients overflowed (the loss was finite)"
+        key = (o["cause"], o["loss_finite"], tuple(o["variables"]), o["module"])
+        if runs and runs[-1][0] == key and runs[-1][2] == o["step"] - 1:
+            runs[-1][2] = o["step"]
         else:
-            what = "gradients overflowed (the loss was not recorded)"
+            runs.append([key, o["step"], o["step"]])
+    for (cause, loss, names, module), first, last in runs:
+        when = f"step {first}" if first == last else f"steps {first}-{last}"
+        what = {True: "loss finite", False: "loss NaN/inf", None: "loss not recorded"}[loss]
         where = []
-        if o["module"] is not None:
-            where.append(f"starting in module {o['module']!r}")
-        if o["variables"]:
-            where.append(f"non-finite in {o['variables']!r}")
-        lines.append(f"  step {o['step']}: {what}" + (", " + ", ".join(where) if where else ""))
+        if module is not None:
+            where.append(f"starting in module {module!r}")
+        if names:
+            where.append(f"non-finite: {_count(names)} ({names_in_short(list(names))})")
+        lines.append(f"  {when}: {cause}, {what}" + ("; " + "; ".join(where) if where else ""))
     return lines
 
 
-def warn_unscaled_loss(name, initial_scale):
-    """Warns (`UnscaledLossWarning`) that optimizer `name` applies gradients of an unscaled loss.
+def warn(message, category):
+    """Warns `message` as `category`; returns True.
 
-    Returns True. The torch backend marks this function a constant result
-    for `torch.compile` (`torch.compiler.assume_constant_result`): in a
-    traced step the compiler runs it once, while tracing, instead of
-    breaking the graph at `warnings.warn`, which it cannot trace.
+    The torch backend marks this function a constant result for
+    `torch.compile` (`torch.compiler.assume_constant_result`): in a traced
+    step the compiler runs it once, while tracing, instead of breaking the
+    graph at `warnings.warn`, which it cannot trace.
     """
-    warnings.warn(unscaled_loss_message(name, initial_scale), UnscaledLossWarning, stacklevel=3)
+    warnings.warn(message, category, stacklevel=4)
     return True
 
 

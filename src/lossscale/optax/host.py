@@ -166,13 +166,13 @@ def check(state: PyTree) -> None:
         return
     summaries = summary(found)
     if not errors.shape:
-        raise LossScaleError(failure_message(summaries, found.policy))
+        raise LossScaleError(failure_message(summaries, found.policy, len(found.paths) or None))
     member = tuple(int(i) for i in np.argwhere(errors != NO_ERROR)[0])
     for i in member:
         summaries = summaries[i]
     raise LossScaleError(
         f"Member {member if len(member) > 1 else member[0]} of the stacked state: "
-        + failure_message(summaries, found.policy)
+        + failure_message(summaries, found.policy, len(found.paths) or None)
     )
 
 

@@ -950,7 +950,9 @@ class Optimizer:
         anything is written. Values are copied into the variables' own
         buffers, so training afterwards never writes into `store`.
         """
-        checkpoint.load(self.name, self.built, self.variables, store)
+        checkpoint.load(
+            self.name, self.built, self.variables, store, self._restored_fields(), self._policy()
+        )
 
     def set_weights(self, weights: Sequence[Array]) -> None:
         """Sets every optimizer variable from a list of arrays, in `variables` order."""
@@ -959,7 +961,7 @@ class Optimizer:
                 "You are calling `set_weights()` on an optimizer that has not yet been built. "
                 "Call `optimizer.build(trainable_variables)` first."
             )
-        checkpoint.set_values(self.variables, weights)
+        checkpoint.set_values(self.variables, weights, self._restored_fields(), self._policy())
 
     def state_dict(self) -> dict[str, Any]:
         """Returns the optimizer's state in the form torch optimizers use.
@@ -1028,8 +1030,25 @@ class Optimizer:
                 "`optimizer.build(trainable_variables)` with the model's variables first."
             )
         return checkpoint.state_dict_writes(
-            self.name, self.variables, self._trainable_variables, state_dict
+            self.name,
+            self.variables,
+            self._trainable_variables,
+            state_dict,
+            self._restored_fields(),
+            self._policy(),
         )
+
+    def _restored_fields(self):
+        """`{id(variable): field}` of the variables whose restored values have a rule.
+
+        The step count (`mixed_precision.restored`): a load refuses what no
+        step could have left there.
+        """
+        return {id(self._iterations): "iteration"} if self._owns_step_state else {}
+
+    def _policy(self):
+        """The `LossScalePolicy` restored values are checked against, or None."""
+        return None
 
     def _check_built(self, method):
         if not self.built:

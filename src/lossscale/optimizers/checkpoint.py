@@ -21,6 +21,8 @@ import warnings
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from lossscale.backends import backend_of, get_ops
 from lossscale.typing import Array
 
@@ -33,12 +35,53 @@ def save(variables: Sequence[Any], store: MutableMapping[str, Array]) -> None:
         store[str(i)] = variable.numpy()
 
 
-def load(name: str, built: bool, variables: Sequence[Any], store: Mapping[str, Array]) -> None:
+def check_values(writes: Sequence[tuple], fields: Mapping[int, str], policy: Any = None) -> None:
+    """Refuses a value no step could have left in its variable, before anything is written.
+
+    Args:
+        writes: `(variable, value, where)` triples: what a load writes, and
+            where the value came from (for the message).
+        fields: `{id(variable): field}` of the variables with a rule
+            (`mixed_precision.restored`: the loss-scale fields, `iteration`).
+        policy: The `LossScalePolicy` whose bounds the scale keeps, or None.
+
+    Raises:
+        ValueError: Naming where the value came from, the value and the rule.
+    """
+    from lossscale.mixed_precision import restored
+
+    for variable, value, where in writes:
+        field = fields.get(id(variable))
+        if field is None:
+            continue
+        found = restored.refusal(field, where, _host(value), policy)
+        if found:
+            raise ValueError(found)
+
+
+def _host(value):
+    """`value` (a number or an array of any backend) as a NumPy array."""
+    try:
+        backend = backend_of(value)
+    except TypeError:
+        return np.asarray(value)
+    return np.asarray(get_ops(backend).to_numpy(value))
+
+
+def load(
+    name: str,
+    built: bool,
+    variables: Sequence[Any],
+    store: Mapping[str, Array],
+    fields: Mapping[int, str] = {},  # noqa: B006 - read only
+    policy: Any = None,
+) -> None:
     """Restores `variables` from a store written by `save`.
 
     A store holding a different number of variables is not loaded: a
     warning (naming optimizer `name`) says so and nothing changes. A shape
-    mismatch raises before anything is written.
+    mismatch, or a value no step could have left (`check_values`, by
+    `fields` and `policy`), raises before anything is written.
     """
     if len(store.keys()) != len(variables):
         msg = (
@@ -52,11 +95,21 @@ def load(name: str, built: bool, variables: Sequence[Any], store: Mapping[str, A
         return
     values = [store[str(i)] for i in range(len(variables))]
     _check_shapes("store", variables, values)
+    check_values(
+        [(v, x, f"store[{str(i)!r}]") for i, (v, x) in enumerate(zip(variables, values))],
+        fields,
+        policy,
+    )
     for variable, value in zip(variables, values):
         variable.assign(value)
 
 
-def set_values(variables: Sequence[Any], weights: Sequence[Array]) -> None:
+def set_values(
+    variables: Sequence[Any],
+    weights: Sequence[Array],
+    fields: Mapping[int, str] = {},  # noqa: B006 - read only
+    policy: Any = None,
+) -> None:
     """Sets each of `variables` from `weights`, in order, after checking them all."""
     weights = list(weights)
     if len(weights) != len(variables):
@@ -65,6 +118,11 @@ def set_values(variables: Sequence[Any], weights: Sequence[Array]) -> None:
             f"Received: {len(weights)} arrays"
         )
     _check_shapes("weights", variables, weights)
+    check_values(
+        [(v, x, f"weights[{i}]") for i, (v, x) in enumerate(zip(variables, weights))],
+        fields,
+        policy,
+    )
     for variable, weight in zip(variables, weights):
         variable.assign(weight)
 
@@ -86,7 +144,12 @@ def state_dict(optimizer: Any, params: Sequence[Any]) -> dict[str, Any]:
 
 
 def state_dict_writes(
-    name: str, variables: Sequence[Any], params: Sequence[Any], state_dict: dict[str, Any]
+    name: str,
+    variables: Sequence[Any],
+    params: Sequence[Any],
+    state_dict: dict[str, Any],
+    fields: Mapping[int, str] = {},  # noqa: B006 - read only
+    policy: Any = None,
 ) -> list:
     """Checks `state_dict` whole against the layout; returns the `(variable, value)` writes.
 
@@ -95,9 +158,12 @@ def state_dict_writes(
         variables: Its `variables`.
         params: The model variables it was built with, in order.
         state_dict: What `state_dict` returned.
+        fields, policy: The rules its values are checked by (`check_values`).
     """
     per_parameter, shared = layout(name, variables, params)
-    return _match_state_dict(len(params), state_dict, per_parameter, shared)
+    writes = _match_state_dict(len(params), state_dict, per_parameter, shared)
+    check_values(writes, fields, policy)
+    return [(variable, value) for variable, value, _ in writes]
 
 
 def layout(name: str, variables: Sequence[Any], params: Sequence[Any]) -> tuple[dict, dict]:
@@ -204,16 +270,13 @@ def _match_state_dict(count, state_dict, per_parameter, shared):
         where = f"state_dict['state'][{index}]"
         _check_keys(where, state[index], slots)
         for name, variable in slots.items():
-            writes.append((variable, _value(f"{where}[{name!r}]", state[index][name], variable)))
+            at = f"{where}[{name!r}]"
+            writes.append((variable, _value(at, state[index][name], variable), at))
     saved = state_dict["optimizer_variables"]
     _check_keys("state_dict['optimizer_variables']", saved, shared)
     for path, variable in shared.items():
-        writes.append(
-            (
-                variable,
-                _value(f"state_dict['optimizer_variables'][{path!r}]", saved[path], variable),
-            )
-        )
+        at = f"state_dict['optimizer_variables'][{path!r}]"
+        writes.append((variable, _value(at, saved[path], variable), at))
     return writes
 
 

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from lossscale import validation
-from lossscale.mixed_precision import diagnostics, step, telemetry
+from lossscale.mixed_precision import diagnosis, diagnostics, step, telemetry
 from lossscale.mixed_precision import state as state_layout
 from lossscale.mixed_precision.loss_scale import LossScalePolicy, state_fields
-from lossscale.mixed_precision.telemetry import warn_unscaled_loss
+from lossscale.optimizers import checkpoint
 from lossscale.optimizers.base import Optimizer
 from lossscale.optimizers.native import wrap_native
 from lossscale.shared_handles import SharedHandle
@@ -133,6 +134,24 @@ class LossScaleOptimizer(Optimizer):
             TensorFlow and `torch.compile` branch on the device (a compiled
             torch step then measures every step and keeps the due ones).
         history_length: Int in [1, 30]. Scales and overflows kept.
+        on_persistent: `"warn"` (default), `"raise"` or a callable: what to
+            do the first time a step is skipped for a cause no back-off can
+            clear (the same variables non-finite while the scale fell by
+            `2**8`, or to 1 or below: `summary()["overflows"][i]["cause"] ==
+            "persistent"`). `"warn"` warns once (`PersistentSkipWarning`) at
+            the next host read (every step with a fail-fast limit, else
+            `summary()` or `check()`); `"raise"` raises `LossScaleError` and a
+            callable is called with the `summary()` dict (save the batch and
+            a checkpoint, say), both right after that step (one scalar read
+            per step). Needs the overflow window: `"raise"` or a callable
+            turns `telemetry` on. A callable is not part of the config.
+        agreement_every: Int or `None`. torch.distributed only: every this
+            many steps, one small all-reduce checks that every rank of
+            `process_group` holds the same loss-scale state (scale, counters,
+            skip count, the inner step count); where they drifted apart,
+            `LossScaleError` is raised on every rank at the same step,
+            naming the field, the values and the ranks. Within one JAX
+            program the state is one global array and cannot drift.
         process_group: torch only. The `torch.distributed` group whose ranks
             must agree on every skip (their gradients may be sharded); None
             uses the default group when torch.distributed is initialised
@@ -182,12 +201,18 @@ class LossScaleOptimizer(Optimizer):
         telemetry: bool = False,
         diagnostics_every: int | None = None,
         history_length: int = 8,
+        on_persistent: Any = "warn",
+        agreement_every: int | None = None,
         process_group: ProcessGroup | None = None,
         axis_name: str | tuple[str, ...] | None = None,
         **kwargs: Any,
     ) -> None:
         arguments = dict(locals())  # first: holds exactly the named arguments
         settings = {f.name: arguments[f.name] for f in dataclasses.fields(LossScalePolicy)}
+        # What a persistent skip triggers reads the overflow window.
+        settings["telemetry"] = telemetry or (
+            diagnosis.check_on_persistent(on_persistent) != "warn"
+        )
         if not kwargs.pop("dynamic", True):
             raise ValueError(
                 "LossScaleOptimizer no longer supports `dynamic=False`. Instead, set "
@@ -202,7 +227,8 @@ class LossScaleOptimizer(Optimizer):
         if kwargs:
             raise ValueError(
                 f"LossScaleOptimizer does not support arguments: {sorted(kwargs)}. Accepted: "
-                f"inner_optimizer, name, {', '.join(settings)}"
+                f"inner_optimizer, name, {', '.join(settings)}, on_persistent, agreement_every, "
+                "process_group, axis_name"
             )
         if isinstance(inner_optimizer, LossScaleOptimizer):
             raise ValueError(
@@ -218,6 +244,13 @@ class LossScaleOptimizer(Optimizer):
                 f"Received: inner_optimizer={inner_optimizer!r}"
             )
         validation.check_axis_name(axis_name, process_group)
+        if agreement_every is not None and axis_name is not None:
+            raise ValueError(
+                "`agreement_every` checks that torch.distributed ranks hold the same state; "
+                "inside one JAX program (`axis_name`) the state is one global array and "
+                f"cannot drift. Received: agreement_every={agreement_every!r}, "
+                f"axis_name={axis_name!r}"
+            )
         self.policy = LossScalePolicy(**settings)
         # A live process group is no setting: it stays out of the config
         # (nor does the axis name, which belongs to the step's mapping).
@@ -226,7 +259,10 @@ class LossScaleOptimizer(Optimizer):
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         self.inner_optimizer.loss_scale_factor = None
-        self._loss_scaled = False  # set by `scale_loss`; read by `apply` (no array)
+        # What the host diagnoses between steps (`mixed_precision.diagnosis`).
+        self._persistent = diagnosis.PersistentWatch(on_persistent)
+        self._scale_use = diagnosis.ScaleUse(self.name, self.policy.initial_scale)
+        self._agreement = diagnosis.Agreement(agreement_every)
         # Made now on NumPy and moved to the model's backend by `build`, so
         # they can be read (and checkpoints matched) before the first step.
         # Keras's order first: step_counter, then dynamic_scale.
@@ -239,8 +275,10 @@ class LossScaleOptimizer(Optimizer):
         self.dynamic_scale = self._state["scale"]
         # Steps taken by `apply`, counted on the host: where the backend
         # re-runs Python at every step, the diagnostics cadence is decided
-        # on it, with no device read.
+        # on it, with no device read; and the calls of `apply` (the cadence
+        # of `agreement_every`).
         self._host_steps = 0
+        self._steps_applied = 0
         # Step observers (`lossscale.torch.watch`), and the last step's
         # decision (`last_step_applied`).
         self._observers = []
@@ -333,10 +371,18 @@ class LossScaleOptimizer(Optimizer):
         it. Before `build` the scale is read as a Python float: the
         optimizer's scalars live on NumPy until it knows the model's backend.
         """
-        self._loss_scaled = True
+        if isinstance(loss, (str, bytes)) or not (
+            isinstance(loss, numbers.Real) or self._ops.is_native(loss) or _array_like(loss)
+        ):
+            raise TypeError(
+                "`loss` must be a number or an array of the optimizer's backend. Received: "
+                f"loss of type {type(loss).__name__}"
+            )
         if self.built and self.policy.records_details:
             self._record_loss(loss)
-        return loss * (self.dynamic_scale.value if self.built else float(self.dynamic_scale))
+        scaled = loss * (self.dynamic_scale.value if self.built else float(self.dynamic_scale))
+        self._scale_use.scaled(loss, scaled, identity=self._ops.records_calls())
+        return scaled
 
     def apply(
         self,
@@ -345,15 +391,37 @@ class LossScaleOptimizer(Optimizer):
     ) -> None:
         """Applies the unscaled gradients unless they overflow; adapts the scale.
 
-        Warns once (`UnscaledLossWarning`) if `scale_loss` was never called.
-        With `min_scale` or `max_consecutive_skips` set, raises
-        `LossScaleError` when the state records a failure (see `check`).
+        Warns once (`ScaleMismatchWarning`) where the gradients' loss was not
+        scaled by this scale: `scale_loss` never called
+        (`UnscaledLossWarning`), a loss scaled twice, or the scale set in
+        between (a load). With `min_scale` or `max_consecutive_skips` set,
+        raises `LossScaleError` when the state records a failure (see
+        `check`); with `on_persistent`, acts on a persistent skip; with
+        `agreement_every`, checks the ranks agree.
         """
-        if not self._loss_scaled:
-            self._loss_scaled = True  # warn once per optimizer
-            warn_unscaled_loss(self.name, self.initial_scale)
         super().apply(grads, trainable_variables)
+        self._scale_use.unscaling()
+        if self._ops.records_calls():  # a traced call: the host reads nothing
+            self._after_step()
+
+    def _after_step(self):
+        """The host's reads after a step: the ranks' agreement, a persistent skip, the limits."""
+        self._steps_applied += 1
+        if self._agreement.due(self._steps_applied - 1):
+            self._agreement.check(
+                self._ops, self.process_group, self._agreed_fields(), self._steps_applied - 1
+            )
         self.check()
+
+    def _agreed_fields(self):
+        """What every rank must hold alike: the scalar state fields and the inner step count."""
+        fields = {
+            name: held.value
+            for name, held in self._state.items()
+            if not isinstance(held, tuple) and held.shape == ()
+        }
+        fields["iterations"] = self.inner_optimizer.iterations
+        return fields
 
     def _apply_prepared(self, grads, variables, *, owns_grads):
         ops, policy, inner = self._ops, self.policy, self.inner_optimizer
@@ -539,7 +607,11 @@ class LossScaleOptimizer(Optimizer):
         """
         state = state_layout.read(self._state, self._reader(optimizer_variables))
         paths = [v.path for v in self._trainable_variables]
-        return telemetry.state_summary(self._ops, state, self.policy, paths, self._overflow_modules)
+        modules = self._overflow_modules
+        found = telemetry.state_summary(self._ops, state, self.policy, paths, modules)
+        if self._persistent.on_persistent == "warn":  # where the host reads anyway
+            self._persistent.notice(found.get("persistent_step"), lambda: found, len(paths))
+        return found
 
     def snapshot(self) -> dict[str, Any]:
         """The loss-scale state as host values: `summary()`, a copy that later steps leave alone.
@@ -562,12 +634,30 @@ class LossScaleOptimizer(Optimizer):
             optimizer_variables: Optional values for `optimizer.variables`.
                 Defaults to the optimizer's own variables.
         """
-        if not self.policy.fails_fast:
-            return
-        error = self._reader(optimizer_variables)(self._state["error"])
-        telemetry.raise_if_failed(
-            self._ops, error, self.policy, lambda: self.summary(optimizer_variables)
+        policy, watch = self.policy, self._persistent
+        watching = (
+            policy.records_details
+            and not watch.seen
+            and (policy.fails_fast or watch.reads_every_step)
         )
+        if not watching and not policy.fails_fast:
+            return  # nothing to check, nothing read
+        read = self._reader(optimizer_variables)
+        count = len(self._trainable_variables)
+        if watching:
+            watch.notice(
+                self._ops.to_numpy(read(self._state["persistent_step"])),
+                lambda: self.summary(optimizer_variables),
+                count,
+            )
+        if policy.fails_fast:
+            telemetry.raise_if_failed(
+                self._ops,
+                read(self._state["error"]),
+                policy,
+                lambda: self.summary(optimizer_variables),
+                count,
+            )
 
     def _reader(self, optimizer_variables):
         """`variable -> value`: its own, or its entry of `optimizer_variables`."""
@@ -635,8 +725,19 @@ class LossScaleOptimizer(Optimizer):
             super().load_state_dict(state_dict)
         else:
             self._build_over_native(inner)
+            saved = state_dict.get("optimizer_variables") if isinstance(state_dict, dict) else None
+            if isinstance(saved, dict):  # else the inner optimizer's own error
+                checkpoint.check_values(
+                    [
+                        (v, saved[v.path], f"state_dict['optimizer_variables'][{v.path!r}]")
+                        for v in self._variables
+                        if v.path in saved
+                    ],
+                    self._restored_fields(),
+                    self.policy,
+                )
             inner.load_state_dict(state_dict, extra_variables=self._variables)
-        self._restart_host_count()
+        self._after_load()
 
     def save_own_variables(self, store: MutableMapping[str, Array]) -> None:
         """Writes every variable to `store`; raises if the inner optimizer keeps native state."""
@@ -651,19 +752,34 @@ class LossScaleOptimizer(Optimizer):
         if inner is not None:
             inner.load_own_variables(store)  # raises, naming `load_state_dict()`
         super().load_own_variables(store)
-        self._restart_host_count()
+        self._after_load()
 
     def set_weights(self, weights: Sequence[Array]) -> None:
         """Sets every variable from `weights` (see `Optimizer.set_weights`)."""
         super().set_weights(weights)
-        self._restart_host_count()
+        self._after_load()
 
-    def _restart_host_count(self):
-        """Sets the host's count of steps (the cadence of `diagnostics_every`) to `steps`.
+    def _restored_fields(self):
+        """The state's fields (`mixed_precision.restored`), and the inner optimizer's."""
+        fields = {
+            id(held): name
+            for name, holders in self._state.items()
+            for held in (holders if isinstance(holders, tuple) else (holders,))
+        }
+        return {**fields, **self.inner_optimizer._restored_fields()}
 
-        One host read, at a load: a resumed run measures on the steps the
+    def _policy(self):
+        return self.policy
+
+    def _after_load(self):
+        """What the host keeps follows a load: the scale it set, its count of steps.
+
+        A loss scaled before the load is off by a factor (`ScaleUse`); the
+        count of steps (the cadence of `diagnostics_every`) is the restored
+        `steps`, one host read: a resumed run measures on the steps the
         uninterrupted one does.
         """
+        self._scale_use.changed()
         steps = self._state.get("steps")
         if self.policy.diagnoses and steps is not None:
             self._host_steps = int(steps.numpy())
@@ -676,11 +792,16 @@ class LossScaleOptimizer(Optimizer):
         """
         from lossscale import serialization
 
-        return {
+        config = {
             "name": self.name,
             "inner_optimizer": serialization.serialize(self.inner_optimizer),
             **self.policy.non_default_settings(),
         }
+        if self._persistent.on_persistent == "raise":  # (a callable is no setting)
+            config["on_persistent"] = self._persistent.on_persistent
+        if self._agreement.every is not None:
+            config["agreement_every"] = self._agreement.every
+        return config
 
     @classmethod
     def from_config(
@@ -731,6 +852,11 @@ class ObserverHandle:
 
 def _value(variable):
     return variable.value
+
+
+def _array_like(x):
+    """Whether `x` is an array of some framework (refused later if of another backend)."""
+    return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def _storage(variable):

@@ -113,15 +113,15 @@ def restore(tx, checkpoint, target, fail, kind_of):
             )
         if kind_of(array.dtype.name) != kind_of(dtype):
             fail(path, f"{name!r} holds {array.dtype.name} values but the target's is {dtype}")
-    for name, field in _loss_scale_fields(kind, tx, target, names).items():
-        found = restored.problem(field, name, saved[name][1])
+    for name, (field, policy) in _loss_scale_fields(kind, tx, target, names).items():
+        found = restored.problem(field, name, saved[name][1], policy)
         if found:
             fail(path, found)
     return rebuild([_like(saved[name][1], leaf) for name, leaf in zip(names, leaves)])
 
 
 def _loss_scale_fields(kind, tx, target, names):
-    """`{name: LossScaleState field}` for the state's loss-scale arrays among `names`."""
+    """`{name: (LossScaleState field, its policy)}` for the loss-scale arrays among `names`."""
     if kind == TRANSFORM:
         fields, optimizer = {}, tx._blueprint
         while optimizer is not None:
@@ -129,7 +129,8 @@ def _loss_scale_fields(kind, tx, target, names):
             if inner is not None:  # a LossScaleOptimizer: its own variables are named by it
                 prefix = f"{optimizer.name}/"
                 own = {n.removeprefix(prefix): n for n in names if n.startswith(prefix)}
-                fields.update({own[v]: f for v, f in restored.variable_fields(own).items()})
+                found = restored.variable_fields(own).items()
+                fields.update({own[v]: (f, optimizer.policy) for v, f in found})
             optimizer = inner
         return fields
     from lossscale.optax.state import DynamicLossScaleState
@@ -147,7 +148,7 @@ def _loss_scale_fields(kind, tx, target, names):
                 if name.startswith(prefix) and not suffix.startswith(".inner_state"):
                     field = restored.key_path_field(suffix)
                     if field is not None:
-                        fields[name] = field
+                        fields[name] = (field, node.policy)
     return fields
 
 

@@ -29,13 +29,20 @@ from torch.amp.grad_scaler import OptState
 
 from lossscale import validation
 from lossscale.backends import get_ops
-from lossscale.mixed_precision import diagnostics, inspection, loss_scale, step, telemetry
+from lossscale.mixed_precision import (
+    diagnosis,
+    diagnostics,
+    inspection,
+    loss_scale,
+    step,
+    telemetry,
+)
 from lossscale.mixed_precision.loss_scale import (
-    MAX_SCALE,
     NO_ERROR,
     LossScalePolicy,
     LossScaleState,
 )
+from lossscale.mixed_precision.policy import check_scale
 from lossscale.mixed_precision.telemetry import LossScaleError
 from lossscale.shared_handles import SharedHandle
 from lossscale.torch import fused_sgd, gradients, scaler_arguments, scaler_state
@@ -112,6 +119,20 @@ class GradScaler(torch.amp.GradScaler):
             on those steps only, decided on the host without a device
             read. `None` (default): never.
         history_length: Int in [1, 30]. Scales and overflows kept.
+        on_persistent: `"warn"` (default), `"raise"` or a callable taking
+            the `summary()` dict: what to do the first time a step is
+            skipped for a cause no back-off can clear (the same parameters
+            non-finite while the scale fell by `2**8`, or to 1 or below).
+            `"warn"` warns once (`PersistentSkipWarning`) at the next host
+            read (every `update()` with a fail-fast limit, else `summary()`
+            or `check()`); `"raise"` (`LossScaleError`) and a callable act
+            right after that `update()` (one scalar read per update) and
+            turn `telemetry` on.
+        agreement_every: Int >= 1 or `None`. Every this many `update()`s, one
+            small all-reduce checks that every rank of `process_group` (the
+            default group if None) holds the same scale, growth tracker and
+            counters; where they drifted apart, `LossScaleError` is raised
+            on every rank at the same update, naming them.
         process_group: A `torch.distributed` process group, or `None`.
             Every rank of the group takes the same skip decision (one small
             all-reduce of the overflow flag per optimizer), as FSDP's
@@ -176,6 +197,8 @@ class GradScaler(torch.amp.GradScaler):
         telemetry: bool = False,
         diagnostics_every: int | None = None,
         history_length: int = 8,
+        on_persistent: Any = "warn",
+        agreement_every: int | None = None,
         process_group: ProcessGroup | None = None,
         allow_fp16_gradients: bool = False,
     ) -> None:
@@ -183,7 +206,7 @@ class GradScaler(torch.amp.GradScaler):
         validation.check_bool("allow_fp16_gradients", allow_fp16_gradients)
         init_scale = scaler_arguments.as_number("init_scale", init_scale)
         check = validation.check_number
-        check("init_scale", init_scale, low=0, low_open=True, high=MAX_SCALE)
+        check_scale("init_scale", init_scale)
         check("growth_factor", growth_factor, low=1, low_open=True)
         check("backoff_factor", backoff_factor, low=0, high=1, low_open=True, high_open=True)
         check("growth_interval", growth_interval, low=1, integer=True)
@@ -204,7 +227,8 @@ class GradScaler(torch.amp.GradScaler):
             max_scale=max_scale,
             max_consecutive_skips=max_consecutive_skips,
             growth_policy=growth_policy,
-            telemetry=telemetry,
+            # What a persistent skip triggers reads the overflow window.
+            telemetry=telemetry or diagnosis.check_on_persistent(on_persistent) != "warn",
             diagnostics_every=diagnostics_every,
             history_length=history_length,
         )
@@ -233,6 +257,10 @@ class GradScaler(torch.amp.GradScaler):
         self._per_variable = {}
         self._ranges = ParameterRanges()
         self._observers = {}
+        # What the host diagnoses between steps (`mixed_precision.diagnosis`).
+        self._persistent = diagnosis.PersistentWatch(on_persistent)
+        self._scale_use = diagnosis.ScaleUse("GradScaler", float(init_scale))
+        self._agreement = diagnosis.Agreement(agreement_every)
         # The scale-1 check's constant operands, by device (`_check_only`).
         self._check_units = {}
 
@@ -255,9 +283,16 @@ class GradScaler(torch.amp.GradScaler):
         finite: an overflow of this step is then told apart from a NaN/inf
         loss (`summary()["overflows"]`, `LossScaleError`).
         """
+        if isinstance(outputs, (str, bytes)):
+            raise TypeError(
+                "`outputs` must be a tensor or nested iterables of tensors (the loss). "
+                f"Received: outputs of type {type(outputs).__name__}"
+            )
         scaled = super().scale(outputs)
-        if self._enabled and self._policy.records_details:
-            self._record_loss(outputs)
+        if self._enabled:
+            if self._policy.records_details:
+                self._record_loss(outputs)
+            self._scale_use.scaled(outputs, scaled, identity=not torch.compiler.is_compiling())
         return scaled
 
     def _record_loss(self, outputs):
@@ -273,10 +308,13 @@ class GradScaler(torch.amp.GradScaler):
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         # `unscale_` (inherited: its stage checks and errors are torch's)
-        # calls this with the float32 reciprocal of the scale. Called
-        # directly before any `scale()`, there is no scale to check against.
-        self._check_scale_growth_tracker("_unscale_grads_")
+        # calls this with the float32 reciprocal of the scale.
         allow_fp16 = allow_fp16 or self._allow_fp16_gradients
+        if self._scale is None:
+            # Called directly before any `scale()`, as torch's own tests, apex
+            # and some trainers do: torch's unscale of the given factor, with
+            # nothing of ours to add (no scale to check against, no state yet).
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         return self._unscale_and_check(
             optimizer, inv_scale, found_inf, allow_fp16, self._unscaling_may_overflow()
         )
@@ -481,6 +519,8 @@ class GradScaler(torch.amp.GradScaler):
                 if self._found_inf_on_host(state):
                     state["stage"] = OptState.STEPPED
                     return None
+        if self._enabled:
+            self._scale_use.unscaling()
         return super().step(optimizer, *args, **kwargs)
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
@@ -573,6 +613,7 @@ class GradScaler(torch.amp.GradScaler):
                 scale_at_least=self._scale_bound,
             )
             self._scale_bound = loss_scale.scale_lower_bound(self._scale_bound, policy)
+            self._after_update()
             return
         names, per_variable, variable_finite, peak = (), {}, (), None
         if measuring:  # the statistics policy decides on them
@@ -612,12 +653,36 @@ class GradScaler(torch.amp.GradScaler):
         self._host_steps += 1
         self._device_steps = self._host_steps  # `next_loss_scale` counted it there too
         self._scale_bound = loss_scale.scale_lower_bound(self._scale_bound, policy)
-        if policy.fails_fast:
-            # The one host read the limits cost per step (as in LossScaleOptimizer).
-            code = self._extras["error"].to(torch.float32)
-            error, self._scale_bound = torch.stack([code, self._scale]).tolist()
-            if error != NO_ERROR:
+        self._after_update()
+
+    def _after_update(self):
+        """The host's reads after an update: a persistent skip, the ranks' agreement, the limits.
+
+        With a fail-fast limit, one read per update (as in LossScaleOptimizer)
+        brings the error, the persistent step and the scale (which keeps
+        `_scale_bound` exact).
+        """
+        policy, watch = self._policy, self._persistent
+        reads = [self._extras["error"]] if policy.fails_fast else []
+        if (
+            policy.records_details
+            and not watch.seen
+            and (policy.fails_fast or watch.reads_every_step)
+        ):
+            reads.append(self._extras["persistent_step"])
+        if reads:
+            values = torch.stack([x.to(torch.float32) for x in [*reads, self._scale]]).tolist()
+            self._scale_bound = values[-1]
+            if len(reads) > 1 or not policy.fails_fast:
+                watch.notice(values[len(reads) - 1], self.summary, len(self._per_variable) or None)
+            if policy.fails_fast and values[0] != NO_ERROR:
                 raise LossScaleError(self._failure_message())
+        if self._agreement.due(self._host_steps - 1):
+            fields = {"scale": self._scale, "growth_tracker": self._growth_tracker}
+            fields.update(
+                {k: v for k, v in self._written_steps().items() if not isinstance(v, tuple)}
+            )
+            self._agreement.check(_OPS, self._process_group, fields, self._host_steps - 1)
 
     def _skip_flag(self, states):
         """The steps' overflow flags, one scalar on the scale's device (1.0: skip), for `update`."""
@@ -739,15 +804,16 @@ class GradScaler(torch.amp.GradScaler):
                 )
             # Checked as a float is (one host read: `update(new_scale)` is rare).
             value = float(new_scale.detach().reshape(()).to(torch.float32))
-            validation.check_number("new_scale", value, low=0, low_open=True, high=MAX_SCALE)
+            check_scale("new_scale", value)
             self._scale.copy_(new_scale.detach().reshape(()))
             self._scale_bound = value
         else:
-            validation.check_number("new_scale", new_scale, low=0, low_open=True, high=MAX_SCALE)
+            check_scale("new_scale", new_scale)
             self._scale.fill_(float(new_scale))
             self._scale_bound = float(np.float32(new_scale))
         self._per_optimizer_states.clear()
         self._last_skip = None
+        self._scale_use.changed()
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled); reads the device."""
@@ -839,6 +905,7 @@ class GradScaler(torch.amp.GradScaler):
         self._ranges = ParameterRanges()
         self._host_steps = self._device_steps = extras.get("steps", 0)
         self._scale_bound = float(np.float32(state_dict["scale"]))
+        self._scale_use.changed()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()  # torch's: the scale becomes lazy again
@@ -929,7 +996,10 @@ class GradScaler(torch.amp.GradScaler):
         modules = {}
         if self._observers:
             modules = self._overflow_modules([s for s in values["overflow_steps"] if s >= 0])
-        return telemetry.summarize(values, self._policy, names, modules)
+        found = telemetry.summarize(values, self._policy, names, modules)
+        if self._persistent.on_persistent == "warn":  # where the host reads anyway
+            self._persistent.notice(found.get("persistent_step"), lambda: found, len(names))
+        return found
 
     def check(self) -> None:
         """Raises `LossScaleError` if the state records a crossed fail-fast limit.
@@ -943,7 +1013,9 @@ class GradScaler(torch.amp.GradScaler):
             raise LossScaleError(self._failure_message())
 
     def _failure_message(self):
-        return telemetry.failure_message(self.summary(), self._policy)
+        summary = self.summary()
+        count = len(self._per_variable) or None
+        return telemetry.failure_message(summary, self._policy, count)
 
     def _per_variable_values(self):
         """`(names, {field: list of Python values})`, read in one transfer.

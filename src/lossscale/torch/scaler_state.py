@@ -17,12 +17,11 @@ values).
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 
 import torch
 
-from lossscale.mixed_precision import diagnostics, loss_scale
+from lossscale.mixed_precision import diagnostics, loss_scale, restored
 from lossscale.mixed_precision.state import per_variable
 
 # torch's keys, which its `GradScaler.load_state_dict` reads.
@@ -143,16 +142,11 @@ def check_state_dict(state_dict, policy):
             f"{list(TORCH_KEYS)}; {missing} are missing. Received: state_dict with keys "
             f"{sorted(map(str, state_dict.keys()))}"
         )
-    scale = state_dict["scale"]
-    if not _is_number(scale) or not 0 < scale <= loss_scale.MAX_SCALE:
-        _fail(
-            "state_dict['scale']",
-            f"a finite number > 0 and <= {loss_scale.MAX_SCALE}",
-            scale,
-        )
-    tracker = state_dict["_growth_tracker"]
-    if not _is_integer(tracker) or tracker < 0:
-        _fail("state_dict['_growth_tracker']", "an integer >= 0", tracker)
+    for key, field in (("scale", "scale"), ("_growth_tracker", "counter")):
+        value = state_dict[key]
+        if not _is_real(value):
+            _fail(f"state_dict[{key!r}]", "a number", value)
+        _refuse(field, f"state_dict[{key!r}]", value, policy)
     extras = state_dict.get(STATE_KEY, {})
     if not hasattr(extras, "keys"):
         _fail(f"state_dict[{STATE_KEY!r}]", "a dict", extras)
@@ -174,27 +168,31 @@ def check_state_dict(state_dict, policy):
             continue
         value = extras[key]
         name = f"state_dict[{STATE_KEY!r}][{key!r}]"
+        cast = float if f.metadata["dtype"] == "float32" else int
         if f.metadata["per"] == "history":
             length = policy.history_length
-            ok = (
+            if not (
                 isinstance(value, (list, tuple))
                 and len(value) == length
-                and all(_is_number(v) for v in value)
-            )
-            if not ok:
-                _fail(name, f"a list of {length} finite numbers", value)
-            cast = float if f.metadata["dtype"] == "float32" else int
+                and all(_is_real(v) for v in value)
+            ):
+                _fail(name, f"a list of {length} numbers", value)
+            _refuse(f.name, name, list(value), policy)
             values[f.name] = [cast(v) for v in value]
         else:
-            if not _is_integer(value):
-                _fail(name, "an integer", value)
-            values[f.name] = int(value)
+            if not _is_real(value):
+                _fail(name, "a number", value)
+            _refuse(f.name, name, value, policy)
+            values[f.name] = cast(value)
     return values
 
 
-def _is_number(x):
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+def _refuse(field, where, value, policy):
+    """Raises `ValueError` where `value` breaks `field`'s rule (`mixed_precision.restored`)."""
+    found = restored.refusal(field, where, value, policy)
+    if found:
+        raise ValueError(found)
 
 
-def _is_integer(x):
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+def _is_real(x):
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)

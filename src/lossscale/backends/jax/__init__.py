@@ -67,6 +67,7 @@ from lossscale.backends.jax.ops import (
     power,
     quiet,
     read,
+    records_calls,
     several_participants,
     shape,
     sign,

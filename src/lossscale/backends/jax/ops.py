@@ -29,6 +29,11 @@ def is_native(x):
     return isinstance(x, jax.Array)
 
 
+def records_calls():
+    """Whether a front end may keep Python-side records of this call (see the protocol)."""
+    return True  # a traced call runs its Python once, at the trace
+
+
 def host_control():
     """Whether a Python branch in a step is taken anew at each call: never (steps are traced)."""
     return False

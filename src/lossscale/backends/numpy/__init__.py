@@ -56,6 +56,7 @@ from lossscale.backends.numpy.ops import (
     power,
     quiet,
     read,
+    records_calls,
     several_participants,
     shape,
     sign,

@@ -18,6 +18,11 @@ def is_native(x):
     return isinstance(x, (np.ndarray, np.generic))
 
 
+def records_calls():
+    """Whether a front end may keep Python-side records of this call (see the protocol)."""
+    return True
+
+
 def host_control():
     """Whether a Python branch in a step is taken anew at each call: always, on NumPy."""
     return True

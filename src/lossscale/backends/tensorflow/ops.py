@@ -53,6 +53,11 @@ def dense_gradient(x):
     return tf.convert_to_tensor(x) if isinstance(x, tf.IndexedSlices) else None
 
 
+def records_calls():
+    """Whether a front end may keep Python-side records of this call (see the protocol)."""
+    return tf.executing_eagerly()
+
+
 def host_control():
     """Whether a Python branch in a step is taken anew at each call: never (steps are traced)."""
     return False

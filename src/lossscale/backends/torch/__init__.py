@@ -45,6 +45,7 @@ from lossscale.backends.torch.ops import (
     MUTABLE,
     NAME,
     abs,
+    all_gather,
     all_max,
     all_true,
     asarray,
@@ -71,6 +72,7 @@ from lossscale.backends.torch.ops import (
     power,
     quiet,
     read,
+    records_calls,
     several_participants,
     shape,
     sign,
@@ -82,8 +84,8 @@ from lossscale.backends.torch.ops import (
     where,
 )
 
-# `warnings.warn` cannot be traced: in a compiled step the unscaled-loss
-# warning is run once, at trace time, as a constant (see `telemetry`).
+# `warnings.warn` cannot be traced: in a compiled step a warning is run
+# once, at trace time, as a constant (see `telemetry.warn`).
 from lossscale.mixed_precision import telemetry  # noqa: E402
 
-torch.compiler.assume_constant_result(telemetry.warn_unscaled_loss)
+torch.compiler.assume_constant_result(telemetry.warn)

@@ -35,6 +35,11 @@ def is_native(x):
     return isinstance(x, torch.Tensor)
 
 
+def records_calls():
+    """Whether a front end may keep Python-side records of this call (see the protocol)."""
+    return not torch.compiler.is_compiling()
+
+
 def host_control():
     """Whether a Python branch in a step is taken anew at each call: eager, not compiling.
 
@@ -300,6 +305,17 @@ def all_true(flag, group=None):
     reduced = flag.detach().to(torch.float32).clone()
     torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MIN, group=group)
     return reduced > 0
+
+
+def all_gather(x, group=None):
+    """`x` of every rank of `group`, stacked along a new first axis (one collective)."""
+    x = unwrap(x)
+    if not _several_ranks(group):
+        return x[None]
+    x = dtensors.plain(x).detach().contiguous()
+    out = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(out, x, group=group)
+    return torch.stack(out)
 
 
 def several_participants(group=None):
