@@ -268,12 +268,6 @@ def test_nnx_scan_example_reads_the_scale_from_the_split_state(tmp_path):
     text = (EXAMPLES / "nnx_scan.py").read_text()
     assert "jax.lax.scan(" in text and "nnx.split(" in text
     proc = _run_recipe("nnx_scan.py", "jax_recipes.md", tmp_path)
-    known = (  # the readers' failure on an NNX state with telemetry=True, being fixed
-        "ValueError: too many values to unpack (expected 1)",  # metrics(state)
-        "TypeError: int() argument must be a string, a bytes-like object or a real number",
-    )
-    if proc.returncode != 0 and any(k in proc.stderr for k in known):
-        pytest.xfail("lso.metrics / lso.summary on an nnx.split state with telemetry=True")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     # 2**20 overflows twice (down to 2**18), then 298 finite steps double it twice.

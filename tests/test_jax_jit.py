@@ -194,7 +194,11 @@ def test_wrapper_settings_trace_once_and_equal_eager(case):
     assert traces == 1
     assert_values_close(jit_model, eager_model)
     assert_values_close(jit_own, eager_own)
-    assert eager_opt.summary(jit_own) == eager_opt.summary()
+    eager, jitted = eager_opt.summary(), eager_opt.summary(jit_own)
+    # `apply` keeps its last decision; the values of a jitted step tell it only with telemetry.
+    assert jitted.pop("last_step_skipped", eager["last_step_skipped"]) == eager["last_step_skipped"]
+    eager.pop("last_step_skipped")
+    assert jitted == eager
 
 
 def test_outputs_keep_input_dtypes_and_weak_types():

@@ -105,6 +105,7 @@ def test_flax_linen_train_state_float16_compute():
     assert lso.summary(state) == {
         "dynamic_scale": records[-1][1],
         "step_counter": 20 - first_applied,
+        "last_step_skipped": False,
     }
 
 

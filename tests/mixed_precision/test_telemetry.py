@@ -59,6 +59,7 @@ def test_summary_with_every_field():
         "error": "the loss scale would fall below `min_scale`",
         "error_step": 4,
         "persistent_step": None,
+        "last_step_skipped": True,  # the last overflow is the last step's
         "overflows": [
             {
                 "step": 2,

@@ -4,6 +4,8 @@
 `check()` say for the same gradients: one state machine, one message.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +27,11 @@ def test_found_inside_a_chain_and_any_container():
     state = tx.init(params)
     for tree in (state, {"opt_state": state, "step": jnp.asarray(3)}, [params, state]):
         assert float(lso.loss_scale(tree)) == 8.0
-        assert lso.summary(tree) == {"dynamic_scale": 8.0, "step_counter": 0}
+        assert lso.summary(tree) == {
+            "dynamic_scale": 8.0,
+            "step_counter": 0,
+            "last_step_skipped": False,
+        }
     loss = jnp.asarray(0.25, jnp.float16)
     scaled = lso.scale_loss(loss, state)
     assert scaled.dtype == jnp.float32 and float(scaled) == 2.0  # promoted, as jmp's scale
@@ -167,9 +173,14 @@ def test_metrics_reads_every_field_inside_jit_as_summary_does_outside():
     )
     assert got["nonfinite"].tolist() == [False, True]  # paths ('b', 'w')
     assert expected["nonfinite_variables"] == ["w"]
-    # Without telemetry: the two Keras fields.
+    assert bool(got["last_step_skipped"]) is expected["last_step_skipped"] is True
+    # Without telemetry: the two Keras fields and the last step's skip.
     plain = lso.dynamic_loss_scale(optax.sgd(0.1)).init(params)
-    assert sorted(jax.jit(lso.metrics)(plain)) == ["dynamic_scale", "step_counter"]
+    assert sorted(jax.jit(lso.metrics)(plain)) == [
+        "dynamic_scale",
+        "last_step_skipped",
+        "step_counter",
+    ]
 
 
 def test_a_vmap_stacked_state_is_read_per_member():
@@ -200,7 +211,11 @@ def test_found_in_train_state_multisteps_and_nnx_split_states():
     trained = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
     assert float(lso.loss_scale(trained)) == 8.0 and lso.summary(trained)["dynamic_scale"] == 8.0
     accumulating = optax.MultiSteps(tx, every_k_schedule=2)
-    assert lso.summary(accumulating.init(params)) == {"dynamic_scale": 8.0, "step_counter": 0}
+    assert lso.summary(accumulating.init(params)) == {
+        "dynamic_scale": 8.0,
+        "step_counter": 0,
+        "last_step_skipped": False,
+    }
 
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -208,7 +223,11 @@ def test_found_in_train_state_multisteps_and_nnx_split_states():
     assert float(lso.loss_scale(state)) == 8.0  # the bare State: by the fields' names
     assert float(jax.jit(lambda s: lso.scale_loss(0.5, s))(state)) == 4.0
     assert float(jax.jit(lso.metrics)(state)["dynamic_scale"]) == 8.0
-    assert lso.summary((graphdef, state)) == {"dynamic_scale": 8.0, "step_counter": 0}
+    assert lso.summary((graphdef, state)) == {
+        "dynamic_scale": 8.0,
+        "step_counter": 0,
+        "last_step_skipped": False,
+    }
     lso.check((graphdef, state))
     with pytest.raises(
         ValueError,
@@ -216,3 +235,102 @@ def test_found_in_train_state_multisteps_and_nnx_split_states():
         r"the settings: pass the \(graphdef, state\) pair, or nnx.merge\(graphdef, state\)\)",
     ):
         lso.summary(state)
+
+
+def _trained_nnx(inner, **settings):
+    """An `nnx.Optimizer` of a 1000-parameter model after a finite, a NaN and a finite step."""
+    from flax import nnx
+
+    model = nnx.Linear(40, 25, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(
+        model, lso.dynamic_loss_scale(inner, 2.0**10, **settings), wrt=nnx.Param
+    )
+    rng = np.random.default_rng(4)
+    for bad in (False, True, False):
+        grads = nnx.State(
+            {
+                "bias": nnx.Param(jnp.asarray(rng.standard_normal(25), jnp.float32)),
+                "kernel": nnx.Param(jnp.asarray(rng.standard_normal((40, 25)), jnp.float32)),
+            }
+        )
+        if bad:
+            grads["kernel"].value = grads["kernel"].value.at[17, 3].set(jnp.nan)
+        optimizer.update(model, grads)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("inner", ["adam", "sgd"])
+@pytest.mark.parametrize("telemetry", [True, False])
+def test_every_reader_on_a_bare_nnx_split_state(inner, telemetry):
+    # What `lax.scan` over an `nnx.split` model carries: arrays keyed by name, no settings;
+    # a stateless inner transformation (`optax.sgd`) holds no `inner_state` there at all.
+    from flax import nnx
+
+    _, optimizer = _trained_nnx(
+        optax.adam(1e-3) if inner == "adam" else optax.sgd(0.1), telemetry=telemetry
+    )
+    graphdef, state = nnx.split(optimizer)
+    expected = jax.tree_util.tree_map(np.asarray, lso.metrics(optimizer))
+    got = jax.jit(lso.metrics)(state)
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        np.testing.assert_array_equal(np.asarray(got[name]), expected[name], err_msg=name)
+    assert float(lso.loss_scale(state)) == float(jax.jit(lso.loss_scale)(state)) == 2.0**9
+    assert float(jax.jit(lso.scale_loss)(0.5, state)) == 2.0**8
+    summary = lso.summary((graphdef, state))
+    assert summary == lso.summary(optimizer)
+    assert summary["last_step_skipped"] is False and summary["step_counter"] == 1
+    if telemetry:
+        assert summary["skipped_steps"] == 1 and summary["nonfinite_variables"] == ["kernel"]
+        assert got["nonfinite"].tolist() == [False, True]  # paths ('bias', 'kernel')
+    lso.check((graphdef, state))
+
+
+def test_last_step_skipped_is_kept_without_telemetry():
+    tx = lso.dynamic_loss_scale(optax.adam(1e-3), 2.0**8)
+    params = {"b": jnp.zeros(300), "w": jnp.ones((64, 33))}
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    rng = np.random.default_rng(2)
+    seen = []
+    for bad in (False, True, True, False):
+        grads = jax.tree_util.tree_map(
+            lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params
+        )
+        if bad:
+            position = int(rng.integers(64 * 33))
+            grads["w"] = grads["w"].reshape(-1).at[position].set(jnp.inf).reshape(64, 33)
+        _, state = step(grads, state, params)
+        metrics = jax.jit(lso.metrics)(state)
+        assert sorted(metrics) == ["dynamic_scale", "last_step_skipped", "step_counter"]
+        seen.append((bool(metrics["last_step_skipped"]), lso.summary(state)["last_step_skipped"]))
+    assert seen == [(False, False), (True, True), (True, True), (False, False)]
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("scale", np.nan, "`state.scale` holds nan, but the loss scale's `scale` must be a normal"),
+        ("scale", 0.0, "`state.scale` holds 0.0, but the loss scale's `scale` must be a normal"),
+        ("scale", -4.0, "`state.scale` holds -4.0, but the loss scale's `scale` must be a normal"),
+        ("counter", -1, "`state.counter` holds -1, but the loss scale's `counter` must be an "),
+        ("scale_history", np.inf, "`state.scale_history[0]` holds inf, but the loss scale's"),
+    ],
+)
+def test_check_refuses_a_restored_state_no_step_could_leave(field, value, message):
+    from lossscale.mixed_precision.state import replaced
+
+    tx = lso.dynamic_loss_scale(optax.sgd(0.1), telemetry=True)
+    state = tx.init({"w": jnp.ones(5)})
+    lso.check(state)
+    fields = state.loss_scale_state
+    held = getattr(fields, field)
+    if isinstance(held, tuple):
+        bad = (jnp.asarray(value, held[0].dtype), *held[1:])
+    else:
+        bad = jnp.asarray(value, held.dtype)
+    restored = state.replace(replaced(fields, **{field: bad}))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        lso.check({"opt_state": restored})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        lso.check(jax.device_get(restored))  # as a checkpointer hands it back

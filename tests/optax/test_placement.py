@@ -129,6 +129,7 @@ def test_sharded_parameters_one_global_skip_one_compile():
     assert out["init"] == {
         ".scale": replicated,
         ".counter": replicated,
+        ".last_step_skipped": replicated,
         ".inner_state[0].count": replicated,
         ".inner_state[0].mu['b']": b,
         ".inner_state[0].mu['w']": w,

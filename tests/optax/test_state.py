@@ -34,6 +34,7 @@ def test_leaves_are_named_and_the_policy_is_static():
         *[f".overflow_cause[{i}]" for i in range(8)],
         ".overflow_bits[0]",
         ".overflow_bits[1]",
+        ".last_step_skipped",
         ".inner_state[0].count",
         ".inner_state[0].mu['b']",
         ".inner_state[0].mu['w']",

@@ -503,6 +503,7 @@ def test_telemetry_after_a_known_sequence(backend, rng):
         "scale_history": [8.0, 8.0, 4.0, 2.0, 2.0, 4.0, 4.0, 2.0],
         "nonfinite_variables": ["v0"],
         "persistent_step": None,
+        "last_step_skipped": False,
         # `scale_loss` was never called: the loss's flag is not known.
         "overflows": [
             {
@@ -539,7 +540,7 @@ def test_telemetry_after_a_known_sequence(backend, rng):
 
 def test_summary_before_build_and_without_telemetry():
     opt = LossScaleOptimizer(SGD(), initial_scale=4.0)
-    assert opt.summary() == {"dynamic_scale": 4.0, "step_counter": 0}
+    assert opt.summary() == {"dynamic_scale": 4.0, "step_counter": 0, "last_step_skipped": False}
     assert opt.check() is None
     summary = LossScaleOptimizer(SGD(), telemetry=True).summary()
     assert summary["steps"] == 0 and summary["last_overflow_step"] is None
@@ -891,6 +892,7 @@ def test_optimizer_matches_model(name, policy, steps):
                 np.testing.assert_array_equal(backend.numpy(value), backend.numpy(v))
             expected = model.expected()
             expected.setdefault("nonfinite", [])
+            expected["last_step_skipped"] = not applied  # `apply` keeps its decision
             for k, field in enumerate(diagnostics.FIELDS):
                 expected[field] = [r[k] for r in ranges]
             expected = summarize(expected, policy, ["v0", "v1"])
@@ -901,7 +903,10 @@ def test_optimizer_matches_model(name, policy, steps):
             assert nan_named(got) == nan_named(expected)
             if model.error and policy.diagnoses:
                 continue
-            assert nan_named(functional.summary(values)) == nan_named(got)
+            stateless = functional.summary(values)
+            if not policy.records_details:  # no telemetry to tell the skip from
+                got.pop("last_step_skipped")
+            assert nan_named(stateless) == nan_named(got)
 
 
 def nan_named(x):
@@ -1776,8 +1781,13 @@ def test_summary_reads_given_values_instead_of_the_variables(backend):
     values = [v.value for v in opt.variables]
     bad = [backend.array(np.array([np.inf, 1.0, 2.0]))]
     _, values = opt.stateless_apply(values, bad, [p for p in params])
+    # Given values say nothing of the last step without telemetry.
     assert opt.summary(values) == {"dynamic_scale": 4.0, "step_counter": 0}
-    assert opt.summary() == {"dynamic_scale": 8.0, "step_counter": 0}  # untouched
+    assert opt.summary() == {  # untouched
+        "dynamic_scale": 8.0,
+        "step_counter": 0,
+        "last_step_skipped": False,
+    }
 
 
 def test_check_raises_only_on_a_recorded_error(backend):
@@ -1808,4 +1818,5 @@ def test_values_must_match_the_variables_one_for_one(backend):
             ),
         ):
             method([v.value for v in opt.variables][:-1])
-    plain.check([])  # without limits there is nothing to check, and nothing is read
+    with pytest.raises(ValueError, match=r"variable \(\d+\). Received: 0 values"):
+        plain.check([])  # values to check: their count first

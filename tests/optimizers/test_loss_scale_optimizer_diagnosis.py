@@ -227,3 +227,14 @@ def test_a_torch_model_turned_nan_is_found_persistent(where):
     assert summary["persistent_step"] is not None
     if where != "hook":  # the loss is NaN too: its first skips say so
         assert causes[0] == "nonfinite_loss"
+
+
+def test_the_last_step_s_skip_is_in_the_summary_without_telemetry(backend, rng):
+    variables, opt = _model(backend, rng, initial_scale=2.0**10)
+    assert opt.summary()["last_step_skipped"] is False  # no step yet
+    seen = []
+    for bad in ((), (1,), (0, 2), ()):
+        _step(backend, rng, opt, variables, bad=bad, value=np.inf)
+        seen.append(opt.summary()["last_step_skipped"])
+    assert seen == [False, True, True, False]
+    assert sorted(opt.summary()) == ["dynamic_scale", "last_step_skipped", "step_counter"]

@@ -517,3 +517,27 @@ def test_docstring_examples():
 
     result = doctest.testmod(_transform, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize(
+    "entry, value, rule",
+    [
+        ("dynamic_scale", np.nan, "`scale` must be a normal float32 number > 0"),
+        ("dynamic_scale", -4.0, "`scale` must be a normal float32 number > 0"),
+        ("step_counter", -2, "`counter` must be an integer >= 0"),
+        ("adam/iteration", -1, "the optimizer's step count must be an integer >= 0"),
+    ],
+)
+def test_check_refuses_a_restored_state_no_step_could_leave(rng, entry, value, rule):
+    import jax.numpy as jnp
+
+    tx = transform(lso())
+    params = nested([jnp.asarray(a) for a in random_arrays(rng)])
+    state = tx.init(params)
+    tx.check(state)
+    name = entry if "/" in entry else f"loss_scale_optimizer/{entry}"
+    name = next(n for n in state if n.endswith(name.split("/", 1)[1]) and n.startswith(name[:4]))
+    restored = OptimizerState({**state, name: jnp.asarray(value, state[name].dtype)})
+    with pytest.raises(ValueError, match=re.escape(rule)) as info:
+        tx.check(restored)
+    assert f"({name})" in str(info.value) and str(info.value).endswith("Restore a valid state.")

@@ -325,14 +325,20 @@ def test_telemetry_summary_and_check():
         "scale_history",
         "nonfinite_variables",
         "persistent_step",
+        "last_step_skipped",
         "overflows",
     }
+    assert summary["last_step_skipped"] is run["skipped"][-1]
     skipped = [k for k, s in enumerate(run["skipped"]) if s]
     assert [o["step"] for o in summary["overflows"]] == skipped[-8:]
     ours.check()  # no limits set: nothing to raise
     theirs, plain = pair()
-    cases.train(plain, steps=4)
-    assert plain.summary() == {"dynamic_scale": 2.0**20, "step_counter": 0}
+    plain_run = cases.train(plain, steps=4)
+    assert plain.summary() == {
+        "dynamic_scale": 2.0**20,
+        "step_counter": 0,
+        "last_step_skipped": plain_run["skipped"][-1],
+    }
 
 
 def test_headroom_declines_a_growth_that_would_overflow_float16():
@@ -1408,3 +1414,24 @@ def test_the_bound_stays_at_or_below_the_scale_through_overflows(backoff_factor)
         scaler.step(opt)
         scaler.update()
         assert scaler._scale_bound <= float(scaler.get_scale())
+
+
+@pytest.mark.parametrize("telemetry", [False, True])
+def test_the_last_step_s_skip_is_in_the_summary(telemetry):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = lt.GradScaler("cpu", init_scale=2.0**10, telemetry=telemetry)
+    assert scaler.summary()["last_step_skipped"] is False  # before the first update
+    x = torch.randn(32, 256)
+    seen = []
+    for bad in (False, True, False):
+        optimizer.zero_grad()
+        scaler.scale(model(x).square().mean()).backward()
+        if bad:  # an inf at a random element of the largest gradient
+            flat = model[0].weight.grad.view(-1)
+            flat[int(torch.randint(flat.numel(), ()))] = float("inf")
+        scaler.step(optimizer)
+        scaler.update()
+        seen.append(scaler.summary()["last_step_skipped"])
+    assert seen == [False, True, False]

@@ -55,7 +55,7 @@ class PersistentSkipWarning(UserWarning):
     """
 
 
-def state_summary(ops, state, policy, variable_paths, modules_at=None):
+def state_summary(ops, state, policy, variable_paths, modules_at=None, skipped=None):
     """`summarize` of a `LossScaleState` read on the host (a device synchronisation).
 
     Args:
@@ -65,9 +65,15 @@ def state_summary(ops, state, policy, variable_paths, modules_at=None):
         variable_paths: Paths of the model variables, in build order.
         modules_at: Optional `steps -> {step: module name or None}`: where
             each overflow of the window started.
+        skipped: Optional boolean (or backend boolean scalar) kept by the
+            front end: whether the last step was skipped (else told from
+            the telemetry, if kept).
     """
     fields = loss_scale.state_fields(policy)
     values = as_numpy(ops, {f.name: getattr(state, f.name) for f in fields})
+    if skipped is not None:
+        held = isinstance(skipped, bool)
+        values["last_step_skipped"] = skipped if held else ops.to_numpy(skipped)
     values.setdefault("nonfinite", [])
     modules = {}
     if policy.records_details and modules_at is not None:
@@ -97,7 +103,9 @@ def summarize(values, policy, variable_paths, modules=None):
 
     Returns:
         A dict keyed by the state variables' names: `dynamic_scale` (float),
-        `step_counter` (int) and, when tracked, `consecutive_skips`,
+        `step_counter` (int), `last_step_skipped` (from
+        `values["last_step_skipped"]`, else from the telemetry; absent
+        without either) and, when tracked, `consecutive_skips`,
         `steps`, `skipped_steps`, `last_overflow_step` (`None` before the
         first overflow), `scale_history` (the scales of the last steps,
         oldest first), `nonfinite_variables` (paths of the variables whose
@@ -128,6 +136,11 @@ def summarize(values, policy, variable_paths, modules=None):
             out[name] = float(value)
         else:
             out[name] = int(value)
+    if "last_step_skipped" in values:
+        out["last_step_skipped"] = bool(values["last_step_skipped"])
+    elif policy.records_details:
+        steps = int(values["steps"])
+        out["last_step_skipped"] = steps > 0 and int(values["last_overflow_step"]) == steps - 1
     if policy.records_details:
         out["overflows"] = overflows(values, variable_paths, modules or {})
     if policy.diagnoses:

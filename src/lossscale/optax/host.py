@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lossscale.mixed_precision import restored
 from lossscale.mixed_precision.loss_scale import NO_ERROR, LossScaleState, state_fields
 from lossscale.mixed_precision.telemetry import LossScaleError, failure_message, summarize
 from lossscale.optax.state import find, find_fields
@@ -79,8 +80,9 @@ def metrics(state: PyTree) -> dict[str, jax.Array]:
         overflow), `scale_history` (`history_length` scales, oldest first,
         zeros before the first step), `nonfinite` (one boolean per parameter,
         in `state.paths` order), `error` (0: none, 1: below `min_scale`, 2:
-        too many skips), `error_step` (-1 before an error). A stacked state
-        gives stacked arrays.
+        too many skips), `error_step` (-1 before an error), and always
+        `last_step_skipped` (a boolean: whether the last update was
+        skipped, False before one). A stacked state gives stacked arrays.
     """
     fields = _fields(state, "metrics")
     out = {}
@@ -95,6 +97,7 @@ def metrics(state: PyTree) -> dict[str, jax.Array]:
             out[name] = jnp.stack([_array(x) for x in value], axis=-1)
         else:
             out[name] = _array(value)
+    out["last_step_skipped"] = _array(fields["last_step_skipped"])
     return out
 
 
@@ -125,6 +128,7 @@ def summary(state: PyTree) -> dict[str, Any] | list:
             else _host(value, "summary")
         )
     values.setdefault("nonfinite", [])
+    values["last_step_skipped"] = _host(found.last_step_skipped, "summary")
     return _per_member(values, np.shape(values["scale"]), found)
 
 
@@ -142,23 +146,40 @@ def _per_member(values, shape, found):
 
 
 def check(state: PyTree) -> None:
-    """Raises `LossScaleError` if `state` records a crossed limit.
+    """Raises if `state` holds values no step could have left, or records a crossed limit.
 
-    A jitted step cannot raise: with `min_scale` or `max_consecutive_skips`
-    set, a crossed limit freezes the state (every later step is skipped)
-    until this is called, between steps. It reads one scalar (one per
-    member of a stacked state); without those limits there is nothing to
-    check and nothing is read.
+    Call it after restoring a state (orbax, any pytree checkpointer): a
+    NaN, zero or negative scale, a negative or fractional counter would
+    otherwise skip every step or pin the scale, silently. And a jitted step
+    cannot raise: with `min_scale` or `max_consecutive_skips` set, a
+    crossed limit freezes the state (every later step is skipped) until
+    this is called, between steps. It reads the loss-scale fields (a few
+    scalars; one per member of a stacked state), never the inner state.
 
     Args:
         state: A `DynamicLossScaleState`, or any pytree holding one.
 
     Raises:
+        ValueError: A field holds a value no step could have left (the
+            field, the value and what it may hold).
         LossScaleError: With the step, the last scales and the parameters
             whose gradients were non-finite (and, for a stacked state, the
             index of the first member in error).
     """
     found = find(state, "check")
+    held = {}  # `where` -> (field, array), read back in one transfer
+    for f in state_fields(found.policy):
+        value = getattr(found, f.name)
+        for i, x in enumerate(value if isinstance(value, tuple) else (value,)):
+            where = f"state.{f.name}" + (f"[{i}]" if isinstance(value, tuple) else "")
+            held[where] = (f.name, _array(x))
+    values = _host({k: x for k, (_, x) in held.items()}, "check")
+    for where, (field, _) in held.items():
+        message = restored.refusal(
+            field, where, values[where], found.policy, after="Restore a valid state."
+        )
+        if message is not None:
+            raise ValueError(message)
     if not found.policy.fails_fast:
         return
     errors = _host(found.error, "check")
@@ -204,11 +225,14 @@ def _array(x):
 
 
 def _host(x, function):
-    x = _array(x)
-    if isinstance(x, jax.core.Tracer):
+    """`x` (an array, or a dict of arrays) read back to the host; refused inside a trace."""
+    x = {k: _array(v) for k, v in x.items()} if isinstance(x, dict) else _array(x)
+    if any(isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(x)):
         raise ValueError(
             f"`{function}` reads the state on the host, between steps; it cannot run inside "
             "jax.jit or another JAX transformation. Call it on the state the jitted step "
             "returned, or use `metrics` inside the step. Received: a traced state"
         )
+    if isinstance(x, dict):
+        return {k: np.asarray(v) for k, v in jax.device_get(x).items()}
     return np.asarray(x)

@@ -36,6 +36,9 @@ class DynamicLossScaleState:
             `error_step`, `scale_history` and `nonfinite`: `None` (tuples:
             empty) unless the policy tracks them (hysteresis, telemetry,
             fail-fast limits).
+        last_step_skipped: Boolean scalar: whether the last update was skipped (its
+            gradients held inf or NaN). False before the first update. Kept
+            whatever the settings, as jmp users keep `grads_finite`.
         inner_state: The inner transformation's state.
         policy: The `LossScalePolicy` (static).
         paths: The parameter paths `nonfinite` refers to (static; empty
@@ -47,14 +50,15 @@ class DynamicLossScaleState:
         >>> float(state.scale), int(state.counter)
         (32768.0, 0)
         >>> [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-        ['.scale', '.counter']
+        ['.scale', '.counter', '.last_step_skipped']
     """
 
-    __slots__ = ("_loss_scale", "inner_state", "policy", "paths")
+    __slots__ = ("_loss_scale", "last_step_skipped", "inner_state", "policy", "paths")
 
     def __init__(
         self,
         loss_scale: LossScaleState,
+        last_step_skipped: PyTree,
         inner_state: PyTree,
         policy: LossScalePolicy,
         paths: Sequence[str] = (),
@@ -62,6 +66,7 @@ class DynamicLossScaleState:
         # No checks on the values: JAX rebuilds states around tracers,
         # shape descriptions and sharding specs alike.
         self._loss_scale = loss_scale
+        self.last_step_skipped = last_step_skipped
         self.inner_state = inner_state
         self.policy = policy
         self.paths = tuple(paths)
@@ -77,6 +82,7 @@ class DynamicLossScaleState:
         """Returns a state with new loss-scale fields and/or a new inner state."""
         return DynamicLossScaleState(
             self._loss_scale if loss_scale_state is None else loss_scale_state,
+            self.last_step_skipped,
             self.inner_state if inner_state is None else inner_state,
             self.policy,
             self.paths,
@@ -86,7 +92,10 @@ class DynamicLossScaleState:
         fields = ", ".join(
             f"{f.name}={getattr(self._loss_scale, f.name)!r}" for f in state_fields(self.policy)
         )
-        return f"DynamicLossScaleState({fields}, inner_state={self.inner_state!r})"
+        return (
+            f"DynamicLossScaleState({fields}, last_step_skipped={self.last_step_skipped!r}, "
+            f"inner_state={self.inner_state!r})"
+        )
 
 
 def _field_property(field):
@@ -113,6 +122,7 @@ del _field
 def _flatten_with_keys(state):
     names = [f.name for f in state_fields(state.policy)]
     children = [(jax.tree_util.GetAttrKey(n), getattr(state._loss_scale, n)) for n in names]
+    children.append((jax.tree_util.GetAttrKey("last_step_skipped"), state.last_step_skipped))
     children.append((jax.tree_util.GetAttrKey("inner_state"), state.inner_state))
     return children, (state.policy, state.paths)
 
@@ -124,10 +134,10 @@ def _flatten(state):
 
 def _unflatten(aux, children):
     policy, paths = aux
-    *fields, inner_state = children
+    *fields, last_step_skipped, inner_state = children
     names = [f.name for f in state_fields(policy)]
     return DynamicLossScaleState(
-        LossScaleState(**dict(zip(names, fields))), inner_state, policy, paths
+        LossScaleState(**dict(zip(names, fields))), last_step_skipped, inner_state, policy, paths
     )
 
 
@@ -182,15 +192,16 @@ def find(tree, function):
 
 
 def find_fields(tree):
-    """`{field name: leaf}` of the one loss-scale state in `tree`, or `None`.
+    """`{field name: leaf}` of the loss-scale state in `tree`, `last_step_skipped` too, or `None`.
 
     Works where the state object itself is gone but its fields are kept by
     name: a Flax NNX `State` from `nnx.split` holds a mapping with `scale`,
-    `counter` and `inner_state` keys.
+    `counter`, `last_step_skipped` and `inner_state` keys.
     """
     found = _states_in(_merged_nnx_pair(tree))
     if len(found) == 1:
-        return {f.name: getattr(found[0], f.name) for f in state_fields(found[0].policy)}
+        fields = {f.name: getattr(found[0], f.name) for f in state_fields(found[0].policy)}
+        return {**fields, "last_step_skipped": found[0].last_step_skipped}
     return _fields_by_name(tree)
 
 
@@ -199,16 +210,30 @@ def _states_in(tree):
 
 
 def _fields_by_name(tree):
+    """The loss-scale fields of a mapping holding them by name (an `nnx.split` `State`).
+
+    Such a mapping holds `scale`, `counter` and `last_step_skipped`, other fields of
+    the state and `inner_state` (absent where the inner state holds no
+    arrays, as `optax.sgd`'s), and nothing else. A tuple field comes back
+    as a mapping keyed 0, 1, ...: it is made a tuple again.
+    """
+    names = {f.name for f in dataclasses.fields(LossScaleState)} | {"last_step_skipped"}
     mappings = [tree]
     while mappings:
         mapping = mappings.pop()
         if not isinstance(mapping, Mapping):
             continue
-        if {"scale", "counter", "inner_state"} <= set(mapping):
-            names = {f.name for f in dataclasses.fields(LossScaleState)}
-            return {k: v for k, v in mapping.items() if k in names}
+        keys = set(mapping)
+        if {"scale", "counter", "last_step_skipped"} <= keys and keys <= names | {"inner_state"}:
+            return {k: _as_tuple(v) for k, v in mapping.items() if k in names}
         mappings.extend(mapping.values())
     return None
+
+
+def _as_tuple(value):
+    if isinstance(value, Mapping):
+        return tuple(value[k] for k in sorted(value))
+    return value
 
 
 def _merged_nnx_pair(tree):

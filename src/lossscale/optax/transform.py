@@ -154,8 +154,9 @@ def dynamic_loss_scale(
         checks.check_inner_init(inner_state)
         named = policy.records_details or policy.diagnoses
         paths = leaf_paths(checks.like_gradients(params)) if named else ()
+        skipped = _ops.full((), False, "bool", like=like)
         return DynamicLossScaleState(
-            _initial_state(policy, len(paths), like), inner_state, policy, paths
+            _initial_state(policy, len(paths), like), skipped, inner_state, policy, paths
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -177,7 +178,7 @@ def dynamic_loss_scale(
             # A barrier keeps XLA from fusing the reduction behind the
             # decision into each consumer.
             applied = jax.lax.optimization_barrier(decision.keep)
-            return gate.gated_update(
+            new_updates, new_inner = gate.gated_update(
                 inner.update,
                 applied,
                 _sanitised(applied, decision.grads, treedef),
@@ -186,8 +187,9 @@ def dynamic_loss_scale(
                 extra_args,
                 check=checks.inner_output_check(state.inner_state),
             )
+            return new_updates, jnp.logical_not(applied), new_inner
 
-        new_loss_scale, (new_updates, new_inner) = step.run(
+        new_loss_scale, (new_updates, skipped, new_inner) = step.run(
             _ops,
             policy,
             current,
@@ -196,7 +198,8 @@ def dynamic_loss_scale(
             participants=_participants(axis_name),
             due=diagnostics.due(policy, current.steps) if policy.diagnoses else None,
         )
-        return new_updates, DynamicLossScaleState(new_loss_scale, new_inner, policy, state.paths)
+        new = DynamicLossScaleState(new_loss_scale, skipped, new_inner, policy, state.paths)
+        return new_updates, new
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -257,11 +260,21 @@ def _unscaler(policy):
 
 
 def leaf_paths(tree):
-    """`/`-joined key paths of the array leaves of `tree`, in leaf order."""
+    """`/`-joined key paths of the array leaves of `tree`, in leaf order.
+
+    A Flax NNX `Variable` holds its array as `.value`: its path is the
+    variable's (`kernel`, not `kernel/value`).
+    """
     return tuple(
-        jax.tree_util.keystr(path, simple=True, separator="/")
+        jax.tree_util.keystr(_without_value_key(path), simple=True, separator="/")
         for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
     )
+
+
+def _without_value_key(path):
+    last = path[-1] if path else None
+    wrapped = isinstance(last, jax.tree_util.GetAttrKey) and last.name == "value"
+    return path[:-1] if wrapped and len(path) > 1 else path
 
 
 def _initial_state(policy, count, like):

@@ -35,7 +35,12 @@ def save(variables: Sequence[Any], store: MutableMapping[str, Array]) -> None:
         store[str(i)] = variable.numpy()
 
 
-def check_values(writes: Sequence[tuple], fields: Mapping[int, str], policy: Any = None) -> None:
+def check_values(
+    writes: Sequence[tuple],
+    fields: Mapping[int, str],
+    policy: Any = None,
+    after: str = "Nothing was loaded.",
+) -> None:
     """Refuses a value no step could have left in its variable, before anything is written.
 
     Args:
@@ -44,6 +49,7 @@ def check_values(writes: Sequence[tuple], fields: Mapping[int, str], policy: Any
         fields: `{id(variable): field}` of the variables with a rule
             (`mixed_precision.restored`: the loss-scale fields, `iteration`).
         policy: The `LossScalePolicy` whose bounds the scale keeps, or None.
+        after: The message's last sentence.
 
     Raises:
         ValueError: Naming where the value came from, the value and the rule.
@@ -54,7 +60,7 @@ def check_values(writes: Sequence[tuple], fields: Mapping[int, str], policy: Any
         field = fields.get(id(variable))
         if field is None:
             continue
-        found = restored.refusal(field, where, _host(value), policy)
+        found = restored.refusal(field, where, _host(value), policy, after)
         if found:
             raise ValueError(found)
 

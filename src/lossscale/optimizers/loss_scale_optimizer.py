@@ -597,18 +597,27 @@ class LossScaleOptimizer(Optimizer):
                 the optimizer's own variables.
 
         Returns:
-            A dict with `dynamic_scale` and `step_counter`, and, as the
-            settings track them, `consecutive_skips`, `steps`,
-            `skipped_steps`, `last_overflow_step`, `scale_history`,
-            `nonfinite_variables` (paths), `error`, `error_step`,
-            `overflows` (the overflow window, oldest first: `{"step",
+            A dict with `dynamic_scale` and `step_counter`;
+            `last_step_skipped` (False before the first step since the
+            optimizer was made or loaded; from `optimizer_variables`, only
+            with telemetry); and, as the settings track them,
+            `consecutive_skips`, `steps`, `skipped_steps`,
+            `last_overflow_step`, `scale_history`, `nonfinite_variables`
+            (paths), `error`, `error_step`, `persistent_step`, `overflows`
+            (the overflow window, oldest first: `{"step", "cause",
             "variables", "module", "loss_finite"}` each) and, with
             `diagnostics_every`, `float16_range` and `float16_range_step`.
         """
         state = state_layout.read(self._state, self._reader(optimizer_variables))
         paths = [v.path for v in self._trainable_variables]
-        modules = self._overflow_modules
-        found = telemetry.state_summary(self._ops, state, self.policy, paths, modules)
+        skipped = None
+        if optimizer_variables is None and not self.policy.records_details:
+            # Kept by `apply` (telemetry, where kept, tells it from the state).
+            applied = self._last_applied
+            skipped = False if applied is None else self._ops.logical_not(applied)
+        found = telemetry.state_summary(
+            self._ops, state, self.policy, paths, self._overflow_modules, skipped
+        )
         if self._persistent.on_persistent == "warn":  # where the host reads anyway
             self._persistent.notice(found.get("persistent_step"), lambda: found, len(paths))
         return found
@@ -628,12 +637,33 @@ class LossScaleOptimizer(Optimizer):
         `max_consecutive_skips` is set (reading one scalar); call it
         yourself after `stateless_apply` (for example every few steps of a
         `jax.jit` loop), with the values it returned. Without those limits
-        there is nothing to check and nothing is read.
+        (and without `optimizer_variables`) nothing is read.
 
         Args:
-            optimizer_variables: Optional values for `optimizer.variables`.
-                Defaults to the optimizer's own variables.
+            optimizer_variables: Optional values for `optimizer.variables`
+                (from a jitted loop, or restored by a checkpointer): each
+                is checked to be one a step can leave (a normal positive
+                scale, whole counters) first. Defaults to the optimizer's
+                own variables.
+
+        Raises:
+            ValueError: A value of `optimizer_variables` no step could
+                have left (naming it, its value and the rule).
+            LossScaleError: The state records a crossed limit.
         """
+        read = self._reader(optimizer_variables)  # the count checked first
+        if optimizer_variables is not None:
+            # Values from outside (a jitted loop, a restored pytree): each one a step can leave.
+            optimizer_variables = list(optimizer_variables)
+            checkpoint.check_values(
+                [
+                    (v, x, f"optimizer_variables[{i}] ({v.path})")
+                    for i, (v, x) in enumerate(zip(self.variables, optimizer_variables))
+                ],
+                self._restored_fields(),
+                self.policy,
+                after="Restore a valid state.",
+            )
         policy, watch = self.policy, self._persistent
         watching = (
             policy.records_details
@@ -642,7 +672,6 @@ class LossScaleOptimizer(Optimizer):
         )
         if not watching and not policy.fails_fast:
             return  # nothing to check, nothing read
-        read = self._reader(optimizer_variables)
         count = len(self._trainable_variables)
         if watching:
             watch.notice(
@@ -777,9 +806,10 @@ class LossScaleOptimizer(Optimizer):
         A loss scaled before the load is off by a factor (`ScaleUse`); the
         count of steps (the cadence of `diagnostics_every`) is the restored
         `steps`, one host read: a resumed run measures on the steps the
-        uninterrupted one does.
+        uninterrupted one does. No step of this run is the last one any more.
         """
         self._scale_use.changed()
+        self._last_applied = None
         steps = self._state.get("steps")
         if self.policy.diagnoses and steps is not None:
             self._host_steps = int(steps.numpy())

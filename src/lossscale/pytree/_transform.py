@@ -248,11 +248,13 @@ class Transform:
         return template.summary([state[n] for n in names])
 
     def check(self, state: OptimizerState) -> None:
-        """Raises `LossScaleError` if `state` records a crossed limit.
+        """Raises if `state` holds values no step could have left, or records a crossed limit.
 
-        The jitted step cannot raise; with `min_scale` or
-        `max_consecutive_skips` set, call this between steps (it reads one
-        scalar). Delegates to `LossScaleOptimizer.check`.
+        Call it after restoring `state` with any checkpointer (a NaN or
+        negative scale, a fractional counter: `ValueError`), and, as the
+        jitted step cannot raise, between steps where `min_scale` or
+        `max_consecutive_skips` is set (`LossScaleError`). Delegates to
+        `LossScaleOptimizer.check`.
         """
         template, names = self._known(state, "check")
         template.check([state[n] for n in names])

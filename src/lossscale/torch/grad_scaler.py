@@ -905,6 +905,7 @@ class GradScaler(torch.amp.GradScaler):
         self._ranges = ParameterRanges()
         self._host_steps = self._device_steps = extras.get("steps", 0)
         self._scale_bound = float(np.float32(state_dict["scale"]))
+        self._last_skip = None
         self._scale_use.changed()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -975,8 +976,9 @@ class GradScaler(torch.amp.GradScaler):
 
         Returns:
             `{}` when disabled; otherwise `dynamic_scale` and `step_counter`
-            (torch's scale and growth tracker) and, as the settings track
-            them, `consecutive_skips`, `steps`, `skipped_steps`,
+            (torch's scale and growth tracker), `last_step_skipped` (False
+            before the first `update()`) and,
+            as the settings track them, `consecutive_skips`, `steps`, `skipped_steps`,
             `last_overflow_step`, `scale_history`, `nonfinite_variables`
             (parameter names), `error`, `error_step`, `overflows` (the
             window, oldest first: `{"step", "variables", "module",
@@ -993,6 +995,8 @@ class GradScaler(torch.amp.GradScaler):
             **self._extra_values(),
             **per_variable,
         }
+        if not self._policy.records_details:  # else told from the state's telemetry
+            values["last_step_skipped"] = bool(self.last_step_skipped)  # None before an update
         modules = {}
         if self._observers:
             modules = self._overflow_modules([s for s in values["overflow_steps"] if s >= 0])
