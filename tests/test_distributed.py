@@ -335,3 +335,18 @@ def test_all_true_and_all_max_in_one_process_return_their_input(backend):
     for primitive in (ops.all_true, ops.all_max):
         with pytest.raises(ValueError, match=message):
             primitive(backend.array(np.bool_(True)), object())
+
+
+def test_agreement_every_raises_on_both_ranks_naming_what_drifted(torch_ranks):
+    # Rank 1's state was changed after step 0; `agreement_every=2` checks after step 1.
+    expected = {
+        "loss_scale_optimizer": "`scale` is 1024 on ranks [1], 32768 on ranks [0]",
+        "grad_scaler": "`scale` is 128 on ranks [1], 65536 on ranks [0]",
+        "torch_optimizer": "`param_groups[0] lr` is 0.05 on ranks [1], 0.1 on ranks [0]",
+    }
+    for front_end, named in expected.items():
+        for rank in (0, 1):
+            first, second = torch_ranks["agreement"][rank][front_end]
+            assert first == "", (front_end, rank)
+            assert second.startswith("The ranks' "), (front_end, rank, second)
+            assert "drifted apart by step 1: " in second and named in second, (front_end, second)

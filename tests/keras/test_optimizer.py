@@ -243,3 +243,48 @@ def test_a_resumed_wrapper_measures_on_the_uninterrupted_run_s_steps():
         return scales
 
     assert run(split=3) == run()
+
+
+def _socket_model(**settings):
+    keras.utils.set_random_seed(0)
+    variables = [
+        keras.Variable(np.random.default_rng(i).normal(size=s).astype("float32"), name=f"w{i}")
+        for i, s in enumerate([(64, 33), (4097,), (7,)])
+    ]
+    opt = lsk.LossScaleOptimizer(keras.optimizers.Adam(1e-3), **settings)
+    opt.build(variables)
+    return variables, opt
+
+
+def _socket_step(opt, variables, loss=1.0, bad=()):
+    rng = np.random.default_rng(int(opt.iterations.numpy()) + 10 * len(bad))
+    opt.scale_loss(torch.tensor(loss))
+    scale = float(opt.dynamic_scale.numpy())
+    grads = [rng.normal(size=v.shape).astype("float32") * scale for v in variables]
+    for i in bad:
+        grads[i].reshape(-1)[rng.integers(grads[i].size)] = np.nan
+    opt.apply([torch.from_numpy(g) for g in grads], variables)
+
+
+def test_the_socket_records_each_skip_s_cause():
+    from lossscale.mixed_precision import LossScaleError
+
+    variables, opt = _socket_model(initial_scale=2.0**5, on_persistent="raise")
+    assert opt.policy.records_details  # "raise" turns the telemetry on
+    _socket_step(opt, variables, loss=float("nan"), bad=(0, 1, 2))
+    _socket_step(opt, variables)
+    with pytest.raises(LossScaleError, match=r"^Loss scaling: step 6 was skipped, persistent: "):
+        for _ in range(8):  # 16 -> 1 in four back-offs, then the same variable again
+            _socket_step(opt, variables, bad=(1,))
+    causes = [o["cause"] for o in opt.summary()["overflows"]]
+    assert causes == ["nonfinite_loss"] + ["overflow"] * 4 + ["persistent"]
+    assert opt.summary()["overflows"][-1]["variables"] == ["w1"]
+
+
+def test_the_socket_warns_of_a_loss_scaled_twice():
+    from lossscale.mixed_precision import ScaleMismatchWarning
+
+    variables, opt = _socket_model()
+    loss = torch.tensor([0.5, 0.25])
+    with pytest.warns(ScaleMismatchWarning, match="the loss was scaled twice"):
+        opt.scale_loss(opt.scale_loss(loss))

@@ -677,3 +677,27 @@ def test_diagnostics_reserve_no_copy_of_the_gradients_in_the_jitted_update():
         return compiled.memory_analysis().temp_size_in_bytes
 
     assert reserved(100) - reserved(None) <= 4 * float16_range.PACK_CAPACITY * 1.2
+
+
+def test_each_skip_s_cause_with_the_loss_given_as_value():
+    tx = lso.dynamic_loss_scale(optax.adam(1e-3), 2.0**5, telemetry=True)
+    params = {"b": jnp.zeros(300), "w": jnp.ones((64, 33))}
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    rng = np.random.default_rng(6)
+
+    def grads(bad):
+        out = {k: jnp.asarray(rng.standard_normal(p.shape), jnp.float32) for k, p in params.items()}
+        if bad:
+            flat = out["w"].reshape(-1)
+            out["w"] = flat.at[int(rng.integers(flat.size))].set(jnp.nan).reshape(64, 33)
+        return out
+
+    _, state = step(grads(True), state, params, value=jnp.asarray(jnp.nan))  # NaN data
+    for _ in range(6):  # 16 -> 1 in four back-offs, then the same leaf again: persistent
+        _, state = step(grads(True), state, params, value=jnp.asarray(0.5))
+    summary = lso.summary(state)
+    causes = [o["cause"] for o in summary["overflows"]]
+    assert causes == ["nonfinite_loss"] + ["overflow"] * 4 + ["persistent"] * 2
+    assert summary["persistent_step"] == 5 and summary["overflows"][-1]["variables"] == ["w"]
+    assert [o["loss_finite"] for o in summary["overflows"]] == [False] + [True] * 6

@@ -1435,3 +1435,109 @@ def test_the_last_step_s_skip_is_in_the_summary(telemetry):
         scaler.update()
         seen.append(scaler.summary()["last_step_skipped"])
     assert seen == [False, True, False]
+
+
+def _mlp(depth):
+    """A float32 MLP of `depth` Linear layers (2 * depth parameters), seeded."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(24, 24) for _ in range(depth)])
+
+
+@pytest.mark.parametrize("where", ["weight", "hook", "loss"])
+def test_the_cause_of_each_skip_and_a_persistent_one(where):
+    from lossscale.mixed_precision import PersistentSkipWarning
+
+    model = _mlp(3)
+    params = list(model.parameters())
+    optimizer = torch.optim.Adam(params, lr=1e-3)
+    scaler = lt.GradScaler("cpu", init_scale=2.0**4, telemetry=True)
+    x = torch.randn(64, 24)
+    if where == "hook":
+        params[2].register_hook(lambda g: g * float("nan"))
+    for step in range(8):
+        if where == "weight" and step == 2:
+            with torch.no_grad():
+                params[0][3, 5] = float("nan")
+        loss = model(x).square().mean()
+        if where == "loss" and step >= 2:
+            loss = loss * float("nan")
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scaler.update()
+            summary = scaler.summary()
+        if summary["persistent_step"] is not None:
+            assert [w.category for w in caught] == [PersistentSkipWarning]
+            break
+    causes = [o["cause"] for o in summary["overflows"]]
+    # The loss is NaN where the weight or the loss is; a hook's NaN leaves it finite.
+    before = "overflow" if where == "hook" else "nonfinite_loss"
+    assert causes[-1] == "persistent" and set(causes[:-1]) == {before}, causes
+    assert summary["overflows"][-1]["variables"] == (
+        ["group0.param2"] if where == "hook" else [f"group0.param{i}" for i in range(6)]
+    )
+
+
+def test_on_persistent_raise_stops_at_that_update():
+    model = _mlp(2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = lt.GradScaler("cpu", init_scale=2.0**3, on_persistent="raise")
+    list(model.parameters())[1].register_hook(lambda g: g * float("nan"))
+    with pytest.raises(lossscale.mixed_precision.LossScaleError) as info:
+        for _ in range(10):
+            optimizer.zero_grad()
+            scaler.scale(model(torch.randn(8, 24)).sum()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    assert str(info.value).startswith(
+        "Loss scaling: step 3 was skipped, persistent: the same 1 variable (group0.param1) stayed "
+        "non-finite through back-offs since step 0, down to scale 1"
+    )
+
+
+def test_a_nan_loss_error_is_short_on_a_148_parameter_model():
+    model = _mlp(74)
+    names = [n for n, _ in model.named_parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = lt.GradScaler("cpu", max_consecutive_skips=2)
+    lt.watch(model, scaler)
+    with pytest.raises(lossscale.mixed_precision.LossScaleError) as info:
+        for _ in range(4):
+            optimizer.zero_grad()
+            scaler.scale(model(torch.randn(8, 24)).sum() * float("nan")).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    message = str(info.value)
+    assert len(names) == 148 and len(message) <= 4000, len(message)
+    first = message.splitlines()[0]
+    assert first.startswith(
+        "Loss scaling failed at step 2: nonfinite_loss: the loss itself was NaN or inf at step 2"
+    )
+    # Three names, then a count: "148 variables (0.weight, 0.bias, 1.weight and 145 more)".
+    assert f"148 variables ({names[0]}, {names[1]}, {names[2]} and 145 more)" in message
+
+
+def test_scale_misuse_is_refused_or_warned():
+    from lossscale.mixed_precision import ScaleMismatchWarning
+
+    with pytest.raises(ValueError, match=r"^`init_scale` must be at least 2\*\*-126"):
+        lt.GradScaler("cpu", init_scale=1e-45)
+    scaler = lt.GradScaler("cpu")
+    with pytest.raises(TypeError, match=r"^`outputs` must be .* Received: .*str"):
+        scaler.scale("loss")
+    model = _mlp(2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(8, 24)).sum()
+    with pytest.warns(ScaleMismatchWarning, match="the loss was scaled twice"):
+        scaler.scale(scaler.scale(loss)).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    # The scale set between scaling and stepping: another scaler, warned once there.
+    other = lt.GradScaler("cpu")
+    optimizer.zero_grad()
+    other.scale(model(torch.randn(8, 24)).sum()).backward()
+    other.update(2.0**9)
+    with pytest.warns(ScaleMismatchWarning, match="the scale changed between scaling the loss"):
+        other.step(optimizer)

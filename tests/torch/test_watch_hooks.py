@@ -334,3 +334,22 @@ def test_a_model_with_a_sparse_embedding_is_watched_through_its_stored_values():
     assert model[0].weight.grad.is_sparse
     watch.on_step(torch.tensor(False), 0)
     assert watch.modules_at([0]) == {0: "1"}  # where the inf started, not the embedding
+
+
+def test_a_watched_loss_scale_optimizer_names_its_variables_from_the_module():
+    import lossscale as ls
+
+    model = MLP()
+    params = list(model.parameters())
+    opt = ls.LossScaleOptimizer(ls.optimizers.SGD(0.01), initial_scale=SCALE, telemetry=True)
+    opt.build(params)  # unnamed torch tensors: param_0, param_1, ...
+    handle = ls.torch.watch(model, opt)
+    overflow_in_backward(model.inp, model.mid)
+    backward_step(model, mlp_loss, mlp_batch())
+    opt.apply([p.grad for p in params], params)
+    (overflow,) = opt.summary()["overflows"]
+    assert overflow["module"] == "mid" and overflow["variables"]
+    assert set(overflow["variables"]) <= {name for name, _ in model.named_parameters()}
+    assert opt.summary()["nonfinite_variables"] == overflow["variables"]
+    handle.remove()  # the names go with the watch
+    assert all(n.startswith("param_") for n in opt.summary()["overflows"][0]["variables"])

@@ -127,6 +127,64 @@ def collectives(rank):
     }
 
 
+def agreement(rank):
+    """`agreement_every=2`: rank 1's state changed behind the optimizer's back after step 0.
+
+    Each front end steps twice on both ranks; the check after the second
+    step must raise `LossScaleError` on both, naming what differs.
+    """
+    from lossscale.mixed_precision import LossScaleError
+
+    torch.manual_seed(0)
+    out = {}
+
+    def steps(step, change):
+        messages = []
+        for k in range(2):
+            try:
+                step()
+                messages.append("")
+            except LossScaleError as error:
+                messages.append(str(error))
+            if k == 0 and rank == 1:
+                change()
+        return np.array(messages)
+
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = ls.LossScaleOptimizer(ls.optimizers.SGD(0.1), agreement_every=2)
+
+    def apply():
+        scale = float(opt.dynamic_scale)
+        opt.scale_loss(torch.tensor(1.0))
+        opt.apply([torch.randn(s) * scale for s in SHAPES], params)
+
+    out["loss_scale_optimizer"] = steps(apply, lambda: opt.dynamic_scale.value.fill_(2.0**10))
+
+    model = torch.nn.Linear(8, 4)
+    torch_sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    agreeing = ls.torch.GradScaler("cpu", agreement_every=2)
+    ours = ls.torch.Optimizer(model.parameters(), ls.optimizers.SGD(0.1), agreement_every=2)
+    for name, optimizer, scaler, change in (
+        # A scale set on one rank only; a learning rate moved on one rank only.
+        ("grad_scaler", torch_sgd, agreeing, lambda: agreeing.update(2.0**7)),
+        (
+            "torch_optimizer",
+            ours,
+            ls.torch.GradScaler("cpu"),
+            lambda: ours.param_groups[0].update(lr=0.05),
+        ),
+    ):
+
+        def train_step(optimizer=optimizer, scaler=scaler):
+            optimizer.zero_grad()
+            scaler.scale(model(torch.randn(16, 8)).square().mean()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+
+        out[name] = steps(train_step, change)
+    return out
+
+
 SCENARIOS = {
     "sharded": lambda rank: sharded(rank, singleton_groups=False),
     "sharded_statistics": lambda rank: sharded(
@@ -135,6 +193,7 @@ SCENARIOS = {
     "sharded_without_agreement": lambda rank: sharded(rank, singleton_groups=True),
     "ddp": ddp,
     "collectives": collectives,
+    "agreement": agreement,
 }
 
 

@@ -194,7 +194,14 @@ class Agreement:
         """Whether the step numbered `step` (from 0, counted on the host) is checked."""
         return self.every is not None and (step + 1) % self.every == 0
 
-    def check(self, ops: Any, group: Any, fields: Mapping[str, Any], step: int) -> None:
+    def check(
+        self,
+        ops: Any,
+        group: Any,
+        fields: Mapping[str, Any],
+        step: int,
+        what: str = "loss-scale states",
+    ) -> None:
         """Raises `LossScaleError` where the participants' `fields` differ.
 
         Args:
@@ -204,14 +211,14 @@ class Agreement:
             fields: `{name: scalar array}`, the same names on every
                 participant.
             step: The step (for the message).
+            what: What the fields are, for the message.
         """
         if not ops.several_participants(group):
             return
         names = list(fields)
         values = ops.stack([ops.cast(fields[n], "float32") for n in names])
         both = ops.all_max(ops.stack([values, -values]), group)
-        high, low = np.split(np.asarray(ops.to_numpy(both), np.float64), 2)
-        low = -low
+        high, low = np.asarray(ops.to_numpy(both), np.float64) * [[1.0], [-1.0]]
         if np.array_equal(high, low, equal_nan=True):
             return
         every = np.asarray(ops.to_numpy(ops.all_gather(values, group)), np.float64)
@@ -227,7 +234,7 @@ class Agreement:
                 + ", ".join(f"{v:g} on ranks {ranks}" for v, ranks in sorted(by_value.items()))
             )
         raise LossScaleError(
-            f"The ranks' loss-scale states drifted apart by step {step}: "
+            f"The ranks' {what} drifted apart by step {step}: "
             + "; ".join(problems)
             + ". Every rank must take the same decision: a resume that loaded another rank's "
             "file, a scaler stepped on some ranks only, or a load_state_dict on one rank does "

@@ -282,6 +282,7 @@ class LossScaleOptimizer(Optimizer):
         # Step observers (`lossscale.torch.watch`), and the last step's
         # decision (`last_step_applied`).
         self._observers = []
+        self._observer_names = {}  # id(observer) -> {id(array): name}
         self._last_applied = None
 
     def _add_state_variable(self, spec):
@@ -551,7 +552,9 @@ class LossScaleOptimizer(Optimizer):
         return ops_for(*present).all_finite(present)
 
     # --- observers: where an overflow started --------------------------------
-    def register_step_observer(self, observer: Any) -> ObserverHandle:
+    def register_step_observer(
+        self, observer: Any, parameter_names: Sequence[tuple[Any, str]] | None = None
+    ) -> ObserverHandle:
         """Calls `observer.on_step(finite, step)` in every `apply`, with device values.
 
         `finite` is the step's agreed skip decision (True: applied), `step`
@@ -560,11 +563,27 @@ class LossScaleOptimizer(Optimizer):
         module where each overflow of the window started. Used by
         `lossscale.torch.watch`. Not called under `stateless_apply`.
 
+        Args:
+            observer: An object with `on_step(finite, step)` and
+                `modules_at(steps)`.
+            parameter_names: Optional `(array, name)` pairs (a module's
+                `named_parameters()`): while the observer is registered,
+                a variable holding one of these arrays is named so in
+                `summary()` and `LossScaleError` (else by its path).
+
         Returns:
             A handle whose `remove()` unregisters the observer.
         """
         self._observers.append(observer)
+        self._observer_names[id(observer)] = {id(a): n for a, n in (parameter_names or [])}
         return ObserverHandle(self._observers, observer)
+
+    def _variable_names(self) -> list[str]:
+        """The model variables' names: a registered observer's where it has one, else paths."""
+        names = {}
+        for observer in self._observers:
+            names.update(self._observer_names.get(id(observer), {}))
+        return [names.get(id(v.storage), v.path) for v in self._trainable_variables]
 
     def _notify_observers(self, finite: Array, step_index: Array | None) -> None:
         if not self._observers:
@@ -609,7 +628,7 @@ class LossScaleOptimizer(Optimizer):
             `diagnostics_every`, `float16_range` and `float16_range_step`.
         """
         state = state_layout.read(self._state, self._reader(optimizer_variables))
-        paths = [v.path for v in self._trainable_variables]
+        paths = self._variable_names()
         skipped = None
         if optimizer_variables is None and not self.policy.records_details:
             # Kept by `apply` (telemetry, where kept, tells it from the state).
@@ -860,7 +879,7 @@ class LossScaleOptimizer(Optimizer):
         state["process_group"] = SharedHandle.wrap(
             self.process_group, "process_group", type(self).__name__
         )
-        state["_observers"] = []
+        state["_observers"], state["_observer_names"] = [], {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from lossscale import validation
 from lossscale.backends import get_ops
+from lossscale.mixed_precision import diagnosis
 from lossscale.optimizers.base import Optimizer as LossscaleOptimizer
 from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from lossscale.variables import Variable
@@ -69,6 +70,15 @@ class Optimizer(torch.optim.Optimizer):
         optimizer: A lossscale optimizer, not built, e.g.
             `lossscale.optimizers.AdamW(1e-3, weight_decay=0.01)`: the rule
             and its defaults. It is used as a template and not changed.
+        agreement_every: Int >= 1 or `None` (default). Every this many
+            steps, check that every rank of `process_group` holds the same
+            step count and learning rate in each param group (one small
+            all-reduce), and raise `LossScaleError` on every rank, naming
+            the group, the values and the ranks, where they differ (a
+            scheduler or a step taken on some ranks only, a state dict
+            loaded on one rank).
+        process_group: The `torch.distributed` group `agreement_every`
+            checks; `None`: the default group.
 
     Examples:
 
@@ -90,6 +100,9 @@ class Optimizer(torch.optim.Optimizer):
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         optimizer: LossscaleOptimizer,
+        *,
+        agreement_every: int | None = None,
+        process_group: Any = None,
     ) -> None:
         if not isinstance(optimizer, LossscaleOptimizer) or isinstance(
             optimizer, LossScaleOptimizer
@@ -124,6 +137,9 @@ class Optimizer(torch.optim.Optimizer):
         # Each group's float "lr" as its rule last received it (a change is assigned).
         self._rule_lrs = []
         self.last_step_applied = None
+        self._agreement = diagnosis.Agreement(agreement_every)
+        self._process_group = process_group
+        self._steps_taken = 0  # on the host, for `agreement_every`
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -219,7 +235,20 @@ class Optimizer(torch.optim.Optimizer):
             with rule._ops.quiet():
                 rule._step(grads, variables, keep=keep, grad_scale=folded, found_inf=flag)
         self.last_step_applied = True if found_inf is None else keep
+        self._steps_taken += 1
+        if self._agreement.due(self._steps_taken - 1):
+            self._agree(self._steps_taken - 1)
         return loss
+
+    def _agree(self, step):
+        """`agreement_every`: each group's step count and lr, alike on every rank."""
+        fields = {}
+        for index, (group, rule) in enumerate(zip(self.param_groups, self._rules)):
+            fields[f"param_groups[{index}] step"] = rule.iterations.value
+            fields[f"param_groups[{index}] lr"] = torch.as_tensor(
+                group["lr"], dtype=torch.float32, device=rule.iterations.value.device
+            )
+        self._agreement.check(_OPS, self._process_group, fields, step, "optimizer states")
 
     def _moved(self, index, group, rule):
         """`{setting: value}` the group moved since the rule last took it (a scheduler, say).
@@ -384,12 +413,18 @@ class Optimizer(torch.optim.Optimizer):
             "param_groups": groups,
             "state_dict": self.state_dict(),
             "last_step_applied": self.last_step_applied,
+            "agreement_every": self._agreement.every,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuilds the optimizer over `state`'s parameters and loads its state dict."""
         rule_class, config = state["rule"]
-        Optimizer.__init__(self, state["param_groups"], rule_class.from_config(config))
+        Optimizer.__init__(
+            self,
+            state["param_groups"],
+            rule_class.from_config(config),
+            agreement_every=state.get("agreement_every"),
+        )
         self.load_state_dict(state["state_dict"])
         self.last_step_applied = state["last_step_applied"]
 

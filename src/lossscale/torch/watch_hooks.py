@@ -52,7 +52,6 @@ from typing import Any
 
 import torch
 
-from lossscale.torch.grad_scaler import GradScaler
 from lossscale.torch.gradients import stored_values
 
 HISTORY_LENGTH = 8
@@ -251,9 +250,9 @@ def watch(model: torch.nn.Module, scaler_or_optimizer: Any) -> Watch:
     """Records, on the device, the module each overflow started in.
 
     See the module docstring for which module is reported. The names show
-    in `summary()["overflows"]` of the target and in its `LossScaleError`;
-    a `GradScaler` also takes its parameter names from `model` (else from
-    its optimizers' param groups).
+    in `summary()["overflows"]` of the target and in its `LossScaleError`,
+    which also takes its parameter names from `model` (`named_parameters()`)
+    while the watch is on.
 
     Args:
         model: The `torch.nn.Module` trained.
@@ -290,10 +289,7 @@ def watch(model: torch.nn.Module, scaler_or_optimizer: Any) -> Watch:
             f"{type(scaler_or_optimizer).__name__} with telemetry=False"
         )
     handle = Watch(model, history_length=policy.history_length)
-    if isinstance(scaler_or_optimizer, GradScaler):
-        registration = register(handle, parameter_names=handle.parameter_names)
-    else:
-        registration = register(handle)
+    registration = register(handle, parameter_names=handle.parameter_names)
     handle._attached(registration)
     return handle
 
