@@ -295,3 +295,13 @@ def test_hf_trainer_example_logs_unscaled_norms_and_holds_the_lr_on_skips(tmp_pa
     losses = re.search(r"loss (\S+) -> (\S+)", last)
     assert float(losses.group(2)) < float(losses.group(1)) - 1.0  # it learns
     assert float(re.search(r"loss scale (\S+)", last).group(1)) >= 2.0**16
+
+
+def test_scale_collapse_example_stops_at_the_persistent_step(tmp_path):
+    proc = _run_recipe("scale_collapse.py", "scale_collapse.md", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = proc.stdout.strip()
+    # The page shows the output verbatim.
+    assert f"```text\n{printed}\n```" in (ROOT / "docs" / "scale_collapse.md").read_text()
+    assert printed.splitlines()[-1] == "  step 13: persistent, ['2.weight']"
+    assert (tmp_path / "persistent.pt").exists()  # the hook saved the model and the batch

@@ -665,6 +665,18 @@ BAD = {
         _changed(_set(("state", 2), {"momentum": torch.zeros(4, 3), "velocity": torch.zeros(3)})),
         r"must have the shape \(4, 3\)",
     ),
+    # A step count below 0: the next step's bias correction writes NaN into every weight.
+    "negative_iteration": (
+        _changed(
+            lambda bad: bad["param_groups"][1].update(
+                optimizer_variables={
+                    **bad["param_groups"][1]["optimizer_variables"],
+                    "adam_group1/iteration": torch.tensor(-1),
+                }
+            )
+        ),
+        r"holds -1, but the optimizer's step count must be an integer >= 0. Nothing was loaded.",
+    ),
 }
 
 
