@@ -36,7 +36,7 @@ def test_example_is_short():
     assert len(text.splitlines()) < 80
     assert "torch.compile(" in text and "state_dict()" in text and "load_state_dict(" in text
     # The whole float16 step in one graph (a graph break would raise), and
-    # what torch needs for it, as docs/torch.md says.
+    # what torch needs for it, as docs/torch_compile.md says.
     assert "fullgraph=True" in text and "dtype=torch.float16" in text
     assert "torch._dynamo.config.trace_autograd_ops = True" in text
     docs = (EXAMPLE.parent.parent / "docs" / "torch.md").read_text()

@@ -1,11 +1,7 @@
 """The checkpoint file format of `lossscale.saving`: written durably, read and verified.
 
-A checkpoint is one safetensors file: arrays "0", "1", ... and metadata
-naming the format, its version, the optimizer's (or transform's) config and,
-per array, its path, shape, dtype and SHA-256 digest. `write` replaces a
-file only once the new one is on disk; `read` checks everything before
-returning, so a caller that writes only after `read` writes nothing from a
-damaged file.
+One safetensors file: arrays "0", "1", ... and metadata naming the format, its
+version, the config and, per array, its path, shape, dtype and SHA-256 digest.
 """
 
 import hashlib
@@ -66,11 +62,7 @@ def write(path, arrays, metadata):
 
 
 def _durable_replace(temporary, path):
-    """Renames `temporary` to `path` so that a power loss leaves one or the other.
-
-    The file's bytes reach the disk before the rename (else the new name
-    could point at a truncated file), and the directory entry after it.
-    """
+    """Renames `temporary` to `path`, syncing the bytes before and the directory after."""
     with open(temporary, "rb") as f:
         os.fsync(f.fileno())
     os.replace(temporary, path)

@@ -1,12 +1,7 @@
 """The `lossscale` command line.
 
-`lossscale demo` trains a small network four times (float32; float16
-without loss scaling; float16 with `LossScaleOptimizer`, under the fixed
-and the statistics growth policy) and compares them.
-`lossscale bench` runs the optimizer-step benchmark of `lossscale.bench`,
-which reads its own options. Also `python -m lossscale ...`.
-
-Bad options exit with status 2 and a message naming the option; a missing
+`lossscale demo` (`lossscale.demo`) and `lossscale bench` (`lossscale.bench`,
+which reads its own options). Bad options exit with status 2; a missing
 optional package exits with status 1 and says what to install.
 """
 
@@ -171,8 +166,7 @@ def _run_demo(args):
 
 
 def _run_bench(argv):
-    # Imported here: the benchmark pulls in torch, jax and the reference
-    # libraries, which `lossscale demo` and `--help` must not need.
+    # Imported here: `lossscale demo` and `--help` must not need the benchmark.
     try:
         bench = importlib.import_module("lossscale.bench")
     except ModuleNotFoundError as error:

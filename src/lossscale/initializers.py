@@ -1,28 +1,20 @@
 """Initializers for `Variable`s created from a shape and dtype.
 
-An initializer is a string name, a Python number (a constant fill), or a
-callable `(shape, dtype) -> array`. Values are made in NumPy and then placed
-on the target backend, so every backend starts from identical numbers.
+Values are made in NumPy and then placed on the target backend, so every
+backend starts from identical numbers.
 """
 
 import numpy as np
 
-_NAMES = ("zeros", "ones", "random_normal", "random_uniform")
-
-
-def _random_normal(shape, dtype, seed=None):
-    return np.random.default_rng(seed).normal(0.0, 0.05, size=shape).astype(dtype)
-
-
-def _random_uniform(shape, dtype, seed=None):
-    return np.random.default_rng(seed).uniform(-0.05, 0.05, size=shape).astype(dtype)
-
-
 _BUILTIN = {
     "zeros": lambda shape, dtype: np.zeros(shape, dtype=dtype),
     "ones": lambda shape, dtype: np.ones(shape, dtype=dtype),
-    "random_normal": _random_normal,
-    "random_uniform": _random_uniform,
+    "random_normal": lambda shape, dtype: (
+        np.random.default_rng().normal(0.0, 0.05, size=shape).astype(dtype)
+    ),
+    "random_uniform": lambda shape, dtype: (
+        np.random.default_rng().uniform(-0.05, 0.05, size=shape).astype(dtype)
+    ),
 }
 
 
@@ -37,18 +29,13 @@ def get(initializer):
     Returns:
         A callable `(shape, dtype)` returning an array.
     """
-    if isinstance(initializer, str):
-        if initializer not in _BUILTIN:
-            raise ValueError(
-                f"`initializer` must be one of {_NAMES}, a number or a callable. "
-                f"Received: initializer={initializer!r}"
-            )
+    if isinstance(initializer, str) and initializer in _BUILTIN:
         return _BUILTIN[initializer]
     if isinstance(initializer, (int, float, np.number)) and not isinstance(initializer, bool):
         return lambda shape, dtype: np.full(shape, initializer, dtype=dtype)
     if callable(initializer):
         return initializer
     raise ValueError(
-        f"`initializer` must be one of {_NAMES}, a number or a callable. "
+        f"`initializer` must be one of {tuple(_BUILTIN)}, a number or a callable. "
         f"Received: initializer={initializer!r}"
     )

@@ -1,28 +1,16 @@
 """Safe, portable optimizer checkpoints: one safetensors file, no pickle.
 
-A checkpoint holds every variable of an optimizer (`optimizer.variables`,
-in order, as plain arrays) and, in the file's text metadata, the optimizer's
-config as JSON plus, per variable, its path, shape, dtype and SHA-256
-digest. Loading parses JSON and raw arrays only: nothing is unpickled,
-imported or executed. Arrays are written from NumPy and read back into any
-backend, so a state saved from torch resumes on NumPy or JAX.
+A checkpoint holds every variable of an optimizer as plain arrays and, in
+its metadata, the config as JSON and each variable's path, shape, dtype and
+SHA-256 digest. Loading executes nothing, and a state saved from one backend
+resumes on any other. Every problem with a file raises `CheckpointError`
+before any variable is written; `save` replaces a file atomically and
+durably.
 
-Every problem with a file (missing, truncated, corrupt, written by another
-optimizer or for other variables) raises `CheckpointError` naming the path
-and the problem, before any variable is written: a failed `restore` leaves
-the optimizer exactly as it was. `save` writes a temporary file, flushes it
-to disk (`fsync`), renames it over the checkpoint's name and flushes the
-directory, so neither an interrupted save nor a power loss leaves a
-truncated file under that name.
-
-Pure optimizers keep their state in pytrees the caller holds: a
-`lossscale.pytree` transform and an optax transformation (such as
-`lossscale.optax.dynamic_loss_scale`) are saved with that state,
-`save(tx, path, state=state)`, and restored into a target of the same
-structure, `state = restore(tx, path, state=target)`, where the target may
-be `jax.eval_shape(tx.init, params)`. Such a file has its own format name
-(`lossscale.state`; see `lossscale.pytree._checkpoint`), so it never loads
-as an optimizer's variables, nor the other way round.
+A `lossscale.pytree` transform or an optax transformation is saved with its
+state, `save(tx, path, state=state)`, and restored into a target of the same
+structure, `state = restore(tx, path, state=target)` (the target may be
+`jax.eval_shape(tx.init, params)`).
 
 `safetensors` is an optional dependency, imported on first use.
 
@@ -66,11 +54,7 @@ def save(
     path: str | os.PathLike[str],
     state: PyTree | None = None,
 ) -> None:
-    """Writes `optimizer`'s config and every variable to one safetensors file.
-
-    A `lossscale.pytree` transform or an optax transformation keeps its
-    state in a pytree instead: pass it as `state`, the one `init`, `apply`
-    or `update` last returned.
+    """Writes `optimizer`'s config and every variable (or a transform's `state`) to a file.
 
     Args:
         optimizer: A built `lossscale.optimizers.Optimizer`; or a
@@ -86,42 +70,39 @@ def save(
 
     if not isinstance(optimizer, Optimizer):
         config, names, arrays = _checkpoint.payload(optimizer, state)
-        entries = [checkpoint_files.entry(name, a) for name, a in zip(names, arrays)]
-        checkpoint_files.write(
-            path, arrays, checkpoint_files.metadata(checkpoint_files.STATE_FORMAT, config, entries)
-        )
-        return
-    if state is not None:
-        raise ValueError(
-            "`state` is for transforms, whose state is a pytree; an Optimizer saves its own "
-            f"variables: lossscale.saving.save(optimizer, path). Received: state of type "
-            f"{type(state).__name__}"
-        )
-    _check_not_a_blueprint(optimizer)
-    if not optimizer.built:
-        raise ValueError(
+        format_name = checkpoint_files.STATE_FORMAT
+    else:
+        _check_optimizer(
+            optimizer,
+            state,
+            "save",
             "`optimizer` must be built before saving, so that all of its variables exist. "
-            "Call `optimizer.build(trainable_variables)` or `apply` first."
+            "Call `optimizer.build(trainable_variables)` or `apply` first.",
         )
-    try:
-        config = json.dumps(serialization.serialize(optimizer))
-    except (TypeError, ValueError) as error:
-        raise ValueError(
-            f"The config of {type(optimizer).__name__} cannot be written as JSON ({error}); "
-            "a callable learning rate, for one, cannot be saved: use a float or a "
-            "LearningRateSchedule."
-        ) from None
-    arrays = [np.asarray(v.numpy(), order="C") for v in optimizer.variables]
-    entries = [checkpoint_files.entry(v.path, a) for v, a in zip(optimizer.variables, arrays)]
-    checkpoint_files.write(
-        path, arrays, checkpoint_files.metadata(checkpoint_files.FORMAT, config, entries)
-    )
+        try:
+            config = json.dumps(serialization.serialize(optimizer))
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"The config of {type(optimizer).__name__} cannot be written as JSON ({error}); "
+                "a callable learning rate, for one, cannot be saved: use a float or a "
+                "LearningRateSchedule."
+            ) from None
+        arrays = [np.asarray(v.numpy(), order="C") for v in optimizer.variables]
+        names, format_name = [v.path for v in optimizer.variables], checkpoint_files.FORMAT
+    entries = [checkpoint_files.entry(name, a) for name, a in zip(names, arrays)]
+    checkpoint_files.write(path, arrays, checkpoint_files.metadata(format_name, config, entries))
 
 
-def _check_not_a_blueprint(optimizer):
-    """Refuses an optimizer given to `lossscale.pytree.transform`: it holds no training state."""
+def _check_optimizer(optimizer, state, verb, unbuilt):
+    """Refuses a `state`, a `lossscale.pytree.transform` blueprint and an unbuilt optimizer."""
     from lossscale.pytree._transform import is_blueprint
 
+    if state is not None:
+        raise ValueError(
+            f"`state` is for transforms, whose state is a pytree; an Optimizer {verb}s its "
+            f"own variables: lossscale.saving.{verb}(optimizer, path). Received: state of "
+            f"type {type(state).__name__}"
+        )
     if not optimizer.built and is_blueprint(optimizer):
         raise ValueError(
             "This optimizer was given to lossscale.pytree.transform, which never builds or "
@@ -130,6 +111,8 @@ def _check_not_a_blueprint(optimizer):
             "state=state), and restore it with lossscale.saving.restore(tx, path, "
             f"state=tx.init(params)). Received: optimizer={optimizer!r}"
         )
+    if not optimizer.built:
+        raise ValueError(unbuilt)
 
 
 def restore(
@@ -139,15 +122,10 @@ def restore(
 ) -> PyTree | None:
     """Loads the state saved in `path` into `optimizer` (built, same structure).
 
-    Everything is checked first (the file, the optimizer classes, the
-    number, shapes and kinds of the variables); on any error nothing is
-    written.
-
-    For a `lossscale.pytree` transform or an optax transformation, which
-    hold no state, `state` is the target (a state of the same tree, such as
-    `tx.init(params)` or `jax.eval_shape(tx.init, params)`) and a new state
-    is returned, each array made like the target's (dtype, device,
-    sharding); the target's values are not read.
+    Everything is checked first; on any error nothing is written. For a
+    transform, `state` is the target (such as `tx.init(params)` or
+    `jax.eval_shape(tx.init, params)`) and a new state is returned, each
+    array made like the target's; the target's values are not read.
 
     Args:
         optimizer: A built optimizer of the classes that wrote the file; or
@@ -171,21 +149,15 @@ def restore(
         return _checkpoint.restore(
             optimizer, checkpoint, state, checkpoint_files.fail, validation.dtype_kind
         )
-    if state is not None:
-        raise ValueError(
-            "`state` is for transforms, whose state is a pytree; an Optimizer restores its "
-            "own variables: lossscale.saving.restore(optimizer, path). Received: state of "
-            f"type {type(state).__name__}"
-        )
-    _check_not_a_blueprint(optimizer)
-    if not optimizer.built:
-        raise ValueError(
-            "`optimizer` must be built before `restore`, so that all of its variables exist. "
-            "Call `optimizer.build(trainable_variables)` first, or use "
-            "`lossscale.saving.load(path, trainable_variables)`."
-        )
-    checkpoint = checkpoint_files.read(os.fspath(path))
-    _assign(optimizer, checkpoint)
+    _check_optimizer(
+        optimizer,
+        state,
+        "restore",
+        "`optimizer` must be built before `restore`, so that all of its variables exist. "
+        "Call `optimizer.build(trainable_variables)` first, or use "
+        "`lossscale.saving.load(path, trainable_variables)`.",
+    )
+    _assign(optimizer, checkpoint_files.read(os.fspath(path)))
 
 
 def load(

@@ -1,9 +1,7 @@
 """Type aliases used in lossscale's signatures.
 
-lossscale takes and returns the arrays of whichever framework the data comes
-from, so arrays are typed loosely: `Array` is `Any`. The aliases say what a
-parameter means; a type checker reads most of them as `Any`. Nothing here
-imports torch, JAX or TensorFlow.
+Arrays of any framework are typed loosely (`Array` is `Any`): the aliases
+say what a parameter means. Nothing here imports torch, JAX or TensorFlow.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ PyTree: TypeAlias = Any
 """A pytree: nested dicts, lists and tuples (or any registered JAX pytree node)
 with arrays as leaves."""
 
-# Imported last, at run time (so that hints resolve with `typing.get_type_hints`):
-# the schedules import the aliases above from this module while it loads.
+# Imported last, at run time (for `typing.get_type_hints`): the schedules import the above.
 from lossscale.schedules.base import LearningRateSchedule  # noqa: E402
 
 LearningRate: TypeAlias = float | LearningRateSchedule | Callable[[], float | Array]

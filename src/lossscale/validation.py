@@ -1,10 +1,6 @@
-"""One place for argument checks, with Keras-style messages.
+"""Argument checks with Keras-style messages: "`x` must be an integer >= 1. Received: x=0"."""
 
-Every message names the argument, says what is accepted and shows what was
-received: "`dynamic_growth_steps` must be an integer >= 1. Received:
-dynamic_growth_steps=0".
-"""
-
+import inspect
 import math
 import numbers
 
@@ -24,18 +20,9 @@ def check_number(
     allow_none=False,
     integer=False,
 ):
-    """Checks a real (or integer) number against optional bounds.
+    """Returns `value`, a real (or integer) number within the optional bounds, or raises.
 
-    Args:
-        name: Argument name used in the message.
-        value: The received value.
-        low, high: Optional bounds.
-        low_open, high_open: Whether the bound itself is excluded.
-        allow_none: Whether `None` is accepted.
-        integer: Whether only integers are accepted.
-
-    Returns:
-        `value` (unchanged) when it is accepted.
+    `low_open`, `high_open`: whether the bound itself is excluded.
     """
     if value is None and allow_none:
         return value
@@ -75,11 +62,7 @@ def check_choice(name, value, choices):
 
 
 def dtype_kind(dtype):
-    """`"float"`, `"int"`, `"bool"` or `"complex"` for a dtype or dtype name.
-
-    Restored values are cast within a kind (an int64 counter into int32
-    state), never across (a float into an integer counter would truncate).
-    """
+    """`"float"`, `"int"`, `"bool"` or `"complex"` for a dtype or dtype name."""
     name = str(dtype).removeprefix("torch.")
     for kind in ("bool", "int", "float", "complex"):
         if kind in name:
@@ -88,20 +71,10 @@ def dtype_kind(dtype):
 
 
 def check_config(cls, config, accepted=None):
-    """Checks a config dict against the constructor it is for.
+    """Returns `config` if it holds every required argument of `cls.__init__` and only `accepted`.
 
-    Args:
-        cls: The class whose `from_config` reads `config`.
-        config: The received config.
-        accepted: The keys `cls` takes; defaults to the named arguments of
-            `cls.__init__`.
-
-    Raises:
-        ValueError: `config` is not a dict, lacks a required argument of
-            `cls.__init__`, or holds a key that is not accepted.
+    `accepted` defaults to the named arguments of `cls.__init__`.
     """
-    import inspect
-
     if not isinstance(config, dict):
         _fail("config", f"a dict of {cls.__name__}'s arguments", config)
     parameters = [

@@ -19,31 +19,24 @@ AGGREGATIONS = (None, "none", "mean", "sum", "only_first_replica")
 class Variable:
     """A named, assignable array living on one backend (NumPy, torch or JAX).
 
-    A `Variable` either wraps an existing native array (without copying: a
-    torch `nn.Parameter` wrapped here is updated in place by optimizers, and
-    a NumPy array sees every update) or creates one from an initializer,
-    shape and dtype. On JAX, arrays are immutable and `assign` rebinds.
+    It wraps a native array without copying (updated in place; on JAX,
+    `assign` rebinds) or creates one from an initializer, shape and dtype.
 
     Args:
-        initializer: A native array (NumPy `ndarray`, `torch.Tensor`,
-            `jax.Array`, `tf.Variable`) or a Keras 3 `keras.Variable` to wrap
-            (its name, path and constraint are taken too), a Python number or nested list (converted
-            to a NumPy array), or an initializer (`"zeros"`, `"ones"`,
-            `"random_normal"`, `"random_uniform"`, a callable
-            `(shape, dtype)`) used with `shape`.
+        initializer: A native array or a Keras 3 `keras.Variable` to wrap
+            (with its name, path and constraint), a number or nested list,
+            or an initializer (`"zeros"`, `"ones"`, `"random_normal"`,
+            `"random_uniform"`, a callable `(shape, dtype)`) used with `shape`.
         shape: Shape tuple; required with a string or callable initializer.
         dtype: Dtype name such as `"float32"`. Defaults to the wrapped
-            array's dtype, or `"float32"` for initializers. Giving a dtype
-            different from a wrapped array's converts (copies) it.
+            array's (another converts it), else `"float32"`.
         trainable: Boolean, whether the variable is trained.
         name: String name. Defaults to `"variable"`.
         aggregation: One of `None`, `"none"`, `"mean"`, `"sum"`,
             `"only_first_replica"`: how replicas combine this variable.
-        overwrite_with_gradient: Boolean. If `True`, optimizers assign the
-            gradient to this variable instead of applying an update rule.
-        constraint: Optional callable applied to the new value after each
-            optimizer update (e.g. a projection onto a norm ball).
-        backend: `"numpy"`, `"torch"` or `"jax"`, for variables created from
+        overwrite_with_gradient: Boolean. If `True`, optimizers assign it its gradient.
+        constraint: Optional callable applied to the value after each update.
+        backend: `"numpy"`, `"torch"` or `"jax"`, for a variable created from
             an initializer. Defaults to `like`'s backend, else `"numpy"`.
         like: Optional array: new variables take its backend and device.
 
@@ -72,10 +65,8 @@ class Variable:
         backend: str | None = None,
         like: Array | None = None,
     ) -> None:
-        source = _keras_variable_or_none(initializer)
-        if source is not None:
-            # A Keras 3 variable: its own array is wrapped (updated in place on
-            # TensorFlow and torch; written back after each step on JAX).
+        source = initializer if is_keras_variable(initializer) else None
+        if source is not None:  # its array is wrapped (on JAX, written back after each step)
             initializer, name = source.value, name or source.name
             constraint = constraint if constraint is not None else source.constraint
             overwrite_with_gradient = overwrite_with_gradient or source.overwrite_with_gradient
@@ -137,9 +128,7 @@ class Variable:
             )
         shape = tuple(int(s) for s in shape)
         dtype = dtype or "float32"
-        # NumPy has no bfloat16: such state starts as float32 on the host
-        # (zeros, ones and the numbers of the initializers round to it as
-        # the backend's own cast rounds them) and is cast by the backend.
+        # NumPy has no bfloat16: such state starts as float32, cast by the backend.
         host = "float32" if dtype == "bfloat16" else dtype
         value = np.asarray(initializers.get(initializer)(shape, host), dtype=host)
         if value.shape != shape:
@@ -152,14 +141,7 @@ class Variable:
         self._storage = self._new_storage(value, dtype, like)
 
     def _new_storage(self, value, dtype=None, like=None, ops=None):
-        """What this variable holds for `value`: a NumPy array of `dtype`, or a native array.
-
-        A backend whose state lives in its own variable objects provides
-        `variable_storage` (TensorFlow: a `tf.Variable`, which `tf.function`,
-        `tf.distribute` and `tf.train.Checkpoint` track; one passed in is
-        kept as it is). Elsewhere the variable holds the array itself.
-        `ops`: the backend to make it on (defaults to the variable's own).
-        """
+        """What holds `value` on `ops`: its `variable_storage` (TensorFlow), or the array."""
         ops = ops or self._ops
         make = getattr(ops, "variable_storage", None)
         if make is not None:
@@ -177,10 +159,7 @@ class Variable:
         return self._source
 
     def sync_to_source(self) -> None:
-        """Makes the wrapped `keras.Variable` hold this value, where a write rebound it (JAX).
-
-        On TensorFlow and torch both share one buffer and this does nothing.
-        """
+        """Makes the wrapped `keras.Variable` hold this value, where a write rebound it (JAX)."""
         source = self._source
         if source is not None and self._storage is not source.value:
             source.assign(self._storage)
@@ -194,22 +173,14 @@ class Variable:
     # --- storage ---------------------------------------------------------
     @property
     def storage(self) -> object:
-        """What holds the value: the native array, or the backend's own variable.
+        """What holds the value: the native array, or on TensorFlow the `tf.Variable`.
 
-        The NumPy, torch or JAX array itself; on TensorFlow the `tf.Variable`
-        that `tf.function`, `tf.distribute` and `tf.train.Checkpoint` track.
         Read-only: `rebind` replaces it, `assign` writes into it.
         """
         return self._storage
 
     def rebind(self, storage: object) -> None:
-        """Makes `storage` (an array or backend variable of this backend) hold the value.
-
-        The one way to replace what `storage` is, without a copy or a check:
-        a JAX write returns a new array, a traced step carries new values,
-        and stateless application binds the given values for the length of
-        one step (`lossscale.backends._common.bound`). Shape and dtype must stay the variable's.
-        """
+        """Makes `storage` (of this backend, shape and dtype) hold the value, unchecked."""
         self._storage = storage
 
     # --- reading ---------------------------------------------------------
@@ -228,17 +199,12 @@ class Variable:
         return self._ops.read(self._storage)
 
     def numpy(self) -> np.ndarray:
-        """Returns a copy of the value as a NumPy array.
-
-        A copy, as in Keras: later updates of the variable do not change it
-        (on NumPy and torch the variable's own buffer is written in place).
-        """
+        """Returns a copy of the value as a NumPy array, as Keras does."""
         return np.array(self._ops.to_numpy(self._storage), copy=True)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        # Fixed for the variable's life (every write keeps it): read once, at
-        # creation, so that a compiled step sees a constant.
+        # Read once, at creation: a compiled step sees a constant.
         return self._shape
 
     @property
@@ -250,6 +216,11 @@ class Variable:
         return len(self.shape)
 
     # --- writing ---------------------------------------------------------
+    def _write(self, method, value, exact=False):
+        value = self._coerce(value, method)
+        self._check_shape(value, method, exact and not isinstance(value, (int, float, bool)))
+        self._storage = getattr(self._ops, method)(self._storage, value)
+
     def _coerce(self, value, method):
         value = unwrap(value)
         if isinstance(value, (int, float, bool, np.number)):
@@ -281,30 +252,19 @@ class Variable:
 
     def assign(self, value: Array) -> None:
         """Assigns `value` (same shape) to the variable, in place where possible."""
-        value = self._coerce(value, "assign")
-        self._check_shape(value, "assign", exact=not isinstance(value, (int, float, bool)))
-        self._storage = self._ops.assign(self._storage, value)
+        self._write("assign", value, exact=True)
 
     def assign_add(self, value: Array) -> None:
         """Adds `value` (broadcastable to the variable's shape) in place."""
-        value = self._coerce(value, "assign_add")
-        self._check_shape(value, "assign_add", exact=False)
-        self._storage = self._ops.assign_add(self._storage, value)
+        self._write("assign_add", value)
 
     def assign_sub(self, value: Array) -> None:
         """Subtracts `value` (broadcastable to the variable's shape) in place."""
-        value = self._coerce(value, "assign_sub")
-        self._check_shape(value, "assign_sub", exact=False)
-        self._storage = self._ops.assign_sub(self._storage, value)
+        self._write("assign_sub", value)
 
     # --- copies ----------------------------------------------------------
     def __getstate__(self) -> dict:
-        """The attributes `copy.deepcopy` and `pickle` copy: the backend by its name.
-
-        A module cannot be copied or pickled; the copy looks its backend up
-        again (`__setstate__`). The array is copied as the framework copies
-        it (a torch tensor, a NumPy or JAX array).
-        """
+        """The attributes a copy takes: the backend by its name (a module cannot be copied)."""
         state = dict(self.__dict__)
         state["_ops"] = self._ops.NAME
         return state
@@ -315,11 +275,7 @@ class Variable:
         self.__dict__.update(state)
 
     def move_to(self, like: Array) -> None:
-        """Re-creates this variable on `like`'s backend and device (before it is used).
-
-        Optimizers make their scalars on NumPy before they know the model's
-        backend, and move them there when they are built.
-        """
+        """Re-creates this variable on `like`'s backend and device (before it is used)."""
         ops = get_ops(backend_of(like))
         if ops is self._ops and (not ops.MUTABLE or hasattr(ops, "variable_storage")):
             return  # immutable arrays, or a backend variable: already in place
@@ -374,14 +330,9 @@ def _numpy_dtype(dtype):
 
 def is_keras_variable(x) -> bool:
     """Whether `x` is a Keras 3 `keras.Variable` (Keras is not imported to tell)."""
-    # getattr: a module named keras need not be Keras (a namespace package
-    # of the same name, where Keras is not installed).
+    # getattr: a module named keras need not be Keras (a namespace package).
     keras_variable = getattr(sys.modules.get("keras"), "Variable", None)
     return keras_variable is not None and isinstance(x, keras_variable)
-
-
-def _keras_variable_or_none(x):
-    return x if is_keras_variable(x) else None
 
 
 def _native_or_none(x):
@@ -392,7 +343,7 @@ def _native_or_none(x):
             f"Received: initializer={x!r}"
         )
     if isinstance(x, (list, tuple)):
-        return np.asarray(x, dtype=np.float32 if _all_floats(x) else None)
+        return np.asarray(x, dtype=np.float32 if np.asarray(x).dtype.kind == "f" else None)
     if isinstance(x, str) or callable(x) and not hasattr(x, "shape"):
         return None
     if isinstance(x, (int, float)) and not isinstance(x, bool):
@@ -402,11 +353,6 @@ def _native_or_none(x):
     except TypeError:
         return None
     return np.asarray(x) if isinstance(x, np.generic) else x
-
-
-def _all_floats(x):
-    flat = np.asarray(x)
-    return flat.dtype.kind == "f"
 
 
 def _forward(fn):

@@ -1128,7 +1128,7 @@ def test_a_step_compiles_into_one_graph_that_never_recompiles(name):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
-# docs/torch.md's lean compile: Dynamo's tensor guards only, no Inductor size asserts.
+# docs/torch_compile.md's lean compile: Dynamo's tensor guards only, no Inductor size asserts.
 LEAN = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe, "size_asserts": False}
 
 

@@ -29,7 +29,7 @@ def _optimizer(kind, params):
 
 
 def _run(kind, clip):
-    """The recipe of docs/torch.md on CPU: five steps, an inf loss at step 1."""
+    """The Accelerate recipe of docs/torch_switching.md on CPU: five steps, an inf loss at step 1."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)

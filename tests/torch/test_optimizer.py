@@ -500,7 +500,7 @@ def test_param_groups_given_as_generators_are_read_once_as_torch_reads_them():
 
 
 def test_an_empty_param_group_is_kept_and_never_stepped():
-    """The decay / no-decay split of a model without biases or norms (docs/torch.md)."""
+    """The decay / no-decay split of a model without biases or norms (docs/torch_optim.md)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(8, 2, bias=False)

@@ -109,7 +109,11 @@ def test_fields_a_dict_lacks_start_afresh_and_untracked_ones_are_ignored():
     tracking = lt.GradScaler("cpu", **SETTINGS, telemetry=True)
     cases.train(tracking, steps=5)
     plain.load_state_dict(tracking.state_dict())
-    assert plain.summary() == {"dynamic_scale": tracking.get_scale(), "step_counter": 0}
+    assert plain.summary() == {
+        "dynamic_scale": tracking.get_scale(),
+        "step_counter": 0,
+        "last_step_skipped": False,  # no step since the load
+    }
 
 
 def test_deepcopy_and_pickle_between_iterations():

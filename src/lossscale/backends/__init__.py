@@ -1,9 +1,7 @@
 """Backend discovery: the backend comes from the arrays, never from a switch.
 
-`backend_of(x)` names the backend of one array; `ops_for(*arrays)` returns
-the backend module (see `protocol.BackendOps`) shared by all of them and
-raises if they mix backends. torch, jax and tensorflow are imported only
-when an array of theirs is seen, so `import lossscale` pulls in none of them.
+torch, jax and tensorflow are imported only when an array of theirs is seen,
+so `import lossscale` pulls in none of them.
 """
 
 import importlib
@@ -19,25 +17,18 @@ BACKENDS = ("numpy", "torch", "jax", "tensorflow")
 def backend_of(x):
     """Returns `"numpy"`, `"torch"`, `"jax"` or `"tensorflow"` for a native array or Variable.
 
-    TensorFlow's arrays are `tf.Tensor`s and `tf.Variable`s (mirrored ones
-    included). A Keras 3 `keras.Variable` counts as its value's backend.
-
-    Python scalars and NumPy scalars count as NumPy. Raises `TypeError` for
-    anything else.
+    A Keras 3 `keras.Variable` counts as its value's backend; Python and
+    NumPy scalars count as NumPy. Raises `TypeError` for anything else.
     """
     if getattr(x, "_is_lossscale_variable", False):
         return x.backend
     if isinstance(x, (np.ndarray, np.generic, int, float, bool)):
         return "numpy"
-    # getattr: a module named keras need not be Keras (a namespace package
-    # of the same name, where Keras is not installed).
+    # getattr: a module named keras need not be Keras (a namespace package).
     keras_variable = getattr(sys.modules.get("keras"), "Variable", None)
     if keras_variable is not None and isinstance(x, keras_variable):
-        # A Keras 3 variable: the backend of the array it holds (not a
-        # tf.Variable subclass on TensorFlow).
         return backend_of(x.value)
-    # Only consult libraries the caller has already imported: an array of a
-    # library that was never imported cannot exist.
+    # An array of a library that was never imported cannot exist.
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         return "torch"
@@ -61,11 +52,7 @@ def get_ops(name):
 
 
 def common_backend(arrays, what="arrays"):
-    """Returns the one backend name shared by `arrays` (None entries ignored).
-
-    Raises `ValueError` naming both backends when they are mixed. Python
-    scalars defer to the arrays around them.
-    """
+    """Returns the one backend name shared by `arrays` (None and Python scalars ignored)."""
     found = None
     for a in arrays:
         if a is None or isinstance(a, (int, float, bool)):

@@ -8,14 +8,19 @@ def unwrap(x):
     return x.value if getattr(x, "_is_lossscale_variable", False) else x
 
 
+def unary(fn):
+    """`fn` taking a `Variable` too."""
+    return lambda x: fn(unwrap(x))
+
+
+def binary(fn):
+    """`fn` of two arguments, each may be a `Variable`."""
+    return lambda x, y: fn(unwrap(x), unwrap(y))
+
+
 @contextlib.contextmanager
 def bound(variables, storages):
-    """Temporarily rebinds each variable's storage, restoring it on exit.
-
-    Used by stateless application and by JAX's `lax.cond`, which both run
-    the ordinary stateful code against values that are not the variables'
-    own.
-    """
+    """Temporarily rebinds each variable's storage (stateless application, `lax.cond`)."""
     saved = [v.storage for v in variables]
     try:
         for v, s in zip(variables, storages):
@@ -27,9 +32,6 @@ def bound(variables, storages):
 
 
 def unscale_then_check(unscale, finite_flags, grads, scale, in_place=False):
-    """`(unscaled, finite, skip)`: `unscale`, then `finite_flags` of its result.
-
-    A backend's `unscale_checked` where no kernel does both in one pass.
-    """
+    """`(unscaled, finite, skip)`: `unscale`, then `finite_flags` of its result."""
     unscaled = unscale(grads, scale, in_place)
     return (unscaled, *finite_flags(unscaled))

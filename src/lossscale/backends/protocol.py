@@ -1,15 +1,10 @@
 """The backend seam: the complete list of primitives optimizer code may use.
 
-Every backend package (`lossscale.backends.numpy`, `.torch`, `.jax`,
-`.tensorflow`) provides exactly these names, plus optional ones listed at
-the end. Optimizer, clipping, weight-decay, EMA, accumulation and
-loss-scale code call them through the module returned by
-`lossscale.backends.ops_for(...)` and never branch on a backend name.
-
-Arithmetic operators (`+ - * / **`, comparisons) work on the native arrays of
-every backend and on `lossscale.Variable`, so update rules use them directly;
-the functions below cover the rest. Every function accepts a `Variable`
-where it accepts an array.
+Every backend package provides exactly these names (plus the optional ones
+listed at the end); optimizer code calls them through
+`lossscale.backends.ops_for(...)` and never branches on a backend name.
+Arithmetic operators work on native arrays and on `lossscale.Variable`;
+every function accepts a `Variable` where it accepts an array.
 """
 
 from collections.abc import Callable, Sequence
@@ -21,30 +16,16 @@ class BackendOps(Protocol):
     """Structural type of a backend module."""
 
     NAME: str
-    # True when `assign*` write into the existing buffer (NumPy, torch);
-    # False when they return a new array (JAX).
-    MUTABLE: bool
-    # The dtype of integer optimizer state (`iterations`, `step_counter`):
-    # int32 on every backend, as in Keras 3 (and as JAX has without x64).
-    INT_DTYPE: str
+    MUTABLE: bool  # whether `assign*` write into the existing buffer (not on JAX)
+    INT_DTYPE: str  # of integer optimizer state: int32 everywhere, as in Keras 3
 
     # --- recognising and creating arrays -------------------------------
     def is_native(self, x: Any) -> bool: ...
     def records_calls(self) -> bool:
-        """Whether a front end may keep Python-side records of this call (`diagnosis`).
-
-        False while a compiler traces Python that must stay free of such side
-        effects (torch.compile, a TensorFlow graph).
-        """
+        """Whether a front end may keep Python-side records of this call (not while tracing)."""
 
     def host_control(self) -> bool:
-        """Whether a Python branch inside a step is taken again at every call.
-
-        True on NumPy and eager torch: a step may decide there, on a count
-        kept on the host, with no device read. False where a step is traced
-        once and replayed (JAX's `jit`, TensorFlow's `tf.function`,
-        `torch.compile`): it decides on the device (`cond`).
-        """
+        """Whether a Python branch inside a step is taken again at every call (not if traced)."""
 
     def asarray(self, x: Any, dtype: str | None = None, like: Any = None) -> Any: ...
     def full(self, shape: tuple, value: Any, dtype: str, like: Any = None) -> Any: ...
@@ -83,69 +64,41 @@ class BackendOps(Protocol):
 
     # --- multi-tensor helpers (fast paths live here) ---------------------
     def unscale(self, grads: Sequence[Any], scale: Any, in_place: bool = False) -> list:
-        """`grads` divided by `scale` (float32 for half gradients).
-
-        `in_place` permits (does not demand) dividing the caller's own
-        buffers: torch does, saving a full-size copy.
-        """
+        """`grads` divided by `scale` (float32 for half); `in_place` permits reusing grads."""
 
     def unscale_checked(self, grads: Sequence[Any], scale: Any, in_place: bool = False) -> tuple:
-        """`(unscaled, finite, skip)`: `unscale`, and `finite_flags` of its result.
-
-        torch does both in one pass where that is exact (see
-        `backends/torch/multi.unscale_checked`).
-        """
+        """`(unscaled, finite, skip)`: `unscale`, and `finite_flags` of its result."""
 
     def checks_while_unscaling(self) -> bool:
-        """Whether `unscale_checked` divides and checks in one pass here.
-
-        Then a wrapper unscales there rather than leaving the scale to the
-        update kernel (`StepPlan.takes_grad_scale`): torch's AMP kernel,
-        eagerly.
-        """
+        """Whether `unscale_checked` divides and checks in one pass (eager torch)."""
 
     def all_finite(self, arrays: Sequence[Any]) -> Any: ...
     def finite_flags(self, arrays: Sequence[Any]) -> tuple:
         """`(finite, skip)`: `all_finite(arrays)`, and as a float32 flag (1.0: not finite).
 
-        The arrays must be the caller's own: torch checks them with its AMP
-        kernel, which stores the values it reads.
+        The arrays must be the caller's own: torch's AMP kernel writes them.
         """
 
     def finite_unscaled(self, arrays: Sequence[Any], scale: Any) -> Any:
-        """Whether every element of `arrays` divided by `scale` is finite, as a boolean scalar.
-
-        `isfinite(max_abs(arrays) / scale)`, the check of a step whose
-        kernel divides as it reads each gradient; JAX on CPU settles most
-        steps with a cheaper sum first (see `backends/jax/multi.finite_unscaled`).
-        """
+        """`isfinite(max_abs(arrays) / scale)`, as a boolean scalar."""
 
     def global_norm(self, arrays: Sequence[Any]) -> Any: ...
     def max_abs(self, arrays: Sequence[Any]) -> Any: ...
     def all_max(self, x: Any, group: Any = None) -> Any: ...
     def all_true(self, flag: Any, group: Any = None) -> Any: ...
     def several_participants(self, group: Any = None) -> bool:
-        """Whether `all_true` / `all_max` over `group` combine other participants' values.
-
-        False where they return their input as it is (one process, no
-        mapped axes, one replica).
-        """
+        """Whether `all_true` / `all_max` over `group` combine other participants' values."""
 
     def fused_update(self, name: str) -> Any:
-        """The `lossscale.backends.kernel.Kernel` named `name`, or None.
+        """The `Kernel` reproducing the `update_step` of the class whose `update_kernel` is `name`.
 
-        `name` is an optimizer class's `update_kernel`: the kernel reproduces
-        that class's `update_step` exactly, from the state it is given as
-        arguments (see `lossscale.backends.kernel`).
+        Or None.
         """
 
     def fused_weight_decay(self) -> Callable | None:
-        """A kernel `(params, weight_decay, lr, *, cache, keep=None)` decaying them all.
+        """A kernel `(params, weight_decay, lr, *, cache, keep=None)`, or None.
 
-        Or None.
-
-        Equal, bit for bit, to `v.assign_sub(v * weight_decay * lr)` per
-        variable, taking effect only where `keep` holds.
+        Equal, bit for bit, to `v.assign_sub(v * weight_decay * lr)` where `keep` holds.
         """
 
     def fused_scale_update(self) -> Callable | None:
@@ -153,21 +106,15 @@ class BackendOps(Protocol):
 
         `kernel(scale, counter, finite, growth_steps, growth_factor,
         backoff_factor, floor, skip=None, in_place=False)` returns the new
-        `(scale, counter)` of a policy without hysteresis, limits, headroom
-        or telemetry (a backoff stops at `floor`): what
-        `loss_scale.next_loss_scale` computes for it, exactly. `skip` is
-        `finite` as a float flag (1.0: not finite) if the caller has it;
-        with `in_place`, `scale` and `counter` may be updated where they are.
+        `(scale, counter)`, exactly as `loss_scale.next_loss_scale` does for a
+        policy without hysteresis, limits, headroom or telemetry.
         """
 
     def fused_float16_range(self) -> Callable | None:
         """A kernel measuring many gradients' float16 range at once, or None.
 
-        `kernel(grads, subnormal_below, near_from)` returns what
-        `mixed_precision.diagnostics.measure` gives for each gradient, bit
-        for bit, as `(zero, subnormal, near_max, max_abs)`: four float32
-        vectors whose entry i is `grads[i]`'s; or None for gradients it
-        does not take.
+        `kernel(grads, subnormal_below, near_from)` returns `diagnostics.measure`'s
+        `(zero, subnormal, near_max, max_abs)` as float32 vectors, bit for bit (or None).
         """
 
     # --- control flow ---------------------------------------------------
@@ -178,36 +125,22 @@ class BackendOps(Protocol):
         false_fn: Callable[[], None] | None,
         variables: Sequence[Any],
     ) -> None:
-        """Runs `true_fn` where `pred` holds, else `false_fn` (None: nothing).
-
-        `variables`: every variable either branch may write.
-        """
+        """Runs `true_fn` where `pred` holds, else `false_fn`; both write only `variables`."""
 
     def cond_values(
         self, pred: Any, true_fn: Callable[[], tuple], false_fn: Callable[[], tuple]
     ) -> tuple:
-        """`true_fn()` where `pred` holds, else `false_fn()`: tuples of arrays alike.
-
-        Neither branch writes anything; a device `pred` is not read on the host.
-        """
+        """`true_fn()` where `pred` holds, else `false_fn()`; a device `pred` is not read."""
 
     def quiet(self) -> ContextManager: ...
 
     # --- optional --------------------------------------------------------
-    # `variable_storage(value, like=None, name=None, trainable=False)`: on a
-    # backend whose state lives in its own variable objects (TensorFlow),
-    # the object a `Variable` holds for `value` (a NumPy array or a native
-    # array; one of those objects is kept as it is). `Variable` asks for it
-    # with `getattr`; the other backends hold the array itself.
-    # `is_traced(x)`: whether `x` is a value being traced (a JAX tracer),
-    # which no variable may keep. Read with `getattr`; absent: never.
-    # `all_mean(x, group)`: on a backend whose steps may run on blocks of
-    # the gradients mapped over named axes (JAX's `shard_map` / `pmap`),
-    # the mean of `x` over `group`'s axes. Called only with an `axis_name`,
-    # which only such a backend takes.
-    # `all_gather(x, group)`: on a backend whose participants are processes
-    # (torch.distributed), `x` of each one stacked along a new first axis.
-    # Called only where `several_participants(group)`.
-    # `dense_gradient(x)`: on a backend whose autodiff gives sparse
-    # gradients (TensorFlow's `tf.IndexedSlices`), such a gradient as a
-    # dense native array, else None. Read with `getattr`; absent: none.
+    # Read with `getattr` where a backend needs them:
+    # `variable_storage(value, like=None, name=None, trainable=False)`: the
+    #   variable object a `Variable` holds for `value` (TensorFlow).
+    # `is_traced(x)`: whether `x` is a JAX tracer, which no variable may keep.
+    # `all_mean(x, group)`: the mean over `group`'s mapped axes (JAX).
+    # `all_gather(x, group)`: `x` of each process stacked (torch.distributed).
+    # `peaks(xs)`: each array's largest magnitude (NaN where it holds one), in
+    #   its own dtype (torch: per-parameter telemetry, `watch`).
+    # `dense_gradient(x)`: a sparse gradient (`tf.IndexedSlices`) made dense.

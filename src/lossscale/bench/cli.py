@@ -1,10 +1,7 @@
 """`lossscale bench`: time one optimizer step for every implementation.
 
-Runs the bandwidth measurement and then each (implementation, workload)
-pair in its own subprocess (with `--interleave`, the implementations of a
-workload side by side in one: `interleave`), and prints a Markdown report: machine,
-bandwidth, floors, and a table of median step time, ratio to the memory
-floor and ratio to the fastest peer.
+Measures the bandwidth, runs each (implementation, workload) pair in its own
+subprocess (or side by side: `interleave`) and prints a Markdown report.
 """
 
 import argparse
@@ -89,28 +86,21 @@ def build_parser():
         type=int,
         default=1,
         help="Run every implementation this many times, alternating the order "
-        "(A B, B A, ...), and report the median of the rounds' medians: "
-        "on a machine whose speed drifts, rows compared side by side then "
-        "see the same conditions (default 1).",
+        "(A B, B A, ...), and report the median of the rounds' medians (default 1).",
     )
     parser.add_argument(
         "--interleave",
         action="store_true",
         help="Time the implementations that share an environment side by side in one "
         "process per workload, alternating rounds there (--rounds of them), instead of "
-        "one process per implementation and round: on a machine that puts whole "
-        "processes in faster or slower modes, each round then compares them in one mode. "
-        "Best for torch rows: XLA programs sharing one process slow each other down.",
+        "one process per implementation and round. Best for torch rows.",
     )
     parser.add_argument(
         "--alternate-steps",
         action="store_true",
         help="With --interleave: alternate the implementations step by step within each "
-        "round (A B A B ..., then B A B A ...), not round by round. Every step then sees "
-        "the same machine state as its neighbours, and finds its buffers evicted by "
-        "theirs, as a training step finds them after the backward pass: a workload that "
-        "fits in cache runs from memory. For rows that slow each other down in one "
-        "process (XLA programs), this still compares them fairly.",
+        "round (A B A B ..., then B A B A ...), not round by round; fair to rows that "
+        "slow each other down in one process (XLA programs).",
     )
     return parser
 
@@ -149,10 +139,7 @@ def _workload_names(choice, parser):
 
 
 def _skip_row(impl, workload, explicit):
-    """Why `impl`, which does not run on `workload`, does not: a row, or None to say nothing.
-
-    A device it lacks is reported only for an implementation asked for by name.
-    """
+    """Why `impl` does not run on `workload`: a row, or None (a device, unless asked by name)."""
     row = {"impl": impl.name, "kind": impl.kind, "workload": workload.name}
     if workload.device not in impl.devices:
         return {**row, "skipped": f"runs on {', '.join(impl.devices)} only"} if explicit else None
@@ -179,11 +166,8 @@ def _run_rows(impls, names, args, explicit):
     for name in names:
         workload = workloads.get(name, quick=args.quick)
         for impl in impls:
-            row = {"impl": impl.name, "kind": impl.kind, "workload": name}
             if not _runs_on(impl, workload):
-                skipped = _skip_row(impl, workload, explicit)
-                if skipped is not None:
-                    rows.append(skipped)
+                rows.append(_skip_row(impl, workload, explicit))
                 continue
             print(f"[bench] {impl.name} on {name} ...", file=sys.stderr, flush=True)
             job = {
@@ -195,15 +179,11 @@ def _run_rows(impls, names, args, explicit):
                 "warmup": args.warmup,
                 "warmup_seconds": args.warmup_seconds,
             }
-            rows.append(
-                {
-                    **row,
-                    **runner.run_job_retrying(
-                        job, env=impl.env, timeout=args.timeout, retries=args.retries
-                    ),
-                }
+            result = runner.run_job_retrying(
+                job, env=impl.env, timeout=args.timeout, retries=args.retries
             )
-    return rows
+            rows.append({"impl": impl.name, "kind": impl.kind, "workload": name, **result})
+    return [row for row in rows if row is not None]
 
 
 def _run_rounds(impls, names, args, explicit):

@@ -1,17 +1,10 @@
 """The memory floor: the bytes a fused step must move over measured bandwidth.
 
-A fused Adam step with dynamic loss scaling must, for each float32
-parameter, read the gradient, the parameter and the two moments, write the
-parameter and the two moments, and read the gradient once more for the
-finite check that decides whether the step is applied: 8 x 4 = 32 bytes.
-Nothing can run faster than moving those bytes at the machine's memory
-bandwidth, so `floor_ms = 32 * n / bandwidth`.
-
-Bandwidth is measured in the same run as a large array copy (bytes read plus
-bytes written, best of several), on every core: one thread cannot saturate
-the memory bus on most machines. On the CPU it uses torch's multi-threaded
-`copy_` when torch is installed, else NumPy copies split across threads; on
-CUDA a device-to-device `copy_` timed with synchronisation.
+A fused, loss-scaled Adam step reads the gradient (twice: the finite check),
+the parameter and two moments, and writes three: 8 x 4 = 32 bytes per
+float32 parameter, so `floor_ms = 32 * n / bandwidth`. Bandwidth is measured
+as a large array copy on every core (torch's `copy_`, else NumPy copies in
+threads; on CUDA a device-to-device `copy_`).
 """
 
 import os
@@ -48,13 +41,8 @@ def _best_rate(copy, nbytes, repeats, sync=lambda: None):
 def measure(device="cpu", quick=False):
     """Measures copy bandwidth on `device` (`"cpu"` or `"cuda"`).
 
-    Args:
-        device: `"cpu"` or `"cuda"`; `"cuda"` raises if CUDA is unavailable.
-        quick: Use a small array and few repeats (for tests; not a real
-            measurement).
-
-    Returns:
-        A dict with `gb_per_s`, `method` and `bytes` (the size of one array).
+    `quick`: a small array and few repeats (for tests). Returns a dict with
+    `gb_per_s`, `method` and `bytes` (the size of one array).
     """
     if device == "cuda":
         return _measure_cuda(quick)
@@ -74,8 +62,7 @@ def _sizes(quick, full):
 def _measure_torch_cpu(torch, quick):
     n, repeats = _sizes(quick, 1 << 26)  # 256 MiB per array, far beyond any L3
     threads, previous = _cpus(), torch.get_num_threads()
-    # Every core for the copy, then the caller's count back: a process that
-    # runs torch beside others (a test worker, a training job) keeps its share.
+    # Every core for the copy, then the caller's count back.
     torch.set_num_threads(threads)
     try:
         src = torch.empty(n, dtype=torch.float32).uniform_(0.5, 1.5)

@@ -1,14 +1,14 @@
 """Framework plumbing shared by the implementations (runs in workers only).
 
-Every function here imports its framework lazily and is called inside a
-worker subprocess, after which the process benchmarks one implementation
-and exits; so selecting a device through the environment before the first
-import is safe.
+Every function imports its framework lazily, inside a worker subprocess that
+benchmarks one implementation, so selecting a device through the
+environment before the first import is safe.
 """
 
 import os
 
 from lossscale.bench import workloads
+from lossscale.bench.timing import Stepper
 
 
 class Unavailable(Exception):
@@ -60,6 +60,43 @@ def jax_arrays(jax, workload):
     params, grads = workloads.arrays(workload)
     to_jax = jax.numpy.asarray
     return [to_jax(p) for p in params], [to_jax(g) for g in grads]
+
+
+def jax_stepper(jax, opt, params, grads, steps=1):
+    """`steps` calls of `jax.jit(opt.stateless_apply)` (`opt` built), state donated, as a step."""
+    # Donated in the order the outputs come back (params, then optimizer state):
+    # XLA pairs each output with the first donated input of its shape (docs/jax.md).
+    apply = jax.jit(
+        lambda params, values, grads: opt.stateless_apply(values, grads, params),
+        donate_argnums=(0, 1),
+    )
+    state = {"optimizer": [v.value for v in opt.variables], "params": params}
+
+    def step():
+        for _ in range(steps):
+            state["params"], state["optimizer"] = apply(state["params"], state["optimizer"], grads)
+        return state["params"]
+
+    return Stepper(step=step, sync=jax.block_until_ready)
+
+
+def optax_stepper(jax, tx, params, grads, steps=1):
+    """`steps` jitted, donated optax steps (`update`, then `apply_updates`) as a step."""
+    import optax
+
+    def apply(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    apply = jax.jit(apply, donate_argnums=(0, 1))
+    state = [params, tx.init(params)]
+
+    def step():
+        for _ in range(steps):
+            state[:] = apply(*state, grads)
+        return state[0]
+
+    return Stepper(step=step, sync=jax.block_until_ready)
 
 
 def tensorflow_for(workload):

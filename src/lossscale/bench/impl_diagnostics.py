@@ -1,14 +1,11 @@
 """What diagnostics cost: `diagnostics_every=100`, against the same steps without.
 
-One timed "step" of these rows is a window of `EVERY` optimizer steps, the
-first of which is measured (`LossScaleOptimizer(..., diagnostics_every=EVERY)`
-or `dynamic_loss_scale(..., diagnostics_every=EVERY)`): a median over
-windows is the cost per step amortised over the cadence, which a median of
-single steps would hide. Compare each `-on` row with its `-off` row, run
-side by side (`--interleave`, alternating rounds).
+One timed "step" is a window of `EVERY` optimizer steps, the first of which
+is measured: the cost per step amortised over the cadence. Compare each
+`-on` row with its `-off` row, run side by side (`--interleave`).
 """
 
-from lossscale.bench import frameworks, workloads
+from lossscale.bench import frameworks, impl_lossscale, workloads
 from lossscale.bench.registry import implementation
 from lossscale.bench.timing import Stepper
 
@@ -16,16 +13,7 @@ EVERY = 100
 
 
 def _optimizer(diagnostics):
-    import lossscale as ls
-
-    opt = ls.LossScaleOptimizer(
-        ls.optimizers.Adam(learning_rate=1e-3),
-        initial_scale=workloads.LOSS_SCALE,
-        dynamic_growth_steps=workloads.GROWTH_STEPS,
-        diagnostics_every=EVERY if diagnostics else None,
-    )
-    opt.scale_loss(1.0)
-    return opt
+    return impl_lossscale.optimizer(diagnostics_every=EVERY if diagnostics else None)
 
 
 def _torch(workload, diagnostics):
@@ -35,8 +23,7 @@ def _torch(workload, diagnostics):
 
     def window():
         for _ in range(EVERY):
-            # Fused Adam unscales in place: each step gets the scaled
-            # gradients again (the same copy in both rows).
+            # Fused Adam unscales in place: each step gets the scaled gradients again.
             torch._foreach_copy_(live, grads)
             opt.apply(live, params)
 
@@ -48,18 +35,7 @@ def _jax(workload, diagnostics):
     params, grads = frameworks.jax_arrays(jax, workload)
     opt = _optimizer(diagnostics)
     opt.build(params)
-    apply = jax.jit(
-        lambda params, values, grads: opt.stateless_apply(values, grads, params),
-        donate_argnums=(0, 1),
-    )
-    state = {"optimizer": [v.value for v in opt.variables], "params": params}
-
-    def window():
-        for _ in range(EVERY):
-            state["params"], state["optimizer"] = apply(state["params"], state["optimizer"], grads)
-        return state["params"]
-
-    return Stepper(step=window, sync=jax.block_until_ready)
+    return frameworks.jax_stepper(jax, opt, params, grads, steps=EVERY)
 
 
 def _optax(workload, diagnostics):
@@ -75,20 +51,7 @@ def _optax(workload, diagnostics):
         dynamic_growth_steps=workloads.GROWTH_STEPS,
         diagnostics_every=EVERY if diagnostics else None,
     )
-
-    def apply(params, opt_state, grads):
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    apply = jax.jit(apply, donate_argnums=(0, 1))
-    state = [params, tx.init(params)]
-
-    def window():
-        for _ in range(EVERY):
-            state[:] = apply(*state, grads)
-        return state[0]
-
-    return Stepper(step=window, sync=jax.block_until_ready)
+    return frameworks.optax_stepper(jax, tx, params, grads, steps=EVERY)
 
 
 for _backend, _make, _requires, _what in (

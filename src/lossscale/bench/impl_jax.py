@@ -46,24 +46,6 @@ def optax_jmp(workload):
     return Stepper(step=step, sync=jax.block_until_ready)
 
 
-def _optax_stepper(jax, tx, params, grads):
-    """One jitted, donated optax step: `update`, then `apply_updates`."""
-    import optax
-
-    def apply(params, opt_state, grads):
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    apply = jax.jit(apply, donate_argnums=(0, 1))
-    state = [params, tx.init(params)]
-
-    def step():
-        state[:] = apply(*state, grads)
-        return state[0]
-
-    return Stepper(step=step, sync=jax.block_until_ready)
-
-
 @implementation(
     "lossscale-optax",
     "ours",
@@ -83,7 +65,7 @@ def lossscale_optax(workload):
         initial_scale=workloads.LOSS_SCALE,
         dynamic_growth_steps=workloads.GROWTH_STEPS,
     )
-    return _optax_stepper(jax, tx, params, grads)
+    return frameworks.optax_stepper(jax, tx, params, grads)
 
 
 @implementation(
@@ -100,4 +82,4 @@ def optax_adam_unscaled(workload):
     params, _ = frameworks.jax_arrays(jax, workload)
     _, grads = workloads.arrays(workload, loss_scaled=False)
     grads = [jax.numpy.asarray(g) for g in grads]
-    return _optax_stepper(jax, optax.adam(1e-3, eps=1e-7), params, grads)
+    return frameworks.optax_stepper(jax, optax.adam(1e-3, eps=1e-7), params, grads)

@@ -1,15 +1,12 @@
-"""Keras 3 peers: `keras.optimizers.LossScaleOptimizer(Adam)` on torch and on JAX.
-
-Keras chooses its backend once per process from `KERAS_BACKEND`, so each of
-these runs in a subprocess started with that variable set.
-"""
+"""Keras 3 peers: `keras.optimizers.LossScaleOptimizer(Adam)` on torch and on JAX."""
 
 from lossscale.bench import frameworks, workloads
 from lossscale.bench.registry import implementation
 from lossscale.bench.timing import Stepper
 
 
-def _optimizer(keras):
+def optimizer(keras):
+    """Keras's wrapper of Adam as the rows use it."""
     return keras.optimizers.LossScaleOptimizer(
         keras.optimizers.Adam(learning_rate=1e-3),
         initial_scale=workloads.LOSS_SCALE,
@@ -31,7 +28,7 @@ def keras_torch(workload):
     params, grads = workloads.arrays(workload)
     variables = [keras.Variable(p) for p in params]
     grads = [keras.ops.convert_to_tensor(g) for g in grads]
-    opt = _optimizer(keras)
+    opt = optimizer(keras)
     return Stepper(
         step=lambda: opt.apply(grads, variables), sync=frameworks.torch_sync(torch, device)
     )
@@ -51,19 +48,6 @@ def keras_jax(workload):
 
     params, grads = frameworks.jax_arrays(jax, workload)
     variables = [keras.Variable(p) for p in params]
-    opt = _optimizer(keras)
+    opt = optimizer(keras)
     opt.build(variables)
-    # Donated in the order the outputs come back (params, then optimizer
-    # state): XLA pairs each output with the first donated input of its
-    # shape, so the reverse order would copy every buffer (docs/jax.md).
-    apply = jax.jit(
-        lambda params, values, grads: opt.stateless_apply(values, grads, params),
-        donate_argnums=(0, 1),
-    )
-    state = {"optimizer": [v.value for v in opt.variables], "params": [v.value for v in variables]}
-
-    def step():
-        state["params"], state["optimizer"] = apply(state["params"], state["optimizer"], grads)
-        return state["params"]
-
-    return Stepper(step=step, sync=jax.block_until_ready)
+    return frameworks.jax_stepper(jax, opt, [v.value for v in variables], grads)

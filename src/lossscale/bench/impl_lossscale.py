@@ -1,11 +1,12 @@
 """Ours: `LossScaleOptimizer(Adam)` on NumPy, torch and JAX arrays; AdamW and SGD on torch."""
 
 from lossscale.bench import frameworks, workloads
-from lossscale.bench.registry import implementation
+from lossscale.bench.registry import TORCH, implementation
 from lossscale.bench.timing import Stepper
 
 
-def _optimizer(adamw=False, sgd=False):
+def optimizer(adamw=False, sgd=False, **options):
+    """Our wrapper (of Adam, AdamW or SGD) as the rows use it, its scale created."""
     import lossscale as ls
 
     if adamw:  # the weight decay of the torch AdamW rows (Keras's default)
@@ -18,6 +19,7 @@ def _optimizer(adamw=False, sgd=False):
         inner,
         initial_scale=workloads.LOSS_SCALE,
         dynamic_growth_steps=workloads.GROWTH_STEPS,
+        **options,
     )
     opt.scale_loss(1.0)  # what a training step does first; the gradients come pre-scaled
     return opt
@@ -28,7 +30,7 @@ def _optimizer(adamw=False, sgd=False):
 )
 def numpy_adam(workload):
     params, grads = workloads.arrays(workload)
-    opt = _optimizer()
+    opt = optimizer()
     return Stepper(step=lambda: opt.apply(grads, params))
 
 
@@ -36,14 +38,12 @@ def numpy_adam(workload):
     "lossscale-torch",
     "ours",
     "lossscale LossScaleOptimizer(Adam), opt.apply on torch tensors",
-    requires=("torch",),
-    devices=("cpu", "cuda"),
+    **TORCH,
 )
 def torch_adam(workload, adamw=False, sgd=False):
     torch, device, params, grads = frameworks.torch_tensors(workload)
-    opt = _optimizer(adamw, sgd)
-    # Fused Adam unscales the gradients in place (as GradScaler does); give
-    # every step the scaled gradients, untimed, as the GradScaler peers get.
+    opt = optimizer(adamw, sgd)
+    # Fused Adam unscales the gradients in place: restore them, untimed.
     live = [g.clone() for g in grads]
     return Stepper(
         step=lambda: opt.apply(live, params),
@@ -56,8 +56,7 @@ def torch_adam(workload, adamw=False, sgd=False):
     "lossscale-torch-adamw",
     "ours",
     "lossscale LossScaleOptimizer(AdamW), opt.apply on torch tensors",
-    requires=("torch",),
-    devices=("cpu", "cuda"),
+    **TORCH,
 )
 def torch_adamw(workload):
     return torch_adam(workload, adamw=True)
@@ -67,8 +66,7 @@ def torch_adamw(workload):
     "lossscale-torch-sgd-momentum",
     "ours",
     "lossscale LossScaleOptimizer(SGD(momentum=0.9)), opt.apply on torch tensors",
-    requires=("torch",),
-    devices=("cpu", "cuda"),
+    **TORCH,
 )
 def torch_sgd_momentum(workload):
     return torch_adam(workload, sgd=True)
@@ -78,8 +76,7 @@ def torch_sgd_momentum(workload):
     "lossscale-torch-optimizer-adamw",
     "ours",
     "torch.amp.GradScaler + lossscale.torch.Optimizer(AdamW)",
-    requires=("torch",),
-    devices=("cpu", "cuda"),
+    **TORCH,
 )
 def torch_optimizer_adamw(workload):
     import lossscale as ls
@@ -119,34 +116,20 @@ def torch_optimizer_adamw(workload):
 def jax_adam(workload):
     jax = frameworks.jax_for(workload)
     params, grads = frameworks.jax_arrays(jax, workload)
-    opt = _optimizer()
+    opt = optimizer()
     opt.build(params)
-    # Donated in the order the outputs come back (params, then optimizer
-    # state): XLA pairs each output with the first donated input of its
-    # shape, so the reverse order would copy every buffer (docs/jax.md).
-    apply = jax.jit(
-        lambda params, values, grads: opt.stateless_apply(values, grads, params),
-        donate_argnums=(0, 1),
-    )
-    state = {"optimizer": [v.value for v in opt.variables], "params": params}
-
-    def step():
-        state["params"], state["optimizer"] = apply(state["params"], state["optimizer"], grads)
-        return state["params"]
-
-    return Stepper(step=step, sync=jax.block_until_ready)
+    return frameworks.jax_stepper(jax, opt, params, grads)
 
 
 @implementation(
     "lossscale-torch-compiled",
     "ours",
     "lossscale LossScaleOptimizer(Adam), opt.apply in torch.compile(fullgraph=True)",
-    requires=("torch",),
-    devices=("cpu", "cuda"),
+    **TORCH,
 )
 def torch_adam_compiled(workload, options=None):
     torch, device, params, grads = frameworks.torch_tensors(workload)
-    opt = _optimizer()
+    opt = optimizer()
     opt.build(params)  # outside the compiled function: creating state is not traced
     live = [g.clone() for g in grads]
     compiled = torch.compile(lambda: opt.apply(live, params), fullgraph=True, options=options)
@@ -162,8 +145,7 @@ def torch_adam_compiled(workload, options=None):
     "ours",
     "lossscale LossScaleOptimizer(Adam), opt.apply in torch.compile(fullgraph=True) with "
     "Dynamo's tensor guards only and no Inductor size asserts (docs/torch.md)",
-    requires=("torch",),
-    devices=("cpu", "cuda"),
+    **TORCH,
 )
 def torch_adam_compiled_lean(workload):
     import torch

@@ -1,13 +1,10 @@
 """TensorFlow rows: lossscale and Keras 3's wrapper on `tf.Variable`s, eager and compiled.
 
-Each is timed three ways, as TensorFlow code runs: eagerly (`opt.apply`),
-inside a `tf.function`, and inside a `tf.function(jit_compile=True)`.
-Keras runs in its own subprocess with `KERAS_BACKEND=tensorflow`. On the
-CPU, TensorFlow finishes a step before it returns; on a GPU the step reads
-one element back, which waits for the device.
+Each is timed eagerly (`opt.apply`), in a `tf.function` and in a
+`tf.function(jit_compile=True)`; on a GPU the step reads one element back.
 """
 
-from lossscale.bench import frameworks, workloads
+from lossscale.bench import frameworks, impl_keras, impl_lossscale
 from lossscale.bench.registry import implementation
 from lossscale.bench.timing import Stepper
 
@@ -26,16 +23,9 @@ def _stepper(tf, opt, variables, grads, jit_compile):
 
 def _ours(jit_compile):
     def setup(workload):
-        import lossscale as ls
-
         tf = frameworks.tensorflow_for(workload)
         variables, grads = frameworks.tensorflow_arrays(tf, workload)
-        opt = ls.LossScaleOptimizer(
-            ls.optimizers.Adam(learning_rate=1e-3),
-            initial_scale=workloads.LOSS_SCALE,
-            dynamic_growth_steps=workloads.GROWTH_STEPS,
-        )
-        opt.scale_loss(1.0)  # what a training step does first; the gradients come pre-scaled
+        opt = impl_lossscale.optimizer()
         opt.build(variables)
         return _stepper(tf, opt, variables, grads, jit_compile)
 
@@ -48,11 +38,7 @@ def _keras(jit_compile):
         tf = frameworks.tensorflow_for(workload)
         variables, grads = frameworks.tensorflow_arrays(tf, workload)
         variables = [keras.Variable(v) for v in variables]
-        opt = keras.optimizers.LossScaleOptimizer(
-            keras.optimizers.Adam(learning_rate=1e-3),
-            initial_scale=workloads.LOSS_SCALE,
-            dynamic_growth_steps=workloads.GROWTH_STEPS,
-        )
+        opt = impl_keras.optimizer(keras)
         opt.build(variables)
         stepper = _stepper(tf, opt, variables, grads, jit_compile)
         stepper.sync = lambda result: keras.ops.convert_to_numpy(variables[0].value[:1])

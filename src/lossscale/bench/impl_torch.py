@@ -1,21 +1,26 @@
-"""PyTorch peers: `torch.amp.GradScaler` with `torch.optim.Adam` / `AdamW` / `SGD`, and plain Adam.
+"""PyTorch peers: `torch.amp.GradScaler` with torch's Adam / AdamW / SGD, and plain Adam.
 
-Also ours on the same path: `lossscale.torch.GradScaler` with torch's fused
-AdamW, the drop-in against the scaler it replaces.
+Also ours on the same path: `lossscale.torch.GradScaler` with fused AdamW.
 """
 
 from lossscale.bench import frameworks, workloads
-from lossscale.bench.registry import implementation
+from lossscale.bench.registry import TORCH, implementation
 from lossscale.bench.timing import Stepper
 
 # Keras's AdamW default; the lossscale AdamW rows use the same.
 WEIGHT_DECAY = 0.004
 
 
-def _adam(torch, params, grads, adamw=False, **kwargs):
+def _with_grads(torch, params, grads):
+    """`params` as `nn.Parameter`s, each holding a copy of its gradient."""
     params = [torch.nn.Parameter(p) for p in params]
     for p, g in zip(params, grads):
         p.grad = g.clone()
+    return params
+
+
+def _adam(torch, params, grads, adamw=False, **kwargs):
+    params = _with_grads(torch, params, grads)
     # Keras's epsilon, so every implementation runs the same arithmetic.
     if adamw:
         return params, torch.optim.AdamW(
@@ -29,25 +34,18 @@ def scaler_stepper(workload, scaler_kwargs, **kwargs):
     return _grad_scaler_adam(workload, ours=True, scaler_kwargs=scaler_kwargs, **kwargs)
 
 
-def _sgd(torch, params, grads, **kwargs):
-    params = [torch.nn.Parameter(p) for p in params]
-    for p, g in zip(params, grads):
-        p.grad = g.clone()
-    return params, torch.optim.SGD(params, lr=1e-3, momentum=0.9, **kwargs)
-
-
 def _grad_scaler_adam(workload, adamw=False, ours=False, sgd=False, scaler_kwargs=None, **kwargs):
     torch, device, params, grads = frameworks.torch_tensors(workload)
     if sgd:
-        params, opt = _sgd(torch, params, grads, **kwargs)
+        params = _with_grads(torch, params, grads)
+        opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9, **kwargs)
     else:
         params, opt = _adam(torch, params, grads, adamw=adamw, **kwargs)
+    scaler_class = torch.amp.GradScaler
     if ours:
         import lossscale.torch
 
         scaler_class = lossscale.torch.GradScaler
-    else:
-        scaler_class = torch.amp.GradScaler
     scaler = scaler_class(
         device.type,
         init_scale=workloads.LOSS_SCALE,
@@ -73,8 +71,7 @@ def _grad_scaler_adam(workload, adamw=False, ours=False, sgd=False, scaler_kwarg
     "torch-gradscaler-fused",
     "peer",
     "torch.amp.GradScaler + torch.optim.Adam(fused=True)",
-    requires=("torch",),
-    devices=("cpu", "cuda"),
+    **TORCH,
 )
 def grad_scaler_fused(workload):
     return _grad_scaler_adam(workload, fused=True)
@@ -84,8 +81,7 @@ def grad_scaler_fused(workload):
     "torch-gradscaler-foreach",
     "peer",
     "torch.amp.GradScaler + torch.optim.Adam(foreach=True)",
-    requires=("torch",),
-    devices=("cpu", "cuda"),
+    **TORCH,
 )
 def grad_scaler_foreach(workload):
     return _grad_scaler_adam(workload, foreach=True)
@@ -95,8 +91,7 @@ def grad_scaler_foreach(workload):
     "torch-gradscaler-adamw-fused",
     "peer",
     "torch.amp.GradScaler + torch.optim.AdamW(fused=True)",
-    requires=("torch",),
-    devices=("cpu", "cuda"),
+    **TORCH,
 )
 def grad_scaler_adamw_fused(workload):
     return _grad_scaler_adam(workload, adamw=True, fused=True)
@@ -106,8 +101,7 @@ def grad_scaler_adamw_fused(workload):
     "torch-gradscaler-sgd-momentum-fused",
     "peer",
     "torch.amp.GradScaler + torch.optim.SGD(momentum=0.9, fused=True)",
-    requires=("torch",),
-    devices=("cpu", "cuda"),
+    **TORCH,
 )
 def grad_scaler_sgd_momentum_fused(workload):
     return _grad_scaler_adam(workload, sgd=True, fused=True)
@@ -117,8 +111,7 @@ def grad_scaler_sgd_momentum_fused(workload):
     "lossscale-gradscaler-adamw-fused",
     "ours",
     "lossscale.torch.GradScaler + torch.optim.AdamW(fused=True)",
-    requires=("torch",),
-    devices=("cpu", "cuda"),
+    **TORCH,
 )
 def lossscale_grad_scaler_adamw_fused(workload):
     return _grad_scaler_adam(workload, adamw=True, ours=True, fused=True)
@@ -128,8 +121,7 @@ def lossscale_grad_scaler_adamw_fused(workload):
     "torch-adam-fused-unscaled",
     "baseline",
     "torch.optim.Adam(fused=True), no loss scaling (the cost of scaling, not a peer)",
-    requires=("torch",),
-    devices=("cpu", "cuda"),
+    **TORCH,
 )
 def adam_fused_unscaled(workload):
     torch, device, params, grads = frameworks.torch_tensors(workload, scaled=False)

@@ -1,28 +1,20 @@
 """What the diagnostics cost on torch: GradScaler `diagnostics_every`, and `watch(model)`.
 
-- `lossscale-gradscaler-adamw-fused-diagnostics`: the step of
-  `lossscale-gradscaler-adamw-fused` (`impl_torch`) with
-  `diagnostics_every=100`: compare the two rows. `...-every-step` measures
-  at every step: the cost of one measured step.
-- `lossscale-gradscaler-adamw-fused-window` and `...-diagnostics-window`:
-  windows of `WINDOW` = 100 of those steps, without and with
-  `diagnostics_every=100`: the cost per step with the measured step
-  amortised over the cadence. Compare the two (`benchmarks/aa_control.py`).
-- `lossscale-gpt-train-step` and `lossscale-gpt-train-step-watch`: a whole
-  training step (forward, backward, `GradScaler` step and update, under
-  float16 autocast) of a small GPT built from `torch.nn` with exactly the
-  `gpt` workload's parameter shapes, with telemetry on (which `watch` needs),
-  without and with `watch(model, scaler)`: the hooks' overhead. They run on
-  the `gpt` workloads only.
+- `lossscale-gradscaler-adamw-fused-diagnostics` (and `...-every-step`):
+  `impl_torch`'s `lossscale-gradscaler-adamw-fused` step with diagnostics.
+- `...-window` and `...-diagnostics-window`: windows of `WINDOW` steps
+  without and with diagnostics, the measured step amortised.
+- `lossscale-gpt-train-step` (and `...-watch`): a whole float16 training
+  step of a small GPT with the `gpt` workload's shapes, without and with
+  `watch(model, scaler)`.
 """
 
 from lossscale.bench import frameworks, impl_torch, workloads
-from lossscale.bench.registry import implementation
+from lossscale.bench.registry import TORCH, implementation
 from lossscale.bench.timing import Stepper
 
 DIAGNOSTICS_EVERY = 100
-# Steps in one timed step of the `-window` rows: the cadence, so that each
-# window holds one measured step (the median of single steps hides it).
+# Steps in one timed step of the `-window` rows: one measured step each.
 WINDOW = DIAGNOSTICS_EVERY
 # Tokens of one training step: sequences of a quarter of the context.
 BATCH = 2
@@ -33,8 +25,7 @@ BATCH = 2
     "ours",
     f"lossscale.torch.GradScaler(diagnostics_every={DIAGNOSTICS_EVERY}) + "
     "torch.optim.AdamW(fused=True)",
-    requires=("torch",),
-    devices=("cpu", "cuda"),
+    **TORCH,
 )
 def grad_scaler_diagnostics(workload):
     return impl_torch.scaler_stepper(
@@ -47,8 +38,7 @@ def grad_scaler_diagnostics(workload):
     "ours",
     "lossscale.torch.GradScaler(diagnostics_every=1) + torch.optim.AdamW(fused=True): "
     "what one measured step costs",
-    requires=("torch",),
-    devices=("cpu", "cuda"),
+    **TORCH,
 )
 def grad_scaler_diagnostics_every_step(workload):
     return impl_torch.scaler_stepper(
@@ -77,8 +67,7 @@ for _on in (False, True):
         + (f"(diagnostics_every={DIAGNOSTICS_EVERY})" if _on else "")
         + " + torch.optim.AdamW(fused=True)"
         + (": the measured step amortised" if _on else ", no diagnostics"),
-        requires=("torch",),
-        devices=("cpu", "cuda"),
+        **TORCH,
     )(
         lambda workload, _on=_on: _window(
             workload, {"diagnostics_every": DIAGNOSTICS_EVERY} if _on else {}
@@ -188,8 +177,7 @@ def _train_step(workload, watched):
     "ours",
     "a GPT training step: forward, backward, lossscale.torch.GradScaler(telemetry=True) + "
     "torch.optim.AdamW(fused=True)",
-    requires=("torch",),
-    devices=("cpu", "cuda"),
+    **TORCH,
 )
 def gpt_train_step(workload):
     return _train_step(workload, watched=False)
@@ -199,8 +187,7 @@ def gpt_train_step(workload):
     "lossscale-gpt-train-step-watch",
     "ours",
     "the GPT training step with lossscale.torch.watch(model, scaler)",
-    requires=("torch",),
-    devices=("cpu", "cuda"),
+    **TORCH,
 )
 def gpt_train_step_watch(workload):
     return _train_step(workload, watched=True)

@@ -1,22 +1,10 @@
 """`lossscale bench --interleave`: the implementations of a workload side by side in one process.
 
-This VM (and others like it) puts a whole process in a faster or a slower
-mode for its lifetime, by tens of percent: rows timed in separate processes
-differ by the modes they drew as much as by their code, and alternating the
-processes over rounds averages that out only slowly. Interleaved, every
-implementation that shares an environment (the torch ones, say) is set up
-in one worker process per workload, warmed up, and timed in rounds that
-alternate their order (A B, B A, ...) there, so each round compares them in
-the same mode. Implementations with an environment of their own (Keras on
-JAX) still get a process of their own.
-
-With `--alternate-steps` the implementations take turns step by step
-within each round instead. XLA programs sharing a process slow each other
-down (plain optax on `many_small` went from 3.2 to 10.4 ms interleaved by
-rounds); taking turns step by step, each step of every row sees the same
-state, so their ratios still compare.
-
-The parent side is `run`; the worker side, `steps`.
+Some machines put a whole process in a faster or slower mode for its
+lifetime, so implementations sharing an environment are timed in one worker
+process per workload, in rounds of alternating order (A B, B A, ...). With
+`--alternate-steps` they take turns step by step instead (XLA programs in one
+process slow each other down). The parent side is `run`; the worker's, `steps`.
 """
 
 import statistics
@@ -26,13 +14,7 @@ from lossscale.bench import runner
 
 
 def run(impls, name, args):
-    """Rows for workload `name`: each group of `impls` sharing an environment in one process.
-
-    Args:
-        impls: The implementations to run (installed, and on the workload's device).
-        name: The workload's name.
-        args: The parsed `lossscale bench` arguments.
-    """
+    """Rows for workload `name`: each group of `impls` sharing an environment in one process."""
     rows, groups = [], {}
     for impl in impls:
         groups.setdefault(tuple(sorted(impl.env.items())), []).append(impl)

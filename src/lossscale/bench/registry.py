@@ -1,14 +1,9 @@
 """The registry of benchmarked implementations.
 
-Each implementation is one function, decorated with `@implementation(...)`
-in one of the `impl_*` modules, that builds a `timing.Stepper` for a
-workload. The function imports its frameworks itself: it only ever runs
-inside its own worker subprocess, so the harness process imports none of
-them.
-
-Kinds: `"ours"` (lossscale on some backend), `"peer"` (another library's
-loss-scaled Adam: the comparison), `"baseline"` (unscaled Adam, shown for
-the cost of scaling; not a peer).
+Each implementation is a function of an `impl_*` module, decorated with
+`@implementation(...)`, that builds a `timing.Stepper` for a workload and
+imports its frameworks itself (in its worker subprocess). Kinds: `"ours"`,
+`"peer"` (another library's loss-scaled step) and `"baseline"` (unscaled).
 """
 
 import dataclasses
@@ -18,6 +13,8 @@ import importlib.util
 from collections.abc import Callable
 
 KINDS = ("ours", "peer", "baseline")
+# `implementation`'s options for a torch implementation that runs on either device.
+TORCH = {"requires": ("torch",), "devices": ("cpu", "cuda")}
 # Modules whose `@implementation` functions fill the registry, in table order.
 MODULES = (
     "impl_lossscale",
@@ -34,14 +31,9 @@ MODULES = (
 class Implementation:
     """One benchmarked implementation.
 
-    Args:
-        name: Its name on the command line and in the table.
-        kind: One of `KINDS`.
-        description: What it runs, in a few words.
-        requires: Distributions it needs (checked without importing them).
-        devices: Devices it runs on (`"cpu"`, `"cuda"`).
-        env: Extra environment variables for its subprocess.
-        setup: `setup(workload) -> Stepper`.
+    `requires`: distributions it needs (checked without importing them);
+    `devices`: `"cpu"`, `"cuda"`; `env`: extra environment variables for its
+    subprocess; `setup(workload) -> Stepper`.
     """
 
     name: str
@@ -57,11 +49,7 @@ class Implementation:
         return [r for r in self.requires if importlib.util.find_spec(r) is None]
 
     def versions(self):
-        """`{module: version}` for what it requires (lossscale and numpy included).
-
-        A module's version is its distribution's (`tensorflow` is installed
-        by `tensorflow-cpu`, say).
-        """
+        """`{module: version}` of its distribution, for what it requires (and lossscale, numpy)."""
         names = dict.fromkeys(("lossscale", "numpy") + tuple(self.requires))
         return {n: importlib.metadata.version(_distribution(n)) for n in names}
 

@@ -1,12 +1,8 @@
 """Runs each benchmark job in its own Python subprocess.
 
-Separate processes keep the frameworks from sharing thread pools, allocator
-state or a Keras backend (chosen once per process), and let one
-implementation crash without taking the others down.
-
-On Linux the runner also measures how busy *other* processes kept the CPUs
-while a job ran (all CPU time in `/proc/stat` minus the job's own), so a
-report can flag rows that a concurrent load has slowed down.
+Separate processes share no thread pools, allocator state or Keras backend,
+and a crash takes no other down. On Linux the runner also measures how busy
+other processes kept the CPUs meanwhile, so a report can flag disturbed rows.
 """
 
 import json
@@ -18,8 +14,7 @@ import time
 
 # The worker prints this before its JSON result, on the last line of stdout.
 RESULT_PREFIX = "LOSSSCALE_BENCH_RESULT "
-# A job during which other processes kept more cores than this busy (on
-# average) counts as disturbed: its timings include their contention.
+# A job during which other processes kept more cores busy counts as disturbed.
 DISTURBED_CORES = 0.1
 # `wait_for_idle` waits for the CPUs to be at most this busy over IDLE_WINDOW
 # seconds, and gives up after IDLE_LIMIT seconds.
@@ -38,12 +33,7 @@ def _environment(extra):
 
 
 def run_job(job, env=None, timeout=None):
-    """Runs `job` (see `worker`) in a fresh interpreter.
-
-    Returns:
-        The worker's result dict, or `{"error": message}` when the worker
-        failed, timed out or printed no result.
-    """
+    """Runs `job` (see `worker`) in a fresh interpreter: its result, or `{"error": message}`."""
     command = [sys.executable, "-m", "lossscale.bench.worker", json.dumps(job)]
     before = _cpu_seconds()
     try:
@@ -87,11 +77,7 @@ def _others_cores(before, after):
 
 
 def wait_for_idle():
-    """Waits until the CPUs were <= IDLE_BUSY_FRACTION busy over IDLE_WINDOW seconds.
-
-    Returns whether they were (False after IDLE_LIMIT seconds, or where
-    `/proc/stat` is unavailable).
-    """
+    """Waits until the CPUs were <= IDLE_BUSY_FRACTION busy over IDLE_WINDOW seconds; whether so."""
     cpus = os.cpu_count() or 1
     deadline = time.monotonic() + IDLE_LIMIT
     while time.monotonic() < deadline:

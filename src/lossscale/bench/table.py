@@ -1,9 +1,6 @@
 """The Markdown report: a header on the machine and floors, then one table.
 
-Ratio to floor is `median / floor` for the workload. Ratio to best peer is
-`median / (fastest peer's median)` on the same workload, where peers are the
-other libraries' loss-scaled Adam steps (kind `"peer"`; the unscaled
-baseline is not one).
+Ratios are to the workload's floor and to its fastest row of kind `"peer"`.
 """
 
 COLUMNS = ("implementation", "workload", "median ms", "ratio to floor", "ratio to best peer")
@@ -39,16 +36,7 @@ def _cells(row, floors, best):
 
 
 def markdown_table(rows, floors):
-    """Formats result rows as a Markdown table with `COLUMNS`.
-
-    Args:
-        rows: Dicts with `impl`, `kind`, `workload` and either `median_ms`
-            or `skipped` / `error`.
-        floors: `{workload: floor ms}`.
-
-    Returns:
-        The table as a string, one row per entry of `rows`, in order.
-    """
+    """The result `rows` (with `median_ms`, or `skipped` / `error`) as a Markdown table."""
     best = best_peers(rows)
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * 3) + "|"]
     lines += ["| " + " | ".join(_cells(row, floors, best)) + " |" for row in rows]

@@ -1,10 +1,4 @@
-"""Timing one optimizer step: warm up, then time each step on its own.
-
-Each step is timed between two synchronisation points (`block_until_ready`
-for JAX, `torch.cuda.synchronize` for CUDA), so asynchronous work is
-counted in the step that launched it. Untimed `prepare` work (restoring
-gradients that a peer unscales in place) runs between steps.
-"""
+"""Timing one optimizer step: warm up, then time each step between two synchronisations."""
 
 import dataclasses
 import gc
@@ -33,10 +27,7 @@ class Stepper:
 def time_steps(stepper, repeats, warmup, warmup_seconds=0.0):
     """Returns the duration in seconds of each of `repeats` steps after the warm-up.
 
-    The warm-up runs `warmup` steps, and more until `warmup_seconds` have
-    passed: the first steps of a process run slow (pages faulted in, caches
-    and allocators filling), for longer than a few steps of a fast step
-    take.
+    The warm-up runs `warmup` steps, and more until `warmup_seconds` have passed.
     """
     times = []
     warm_until = time.perf_counter() + warmup_seconds

@@ -1,12 +1,8 @@
 """The subprocess side of the runner: one job, one JSON result line.
 
-`python -m lossscale.bench.worker '<job json>'` runs either a bandwidth
-measurement (`{"kind": "floor", "device": ..., "quick": ...}`) or one
-implementation on one workload (`{"kind": "step", "impl": ..., "workload":
-..., "repeats": ..., "warmup": ..., "quick": ...}`), or several side by side
-(`{"kind": "interleaved", ...}`, see `interleave`), then prints
-`runner.RESULT_PREFIX` followed by the result as JSON on the last line of stdout.
-Anything else the libraries print is ignored by the parent.
+`python -m lossscale.bench.worker '<job json>'` runs a job of kind `"floor"`,
+`"step"` or `"interleaved"`, then prints `runner.RESULT_PREFIX` and the
+result as JSON on the last line of stdout.
 """
 
 import json

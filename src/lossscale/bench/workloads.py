@@ -1,28 +1,17 @@
 """The benchmark workloads: lists of float32 tensor shapes, and their data.
 
-- `tiny`: 28 tensors, 117,002 parameters, the parameters of a small
-  transformer (`TRANSFORMER`: token and position embeddings, two encoder
-  layers with d_model 64 and feed-forward width 256, a 10-class head), so
-  a step is bound by fixed per-step and per-tensor costs (on a GPU: launches).
-- `many_small`: 400 tensors, about 1M parameters, shaped like a small
-  convolutional network (3x3 kernels, dense matrices, biases and norm
-  parameters), so per-tensor overhead dominates.
-- `gpt`: 29 tensors, 986,624 parameters, the parameters of a small GPT
-  (`GPT`: token and position embeddings, two decoder blocks with d_model
-  128 and biases, a final norm and an untied head), the AdamW workload.
-- `large`: 16 tensors of 1024x1024, about 16M parameters, so memory
-  bandwidth dominates.
-- `gpu_tiny`: `tiny` on CUDA.
-- `gpu_many_small`: `many_small` on CUDA, where a step is bound by kernel
-  launches rather than memory.
-- `gpu_large`: 64 tensors of 2048x2048, about 256M parameters, on CUDA.
+- `tiny`: a small transformer's 28 tensors (`TRANSFORMER`): fixed per-step
+  and per-tensor costs dominate.
+- `many_small`: 400 tensors of a small convolutional network, about 1M
+  parameters: per-tensor overhead dominates.
+- `gpt`: a small GPT's 29 tensors (`GPT`), the AdamW workload.
+- `large`: 16 tensors of 1024x1024: memory bandwidth dominates.
+- `gpu_tiny`, `gpu_many_small`: the same on CUDA; `gpu_large`: 64 tensors of
+  2048x2048 on CUDA.
 
-Parameters and gradients are random and never zero (magnitudes in
-[0.5, 1.5), random signs; gradients then times 1e-3), identical for every
-implementation (one seed). Loss-scaling implementations receive the
-gradients pre-multiplied by `LOSS_SCALE`, their initial scale, so every
-timed step is a finite, applied step that exercises the unscale and the
-finite check.
+Parameters and gradients are random and never zero, the same for every
+implementation; loss-scaling ones receive the gradients times `LOSS_SCALE`,
+so every timed step is a finite, applied step.
 """
 
 import dataclasses
@@ -39,13 +28,7 @@ GRADIENT_MAGNITUDE = 1e-3
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """One benchmark workload.
-
-    Args:
-        name: Its name on the command line.
-        shapes: One shape tuple per tensor.
-        device: `"cpu"` or `"cuda"`.
-    """
+    """One benchmark workload: its name, one shape per tensor, and `"cpu"` or `"cuda"`."""
 
     name: str
     shapes: tuple
@@ -74,25 +57,11 @@ def _small_network(widths, count):
     return tuple(shapes[:count])
 
 
-# `tiny`: the parameters of a small transformer classifier, in torch's
-# (out, in) layout: vocabulary 128, context 128, d_model 64, two
-# `torch.nn.TransformerEncoderLayer(64, nhead, 256)` (any nhead), 10
-# classes. 28 tensors, 117,002 parameters (tests/bench/test_workloads.py
-# checks the layers against torch's own).
-_ENCODER_LAYER = (
-    (192, 64),  # self_attn.in_proj_weight (q, k and v packed)
-    (192,),  # self_attn.in_proj_bias
-    (64, 64),  # self_attn.out_proj.weight
-    (64,),  # self_attn.out_proj.bias
-    (256, 64),  # linear1.weight
-    (256,),  # linear1.bias
-    (64, 256),  # linear2.weight
-    (64,),  # linear2.bias
-    (64,),  # norm1.weight
-    (64,),  # norm1.bias
-    (64,),  # norm2.weight
-    (64,),  # norm2.bias
-)
+# `tiny`, in torch's (out, in) layout: vocabulary 128, context 128, two
+# `torch.nn.TransformerEncoderLayer(64, nhead, 256)`, 10 classes.
+# Weight and bias of self_attn.in_proj (q, k and v packed), self_attn.out_proj,
+# linear1, linear2, norm1 and norm2.
+_ENCODER_LAYER = ((192, 64), (192,), (64, 64), (64,), (256, 64), (256,), (64, 256)) + ((64,),) * 5
 TRANSFORMER = (
     ((128, 64), (128, 64))  # token embedding, learned position embedding
     + _ENCODER_LAYER * 2
@@ -101,24 +70,12 @@ TRANSFORMER = (
 
 
 # `gpt`: a GPT-2-style decoder in torch's (out, in) layout: vocabulary 2048,
-# context 512, d_model 128, two blocks (pre-norm, fused q/k/v projection, a
-# 4x feed-forward, every linear with a bias), a final norm and an untied
-# head. 29 tensors, 986,624 parameters.
+# context 512, d_model 128, two blocks, a final norm and an untied head.
 _D = 128
-_GPT_BLOCK = (
-    (_D,),  # ln_1.weight
-    (_D,),  # ln_1.bias
-    (3 * _D, _D),  # attn.c_attn.weight (q, k and v packed)
-    (3 * _D,),  # attn.c_attn.bias
-    (_D, _D),  # attn.c_proj.weight
-    (_D,),  # attn.c_proj.bias
-    (_D,),  # ln_2.weight
-    (_D,),  # ln_2.bias
-    (4 * _D, _D),  # mlp.c_fc.weight
-    (4 * _D,),  # mlp.c_fc.bias
-    (_D, 4 * _D),  # mlp.c_proj.weight
-    (_D,),  # mlp.c_proj.bias
-)
+# Weight and bias of ln_1, attn.c_attn (q, k and v packed), attn.c_proj, ln_2,
+# mlp.c_fc and mlp.c_proj.
+_GPT_BLOCK = ((_D,), (_D,), (3 * _D, _D), (3 * _D,), (_D, _D), (_D,), (_D,), (_D,))
+_GPT_BLOCK += ((4 * _D, _D), (4 * _D,), (_D, 4 * _D), (_D,))
 GPT = (
     ((2048, _D), (512, _D))  # wte, wpe
     + _GPT_BLOCK * 2
@@ -130,12 +87,12 @@ def _eighths(shapes):
     return tuple(tuple(-(-d // 8) for d in s) for s in shapes)
 
 
-def _build(name, quick):
+def get(name, quick=False):
+    """Returns the `Workload` called `name`; `quick=True` gives a tiny version for tests."""
+    # quick: the same tensors, every dimension an eighth
     if name == "tiny":
-        if quick:  # the same 28 tensors, every dimension an eighth
-            return Workload(name, _eighths(TRANSFORMER), "cpu")
-        return Workload(name, TRANSFORMER, "cpu")
-    if name == "gpt":  # quick: the same 29 tensors, every dimension an eighth
+        return Workload(name, _eighths(TRANSFORMER) if quick else TRANSFORMER, "cpu")
+    if name == "gpt":
         return Workload(name, _eighths(GPT) if quick else GPT, "cpu")
     if name == "many_small":
         if quick:
@@ -144,7 +101,7 @@ def _build(name, quick):
     if name == "large":
         return Workload(name, ((128, 128),) * 2 if quick else ((1024, 1024),) * 16, "cpu")
     if name in ("gpu_tiny", "gpu_many_small"):
-        return dataclasses.replace(_build(name[4:], quick), name=name, device="cuda")
+        return dataclasses.replace(get(name[4:], quick), name=name, device="cuda")
     if name == "gpu_large":
         return Workload(name, ((256, 256),) * 2 if quick else ((2048, 2048),) * 64, "cuda")
     raise ValueError(f"`workload` must be one of {NAMES}. Received: workload={name!r}")
@@ -153,11 +110,6 @@ def _build(name, quick):
 CPU_NAMES = ("tiny", "many_small", "gpt", "large")
 GPU_NAMES = ("gpu_tiny", "gpu_many_small", "gpu_large")
 NAMES = CPU_NAMES + GPU_NAMES
-
-
-def get(name, quick=False):
-    """Returns the `Workload` called `name`; `quick=True` gives a tiny version for tests."""
-    return _build(name, quick)
 
 
 def _nonzero(rng, shape):
@@ -170,15 +122,7 @@ def _nonzero(rng, shape):
 
 
 def arrays(workload, loss_scaled=True, seed=0):
-    """Returns `(params, grads)`: lists of float32 NumPy arrays.
-
-    Args:
-        workload: The `Workload`.
-        loss_scaled: Whether the gradients come multiplied by `LOSS_SCALE`
-            (a power of two, so exactly), as a loss-scaled backward pass
-            gives them.
-        seed: Random seed; the same for every implementation.
-    """
+    """Returns `(params, grads)`, float32 arrays (grads times `LOSS_SCALE` if `loss_scaled`)."""
     rng = np.random.default_rng(seed)
     factor = np.float32(GRADIENT_MAGNITUDE)
     params, grads = [], []

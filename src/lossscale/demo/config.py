@@ -7,18 +7,9 @@ from lossscale.demo.models import BACKENDS
 
 DEFAULT_STEPS = 1500
 QUICK_STEPS = 300
-# See the package docstring: the factor stands in for the averaging over
-# very many loss terms that puts large models' gradients below float16's
-# normal range.
-DEFAULT_LOSS_WEIGHT = 2.0**-16
-# One measurement of the float16 range every 50 steps, the default
-# `growth_steps`: the "statistics" policy grows at most once per
-# measurement, so both policies then get one chance to grow per 50 steps
-# and the table compares their decisions, not their cadences. Measured on
-# the default run (torch): every 10 steps, "statistics" climbs faster and
-# skips 2 steps; every 50, none; every 100, none, but it ends at 2^30 and
-# 5.9 % of its values are subnormal (2.4 % every 50). The default run's
-# heatmap has 30 columns.
+DEFAULT_LOSS_WEIGHT = 2.0**-16  # see the package docstring
+# The default `growth_steps`: both policies get one chance to grow per 50
+# steps, so the table compares their decisions, not their cadences.
 DEFAULT_DIAGNOSTICS_EVERY = 50
 
 
@@ -36,14 +27,11 @@ class DemoConfig:
         growth_steps: Int >= 1. `LossScaleOptimizer`'s
             `dynamic_growth_steps` (of the `"fixed"` growth policy).
         diagnostics_every: Int >= 1. The loss-scaled runs'
-            `diagnostics_every`: every this many steps each layer's scaled
-            gradient is measured against float16's range (the heatmap), and
-            the `"statistics"` run decides its scale.
+            `diagnostics_every` (the heatmap's cadence).
         backend: `"torch"`, `"numpy"`, `"jax"` or `"tensorflow"`: the array
             library the model and the optimizer run on.
         loss_weight: Float > 0. The constant every run multiplies its loss
-            by before differentiating (Adam's `epsilon` is multiplied by
-            it too, so the float32 run trains as on the plain loss).
+            (and Adam's `epsilon`) by.
         batch_size: Int, 1 to 1437 (the training split's size).
         learning_rate: Float > 0. Adam's learning rate.
         hidden_units: Int >= 1. Width of the hidden layer.

@@ -1,15 +1,11 @@
-"""The demo's data: scikit-learn's 8x8 handwritten digits.
-
-The 1,797 images ship inside the scikit-learn wheel, so nothing is
-downloaded. Pixels (0..16) are divided by 16; 1,437 images train and 360
-test, split by the seed.
-"""
+"""The demo's data: scikit-learn's 8x8 digits (shipped in its wheel), pixels / 16."""
 
 import dataclasses
 
 import numpy as np
 
 TRAIN_SIZE = 1437
+NUM_PIXELS = 64
 NUM_CLASSES = 10
 
 
@@ -24,14 +20,7 @@ class Digits:
 
 
 def load_digits(seed):
-    """Loads and splits the digits with a seeded permutation.
-
-    Args:
-        seed: Int >= 0.
-
-    Returns:
-        A `Digits`.
-    """
+    """Loads the digits and splits them with a permutation seeded by `seed`, as `Digits`."""
     from sklearn.datasets import load_digits as sklearn_digits
 
     images, labels = sklearn_digits(return_X_y=True)
@@ -63,15 +52,10 @@ def batch_indices(num_examples, batch_size, steps, seed):
     return np.concatenate(batches)[:steps]
 
 
-def initial_weights(seed, hidden_units, num_inputs=64):
-    """He-normal weights and zero biases, as float32 NumPy arrays.
-
-    Returns:
-        `[w1 (inputs, hidden), b1, w2 (hidden, classes), b2]`, the same for
-        every backend so that all runs start from one point.
-    """
+def initial_weights(seed, hidden_units):
+    """He-normal weights and zero biases, float32: `[w1, b1, w2, b2]`, for every backend."""
     rng = np.random.default_rng([seed, 2])
-    w1 = rng.normal(0.0, np.sqrt(2.0 / num_inputs), (num_inputs, hidden_units))
+    w1 = rng.normal(0.0, np.sqrt(2.0 / NUM_PIXELS), (NUM_PIXELS, hidden_units))
     w2 = rng.normal(0.0, np.sqrt(1.0 / hidden_units), (hidden_units, NUM_CLASSES))
     return [
         w1.astype(np.float32),

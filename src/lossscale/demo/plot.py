@@ -24,38 +24,20 @@ def _centered_mean(values, window):
 
 
 def save_plot(results, path, title):
-    """Writes the PNG to `path`.
-
-    Args:
-        results: The `RunResult`s of `lossscale.demo.training.RUNS`, in
-            order; the loss-scaled ones get their scale drawn.
-        path: Output file name.
-        title: Figure title.
-    """
+    """Writes the PNG of the `RunResult`s of `training.RUNS` to `path`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     # Fixed margins: a constrained layout cost as much as the drawing itself.
     fig = Figure(figsize=(9, 6.5))
     FigureCanvasAgg(fig)
-    loss_ax, scale_ax = fig.subplots(
-        2,
-        1,
-        sharex=True,
-        height_ratios=(3, 2),
-        gridspec_kw={"left": 0.12, "right": 0.98, "top": 0.94, "bottom": 0.08, "hspace": 0.06},
-    )
+    margins = dict(left=0.12, right=0.98, top=0.94, bottom=0.08, hspace=0.06)
+    loss_ax, scale_ax = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2), gridspec_kw=margins)
     for result, color, style in zip(results, COLORS, STYLES):
         steps = np.arange(len(result.losses))
         loss_ax.plot(steps, result.losses, color=color, alpha=0.2, linewidth=0.7)
-        loss_ax.plot(
-            steps,
-            _centered_mean(result.losses, SMOOTHING),
-            color=color,
-            linewidth=1.8,
-            label=result.spec.label,
-            **style,
-        )
+        smooth = _centered_mean(result.losses, SMOOTHING)
+        loss_ax.plot(steps, smooth, color=color, linewidth=1.8, label=result.spec.label, **style)
     loss_ax.set_yscale("log")
     loss_ax.set_ylabel(f"minibatch loss\n(faint: per step; bold: centred mean of {SMOOTHING})")
     loss_ax.legend(loc="upper right")
@@ -69,14 +51,10 @@ def save_plot(results, path, title):
             steps, result.scales, where="post", color=color, label=f"{policy}: scale used"
         )
         skipped = result.skipped_steps
+        label = f"{policy}: skipped step (gradient overflow): {len(skipped)}"
+        at = [result.scales[s] for s in skipped]
         scale_ax.plot(
-            skipped,
-            [result.scales[s] for s in skipped],
-            marker,
-            linestyle="none",
-            color="black",
-            markersize=8,
-            label=f"{policy}: skipped step (gradient overflow): {len(skipped)}",
+            skipped, at, marker, linestyle="none", color="black", markersize=8, label=label
         )
         for step in skipped:
             loss_ax.axvline(step, color=color, alpha=0.3, linewidth=0.8)

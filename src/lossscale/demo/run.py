@@ -12,7 +12,7 @@ from lossscale.demo import report
 from lossscale.demo.models import make_model, single_threaded
 from lossscale.demo.training import RUNS, train_run
 
-# Import name -> what to install, for a clear message when one is missing.
+# Import name -> what to install.
 _NEEDS = {
     "sklearn": "scikit-learn",
     "threadpoolctl": "threadpoolctl",
@@ -130,18 +130,13 @@ def run_demo(config, stream=None):
     data = digits.load_digits(config.seed)
     batches = digits.batch_indices(len(data.y_train), config.batch_size, config.steps, config.seed)
     weights = digits.initial_weights(config.seed, config.hidden_units)
+
+    def run(spec):
+        model = make_model(config.backend, weights)
+        return train_run(spec, model, data, batches, config, _progress_bar(spec.label, config))
+
     with single_threaded(config.backend):
-        runs = tuple(
-            train_run(
-                spec,
-                make_model(config.backend, weights),
-                data,
-                batches,
-                config,
-                _progress_bar(spec.label, config),
-            )
-            for spec in RUNS
-        )
+        runs = tuple(run(spec) for spec in RUNS)
     table, summary = report.table(runs), report.summary(runs)
     os.makedirs(config.out, exist_ok=True)
     plot_path = os.path.join(config.out, "demo.png")
@@ -160,18 +155,10 @@ def run_demo(config, stream=None):
         config.diagnostics_every,
     )
     seconds = time.perf_counter() - start
+    results = {"config": dataclasses.asdict(config), "seconds": seconds}
+    results.update(runs=[r.to_dict() for r in runs], table=table, summary=summary)
     with open(results_path, "w", encoding="utf-8") as f:
-        json.dump(
-            {
-                "config": dataclasses.asdict(config),
-                "seconds": seconds,
-                "runs": [r.to_dict() for r in runs],
-                "table": table,
-                "summary": summary,
-            },
-            f,
-            indent=1,
-        )
+        json.dump(results, f, indent=1)
     print("\n" + table + "\n\n" + report.LEGEND + "\n\n" + summary, file=stream)
     print(
         f"\nPlot: {plot_path}\nFloat16 range: {heatmap_path}\nNumbers: {results_path}\n"

@@ -1,17 +1,8 @@
 """One training run of the demo, the same loop for every backend and precision.
 
-Each step: compute the gradients in the run's precision; in a float16 run,
-also compute the float32 gradients at the same weights and batch and count
-the values that are nonzero in float32 but zero in float16 (flushed by
-underflow); apply the gradients; record the loss, the loss scale used and
-whether the optimizer skipped the step. A loss-scaled run measures each
-layer's float16 range every `diagnostics_every` steps and records it from
-`summary()` at those steps only.
-
-The loop reads a few scalars back to Python at every step (the loss, the
-scale, the step count) for the progress bar and the curves. That costs
-nothing on the CPU the demo runs on; a training loop on an accelerator
-would read them less often.
+A float16 run also computes the float32 gradients at the same weights and
+batch, to count the values flushed by underflow. The loop reads a few
+scalars on the host every step, which costs nothing on the CPU.
 """
 
 import collections
@@ -41,8 +32,7 @@ class RunSpec:
         label: The run's name in the table and the pictures.
         precision: `"float32"` or `"float16"`.
         loss_scaling: Whether Adam is wrapped in `LossScaleOptimizer`.
-        growth_policy: `LossScaleOptimizer`'s `growth_policy` (unused
-            without loss scaling).
+        growth_policy: `LossScaleOptimizer`'s `growth_policy`.
     """
 
     label: str
@@ -65,33 +55,24 @@ class RunResult:
 
     Attributes:
         spec: The `RunSpec`.
-        losses: Minibatch cross-entropy per step (unweighted, computed from
-            the run's own forward pass).
-        scales: Loss scale used at each step (`None` entries without loss
-            scaling).
+        losses: Minibatch cross-entropy per step (unweighted).
+        scales: Loss scale used at each step (`None` without loss scaling).
         skipped_steps: Steps whose update the optimizer skipped.
         flushed: Gradient values, summed over all steps, nonzero in float32
             but zero in the run's float16 gradients (0 for float32).
         nonzero: Gradient values nonzero in float32, summed over all steps
-            (0 for a float32 run, which measures nothing).
-        subnormal: Nonzero float16 gradient values, summed over all steps,
-            below float16's smallest normal number (2^-14): they kept fewer
-            than 10 significant bits.
+            (0 for float32).
+        subnormal: Nonzero float16 gradient values below 2^-14, summed over
+            all steps.
         received_nonzero: Nonzero float16 gradient values, summed over all
             steps.
-        gradient_errors: Per finite float16 step, the relative error of the
-            unscaled float16 gradients against the float32 ones,
-            `||g16 / scale - g32|| / ||g32||` over all weights (empty for
-            float32). It also counts what float16 rounds away without
-            flushing it to zero.
+        gradient_errors: Per finite float16 step,
+            `||g16 / scale - g32|| / ||g32||` over all weights.
         test_accuracy: Accuracy on the 360 test images after training.
         train_loss: Cross-entropy on the 1,437 training images after training.
         final_scale: The loss scale after the last step, or `None`.
         float16_range: Of a loss-scaled run, one entry per measured step,
-            oldest first: `{"step": int, "range": summary()["float16_range"]}`,
-            the shares of each layer's scaled gradient that were zero,
-            float16 subnormals and near float16's maximum, and its largest
-            magnitude, at that step.
+            oldest first: `{"step": int, "range": summary()["float16_range"]}`.
         seconds: Wall time of the run.
     """
 
@@ -140,13 +121,8 @@ def _identity(loss):
 def make_optimizer(spec, config):
     """Adam for every run, wrapped in `LossScaleOptimizer` for the loss-scaled ones.
 
-    The loss-scaled runs measure the float16 range every
-    `config.diagnostics_every` steps, and take `spec.growth_policy`.
-
-    Multiplying the loss by `loss_weight` multiplies Adam's moments by it
-    and their ratio not at all, except against `epsilon`; multiplying
-    `epsilon` too keeps the float32 run identical to training on the plain
-    loss.
+    `epsilon` is multiplied by `loss_weight` too, so the float32 run equals
+    training on the plain loss.
     """
     inner = Adam(learning_rate=config.learning_rate, epsilon=ADAM_EPSILON * config.loss_weight)
     if not spec.loss_scaling:
@@ -161,11 +137,7 @@ def make_optimizer(spec, config):
 
 
 def _compare(reference, grads, scale, ops):
-    """Compares float16 `grads` (computed at loss scale `scale`) with float32 `reference`.
-
-    Returns:
-        A `Comparison`; its `error` is `None` when `grads` hold inf or NaN.
-    """
+    """`Comparison` of float16 `grads` (at `scale`) and `reference`; `error` None if inf/NaN."""
     reference = [ops.to_numpy(r).astype(np.float64) for r in reference]
     grads = [ops.to_numpy(g).astype(np.float64) for g in grads]
     flushed = sum(int(np.count_nonzero((r != 0) & (g == 0))) for r, g in zip(reference, grads))
@@ -180,17 +152,7 @@ def _compare(reference, grads, scale, ops):
 
 
 def train_run(spec, model, data, batches, config, progress_bar):
-    """Trains `model` for one run and returns its `RunResult`.
-
-    Args:
-        spec: The `RunSpec`.
-        model: A fresh model from `lossscale.demo.models.make_model`.
-        data: The `Digits`.
-        batches: `(steps, batch_size)` example indices, shared by all runs.
-        config: The `DemoConfig`.
-        progress_bar: A tqdm-like object (`update`, `set_postfix_str`,
-            `close`), already sized to the number of steps.
-    """
+    """Trains `model` for one run over `batches` and returns its `RunResult`."""
     ops = get_ops(model.backend)
     optimizer = make_optimizer(spec, config)
     optimizer.build(model.variables)
@@ -211,15 +173,13 @@ def train_run(spec, model, data, batches, config, progress_bar):
             if comparison.error is not None:
                 result.gradient_errors.append(comparison.error)
             if not spec.loss_scaling:
-                # Exact: every float16 value is a float32 value. The
-                # wrapper does this cast itself when it unscales.
+                # Exact; the wrapper casts so itself when it unscales.
                 grads = [ops.cast(g, "float32") for g in grads]
         iterations = int(optimizer.iterations)
         optimizer.apply(grads, model.variables)
         if int(optimizer.iterations) == iterations:
             result.skipped_steps.append(step)
         if spec.loss_scaling and step % config.diagnostics_every == 0:
-            # A host read of the state, at the measured steps only.
             summary = optimizer.summary()
             result.float16_range.append(
                 {"step": summary["float16_range_step"], "range": summary["float16_range"]}

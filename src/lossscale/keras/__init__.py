@@ -9,15 +9,10 @@ model.compile(optimizer=optimizer, loss="mse")
 model.fit(x, y, callbacks=[lsk.LossScaleLogger()])  # loss_scale, skipped_steps in History
 ```
 
-- `LossScaleOptimizer`: a `keras.optimizers.LossScaleOptimizer` (Keras
-  takes it as its own) on lossscale's state machine, on Keras's
-  TensorFlow, JAX and torch backends.
-- `LossScaleLogger`: a callback that puts the loss scale (and, with
-  telemetry, the skipped-step count) in `fit`'s logs and raises
-  `LossScaleError` out of `fit` when a fail-fast limit is crossed.
-
-Importing this package imports Keras (on the backend `KERAS_BACKEND`
-names); `import lossscale` does not.
+`LossScaleOptimizer` is a `keras.optimizers.LossScaleOptimizer` on lossscale's
+state machine; `LossScaleLogger` puts the loss scale in `fit`'s logs and
+raises `LossScaleError` out of `fit`. Importing this package imports Keras;
+`import lossscale` does not.
 """
 
 try:

@@ -10,19 +10,11 @@ from lossscale import validation
 class LossScaleLogger(keras.callbacks.Callback):
     """Adds `loss_scale` (and with telemetry `skipped_steps`) to `fit`'s logs.
 
-    At the end of each epoch the values join the epoch's logs, which
-    `History`, `TensorBoard`, `CSVLogger` and the progress bar's epoch line
-    read: one host read per epoch. With `every_batch=True` they join each
-    batch's logs too (one scalar read per step, next to the loss Keras reads
-    anyway).
-
-    When the optimizer has `min_scale` or `max_consecutive_skips` set, the
-    callback calls `optimizer.check()` after every batch, so that
-    `LossScaleError` ends `fit` at the failing step (a compiled step cannot
-    raise by itself).
-
-    Place it before other callbacks that read the logs (Keras adds `History`
-    and the progress bar after the callbacks given).
+    The values join each epoch's logs (one host read per epoch), and with
+    `every_batch=True` each batch's. When the optimizer has `min_scale` or
+    `max_consecutive_skips` set, `optimizer.check()` runs after every batch,
+    so `LossScaleError` ends `fit` at the failing step. Place it before other
+    callbacks that read the logs.
 
     Args:
         every_batch: Boolean. Whether to add the values to every batch's logs.

@@ -1,14 +1,8 @@
 """How each Keras backend skips the inner optimizer's step without a host read.
 
-The decision `take` is a backend boolean scalar. Keras's own wrapper
-branches on it with `keras.ops.cond`, which is a Python `if` on torch (a
-host synchronisation per step). Here:
-
-- TensorFlow: `tf.cond` (inside `fit`'s `tf.function` a graph branch; under
-  `tf.distribute` every replica has the same `take`, agreed beforehand);
-- JAX: `jax.lax.cond` over values (the stateless step `fit` runs);
-- torch: the step runs, and each variable it may write is then selected
-  back, in place, where `take` is False (`torch.where`): no host read.
+Keras's own `keras.ops.cond` is a Python `if` on torch. Here TensorFlow
+takes `tf.cond`, JAX `jax.lax.cond` over values, and torch runs the step and
+selects each variable back in place where `take` is False.
 """
 
 from __future__ import annotations
@@ -19,12 +13,9 @@ from collections.abc import Callable, Sequence
 def run_stateful(backend: str, take, step: Callable, grads: list, variables: Sequence) -> None:
     """Runs `step(grads)` so that its writes to `variables` take effect only where `take` holds.
 
-    Args:
-        backend: `"tensorflow"` or `"torch"` (JAX applies through `run_stateless`).
-        take: Backend boolean scalar, the same on every replica.
-        step: `step(grads)` writes some of `variables` in place.
-        grads: The (unscaled) gradients for `step`.
-        variables: Every Keras variable `step` may write.
+    `backend`: `"tensorflow"` or `"torch"` (JAX applies through `run_stateless`);
+    `take`: a backend boolean scalar, the same on every replica; `variables`:
+    every Keras variable `step` may write.
     """
     if backend == "tensorflow":
         _tf_run(take, step, grads)
@@ -47,11 +38,8 @@ def run_stateful(backend: str, take, step: Callable, grads: list, variables: Seq
 def _tf_run(take, step, grads):
     """`tf.cond` around `step(grads)`, in cross-replica context where the strategy needs it.
 
-    A strategy that synchronises through `merge_call` (MirroredStrategy on
-    CPUs) cannot have one inside a replica-context `tf.cond`, and the inner
-    optimizer's update has one: the branch is then taken in cross-replica
-    context, on the first replica's `take` (they all agree), and the update
-    runs for each replica, as Keras's wrapper does.
+    A `merge_call` (the inner update's) cannot sit inside a replica-context
+    `tf.cond`: the branch is then taken on the first replica's `take`.
     """
     import tensorflow as tf
 
@@ -76,14 +64,7 @@ def _tf_run(take, step, grads):
 
 
 def run_stateless(backend: str, take, applied: Callable[[], tuple], skipped: Callable[[], tuple]):
-    """`applied()` where `take` holds, else `skipped()`: two structures of arrays alike.
-
-    Args:
-        backend: `"jax"`, `"tensorflow"` or `"torch"`.
-        take: Backend boolean scalar.
-        applied: Returns the new values (a tuple of lists of arrays).
-        skipped: Returns the old values, in the same structure.
-    """
+    """`applied()` where `take` holds, else `skipped()`: two structures of arrays alike."""
     if backend == "jax":
         import jax
 
@@ -98,8 +79,7 @@ def run_stateless(backend: str, take, applied: Callable[[], tuple], skipped: Cal
         )
     import torch
 
-    # Keras's torch optimizers update the values given to `stateless_apply`
-    # in place: the old ones are copied first.
+    # Keras's torch optimizers update `stateless_apply`'s values in place.
     old = tuple([None if x is None else x.clone() for x in part] for part in skipped())
     new = applied()
     return tuple(

@@ -24,12 +24,11 @@ _KERAS_SETTINGS = ("initial_scale", "dynamic_growth_steps")
 class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """A `keras.optimizers.LossScaleOptimizer` whose scale follows lossscale's state machine.
 
-    Keras takes it wherever it takes its own wrapper: in `model.compile`
-    (also under the `"mixed_float16"` policy, which then does not wrap the
-    optimizer again), `keras.optimizers.get` / `serialize` / `deserialize`
-    and `.keras` files. With the settings at their defaults each step gives,
-    bit for bit, the weights, scale and counter of Keras's wrapper, wherever
-    Keras's scale stays finite and positive:
+    Keras takes it wherever it takes its own wrapper (`model.compile`, also
+    under `"mixed_float16"`, `keras.optimizers.get` / `serialize` /
+    `deserialize`, `.keras` files). With the default settings each step
+    gives, bit for bit, Keras's weights, scale and counter, wherever Keras's
+    scale stays finite and positive:
 
     ```
     grads = grads / scale                 # overwrite-with-gradient ones untouched
@@ -42,20 +41,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale = max(scale * backoff_factor, float32 tiny)  # never 0
     ```
 
-    Where Keras's wrapper lets the scale reach `inf` (every later step
-    skipped) or `0` (unscaled gradients `inf`, applied), this one keeps
-    training. The skip takes no host read on any backend (Keras's wrapper
-    takes one per step on torch): `tf.cond` on TensorFlow, `lax.cond` in
-    the stateless step `fit` runs on JAX, and an in-place select on torch.
-    Under `tf.distribute` every replica takes the same decision. The
-    stateful `apply` works on JAX too.
+    Where Keras's scale would reach `inf` or `0`, this one keeps training.
+    The skip takes no host read on any backend, and under `tf.distribute`
+    every replica takes the same decision.
 
-    The beyond-Keras settings are those of `lossscale.LossScaleOptimizer`
-    (all off by default). With `min_scale` or `max_consecutive_skips` set, a
-    crossed limit freezes the state (every later step skipped) and
-    `check()` raises `LossScaleError`: an eager `apply` calls it after each
-    step; in a compiled `fit`, pass `lossscale.keras.LossScaleLogger()` to
-    the callbacks, which calls it after each batch.
+    The other settings are those of `lossscale.LossScaleOptimizer` (all off
+    by default). Past a fail-fast limit the state freezes and `check()`
+    raises `LossScaleError`: an eager `apply` calls it after each step; in a
+    compiled `fit`, `lossscale.keras.LossScaleLogger()` does after each batch.
 
     Args:
         inner_optimizer: The `keras.optimizers.Optimizer` instance to wrap.
@@ -73,20 +66,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             record an error.
         growth_policy: `"fixed"` (default), `"headroom"` or
             `"statistics"` (with `diagnostics_every`).
-        telemetry: Boolean. Record skip counters, the last scales and
-            the overflow window: each overflow's step and the variables
-            with non-finite gradients (`summary()`).
+        telemetry: Boolean. Record skip counters, the last scales and the
+            overflow window (`summary()`).
         diagnostics_every: Int or `None`. Every this many steps, measure
-            each variable's scaled gradient against float16's range, on
-            the device (`summary()["float16_range"]`).
+            each scaled gradient against float16's range
+            (`summary()["float16_range"]`).
         history_length: Int in [1, 30]. Scales and overflows kept.
         on_persistent: `"warn"` (default), `"raise"` or a callable taking
             the `summary()` dict: what to do the first time a step is
             skipped for a cause no back-off can clear (see
-            `lossscale.LossScaleOptimizer`). Acted on where the host reads
-            the state: `check()` (an eager `apply`, or
-            `lossscale.keras.LossScaleLogger` after each batch of `fit`) and
-            `summary()`. `"raise"` and a callable turn `telemetry` on.
+            `lossscale.LossScaleOptimizer`), at `check()` and `summary()`.
+            `"raise"` and a callable turn `telemetry` on.
         **kwargs: Base optimizer arguments, accepted only at their defaults
             (as by Keras's wrapper): set them on the `inner_optimizer`.
 
@@ -137,9 +127,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         super().__init__(inner_optimizer, initial_scale, dynamic_growth_steps, name=name, **kwargs)
         self.policy = policy
         self._ops = get_ops(backend)
-        # Steps counted on the host: eager torch's diagnostics cadence, no device read.
-        self._host_steps = 0
-        # What the host diagnoses between steps (`mixed_precision.diagnosis`).
+        self._host_steps = 0  # eager torch's diagnostics cadence, with no device read
         self._persistent = diagnosis.PersistentWatch(on_persistent)
         self._scale_use = diagnosis.ScaleUse(self.name, policy.initial_scale)
 
@@ -174,14 +162,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
 
     def load_own_variables(self, store: dict) -> None:
-        """Keras's load, its values checked first; the host's step count follows it.
+        """Keras's load, its values checked first (`mixed_precision.restored`).
 
-        A `.keras` file whose loss-scale state no step could have left (a
-        NaN or negative scale, a negative counter, a step count below 0)
-        raises `ValueError` naming the entry, and nothing is loaded
-        (`mixed_precision.restored`). Where Python runs every step (torch),
-        the restored `steps` picks the measuring steps: a resumed run
-        measures on the uninterrupted run's.
+        A state no step could have left raises `ValueError` naming the
+        entry, and nothing is loaded; the host's step count follows the load.
         """
         if len(store.keys()) == len(self.variables):  # else Keras warns and loads nothing
             fields = {id(self.inner_optimizer.iterations): "iteration"}
@@ -205,10 +189,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def scale_loss(self, loss: Any) -> Any:
         """Multiplies `loss` by the current scale; with telemetry, records whether it was finite.
 
-        The flag is a state variable written here, where Keras's `fit` calls
-        this inside its traced step (TensorFlow, torch): an overflow is then
-        told apart from a NaN or inf loss (NaN data, say). Keras's JAX
-        `fit` discards what this step writes: there the loss is not recorded.
+        (Keras's JAX `fit` discards what this writes: there the loss is not recorded.)
         """
         if isinstance(loss, (str, bytes)):
             raise TypeError(
@@ -244,8 +225,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         eager = _executing_eagerly(self._ops.NAME, self.dynamic_scale.value)
         if eager:
             self._scale_use.unscaling()
-        if self._ops.NAME == "jax":
-            # JAX arrays are immutable: the stateless step, then its values written.
+        if self._ops.NAME == "jax":  # immutable arrays: the stateless step, then writes
             new_trainable, new_optimizer = self.stateless_apply(
                 [v.value for v in self.variables], grads, [v.value for v in variables]
             )
@@ -258,7 +238,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _stateful_step(self, grads, variables, trainable_variables):
         ops, inner = self._ops, self.inner_optimizer
-        state = state_layout.read(self._state, _value)
+        state = state_layout.read(self._state, state_layout.value_of)
 
         def inner_step(decision):
             gates.run_stateful(
@@ -277,7 +257,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             inner_step,
             due=self._due(state, host=ops.host_control()),
         )
-        state_layout.write_back(ops, self._state, state, new, _value)
+        state_layout.write_back(ops, self._state, state, new, state_layout.value_of)
 
     def stateless_apply(
         self,
@@ -287,8 +267,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     ) -> tuple[list, list]:
         """The step on values: returns `(new trainable values, new optimizer values)`.
 
-        Mutates nothing (the step `fit` runs on JAX, under `jax.jit`).
-        Never raises for a crossed limit: call `check(optimizer_variables)`.
+        Mutates nothing and never raises for a crossed limit (see `check`).
         """
         if not self.built:
             raise ValueError(
@@ -296,17 +275,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "variables created): call `optimizer.build(trainable_variables)` first."
             )
         ops = self._ops
-        own = self.variables
         optimizer_variables = list(optimizer_variables)
-        if len(optimizer_variables) != len(own):
-            raise ValueError(
-                "`optimizer_variables` must hold one value per optimizer variable "
-                f"({len(own)}). Received: {len(optimizer_variables)} values"
-            )
-        values = {id(v): x for v, x in zip(own, optimizer_variables)}
+        read = state_layout.reader(self.variables, optimizer_variables)
         grads = list(grads)
         _check_gradients(grads, self._trainable_variables)
-        state = state_layout.read(self._state, lambda v: values[id(v)])
+        state = state_layout.read(self._state, read)
         inner_values = optimizer_variables[len(self._variables) :]
         trainable = list(trainable_variables)
 
@@ -334,8 +307,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         given = {id(x) for x in optimizer_variables}
         mine = []
         for v in self._variables:
-            value = written.get(id(v), values[id(v)])
-            if ops.MUTABLE and id(value) in given and value is not values[id(v)]:
+            value = written.get(id(v), read(v))
+            if ops.MUTABLE and id(value) in given and value is not read(v):
                 value = ops.copy(value)  # another's given value: the caller writes that one
             mine.append(ops.cast(value, v.dtype) if id(v) in written else value)
         return list(new_trainable), mine + list(new_inner)
@@ -354,11 +327,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
 
     def _due(self, state, host):
-        """Whether this step measures the float16 range (None without diagnostics).
-
-        `host`: whether the cadence is decided on the host (eager torch),
-        else from the state's step count on the device.
-        """
+        """Whether this step measures (None: no diagnostics), by the host's count or the state's."""
         policy = self.policy
         if not policy.diagnoses:
             return None
@@ -379,7 +348,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 (as `stateless_apply` takes and returns them). Defaults to
                 the optimizer's own variables.
         """
-        state = state_layout.read(self._state, self._reader(optimizer_variables))
+        state = state_layout.read(
+            self._state, state_layout.reader(self.variables, optimizer_variables)
+        )
         paths = [v.path for v in self._trainable_variables]
         out = telemetry.state_summary(self._ops, state, self.policy, paths)
         if self._persistent.on_persistent == "warn":
@@ -392,49 +363,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Args:
             optimizer_variables: Optional values for `optimizer.variables`.
         """
-        policy, watch = self.policy, self._persistent
-        watching = (
-            policy.records_details
-            and not watch.seen
-            and (policy.fails_fast or watch.reads_every_step)
+        read = state_layout.reader(self.variables, optimizer_variables)
+        diagnosis.check_state(
+            self._ops,
+            self.policy,
+            self._persistent,
+            lambda name: read(self._state[name]),
+            lambda: self.summary(optimizer_variables),
+            len(self._trainable_variables),
         )
-        if not watching and not policy.fails_fast:
-            return  # nothing to check, nothing read
-        read = self._reader(optimizer_variables)
-        count = len(self._trainable_variables)
-        if watching:
-            watch.notice(
-                self._ops.to_numpy(read(self._state["persistent_step"])),
-                lambda: self.summary(optimizer_variables),
-                count,
-            )
-        if policy.fails_fast:
-            telemetry.raise_if_failed(
-                self._ops,
-                read(self._state["error"]),
-                policy,
-                lambda: self.summary(optimizer_variables),
-                count,
-            )
-
-    def _reader(self, optimizer_variables):
-        """`variable -> value`: its own, or its entry of `optimizer_variables`."""
-        if optimizer_variables is None:
-            return _value
-        optimizer_variables = list(optimizer_variables)
-        own = self.variables
-        if len(optimizer_variables) != len(own):
-            raise ValueError(
-                "`optimizer_variables` must hold one value per optimizer variable "
-                f"({len(own)}). Received: {len(optimizer_variables)} values"
-            )
-        values = {id(v): x for v, x in zip(own, optimizer_variables)}
-        return lambda v: values[id(v)]
 
     # --- configuration ----------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
-        """Keras's keys (`name`, `inner_optimizer`, `initial_scale`,
-        `dynamic_growth_steps`), plus each extra that differs from its default."""
+        """Keras's keys, plus each other setting not at its default."""
         config = super().get_config()
         config.update(self.policy.non_default_settings())
         return config
@@ -486,16 +427,8 @@ def _check_inner(inner):
         )
 
 
-def _value(variable):
-    return variable.value
-
-
 def _check_gradients(grads, variables):
-    """Refuses a gradient list that does not fit the variables, before anything is written.
-
-    One gradient per variable, each of its variable's shape and of a
-    floating-point dtype; `None` for none.
-    """
+    """Refuses gradients that do not fit the variables (count, shape, float dtype)."""
     if len(grads) != len(variables):
         raise ValueError(
             "`grads` must match the trainable variables one to one. Received: "

@@ -1,20 +1,10 @@
-"""What a front end diagnoses on the host, between steps: no scaler does this for you.
+"""What a front end diagnoses on the host, between steps, without a device read inside one.
 
-Three components each stateful front end holds (`LossScaleOptimizer`,
-`lossscale.torch.GradScaler`, the Keras socket, `lossscale.torch.Optimizer`):
-
-- `PersistentWatch`: acts (`on_persistent`) the first time the state
-  records a skip no back-off can clear (`LossScaleState.persistent_step`);
-- `ScaleUse`: warns (`ScaleMismatchWarning`) when gradients are unscaled by
-  another factor than their loss was scaled by;
+- `PersistentWatch`: acts (`on_persistent`) on a skip no back-off can clear;
+- `ScaleUse`: warns when gradients are unscaled by another factor than
+  their loss was scaled by;
 - `Agreement`: every `agreement_every` steps, checks that every rank holds
-  the same loss-scale state (one small all-reduce), and raises
-  `LossScaleError` on every rank alike where they drifted apart.
-
-None of them reads a device value inside a step: the watch reads one
-scalar where the front end reads anyway (or where asked to every step),
-the mismatch is decided from what the host holds, and the agreement reads
-its all-reduce once per `agreement_every` steps.
+  the same loss-scale state.
 """
 
 from __future__ import annotations
@@ -33,6 +23,7 @@ from lossscale.mixed_precision.telemetry import (
     ScaleMismatchWarning,
     UnscaledLossWarning,
     diagnosis,
+    raise_if_failed,
     unscaled_loss_message,
     warn,
 )
@@ -54,11 +45,8 @@ def check_on_persistent(on_persistent: Any) -> Any:
 class PersistentWatch:
     """What a front end does the first time the state records a persistent skip.
 
-    The step records the first persistent step on the device
-    (`LossScaleState.persistent_step`, with telemetry); the host acts on it
-    where it reads the state: after every step where `on_persistent` is
-    `"raise"` or a callable (one scalar, beside what the fail-fast limits
-    read), and at every `summary()` and `check()` for `"warn"`.
+    Acted on where the host reads the state: after every step for `"raise"`
+    or a callable, at `summary()` and `check()` for `"warn"`.
 
     Args:
         on_persistent: `"raise"` (`LossScaleError`), `"warn"`
@@ -78,12 +66,9 @@ class PersistentWatch:
     def notice(
         self, persistent_step: Any, summary: Callable[[], dict], variable_count: int | None = None
     ) -> None:
-        """Acts once on a recorded persistent step (-1 or None: none yet).
+        """Acts once on the state's `persistent_step` (a host number; -1 or None: none yet).
 
-        Args:
-            persistent_step: The state's `persistent_step`, a host number.
-            summary: `summary()`, called only when acting.
-            variable_count: How many variables the step had (for the message).
+        `summary()` is called only when acting.
         """
         if self.seen or persistent_step is None or int(persistent_step) < 0:
             return
@@ -101,18 +86,34 @@ class PersistentWatch:
             self.on_persistent(found)
 
 
+def check_state(ops, policy, watch, read, summary, variable_count=None):
+    """A front end's `check()`: the persistent watch, then the fail-fast limits.
+
+    Args:
+        ops: The backend module of the state.
+        policy: The `LossScalePolicy`.
+        watch: The front end's `PersistentWatch`.
+        read: `field name -> value` of the state.
+        summary: `() -> summary dict`, called only for a message or a hook.
+        variable_count: How many variables a step has (for the messages).
+
+    Raises:
+        LossScaleError: A crossed limit, or a persistent skip under "raise".
+    """
+    if policy.records_details and not watch.seen:
+        if policy.fails_fast or watch.reads_every_step:
+            watch.notice(ops.to_numpy(read("persistent_step")), summary, variable_count)
+    if policy.fails_fast:
+        raise_if_failed(ops, read("error"), policy, summary, variable_count)
+
+
 class ScaleUse:
     """The factor a loss was scaled by against the one its gradients are unscaled by, on the host.
 
     `scaled(loss, output)` when a loss is scaled, `changed()` when the host
-    sets the scale (a load, `update(new_scale)`), `unscaling()` when
-    gradients are unscaled. Warns once per owner: `UnscaledLossWarning` for
-    gradients of a loss never scaled, `ScaleMismatchWarning` for a loss
-    scaled twice or a scale changed in between. It is plain host
-    arithmetic, traced as such by `torch.compile` (its warning is a
-    constant there, `telemetry.warn`); a loss's identity is kept only where
-    Python runs at every call, and where the output has one (not a NumPy
-    scalar, the product of a 0-d NumPy loss).
+    sets the scale, `unscaling()` when gradients are unscaled. Warns once
+    per owner: `UnscaledLossWarning` for a loss never scaled,
+    `ScaleMismatchWarning` for one scaled twice or a scale changed between.
 
     Args:
         owner: The optimizer's or scaler's name, for the message.
@@ -133,8 +134,7 @@ class ScaleUse:
     def scaled(self, loss: Any, output: Any, identity: bool = True) -> None:
         """Records that `loss` was scaled into `output`; warns if `loss` was such an output.
 
-        `identity`: whether to keep `output`'s identity (not while a
-        compiler traces: it would break the graph).
+        `identity`: whether to keep `output`'s identity (not while tracing).
         """
         self._scaled_at = self._epoch
         if not identity:
@@ -176,11 +176,9 @@ class ScaleUse:
 class Agreement:
     """Every `every` steps, checks that all participants hold the same loss-scale state.
 
-    One all-reduce of a small vector (each field's value and its negation,
-    by maximum: the largest and smallest value of each field over the
-    participants) and one host read, every `every` steps; where a field
-    differs, every participant gathers the values (to name the ranks) and
-    raises `LossScaleError` at the same step.
+    One all-reduce (each field's largest and smallest value) and one host
+    read; where a field differs, every participant gathers the values (to
+    name the ranks) and raises `LossScaleError` at the same step.
 
     Args:
         every: Int >= 1, or None (never).
@@ -206,10 +204,8 @@ class Agreement:
 
         Args:
             ops: The backend module of the fields' arrays.
-            group: The participants (a torch process group, or None for
-                the default one).
-            fields: `{name: scalar array}`, the same names on every
-                participant.
+            group: The participants (a torch process group, or None).
+            fields: `{name: scalar array}`, the same names everywhere.
             step: The step (for the message).
             what: What the fields are, for the message.
         """

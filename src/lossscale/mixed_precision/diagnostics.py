@@ -12,19 +12,10 @@ max_abs   = max(a)                                 # NaN where one is, else inf 
 ```
 
 The shares count elements exactly (an integer count, then one division by
-the size), so they equal a float64 count of the same values to float32's
-precision. NaN counts in no share; inf counts as near the maximum.
-A gradient holding a NaN has a NaN `max_abs`, even where it holds an inf.
-
-`measure_all` measures many gradients into four vectors (`measure_at`:
-into given entries of the state's `range_*` vectors; `measure_into`: of
-its variables), through the backend's `fused_float16_range` kernel where
-it has one (the same values, bit for bit, in fewer operations and less
-memory: a packed kernel on torch, one fused pass per gradient on JAX, a
-large gradient a chunk at a time on TensorFlow).
-
-A step measures only when its policy says (`diagnostics_every`); the
-results are optimizer state, read on the host by `summary()`.
+the size). NaN counts in no share; inf counts as near the maximum; a NaN
+makes `max_abs` NaN, even beside an inf. `measure_all` measures many
+gradients into four vectors, through the backend's `fused_float16_range`
+kernel where it has one (the same values, bit for bit).
 """
 
 from __future__ import annotations
@@ -39,10 +30,8 @@ if TYPE_CHECKING:
     from lossscale.backends.protocol import BackendOps
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
-# The smallest normal float16: below it (and above 0) a float16 is subnormal.
 FLOAT16_SMALLEST_NORMAL = float(np.finfo(np.float16).smallest_normal)
-# The keys of one variable's entry of `summary()["float16_range"]`, in the
-# order of `measure`'s results and of the `range_*` state fields.
+# One variable's keys in `summary()["float16_range"]`, in `measure`'s order.
 KEYS = ("zero", "subnormal", "near_max", "max_abs")
 FIELDS = ("range_zero", "range_subnormal", "range_near_max", "range_max_abs")
 
@@ -74,8 +63,7 @@ def measure(
         below = ops.sum(ops.cast(a < FLOAT16_SMALLEST_NORMAL, "int32"))
         near = ops.sum(ops.cast(a >= near_max_limit(growth_factor), "int32"))
         shares = [ops.cast(count, "float32") / float(size) for count in (zero, below - zero, near)]
-        # NaN compares False: a NaN anywhere makes the peak NaN, whatever the
-        # order a backend's max reduction meets it and an inf in.
+        # A NaN anywhere (it compares False) makes the peak NaN, in any reduction order.
         numbers = ops.sum(ops.cast(a <= float("inf"), "int32"))
         peak = ops.where(numbers == size, ops.cast(ops.max_abs([grad]), "float32"), float("nan"))
     return (*shares, peak)
@@ -84,18 +72,7 @@ def measure(
 def measure_all(
     ops: BackendOps, grads: list[Array], growth_factor: float
 ) -> tuple[Array, Array, Array, Array]:
-    """`measure` of each of `grads`, as four float32 vectors (entry i: `grads[i]`).
-
-    Through the backend's `fused_float16_range` kernel where it has one and
-    it takes these gradients: the same values, bit for bit, in fewer
-    operations and less memory.
-
-    Args:
-        ops: The gradients' backend module.
-        grads: A non-empty list of floating-point arrays, each with at
-            least one element.
-        growth_factor: The policy's growth factor (for `near_max`).
-    """
+    """`measure` of each of non-empty `grads`, as four float32 vectors (entry i: `grads[i]`)."""
     kernel = ops.fused_float16_range()
     if kernel is not None:
         columns = kernel(grads, FLOAT16_SMALLEST_NORMAL, near_max_limit(growth_factor))
@@ -116,17 +93,10 @@ def measure_at(
 
     Args:
         ops: The gradients' backend module.
-        grads: A non-empty list of floating-point arrays, each with at
-            least one element.
+        grads: Non-empty floating-point arrays.
         growth_factor: The policy's growth factor (for `near_max`).
-        old: The `(zero, subnormal, near_max, max_abs)` float32 vectors,
-            an entry per model variable (the last measurement).
-        indices: Each gradient's entry; the other entries keep their value
-            (a variable without a gradient this step keeps its last
-            measurement).
-
-    Returns:
-        The four new vectors.
+        old: The four float32 vectors, an entry per model variable.
+        indices: Each gradient's entry; the others keep their value.
     """
     columns = measure_all(ops, grads, growth_factor)
     (count,) = ops.shape(old[0])
@@ -142,29 +112,14 @@ def measure_at(
 
 
 def over_axes(ops: BackendOps, columns: tuple, axis_name: Any) -> tuple:
-    """The `(zero, subnormal, near_max, max_abs)` vectors of each device, for all of them.
+    """The four vectors each device measured of its blocks, agreed over `axis_name`.
 
-    Inside `shard_map` / `pmap` each device measured its own blocks; the
-    state stays replicated: each share is the devices' mean (equal blocks:
-    the whole gradient's share, up to rounding; "any near the maximum"
-    holds alike), each peak the largest (a NaN on one device kept).
+    Shares are the devices' mean (equal blocks: the whole gradient's share),
+    peaks the largest, so the state stays replicated.
     """
     zero, subnormal, near, peak = columns
     shares = (ops.all_mean(x, axis_name) for x in (zero, subnormal, near))
     return (*shares, ops.all_max(peak, axis_name))
-
-
-def measure_into(
-    ops: BackendOps,
-    grads: list[Array],
-    growth_factor: float,
-    fields: list,
-    indices: list[int],
-) -> None:
-    """`measure_at` into the `(zero, subnormal, near_max, max_abs)` `Variable`s `fields`."""
-    new = measure_at(ops, grads, growth_factor, tuple(f.value for f in fields), indices)
-    for field, value in zip(fields, new):
-        field.assign(value)
 
 
 def due(policy, steps: Array) -> Array:

@@ -8,16 +8,10 @@ peak        = max(peaks)                         # growth_policy="headroom"
 variable_finite[i] = isfinite(unscaled[i])       # telemetry
 ```
 
-Division and rounding are monotone, so a gradient's largest magnitude
-divided by the scale, in the dtype it is unscaled to, is its largest
-unscaled magnitude, inf or NaN exactly when an unscaled value is: each
-scaled gradient is read once, by the reduction that gives its peak.
-`LossScaleOptimizer`, `lossscale.torch.GradScaler` and
-`lossscale.optax.dynamic_loss_scale` gather the peaks their own way (one per
-gradient where per-variable flags are kept, one per dtype otherwise: the
-backend's `max_abs`, or torch's multi-tensor norm) and read them here. The
-flag alone, where no statistic is kept, is the backends' fused check
-(`unscale_checked`, `finite_unscaled`), not this.
+Division and rounding are monotone, so a gradient's peak divided by the
+scale, in the dtype it is unscaled to, is its largest unscaled magnitude,
+inf or NaN exactly when an unscaled value is: each scaled gradient is read
+once, by the reduction that gives its peak.
 """
 
 from __future__ import annotations
@@ -33,9 +27,8 @@ class Inspection(NamedTuple):
         finite: Boolean scalar: whether every unscaled gradient is finite.
         peak: The largest scaled magnitude (float32 scalar) with
             `growth_policy="headroom"`, else None.
-        variable_finite: With telemetry (`policy.records_details`), one
-            boolean scalar per peak, in order, None where the peak is None;
-            else `()`.
+        variable_finite: With telemetry, one boolean scalar per peak (None
+            where the peak is None); else `()`.
     """
 
     finite: Any
@@ -54,13 +47,11 @@ def inspect(
 
     Args:
         ops: The backend's operations.
-        peaks: Each gradient's (or each group of gradients') largest scaled
-            magnitude, a float32 scalar that is NaN or inf where the
-            gradient holds one; None for an empty gradient.
+        peaks: Each gradient's (or group's) largest scaled magnitude, a
+            float32 scalar; None for an empty gradient.
         dtypes: Per peak, the dtype name its gradient is unscaled to, or
-            None for a gradient the step does not unscale (an
-            overwrite-with-gradient variable's): checked as it is, and left
-            out of `peak`.
+            None for one not unscaled (checked as it is, left out of
+            `peak`).
         scale: The loss scale the peaks were measured under.
         policy: The `LossScalePolicy`.
 
@@ -94,17 +85,10 @@ def inspect(
 
 
 def gradient_peaks(ops, grads, divided, by_variable):
-    """`[(peak, positions)]`: the largest magnitudes of the non-empty `grads`, as they are.
+    """`[(peak, positions)]`: the largest magnitudes of the non-empty scaled `grads`.
 
-    Taken before any unscaling (torch unscales in place). One per gradient
-    when `by_variable` (telemetry flags each), else one per dtype and kind
-    (divided by the scale or not).
-
-    Args:
-        ops: The backend's operations.
-        grads: The scaled gradients (`None` entries allowed).
-        divided: The positions of the gradients the step unscales.
-        by_variable: Whether each gradient gets its own peak.
+    One per gradient when `by_variable`, else one per dtype and kind
+    (positions in `divided` or not).
     """
     divided = set(divided)
     groups = {}
@@ -118,19 +102,9 @@ def gradient_peaks(ops, grads, divided, by_variable):
 def inspect_gradients(ops, peaks, unscaled, scale, policy, variable_of, variable_count):
     """`inspect` of `gradient_peaks(...)`, with the per-variable flags placed by variable.
 
-    Args:
-        ops: The backend's operations.
-        peaks: What `gradient_peaks` returned.
-        unscaled: `{position: unscaled gradient}` of the divided gradients
-            (each group is unscaled to its first member's dtype).
-        scale: The loss scale.
-        policy: The `LossScalePolicy`.
-        variable_of: `position -> index` of its variable among `variable_count`.
-        variable_count: How many variables the flags are indexed by.
-
-    Returns:
-        An `Inspection` whose `variable_finite` (with telemetry) holds
-        `variable_count` entries, None where a variable had no peak.
+    `unscaled` is `{position: unscaled gradient}` of the divided ones;
+    `variable_finite` (with telemetry) gets `variable_count` entries, placed
+    by `variable_of(position)`, None where a variable had no peak.
     """
     dtypes = [ops.dtype_name(unscaled[at[0]]) if at[0] in unscaled else None for _, at in peaks]
     found = inspect(ops, [p for p, _ in peaks], dtypes, scale, policy)
@@ -145,9 +119,7 @@ def inspect_gradients(ops, peaks, unscaled, scale, policy, variable_of, variable
 def agreed_flags(ops, flags: Sequence[Any], group: Any) -> tuple:
     """Each of `flags` (a boolean scalar, or None) held on every participant of `group`.
 
-    One collective for all of them (`ops.all_true` of their vector), where
-    each participant checked its own block of every gradient. None entries
-    (no gradient) stay None.
+    One collective (`ops.all_true` of their vector); None entries stay None.
     """
     present = [i for i, f in enumerate(flags) if f is not None]
     if not present:

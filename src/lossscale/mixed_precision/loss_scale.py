@@ -1,13 +1,8 @@
 """The dynamic loss-scale state machine: one pure function, every backend.
 
 `next_loss_scale(ops, state, finite, policy)` returns the new
-`LossScaleState`. It uses selects, never Python branches on array values, so
-the stateful wrapper, `stateless_apply` and `jax.jit` share it unchanged.
-Python branches here look only at the `LossScalePolicy`, which is static.
-
-Which state fields exist depends on the policy (see `LossScalePolicy.tracks`):
-the Keras defaults keep exactly Keras's two (`scale`, `counter`); hysteresis,
-telemetry and fail-fast limits add the fields they need.
+`LossScaleState` with selects, never Python branches on array values (only
+on the static `LossScalePolicy`), so every front end and `jax.jit` share it.
 """
 
 from __future__ import annotations
@@ -17,9 +12,7 @@ from typing import TYPE_CHECKING
 
 from lossscale.mixed_precision.policy import (  # noqa: F401 - re-exported
     FLOAT16_MAX,
-    GROWTH_POLICIES,
     HEADROOM_MARGIN,
-    MAX_SCALE,
     MIN_SCALE,
     LossScalePolicy,
     state_fields,
@@ -27,13 +20,11 @@ from lossscale.mixed_precision.policy import (  # noqa: F401 - re-exported
 from lossscale.mixed_precision.state import (  # noqa: F401 - re-exported
     BELOW_MIN_SCALE,
     CAUSES,
-    HISTORY_LENGTH,
     NO_ERROR,
     NONFINITE_LOSS,
     OVERFLOW,
     PERSISTENT,
     PERSISTENT_DROP,
-    STATE_FIELD_NAMES,
     TOO_MANY_SKIPS,
     LossScaleState,
     replaced,
@@ -54,8 +45,7 @@ def may_apply(
 
 
 def _zero(x):
-    # A zero of `x`'s dtype and device, made on the device: converting a
-    # Python number would cost a host-to-device copy on an accelerator.
+    # Made on the device: converting a Python number would cost a host-to-device copy.
     return x * 0
 
 
@@ -78,24 +68,17 @@ def next_loss_scale(
     """Advances the loss-scale state by one step.
 
     With finite gradients the counter increments; on the
-    `dynamic_growth_steps`-th consecutive finite step the scale grows by
-    `growth_factor` and the counter resets (a growth that would leave
-    float32's finite range is not taken; `max_scale` caps it; with
-    `growth_policy="headroom"` it is not taken when `peak * growth_factor`
-    would reach `FLOAT16_MAX / HEADROOM_MARGIN`). With non-finite gradients
-    the counter resets and, once `hysteresis` steps in a row have
-    overflowed, the scale backs off by `backoff_factor`, never below
-    `MIN_SCALE`; a backoff below `min_scale`, or more than
+    `dynamic_growth_steps`-th finite step in a row the scale grows by
+    `growth_factor` and the counter resets (not past float32's range or
+    `max_scale`; with `growth_policy="headroom"` not where `peak *
+    growth_factor` would reach `FLOAT16_MAX / HEADROOM_MARGIN`). With
+    non-finite gradients the counter resets and, once `hysteresis` steps in
+    a row have overflowed, the scale backs off by `backoff_factor`, never
+    below `MIN_SCALE`; a backoff below `min_scale`, or more than
     `max_consecutive_skips` skips in a row, records an error instead, after
-    which the state stays as it is. With `growth_policy="statistics"` the
-    growth is decided at measured steps instead (see `LossScalePolicy`).
-
-    With telemetry, an overflow also enters the overflow window: its step,
-    `state.loss_finite` (whether the loss itself was finite) and, per
-    variable, a bit of `overflow_bits`; `loss_finite` is reset to -1.
-
-    Fields of `state` that are `None` but tracked by `policy` start from
-    their initial values, so a two-field state works with any policy.
+    which the state stays as it is. With telemetry an overflow also enters
+    the overflow window. Tracked fields that are `None` in `state` start
+    from their initial values.
 
     Args:
         ops: The backend module of the state's arrays.
@@ -107,21 +90,16 @@ def next_loss_scale(
         variable_finite: For each entry of `state.nonfinite`, a boolean
             scalar (whether that variable's gradient was finite) or `None`
             (it had no gradient this step).
-        skip: Optional float32 scalar, 1.0 where `finite` is False: the same
-            flag in torch's AMP form, when the caller has it (a backend
-            kernel reads it instead of converting `finite`).
+        skip: Optional float32 scalar, 1.0 where `finite` is False (torch's
+            AMP form, which a backend kernel reads instead).
         in_place: Whether the arrays of `state` may be overwritten with the
-            new state (a mutable backend's kernel then updates them where
-            they are; the returned state holds them). Defaults to False:
-            `state` is left as it was.
+            new state. Defaults to False.
         measured: With `diagnostics_every`: whether the `range_*` fields of
-            `state` hold this step's measurement (a boolean scalar, or a
-            Python bool where the caller decided on the host). `None`: not
-            measured.
+            `state` hold this step's measurement (a boolean scalar or a
+            Python bool). `None`: not measured.
         scale_at_least: A lower bound of `state.scale` known on the host
-            (`scale_lower_bound`), or 0.0: lets a plain policy's kernel
-            leave out the floor where the bound shows a backoff cannot
-            reach it.
+            (`scale_lower_bound`), or 0.0: a plain policy's kernel leaves
+            out the floor where a backoff cannot reach it.
 
     Returns:
         The next `LossScaleState`.
@@ -231,8 +209,7 @@ def next_loss_scale(
             code = ops.where(failed, _zero(code) + BELOW_MIN_SCALE, code)
         new["error"] = code
         new["error_step"] = ops.where(code != NO_ERROR, step, state.error_step)
-        # Once an error is recorded, nothing moves: the state keeps
-        # describing the failure until the host reads it.
+        # Once an error is recorded nothing moves, until the host reads it.
         frozen = state.error != NO_ERROR
         new = {
             name: _select(ops, frozen, getattr(state, name), value) for name, value in new.items()
@@ -253,23 +230,9 @@ def plain_update(
 ) -> tuple[Array, Array]:
     """`(scale, counter)` after one step of a plain policy (`LossScalePolicy.is_plain`).
 
-    Keras's rule with the two guards, in the backend's kernel where it has
-    one (torch's `_amp_update_scale_`, `fused_scale_update`), else the
-    generic selects of `next_loss_scale`. A front end that keeps nothing
-    but the scale and the counter calls it directly (`GradScaler` between
-    measurements); `next_loss_scale` calls it for a plain policy.
-
-    Args:
-        ops: The backend module.
-        scale, counter: The state's two arrays.
-        finite: Boolean scalar, whether every gradient was finite; may be
-            None where `skip` is given.
-        policy: A plain `LossScalePolicy`.
-        skip: Optional float32 scalar, 1.0 where the step overflowed
-            (torch's AMP form of `not finite`).
-        in_place: Whether `scale` and `counter` may be updated where they are.
-        scale_at_least: A lower bound of `scale` known on the host
-            (`scale_lower_bound`), or 0.0.
+    In the backend's `fused_scale_update` kernel where it has one, else
+    `next_loss_scale`; `finite` may be None where `skip` (its torch AMP
+    form) is given. The other arguments are `next_loss_scale`'s.
     """
     kernel = ops.fused_scale_update()
     if kernel is None:
@@ -291,18 +254,15 @@ def plain_update(
     )
 
 
-# After an update the scale is at least `backoff_factor` times what it was,
-# up to float32 rounding (of the factor and of the product): the host's
-# bound shrinks by this much more, so that it stays a lower bound.
+# After an update the scale is at least `backoff_factor` times what it was, up
+# to float32 rounding: the host's bound shrinks by this much more to stay one.
 BOUND_ROUNDING = 1 - 2.0**-20
 
 
 def scale_lower_bound(bound: float, policy: LossScalePolicy) -> float:
     """A lower bound of the scale after one update, from one before it, known on the host.
 
-    A front end that decides on the host (whether unscaling may overflow,
-    whether the plain update needs its floor) keeps this bound instead of
-    reading the scale, which would wait for the device every step:
+    A front end keeps it instead of reading the scale (a device wait):
 
     ```
     bound' = bound * backoff_factor * (1 - 2^-20)   # float32 rounding of the product
@@ -321,10 +281,8 @@ def scale_lower_bound(bound: float, policy: LossScalePolicy) -> float:
 def _counted(ops, state, policy, measured, in_place=False):
     """The step count and the step of the last measurement, as tracked.
 
-    With `in_place`, `state.steps` is incremented where it is (one operation
-    a step, not two): the caller reads it no more. On a mutable backend the
-    measured step is a copy of the count, which the caller (or this
-    function) writes in place.
+    With `in_place`, `state.steps` is incremented where it is; on a mutable
+    backend the measured step is then a copy of the count.
     """
     new = {}
     step = state.steps
@@ -359,10 +317,7 @@ def _either(ops, x, y):
 
 
 def _largest(ops, values, like):
-    """The largest of `values` (a vector, or a tuple of scalars), at least 0 of `like`'s dtype.
-
-    NaN, where one is, propagates (as `maximum` does).
-    """
+    """The largest of `values` (a vector or a tuple of scalars), at least 0; NaN propagates."""
     out = like * 0
     if not isinstance(values, tuple):
         if ops.shape(values) == (0,):
@@ -376,9 +331,9 @@ def _largest(ops, values, like):
 def _persistent(ops, state, overflow, variable_finite):
     """Whether this skip is persistent: no back-off can clear it.
 
-    The step before was skipped too, back-offs since the streak began have
-    lowered the scale by `PERSISTENT_DROP` (or it is at most 1), and every
-    variable non-finite now was non-finite at the skip before (and some is).
+    The step before was skipped too, the streak's back-offs lowered the
+    scale by `PERSISTENT_DROP` (or it is at most 1), and the variables
+    non-finite now (some) were all non-finite at the skip before.
     """
     scale = state.scale
     dropped = ops.logical_not(
@@ -390,7 +345,6 @@ def _persistent(ops, state, overflow, variable_finite):
         return ops.logical_and(condition, scale < 0)  # no variable known: never
     bad_now = ops.logical_not(ops.stack([ok for ok, _ in flags]))
     bad_before = ops.stack([old for _, old in flags])
-    # Every variable bad now was bad before (none new), and some is.
     new_ones = ops.logical_and(bad_now, ops.logical_not(bad_before))
     same = ops.logical_and(
         ops.logical_not(ops.max_abs([ops.cast(new_ones, "float32")]) > 0),
@@ -410,7 +364,7 @@ def _overflow_window(ops, state, overflow, step, variable_finite, cause, policy)
     wrap = 2**policy.history_length
     bits = []
     for old, ok in zip(state.overflow_bits, variable_finite):
-        # In the field's own dtype: Keras keeps int fields as int64 on TensorFlow.
+        # The field's own dtype: Keras keeps int fields as int64 on TensorFlow.
         bad = 0 if ok is None else ops.cast(ops.logical_not(ok), ops.dtype_name(old))
         bits.append(ops.where(overflow, (old * 2 + bad) % wrap, old))
     new["overflow_bits"] = tuple(bits)
@@ -433,13 +387,10 @@ def _complete(ops, state, policy):
     """`state` with every tracked scalar field present (missing ones at their start)."""
     missing = {}
     for name, per, initial in policy._starts:
-        if per in ("variable", "vector"):
-            continue  # sized by the caller, who knows the model
-        if per == "history":
-            if not getattr(state, name):
-                like = state.scale if isinstance(initial, float) else state.counter
-                missing[name] = (_zero(like) + initial,) * policy.history_length
-        elif getattr(state, name) is None:
-            like = state.scale if isinstance(initial, float) else state.counter
-            missing[name] = _zero(like) + initial
+        value = getattr(state, name)
+        present = bool(value) if per == "history" else value is not None
+        if per in ("variable", "vector") or present:
+            continue  # given, or sized by the caller, who knows the model
+        start = _zero(state.scale if isinstance(initial, float) else state.counter) + initial
+        missing[name] = (start,) * policy.history_length if per == "history" else start
     return replaced(state, **missing) if missing else state

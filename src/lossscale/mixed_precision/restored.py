@@ -1,17 +1,9 @@
 """The values a loss-scale field may hold when state comes back in: one validation.
 
-A file whose digests were recomputed after an edit passes every check of
-the format, and a `load_state_dict`, a `.keras` file or a pytree restored
-by orbax can hold anything; what comes back must still be a state the
-loss-scale step can have reached. Every way in (`lossscale.saving`,
-`load_state_dict` of `LossScaleOptimizer`, `lossscale.torch.Optimizer` and
-`GradScaler`, the Keras socket's `load_own_variables`,
-`lossscale.optax.check`, `Transform.check`) checks each field against
-`rule(field, policy)` before anything is written: a scale that is not a
-normal float32 within the policy's bounds (a NaN scale would skip every
-step, a 0 would pin it at the floor), a counter that is negative or not a
-whole number (3.7 would be truncated), a step count below 0 (the next step
-would write NaN into every weight), and the like.
+A loaded file, state dict or restored pytree can hold anything; every way
+in checks each field against `rule(field, policy)` before anything is
+written, so what comes back is a state the step can have reached (a NaN
+scale would skip every step, a negative step count write NaN weights).
 """
 
 import dataclasses
@@ -40,8 +32,7 @@ def _share():
 
 
 # field -> (accepts(value), what is accepted), the policy aside (see `rule`).
-# `nonfinite` is a boolean: every value is one it can hold. `iteration` is
-# an optimizer's own step count, beside the loss-scale fields.
+# `nonfinite` (a boolean) may hold anything; `iteration` is an optimizer's step count.
 RULES = {
     "scale": (
         lambda x: MIN_SCALE <= x <= MAX_SCALE,
@@ -90,11 +81,8 @@ def rule(field, policy=None):
 def violation(field, array, policy=None):
     """`(value, what is accepted)` of the first entry of `array` `field` cannot hold, or None.
 
-    Args:
-        field: A `LossScaleState` field's name, or `"iteration"`.
-        array: Its value (a number, or an array of any backend read to NumPy
-            first; a vector field holds an entry per model variable).
-        policy: The `LossScalePolicy` whose bounds the scale must keep, or None.
+    `field` is a `LossScaleState` field's name or `"iteration"`; `array` a
+    number or a NumPy-readable array.
     """
     if field not in RULES:
         return None
@@ -119,15 +107,12 @@ def refusal(field, where, array, policy=None, after="Nothing was loaded."):
     return f"`{where}` holds {value!r}, but {what} must be {accepted}. {after}"
 
 
-# A wrapper's variable name -> its field (`dynamic_scale` -> `scale`); a
-# vector field's one variable has the field's name.
+# A wrapper's variable name -> its field (`dynamic_scale` -> `scale`).
 _BY_VARIABLE = {
     f.metadata["variable"] or f.name: f.name
     for f in dataclasses.fields(LossScaleState)
     if f.metadata["per"] in ("step", "vector")
 }
-
-
 _HISTORIES = tuple(
     f.name for f in dataclasses.fields(LossScaleState) if f.metadata["per"] == "history"
 )
@@ -151,13 +136,7 @@ def problem(field, name, array, policy=None):
 
 
 def variable_fields(variable_names):
-    """`{variable name: field}` for the variables a `LossScaleOptimizer` makes.
-
-    Args:
-        variable_names: The names (last path component) of the wrapper's own
-            variables, such as `dynamic_scale`, `step_counter`,
-            `scale_history_3`, `dense_kernel_nonfinite`.
-    """
+    """`{variable name: field}` of a `LossScaleOptimizer`'s own variables' last path components."""
     fields = {}
     for name in variable_names:
         if name in _BY_VARIABLE:

@@ -1,10 +1,7 @@
-"""`LossScaleState`: the loss-scale state, and the fields a policy may track.
+"""`LossScaleState`: the loss-scale state, its fields' metadata, and where front ends keep it.
 
-Each field carries its metadata (when it exists, its dtype, its initial
-value, its variable's name, whether it is one scalar, a history or one per
-model variable); `LossScalePolicy.tracks` reads the group, the wrapper
-creates variables from the rest. Derived field lists are computed here
-once, never written by hand.
+Each field's metadata says when it exists (its group), its dtype, initial
+value, variable name and shape (`per`); field lists are derived from them.
 """
 
 import dataclasses
@@ -21,10 +18,9 @@ NO_ERROR = 0
 BELOW_MIN_SCALE = 1
 TOO_MANY_SKIPS = 2
 
-# Why a step was skipped (`LossScaleState.overflow_cause`): the loss was
-# finite and gradients overflowed at this scale (backing off helps); the loss
-# itself was NaN or inf; the same variables stayed non-finite through
-# back-offs that should have cleared an overflow (backing off cannot help).
+# Why a step was skipped (`LossScaleState.overflow_cause`): gradients
+# overflowed; the loss itself was NaN or inf; the same variables stayed
+# non-finite through back-offs (backing off cannot help).
 OVERFLOW = 0
 NONFINITE_LOSS = 1
 PERSISTENT = 2
@@ -43,11 +39,9 @@ def _state(group, dtype, initial, variable=None, per="step"):
         dtype: Its dtype (integers are int32 on every backend, as in Keras 3).
         initial: Its initial value; `None` means `initial_scale`.
         variable: The optimizer variable's name (defaults to the field's).
-        per: `"step"` for a scalar, `"history"` for
-            `LossScalePolicy.history_length` scalars, `"variable"` for one
-            scalar per model variable, `"vector"` for one array with an
-            entry per model variable (one state leaf, however many
-            variables: what a jitted step passes in and out).
+        per: `"step"` (a scalar), `"history"` (`history_length` scalars),
+            `"variable"` (a scalar per model variable) or `"vector"` (one
+            array with an entry per model variable).
     """
     return dataclasses.field(
         default=None if per in ("step", "vector") else (),
@@ -93,9 +87,8 @@ class LossScaleState:
             window (bit 0: the last one).
         range_zero: A float32 vector, one entry per model variable: the
             share of its scaled gradient's elements that were 0 at the last
-            measurement. (A holder whose variables are not known in advance,
-            `GradScaler`, lends the four `range_*` fields as tuples of
-            scalars instead; `next_loss_scale` reads either.)
+            measurement (`GradScaler` lends the `range_*` fields as tuples
+            of scalars instead).
         range_subnormal: The share that was a float16 subnormal
             (0 < |g| < 2^-14): precision already lost.
         range_near_max: The share at or above `FLOAT16_MAX / growth_factor`:
@@ -130,7 +123,6 @@ class LossScaleState:
 
 _STATE_FIELDS = dataclasses.fields(LossScaleState)
 _FIELDS = {f.name: f for f in _STATE_FIELDS}
-# Every field's name, in declaration order.
 STATE_FIELD_NAMES = tuple(_FIELDS)
 
 
@@ -154,11 +146,7 @@ def replaced(state, **changes):
     return LossScaleState(**{n: changes.get(n, getattr(state, n)) for n in STATE_FIELD_NAMES})
 
 
-# --- the layout: where a front end keeps the fields -----------------------
-# A front end holds the state as `{field name: holder, or a tuple of them}`
-# (its variables, Keras variables or tensors): `variable_specs` says what to
-# make, `read` makes the `LossScaleState` of the holders, `write_back`
-# writes a new state into them.
+# --- the layout: a front end holds `{field name: holder, or a tuple of them}`
 
 
 def variable_specs(policy, variable_paths=(), kinds=("step", "history", "variable", "vector")):
@@ -166,16 +154,12 @@ def variable_specs(policy, variable_paths=(), kinds=("step", "history", "variabl
 
     Args:
         policy: The `LossScalePolicy` (its tracked fields).
-        variable_paths: The model variables' paths, in build order: one
-            holder per variable of a `"variable"` field (named
-            `{path with "/" as "_"}_{field}`), an entry per variable of a
-            `"vector"` one.
+        variable_paths: The model variables' paths, in build order.
         kinds: Which fields' holders to list, by their `per`.
 
     Yields:
-        One tuple per holder to make, in field order; `initial` is None for
-        `initial_scale`, `index` the place in a tuple field (None for one
-        holder).
+        One tuple per holder, in field order; `initial` is None for
+        `initial_scale`, `index` the place in a tuple field (else None).
     """
     for name in policy._field_names:
         meta = _FIELDS[name].metadata
@@ -210,11 +194,7 @@ def holders_of(specs, make):
 
 
 def flatten(state):
-    """`((field, index), value)` of a `LossScaleState` or of `{field: holder(s)}`.
-
-    `index` is the place in a tuple field, None for a single value; fields
-    that are None (untracked) are left out.
-    """
+    """`((field, index or None), value)` of a `LossScaleState` or `{field: holder(s)}`; no Nones."""
     items = (
         state.items()
         if isinstance(state, dict)
@@ -237,6 +217,24 @@ def read(holders, value_of):
     )
 
 
+def value_of(holder):
+    return holder.value
+
+
+def reader(variables, values=None):
+    """`variable -> value`: its own, or, given `values` (one per of `variables`), its entry."""
+    if values is None:
+        return value_of
+    values = list(values)
+    if len(values) != len(variables):
+        raise ValueError(
+            "`optimizer_variables` must hold one value per optimizer variable "
+            f"({len(variables)}). Received: {len(values)} values"
+        )
+    by_id = {id(v): x for v, x in zip(variables, values)}
+    return lambda v: by_id[id(v)]
+
+
 def changed(old, new):
     """`{field: new value}` of the fields of `new` that are not `old`'s, object for object."""
     out = {}
@@ -257,19 +255,12 @@ def changed(old, new):
 
 
 def write_back(ops, holders, old, new, storage_of):
-    """Writes the fields of `new` that changed from `old` into their holders.
+    """Writes the fields of `new` that changed from `old` into their holders (`assign`).
 
-    A value that is its holder's own storage (`storage_of(holder)`: a
-    kernel updated it in place) is not written again; on a mutable backend
-    a value that is another field's old array (the scale passing into the
-    history) is copied before any write changes that array.
-
-    Args:
-        ops: The backend module.
-        holders: `{field: holder or tuple of holders}`; each has `assign`.
-        old: The state read from the holders.
-        new: The next state.
-        storage_of: `storage_of(holder)`: the array it holds.
+    A value that is its holder's own storage (`storage_of(holder)`, updated
+    in place) is not written again; on a mutable backend a value that is
+    another field's old array (the scale entering the history) is copied
+    before any write changes it.
     """
     fresh = changed(old, new)
     targets = dict(flatten({name: holders[name] for name in fresh if name in holders}))

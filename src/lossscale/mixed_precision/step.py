@@ -14,17 +14,10 @@ result = inner(Decision(keep, ...))   # the front end skips its inner step where
 state = next_loss_scale(state, finite)
 ```
 
-`run` is that order. `LossScaleOptimizer`, `lossscale.keras.LossScaleOptimizer`
-and `lossscale.optax.dynamic_loss_scale` call it with the state they hold
-(variables, Keras variables, a pytree) and the skip they know (`keep`
-passed to the inner optimizer's kernels or `ops.cond`, Keras's backend
-conditionals, the optax gate); they keep only where the state lives.
-`lossscale.torch.GradScaler`, whose check and step are torch's own calls
-(`unscale_`, `step`), runs the last two lines at `update()` through
-`decide` and `advance`.
-
-Nothing here reads a device value on the host: every decision is a select
-or the backend's conditional.
+`run` is that order, for the front ends that hold the state and skip their
+own way; `lossscale.torch.GradScaler` runs the last two lines at `update()`
+through `decide` and `advance`. Nothing here reads a device value on the
+host: every decision is a select or the backend's conditional.
 """
 
 from __future__ import annotations
@@ -61,10 +54,8 @@ class Gradients:
             optimizer's build order (per-variable flags and measurements).
         variable_count: How many variables that order holds.
         unscale: `"in_place"`: divided in the caller's buffers where the
-            backend can (the caller hands them over; torch's AMP kernel then
-            divides and checks in one pass); `"copy"`: divided into new
-            arrays; `"in_kernel"`: left scaled for the inner kernel, which
-            divides them as it reads them (`Decision.grad_scale`);
+            backend can; `"copy"`: divided into new arrays; `"in_kernel"`:
+            left scaled for the inner kernel (`Decision.grad_scale`);
             `"after_check"`: checked scaled, against the dtype each is
             unscaled to, then divided by `divide_fn`.
         divide_fn: With `"after_check"`: `divide_fn(grads, scale)` returns
@@ -93,15 +84,13 @@ class Participants:
     """Who takes one decision together, and how their flags are combined.
 
     Attributes:
-        group: What the backend's `all_true` / `all_max` reduce over: a
-            torch process group (None: the default group, where
-            torch.distributed runs), JAX axis names, or None.
+        group: What `all_true` / `all_max` reduce over: a torch process
+            group, JAX axis names, or None.
         per_variable: Whether each variable's flag is agreed too (JAX
-            mapped axes, whose state is replicated); torch's ranks keep
-            their own.
+            mapped axes, whose state is replicated).
         measurements: How a measurement's columns are agreed: `"axes"`
-            (JAX mapped axes: shares averaged, peaks maxed), `"peaks"` (the
-            near-maximum share and the peak maxed over `group`), or None.
+            (shares averaged, peaks maxed), `"peaks"` (the near-maximum
+            share and the peak maxed), or None.
     """
 
     group: Any = None
@@ -115,15 +104,13 @@ class Decision:
 
     Attributes:
         keep: Backend boolean scalar: apply the inner step.
-        found_inf: `keep` in torch's AMP form (float32, 1.0: skipped) where
-            the check made it and it is the decision (one participant, no
-            fail-fast gate); else None (a kernel makes it from `keep`).
+        found_inf: `keep` in torch's AMP form (1.0: skipped) where the
+            check made it and it is the decision; else None.
         grads: The gradients for the inner step: unscaled, or still scaled
             where `grad_scale` is set.
         grad_scale: The scale still in `grads` (`"in_kernel"`), or None.
         finite: The agreed flag: whether every gradient was finite.
-        step: The step's index (`state.steps`) where the policy counts
-            steps, else None.
+        step: `state.steps` where the policy counts steps, else None.
     """
 
     keep: Array
@@ -176,13 +163,11 @@ def run(
         state: The current `LossScaleState`, as the front end holds it.
         gradients: The step's `Gradients`.
         inner: `inner(decision)` runs the inner step where `decision.keep`
-            holds (and writes nothing where it does not); its result is
-            returned.
+            holds (and writes nothing where it does not).
         participants: Who takes the decision together.
         due: With `diagnostics_every`: whether this step is measured (a
-            Python bool where the host decided, else a backend boolean).
-        in_place: Whether the state's arrays may be overwritten with the
-            new state (a mutable backend's kernel updates them in place).
+            Python bool or a backend boolean).
+        in_place: Whether the state's arrays may be overwritten.
 
     Returns:
         `(new state, inner's result)`.
@@ -213,9 +198,8 @@ def run(
 def measured(ops, policy, state, gradients, due, participants=Participants()):
     """`state` with this step's float16 range in its `range_*` vectors where `due`.
 
-    Each measured gradient fills its variable's entry; a variable without a
-    gradient keeps its last measurement. Under a backend conditional where
-    `due` is a device value, so a step that is not due runs none of it.
+    A variable without a gradient keeps its last measurement; a device `due`
+    runs the measurement under a backend conditional.
     """
     grads = gradients.grads
     present = [
@@ -239,14 +223,10 @@ def measured(ops, policy, state, gradients, due, participants=Participants()):
 def check(ops, policy: LossScalePolicy, scale: Array, gradients: Gradients) -> Check:
     """Unscales the gradients as `gradients.unscale` says and finds the non-finite ones.
 
-    The flag alone (no statistic kept) is the backend's fused check of the
-    unscaled gradients (`unscale_checked`: torch's AMP kernel divides and
-    checks in one pass) or of the scaled ones against their unscaled
-    range (`finite_unscaled`); a statistic (telemetry's per-variable flags,
-    the headroom policy's peak) is `inspection.inspect` of the scaled
-    gradients' peaks, taken before any in-place division. Either way a
-    finite gradient that overflows once divided by a tiny scale counts as
-    non-finite.
+    The flag alone is the backend's fused check (`unscale_checked`,
+    `finite_unscaled`); statistics are `inspection.inspect` of the peaks,
+    taken before any in-place division. Either way a gradient that
+    overflows once unscaled counts as non-finite.
     """
     grads, mode = list(gradients.grads), gradients.unscale
     details = policy.records_details or policy.growth_policy == "headroom"
@@ -283,11 +263,7 @@ def check(ops, policy: LossScalePolicy, scale: Array, gradients: Gradients) -> C
 
 
 def _check_then_divide(ops, policy, scale, gradients, grads, divided, details):
-    """`check` of the scaled gradients against their unscaled dtypes, then `divide_fn`.
-
-    One reduction per unscaled dtype (not per gradient) for the flag; one
-    peak per gradient with telemetry, per dtype for the headroom policy.
-    """
+    """`check` of the scaled gradients against their unscaled dtypes, then `divide_fn`."""
     dtypes = gradients.unscaled_dtypes
     peak, variable_finite = None, ()
     if policy.records_details:
@@ -345,10 +321,7 @@ def advance(
     measured: Array | bool | None = None,
     scale_at_least: float = 0.0,
 ) -> LossScaleState:
-    """The next loss-scale state: `next_loss_scale` of the agreed flag.
-
-    See `next_loss_scale` for the arguments (`found_inf` is its `skip`).
-    """
+    """`next_loss_scale` of the agreed flag (`found_inf` is its `skip`)."""
     return next_loss_scale(
         ops,
         state,
@@ -366,9 +339,7 @@ def advance(
 def _finite_unscaled_as(ops, group, scale, dtype):
     """Whether every one of `group`, divided by `scale` and cast to `dtype`, is finite.
 
-    For float32 and float64 that is whether the float32 division is finite
-    (the backend's `finite_unscaled`, which settles most steps with sums); a
-    narrower dtype's range is checked on the divided peak, cast to it.
+    A narrower dtype than float32 is checked on the divided peak, cast to it.
     """
     if dtype in ("float32", "float64"):
         return ops.finite_unscaled(group, scale)
@@ -380,9 +351,7 @@ def _agreed_columns(ops, columns, participants):
     if participants.measurements == "axes":
         return diagnostics.over_axes(ops, columns, participants.group)
     if participants.measurements == "peaks":
-        # Each participant measured its own gradients: the statistics policy
-        # decides on the near-maximum share and the peak, so every one takes
-        # their largest, and decides alike.
+        # The statistics policy decides on these two: each takes the largest, alike.
         zero, subnormal, near, peak = columns
         return (
             zero,

@@ -1,9 +1,4 @@
-"""Reading the loss-scale state for people: `summary` dicts and error messages.
-
-Everything here runs on the host, on NumPy values read from the state, and
-only when asked (`LossScaleOptimizer.summary()` / `check()`), never inside a
-training step.
-"""
+"""Reading the loss-scale state for people, on the host: `summary` dicts and error messages."""
 
 import warnings
 
@@ -20,21 +15,18 @@ _REASONS = {
 class LossScaleError(RuntimeError):
     """Training cannot go on: the loss scale collapsed or steps keep overflowing.
 
-    Raised by `LossScaleOptimizer` when `min_scale` or
-    `max_consecutive_skips` is set and crossed. The failing steps were
-    skipped, so no model or inner-optimizer variable was changed by them.
+    Raised when `min_scale` or `max_consecutive_skips` is crossed. The
+    failing steps were skipped: they changed no variable.
     """
 
 
 class ScaleMismatchWarning(UserWarning):
     """Gradients are unscaled by another factor than the one their loss was scaled by.
 
-    Warned once per optimizer (or scaler) for: a loss scaled twice
-    (`scale_loss` or `scale()` given its own output), the scale changed
-    between scaling the loss and applying the gradients (a
-    `load_state_dict`, `update(new_scale)`), or gradients applied whose
-    loss was never scaled (`UnscaledLossWarning`). Each makes every update
-    too large or too small by a constant factor, which no skip reveals.
+    Warned once per optimizer (or scaler) for a loss scaled twice, the
+    scale changed in between (a load, `update(new_scale)`), or a loss never
+    scaled (`UnscaledLossWarning`): every update is then off by a constant
+    factor, which no skip reveals.
     """
 
 
@@ -49,9 +41,8 @@ class UnscaledLossWarning(ScaleMismatchWarning):
 class PersistentSkipWarning(UserWarning):
     """Steps are skipped for a cause no back-off can clear (see `on_persistent`).
 
-    The same variables stayed non-finite while the scale backed off far
-    enough to have cleared any overflow: a NaN or inf in the weights, the
-    data or a gradient hook, not float16's range.
+    The same variables stayed non-finite through back-offs: a NaN or inf in
+    the weights, the data or a gradient hook, not float16's range.
     """
 
 
@@ -63,11 +54,9 @@ def state_summary(ops, state, policy, variable_paths, modules_at=None, skipped=N
         state: The `LossScaleState`.
         policy: The `LossScalePolicy`.
         variable_paths: Paths of the model variables, in build order.
-        modules_at: Optional `steps -> {step: module name or None}`: where
-            each overflow of the window started.
-        skipped: Optional boolean (or backend boolean scalar) kept by the
-            front end: whether the last step was skipped (else told from
-            the telemetry, if kept).
+        modules_at: Optional `steps -> {step: module name or None}`.
+        skipped: Optional (backend) boolean: whether the last step was
+            skipped (else told from the telemetry, if kept).
     """
     fields = loss_scale.state_fields(policy)
     values = as_numpy(ops, {f.name: getattr(state, f.name) for f in fields})
@@ -82,10 +71,7 @@ def state_summary(ops, state, policy, variable_paths, modules_at=None, skipped=N
 
 
 def raise_if_failed(ops, error, policy, summary, variable_count=None):
-    """Raises `LossScaleError` if `error` (the state's field) records a crossed limit.
-
-    `summary()` is called only then, for the message (`failure_message`).
-    """
+    """Raises `LossScaleError` if `error` (the state's field) records a crossed limit."""
     if policy.fails_fast and int(ops.to_numpy(error)) != loss_scale.NO_ERROR:
         raise LossScaleError(failure_message(summary(), policy, variable_count))
 
@@ -102,19 +88,8 @@ def summarize(values, policy, variable_paths, modules=None):
             overflow of the window started (`lossscale.torch.watch`).
 
     Returns:
-        A dict keyed by the state variables' names: `dynamic_scale` (float),
-        `step_counter` (int), `last_step_skipped` (from
-        `values["last_step_skipped"]`, else from the telemetry; absent
-        without either) and, when tracked, `consecutive_skips`,
-        `steps`, `skipped_steps`, `last_overflow_step` (`None` before the
-        first overflow), `scale_history` (the scales of the last steps,
-        oldest first), `nonfinite_variables` (paths of the variables whose
-        gradients were non-finite at the last overflow), `error` (`None` or
-        the reason) and `error_step`. With telemetry also `overflows` (the
-        window, oldest first: `{"step", "variables", "module",
-        "loss_finite"}` each); with diagnostics `float16_range`
-        (`{variable path: {"zero", "subnormal", "near_max", "max_abs"}}`, the
-        last measurement) and `float16_range_step` (`None` before one).
+        A dict keyed by the state variables' names (see
+        `LossScaleOptimizer.summary`); steps not taken yet are `None`.
     """
     out = {}
     for f in loss_scale.state_fields(policy):
@@ -158,9 +133,8 @@ def overflows(values, variable_paths, modules):
     """The overflow window, oldest first: `{"step", "cause", "variables", "module", "loss_finite"}`.
 
     Args:
-        values: Host values of the `_WINDOW` fields (`overflow_bits` may be
-            an empty list: then `variables` are empty; `overflow_cause` may
-            be missing: then the cause is read from the loss's flag).
+        values: Host values of the `_WINDOW` fields (`overflow_bits` and
+            `overflow_cause` may be missing).
         variable_paths: The names `overflow_bits` refers to, in order.
         modules: `{step: module name or None}`.
     """
@@ -304,10 +278,8 @@ def describe_overflows(window):
 def warn(message, category):
     """Warns `message` as `category`; returns True.
 
-    The torch backend marks this function a constant result for
-    `torch.compile` (`torch.compiler.assume_constant_result`): in a traced
-    step the compiler runs it once, while tracing, instead of breaking the
-    graph at `warnings.warn`, which it cannot trace.
+    The torch backend marks it `torch.compiler.assume_constant_result`: a
+    traced step runs it once while tracing instead of breaking the graph.
     """
     warnings.warn(message, category, stacklevel=4)
     return True

@@ -1,16 +1,7 @@
 """`OptaxAdapter`: an `optax.GradientTransformation` used as a lossscale optimizer.
 
-optax transformations are pure `(init, update)` pairs over pytrees, which
-fits lossscale's model: `build` runs `init` on the parameters and keeps
-every leaf of the state as an optimizer variable, and each step runs
-`update` and `optax.apply_updates` and writes the new parameters and state
-back through `assign`. All of the state is therefore in `variables`, so
-`stateless_apply`, `jax.jit(stateless_apply)`, saving, loading and a
-`LossScaleOptimizer`'s skipped steps (`lax.cond` over the variables) carry
-it like any lossscale optimizer's.
-
-Its home is `lossscale.optax`, which imports JAX and optax; importing
-lossscale alone imports neither.
+Every leaf of the optax state is an optimizer variable, so saving, loading,
+`stateless_apply` and skipped steps carry it like any optimizer's state.
 """
 
 from __future__ import annotations
@@ -33,11 +24,8 @@ from lossscale.variables import Variable
 class OptaxAdapter(Optimizer):
     """Wraps an `optax.GradientTransformation` so lossscale (and `LossScaleOptimizer`) can drive it.
 
-    The parameters are the list of variables the adapter is built with (JAX
-    arrays), in that order: the transformation sees that list, so a mask or
-    label tree (`optax.masked`, `optax.multi_transform`) is a list too (for
-    masks over your own tree, `lossscale.optax.dynamic_loss_scale` runs the
-    transformation on the tree). Each `apply` does:
+    The transformation sees the list of variables the adapter is built with
+    (JAX arrays), so a mask or label tree is a list too. Each `apply` does:
 
     ```
     updates, state = transformation.update(grads, state, params)
@@ -46,34 +34,20 @@ class OptaxAdapter(Optimizer):
     ```
 
     The state leaves are variables named after their pytree path (for
-    `optax.adam`: `0/count`, `0/mu/0`, `0/mu/1`, `0/nu/0`, ...), after the
-    adapter's `iteration`. Gradient clipping, weight decay, schedules and
-    accumulation belong in the transformation (`optax.chain`,
-    `optax.MultiSteps`); the adapter takes none of the base optimizer's
-    settings.
+    `optax.adam`: `0/count`, `0/mu/0`, ...). Clipping, weight decay,
+    schedules and accumulation belong in the transformation; the adapter
+    takes none of the base optimizer's settings. `learning_rate` reads and
+    sets a learning rate injected with `optax.inject_hyperparams`, and
+    raises `AttributeError` otherwise.
 
-    `learning_rate` reads and sets the `learning_rate` hyperparameter of a
-    transformation made with `optax.inject_hyperparams` (a state leaf, so
-    it is also saved and passed through `stateless_apply`). Any other
-    transformation keeps its learning rate inside a closure, and
-    `learning_rate` raises `AttributeError`. If the injected learning rate is itself a
-    schedule, optax recomputes it from its own count on every step, over a
-    value set here.
-
-    Every variable needs a gradient on every step (a transformation updates
-    the whole tree at once): `None` gradients raise, as do
-    overwrite-with-gradient variables. Transformations whose `update` needs
-    extra arguments (a loss value, say) cannot be driven. `get_config`
-    raises: a transformation is a pair of closures, which no config
-    describes.
+    Every variable needs a gradient on every step; transformations whose
+    `update` needs extra arguments cannot be driven; `get_config` raises.
 
     Args:
         transformation: The `optax.GradientTransformation` to drive, such as
             `optax.adam(1e-3)`.
-        name: String. The name used for the adapter's variables; defaults
-            to `"optax_optimizer"`, its name before the class was renamed, so
-            checkpoints keep their keys.
-            Defaults to `"optax_optimizer"`.
+        name: String. The name used for the adapter's variables. Defaults
+            to `"optax_optimizer"`.
 
     Examples:
         >>> import jax.numpy as jnp, optax, lossscale as ls
@@ -134,10 +108,8 @@ class OptaxAdapter(Optimizer):
     def learning_rate(self) -> jax.Array:
         """The `learning_rate` injected with `optax.inject_hyperparams` (a JAX scalar).
 
-        Setting it writes the state leaf. Before `build`, and for a
-        transformation made without `optax.inject_hyperparams`, there is no
-        learning rate to read or set: both raise `AttributeError` (so
-        `getattr(optimizer, "learning_rate", None)` gives `None`), saying why.
+        Setting it writes the state leaf. Without one (or before `build`), raises
+        `AttributeError`.
         """
         return self._learning_rate_value()
 
@@ -155,12 +127,7 @@ class OptaxAdapter(Optimizer):
 
     # --- building -----------------------------------------------------------
     def build(self, var_list: Sequence[Variable | Array]) -> None:
-        """Runs `transformation.init` on `var_list` and keeps each state leaf as a variable.
-
-        Scalar leaves (optax's `count`) are placed replicated over the
-        parameters' devices, as lossscale's own scalars are, so that a jitted
-        step over sharded parameters compiles once.
-        """
+        """Runs `transformation.init` on `var_list` and keeps each state leaf as a variable."""
         if self.built:
             return
         variables = self._as_variables(var_list, "var_list")
@@ -238,13 +205,7 @@ class OptaxAdapter(Optimizer):
 
     # --- what is not supported ------------------------------------------------
     def get_config(self) -> Config:
-        """Not supported: raises `NotImplementedError`.
-
-        An optax transformation is a pair of closures over its
-        hyperparameters, which no config can describe. Recreate the adapter
-        in code; its state saves and loads with the rest
-        (`save_own_variables`, `state_dict`).
-        """
+        """Not supported: raises `NotImplementedError` (no config describes a transformation)."""
         raise NotImplementedError(
             "OptaxAdapter cannot be serialized: an optax.GradientTransformation is a pair of "
             "functions closing over its hyperparameters, which no config can describe. "
@@ -265,11 +226,7 @@ class OptaxAdapter(Optimizer):
 
 
 def _leaf_names(paths):
-    """Variable names for state leaves: their pytree paths, `/`-separated.
-
-    Falls back to the full key strings (quoted dict keys) if two short forms
-    coincide, so names are always unique.
-    """
+    """Variable names for state leaves: `/`-separated paths, or full key strings if those clash."""
     names = [jax.tree_util.keystr(path, simple=True, separator="/") or "state" for path in paths]
     if len(set(names)) < len(names):
         names = [jax.tree_util.keystr(path) for path in paths]
@@ -279,9 +236,9 @@ def _leaf_names(paths):
 def _injected_learning_rate_index(state, paths):
     """Index in `paths` of the leaf an `optax.inject_hyperparams` learning rate is, or None."""
     injected = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
-    nodes = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, injected))[
-        0
-    ]
+    nodes, _ = jax.tree_util.tree_flatten_with_path(
+        state, is_leaf=lambda x: isinstance(x, injected)
+    )
     keys = [jax.tree_util.keystr(path) for path in paths]
     found = [
         jax.tree_util.keystr(

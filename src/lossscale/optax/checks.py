@@ -1,9 +1,4 @@
-"""What `dynamic_loss_scale` accepts, checked at trace time with errors that name the cause.
-
-Every check here runs while JAX traces (`init` or `update`), before any
-value is computed, and raises naming what was received and what is
-accepted. `transform.py` calls them; they read only their arguments.
-"""
+"""What `dynamic_loss_scale` accepts, checked at trace time with errors that name the cause."""
 
 from __future__ import annotations
 
@@ -27,14 +22,8 @@ def inner_transformation(inner):
 
 
 def like_gradients(params):
-    """The part of `params` the gradients have the structure of.
-
-    `optax.lookahead` takes `LookaheadParams` (fast and slow copies) as its
-    parameters and gradients of the fast ones.
-    """
-    if isinstance(params, optax.LookaheadParams):
-        return params.fast
-    return params
+    """The part of `params` the gradients have the structure of (`optax.lookahead`'s fast)."""
+    return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
 def check_inner_init(inner_state):
@@ -64,11 +53,7 @@ def check_state(state, policy):
 
 
 def check_inner_state_matches(inner, inner_state, params):
-    """Refuses an inner state `inner.init(params)` would not make (another optimizer or tree).
-
-    Compares tree structures (and, with `params`, shapes) of `inner_state`
-    and `jax.eval_shape(inner.init, params)`; nothing is computed.
-    """
+    """Refuses an inner state `inner.init(params)` would not make (another optimizer or tree)."""
     if params is None:
         return
     expected = jax.eval_shape(inner.init, params)
@@ -130,8 +115,7 @@ def check_updates(updates, params, state):
                 f"The gradient at {jax.tree_util.keystr(path)} must have its parameter's shape "
                 f"{param_shape} (after any leading per-example axes). Received: shape {shape}"
             )
-        # A half-precision gradient of a float32 parameter is unscaled in
-        # float32, so that small values do not flush to zero.
+        # Unscaled in the wider dtype, so that small values do not flush to zero.
         param_dtype = jnp.result_type(param)
         wider = jnp.finfo(param_dtype).bits > jnp.finfo(leaf.dtype).bits
         dtypes.append(param_dtype if wider else leaf.dtype)
@@ -139,11 +123,7 @@ def check_updates(updates, params, state):
 
 
 def inner_output_check(inner_state):
-    """A `check` for `gate.gated_update`: the new inner state must fit in the old one's place.
-
-    A skipped step returns the old inner state where a taken one returns the
-    new: both must have one structure, shape and dtype per leaf.
-    """
+    """A `check` for `gate.gated_update`: the new inner state must fit in the old one's place."""
 
     def check(shapes):
         new = jax.tree_util.tree_flatten_with_path(shapes[1])

@@ -1,40 +1,17 @@
 """Skip an inner optax update with selects XLA can run in place.
 
-A skipped loss-scale step must return `-0.0` updates and the inner state as
-it was. `lax.cond` around `inner.update` does that, but on XLA's CPU backend
-every update then crosses the conditional's boundary as a full-size scratch
-buffer (written, read back, and page-faulted anew each step), which made a
-16.8M-parameter Adam step 3x plain optax's. Selecting at the outputs instead
-(`where(applied, new, old)` per state leaf) is no better: the update is
-computed from the *unselected* new moments, so XLA must keep both them and
-the selected copies alive.
+A skipped step returns `-0.0` updates and the inner state as it was.
+`lax.cond` costs a full-size scratch buffer per update on XLA's CPU backend
+(a 16.8M-parameter Adam step ran 3x plain optax's), and selecting at the
+outputs keeps both the new and the selected moments alive. So `gated_update`
+evaluates the inner update's jaxpr one top-level equation at a time (each
+bound with its own source information), selecting every state value as soon
+as it is computed: everything downstream reads the selected value, and XLA
+fuses one select into each state write.
 
-`gated_update` traces the inner update once, to a jaxpr, and evaluates it
-one top-level equation at a time, passing every value the inner update
-returns as state through `where(applied, value, old)` as soon as it is
-computed, so that everything downstream, the updates included, reads the
-selected value. Each equation is bound again with its own source
-information and context, as JAX's own evaluator binds it: profiles and
-tracebacks of the inner update's operations point at the user's code. On
-an applied step the selected value is the computed one; on a skipped step
-the state comes out as it went in and the updates, whatever they computed,
-are replaced by `-0.0`. XLA then sees plain optax's dataflow with one
-select fused into each state write: no scratch buffer and no copy.
-
-Values are rerouted where the inner update's top-level jaxpr binds them: a
-nested call (a `jax.jit`-wrapped helper) that computes both the state and
-the updates has its state outputs selected as it returns, so the updates
-inside it read the unselected values. That stays exact, and may cost XLA a
-copy. A state leaf that is an input passed through, a constant, or one
-value returned as two leaves is selected at the output.
-
-The evaluation uses JAX internals (`Literal`, an equation's `ctx` and
-`source_info`, `Primitive.get_bind_params`, `source_info_util`), checked
-at import against the JAX releases it is tested on. On another JAX, and
-for any jaxpr holding something it does not recognise (effects, references,
-a primitive outside `jax.extend.core.primitives`, a constant that is not an
-array), the update is evaluated as traced and selected at its outputs:
-the same values, at the cost of the copies described above.
+This uses JAX internals, checked at import; on another JAX, and for a jaxpr
+holding anything not recognised, the update is evaluated as traced and
+selected at its outputs: the same values, at the cost of the copies.
 """
 
 from __future__ import annotations
@@ -43,8 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The JAX releases whose jaxpr internals the equation-by-equation
-# evaluation was written against (and is tested on).
+# The oldest JAX release whose jaxpr internals the evaluation is tested on.
 _TESTED_JAX = (0, 10)
 
 
@@ -83,16 +59,12 @@ def gated_update(update, applied, grads, state, params, extra_args, check=None):
     Args:
         update: The inner transformation's `update` function (pure).
         applied: A boolean scalar: `False` skips the step.
-        grads: The gradients to update with. Where `applied` is `False` they
-            are only traced through, so pass finite values (the caller
-            sanitises them) to keep loops inside the update bounded.
+        grads: The gradients, finite (so loops inside the update end).
         state: The inner state.
         params: The parameters, or `None`.
-        extra_args: Dict of extra keyword arguments for `update`, passed as
-            given (a Python value stays a Python value, as in a direct call).
-        check: Optional callable, given the `(updates, new_state)` shapes
-            (leaves with `shape` and `dtype`) before anything is evaluated;
-            it raises to refuse them.
+        extra_args: Dict of extra keyword arguments for `update`, as given.
+        check: Optional callable given the `(updates, new_state)` shapes
+            before anything is evaluated; it raises to refuse them.
 
     Returns:
         `(updates, new_state)`: the inner update's outputs where `applied`,
@@ -132,15 +104,10 @@ def gated_update(update, applied, grads, state, params, extra_args, check=None):
 
 
 def unsupported(closed):
-    """Why `closed` is evaluated as traced and selected at its outputs, or `None`.
+    """Why `closed` is evaluated as traced, or `None`.
 
-    Args:
-        closed: The inner update's closed jaxpr.
-
-    Returns:
-        `None`, or a string naming the first thing not recognised:
-        `"jax"` (a JAX release the evaluation is not tested on), `"effects"`,
-        `"references"`, `"primitive <name>"`, `"constant <type>"`.
+    The first thing not recognised: `"jax"`, `"effects"`, `"references"`,
+    `"primitive <name>"` or `"constant <type>"`.
     """
     if _INTERNALS is None:
         return "jax"
@@ -183,11 +150,7 @@ def _is_literal(var):
 
 
 def _reroutes(jaxpr, state_vars, old):
-    """`{var: old leaf}` for each state output computed by an equation, returned once.
-
-    Literals (a constant state leaf, such as a flag optax keeps `False`) are
-    not hashable, and stay out: they are selected at the output.
-    """
+    """`{var: old leaf}` for each state output an equation computes, returned once (no literals)."""
     produced = {v for eqn in jaxpr.eqns for v in eqn.outvars}
     variables = [v for v in state_vars if not _is_literal(v)]
     seen = {}
@@ -201,11 +164,7 @@ def _reroutes(jaxpr, state_vars, old):
 
 
 def _evaluate(closed, args, reroute):
-    """Evaluates `closed` on `args` as JAX's evaluator does, rerouting `reroute`'s vars.
-
-    Each equation is bound inside its own source information and context,
-    so the operations it adds keep pointing at the code that traced them.
-    """
+    """Evaluates `closed` on `args` as JAX's evaluator does, rerouting `reroute`'s vars."""
     jaxpr = closed.jaxpr
     env = dict(zip(jaxpr.constvars, closed.consts))
     env.update(zip(jaxpr.invars, args))

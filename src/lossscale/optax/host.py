@@ -1,14 +1,9 @@
 """Reading a `dynamic_loss_scale` state: `loss_scale`, `scale_loss`, `metrics`, `summary`, `check`.
 
-Each finds the loss-scale state wherever it sits in the tree it is given
-(the state itself, an `optax.chain` state, a Flax `TrainState`, an
-`nnx.Optimizer` or its `opt_state`, an `optax.MultiSteps` state, an
-`nnx.split` pair). `loss_scale`, `scale_loss` and `metrics` run inside a
-jitted step, and on a bare `nnx.split` state; `summary` and `check` read
-values back to the host (a device synchronisation on an accelerator) and
-belong between steps, like `LossScaleOptimizer.summary()` / `check()`,
-whose messages they share. On a `jax.vmap`-stacked state (an ensemble)
-they answer per member.
+Each finds the loss-scale state wherever it sits in the tree it is given.
+`loss_scale`, `scale_loss` and `metrics` run inside a jitted step; `summary`
+and `check` read values back to the host, between steps. On a
+`jax.vmap`-stacked state they answer per member.
 """
 
 from __future__ import annotations
@@ -31,12 +26,10 @@ def loss_scale(state: PyTree) -> jax.Array:
     """The current loss scale held in `state` (a float32 scalar).
 
     Args:
-        state: A `DynamicLossScaleState`, or any pytree holding one (an
-            `nnx.split` state included).
+        state: A `DynamicLossScaleState`, or any pytree holding one.
 
     Returns:
-        The scale, as a JAX array (traced inside `jax.jit`; one per member
-        for a `jax.vmap`-stacked state).
+        The scale, as a JAX array (one per member of a stacked state).
     """
     return _array(_fields(state, "loss_scale")["scale"])
 
@@ -49,8 +42,7 @@ def scale_loss(loss: PyTree, state: PyTree) -> PyTree:
         state: A `DynamicLossScaleState`, or any pytree holding one.
 
     Returns:
-        `loss * scale`, with JAX's type promotion (a float16 loss becomes
-        float32, as jmp's `scale` makes it).
+        `loss * scale`, with JAX's type promotion (float16 becomes float32).
     """
     leaves = jax.tree_util.tree_leaves(loss)
     bad = [x for x in leaves if not _numeric(x)]
@@ -66,23 +58,14 @@ def scale_loss(loss: PyTree, state: PyTree) -> PyTree:
 def metrics(state: PyTree) -> dict[str, jax.Array]:
     """Every loss-scale field of `state` as JAX arrays: a reader that runs inside `jax.jit`.
 
-    Return it from the jitted step (or log it with `jax.debug.callback`);
-    nothing is read back to the host.
-
     Args:
-        state: A `DynamicLossScaleState`, or any pytree holding one (an
-            `nnx.split` state included).
+        state: A `DynamicLossScaleState`, or any pytree holding one.
 
     Returns:
-        A dict keyed as `summary` is, holding the arrays the settings track:
-        `dynamic_scale`, `step_counter`, and as tracked `consecutive_skips`,
-        `steps`, `skipped_steps`, `last_overflow_step` (-1 before the first
-        overflow), `scale_history` (`history_length` scales, oldest first,
-        zeros before the first step), `nonfinite` (one boolean per parameter,
-        in `state.paths` order), `error` (0: none, 1: below `min_scale`, 2:
-        too many skips), `error_step` (-1 before an error), and always
-        `last_step_skipped` (a boolean: whether the last update was
-        skipped, False before one). A stacked state gives stacked arrays.
+        A dict keyed as `summary` is, holding the arrays the settings track
+        (`dynamic_scale`, `step_counter`, ...; `nonfinite` holds one boolean
+        per parameter, `error` 0, 1 below `min_scale` or 2 too many skips)
+        and always `last_step_skipped`.
     """
     fields = _fields(state, "metrics")
     out = {}
@@ -102,21 +85,14 @@ def metrics(state: PyTree) -> dict[str, jax.Array]:
 
 
 def summary(state: PyTree) -> dict[str, Any] | list:
-    """The loss-scale state as Python values, for loggers.
-
-    Reads the values back to the host: call it between steps, not inside
-    `jax.jit` (there, use `metrics`).
+    """The loss-scale state as Python values, for loggers (between steps; in `jit`: `metrics`).
 
     Args:
         state: A `DynamicLossScaleState`, or any pytree holding one.
 
     Returns:
-        The dict `LossScaleOptimizer.summary()` returns: `dynamic_scale`,
-        `step_counter` and, as the settings track them, `consecutive_skips`,
-        `steps`, `skipped_steps`, `last_overflow_step`, `scale_history`,
-        `nonfinite_variables` (parameter paths), `error`, `error_step`. For
-        a `jax.vmap`-stacked state (an ensemble), one such dict per member,
-        in a list (nested for several stacked axes).
+        The dict `LossScaleOptimizer.summary()` returns; for a
+        `jax.vmap`-stacked state, a list of them (nested per stacked axis).
     """
     found = find(state, "summary")
     values = {}
@@ -148,23 +124,16 @@ def _per_member(values, shape, found):
 def check(state: PyTree) -> None:
     """Raises if `state` holds values no step could have left, or records a crossed limit.
 
-    Call it after restoring a state (orbax, any pytree checkpointer): a
-    NaN, zero or negative scale, a negative or fractional counter would
-    otherwise skip every step or pin the scale, silently. And a jitted step
-    cannot raise: with `min_scale` or `max_consecutive_skips` set, a
-    crossed limit freezes the state (every later step is skipped) until
-    this is called, between steps. It reads the loss-scale fields (a few
-    scalars; one per member of a stacked state), never the inner state.
+    Call it after restoring a state, and between steps where `min_scale` or
+    `max_consecutive_skips` is set: a jitted step cannot raise, so a crossed
+    limit freezes the state until this is called.
 
     Args:
         state: A `DynamicLossScaleState`, or any pytree holding one.
 
     Raises:
-        ValueError: A field holds a value no step could have left (the
-            field, the value and what it may hold).
-        LossScaleError: With the step, the last scales and the parameters
-            whose gradients were non-finite (and, for a stacked state, the
-            index of the first member in error).
+        ValueError: A field holds a value no step could have left.
+        LossScaleError: The state records a crossed limit.
     """
     found = find(state, "check")
     held = {}  # `where` -> (field, array), read back in one transfer
@@ -212,7 +181,7 @@ def _numeric(x):
         dtype = np.result_type(x) if not hasattr(x, "dtype") else np.dtype(x.dtype)
     except TypeError:
         return False
-    # JAX's lattice: NumPy's alone does not count bfloat16 (an ml_dtypes type) a number.
+    # JAX's lattice: NumPy's does not count bfloat16 a number.
     return jnp.issubdtype(dtype, jnp.number) and not isinstance(x, (bool, np.bool_))
 
 

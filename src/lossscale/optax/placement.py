@@ -1,16 +1,9 @@
 """Placing optimizer state next to sharded parameters.
 
-optax creates a transformation's per-parameter state with `zeros_like`,
-which keeps each parameter's sharding, but its scalars (`count`, say) on
-the default device, uncommitted. A jitted step then returns those scalars
-replicated over the parameters' mesh, their sharding changes between the
-first and the second call, and the step compiles twice. Placing every
-uncommitted leaf replicated over the parameters' devices up front, as
-lossscale's own scalars are placed, makes the first call's inputs look like
-every later call's.
-
-Traced parameters (under `jax.jit`, `jax.eval_shape`, `jax.vmap`) carry no
-placement, so nothing is placed and the functions here stay pure.
+optax makes its scalars (`count`) uncommitted on the default device; a jitted
+step returns them replicated, and compiles twice. Placing every uncommitted
+leaf replicated over the parameters' devices up front avoids that. Traced
+parameters carry no placement: nothing is placed.
 """
 
 import jax
@@ -21,12 +14,7 @@ _ops = get_ops("jax")
 
 
 def anchor(params):
-    """A float32 scalar replicated over the devices of the first committed
-    parameter of `params`, or `None` (no committed concrete parameter).
-
-    `ops.place(x, like=anchor)` then puts a scalar `x` replicated over the
-    parameters' mesh, and any other array replicated over the same devices.
-    """
+    """A float32 scalar replicated like the first committed parameter of `params`, or `None`."""
     for leaf in jax.tree_util.tree_leaves(params):
         if _committed(leaf):
             return _ops.full((), 0.0, "float32", like=leaf)
@@ -34,18 +22,7 @@ def anchor(params):
 
 
 def replicate_uncommitted(tree, like):
-    """`tree` with every uncommitted concrete array replicated like `like`.
-
-    Committed leaves (optax's per-parameter state, which follows its
-    parameter) keep their placement.
-
-    Args:
-        tree: A pytree, such as an optax state.
-        like: An `anchor(params)`, or `None` to place nothing.
-
-    Returns:
-        A pytree of the structure of `tree`.
-    """
+    """`tree` with every uncommitted concrete array replicated like `like` (an `anchor`)."""
     if like is None:
         return tree
     return jax.tree_util.tree_map(

@@ -1,12 +1,7 @@
 """`DynamicLossScaleState`: the state of `dynamic_loss_scale`, a named pytree.
 
-Its arrays are the loss-scale fields the policy tracks (the fields of
-`lossscale.mixed_precision.LossScaleState`: `scale` and `counter` with the
-defaults) and the inner transformation's state; its static part is the
-`LossScalePolicy` and, when per-parameter telemetry is kept, the parameter
-paths. Because the policy travels with the state, `summary(state)` and
-`check(state)` need nothing else, and two states of one transformation
-always have the same tree structure.
+The policy travels with the state as static structure, so `summary(state)`
+and `check(state)` need nothing else.
 """
 
 from __future__ import annotations
@@ -31,14 +26,10 @@ class DynamicLossScaleState:
         scale: Float32 scalar, the current loss scale.
         counter: Int32 scalar, finite steps since the last growth or
             overflow.
-        consecutive_skips: The other `LossScaleState` fields, this one and
-            `steps`, `skipped`, `last_overflow_step`, `error`,
-            `error_step`, `scale_history` and `nonfinite`: `None` (tuples:
-            empty) unless the policy tracks them (hysteresis, telemetry,
-            fail-fast limits).
-        last_step_skipped: Boolean scalar: whether the last update was skipped (its
-            gradients held inf or NaN). False before the first update. Kept
-            whatever the settings, as jmp users keep `grads_finite`.
+        consecutive_skips: This and the other `LossScaleState` fields:
+            `None` (tuples: empty) unless the policy tracks them.
+        last_step_skipped: Boolean scalar: whether the last update was
+            skipped. False before the first update.
         inner_state: The inner transformation's state.
         policy: The `LossScalePolicy` (static).
         paths: The parameter paths `nonfinite` refers to (static; empty
@@ -63,8 +54,7 @@ class DynamicLossScaleState:
         policy: LossScalePolicy,
         paths: Sequence[str] = (),
     ) -> None:
-        # No checks on the values: JAX rebuilds states around tracers,
-        # shape descriptions and sharding specs alike.
+        # Unchecked: JAX rebuilds states around tracers, shapes and shardings alike.
         self._loss_scale = loss_scale
         self.last_step_skipped = last_step_skipped
         self.inner_state = inner_state
@@ -152,19 +142,9 @@ def is_state(x):
 
 
 def find(tree, function):
-    """The one `DynamicLossScaleState` inside `tree`, wherever it sits.
+    """The one `DynamicLossScaleState` inside `tree` (an `nnx.split` pair is merged first).
 
-    `tree` may be the state itself, an `optax.chain` state (a tuple), a
-    Flax `TrainState`, an `nnx.Optimizer` or its `opt_state`, an
-    `optax.MultiSteps` state, Flax NNX's `(graphdef, state)` pair from
-    `nnx.split` (merged to find it), or any pytree holding it.
-
-    Args:
-        tree: A pytree.
-        function: The public function's name, for error messages.
-
-    Raises:
-        ValueError: `tree` holds no loss-scale state, or several.
+    Raises `ValueError`, naming `function`, where it holds none or several.
     """
     if is_state(tree):
         return tree
@@ -192,12 +172,7 @@ def find(tree, function):
 
 
 def find_fields(tree):
-    """`{field name: leaf}` of the loss-scale state in `tree`, `last_step_skipped` too, or `None`.
-
-    Works where the state object itself is gone but its fields are kept by
-    name: a Flax NNX `State` from `nnx.split` holds a mapping with `scale`,
-    `counter`, `last_step_skipped` and `inner_state` keys.
-    """
+    """`{field name: leaf}` of the loss-scale state in `tree` (`nnx.split` State too), or None."""
     found = _states_in(_merged_nnx_pair(tree))
     if len(found) == 1:
         fields = {f.name: getattr(found[0], f.name) for f in state_fields(found[0].policy)}
@@ -212,10 +187,7 @@ def _states_in(tree):
 def _fields_by_name(tree):
     """The loss-scale fields of a mapping holding them by name (an `nnx.split` `State`).
 
-    Such a mapping holds `scale`, `counter` and `last_step_skipped`, other fields of
-    the state and `inner_state` (absent where the inner state holds no
-    arrays, as `optax.sgd`'s), and nothing else. A tuple field comes back
-    as a mapping keyed 0, 1, ...: it is made a tuple again.
+    A tuple field comes back as a mapping keyed 0, 1, ...: it is made a tuple again.
     """
     names = {f.name for f in dataclasses.fields(LossScaleState)} | {"last_step_skipped"}
     mappings = [tree]

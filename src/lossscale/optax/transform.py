@@ -1,10 +1,7 @@
 """`dynamic_loss_scale`: dynamic loss scaling as an optax transformation.
 
-A thin adapter: the unscale, the finite check and the scale rule are the
-ones every lossscale interface runs (the JAX backend's `unscale` and
-`all_finite`, `mixed_precision.next_loss_scale`); what is added here is the
-optax shape of the step (pure `init` / `update` over pytrees) and the skip
-(`gate.gated_update`: selects XLA runs in place, no `lax.cond`).
+The unscale, finite check and scale rule are every interface's; added here is
+the optax shape of the step and the skip (`gate.gated_update`).
 """
 
 from __future__ import annotations
@@ -60,31 +57,16 @@ def dynamic_loss_scale(
         counter = 0; scale *= backoff_factor (after `hysteresis` overflows in a row)
     ```
 
-    The scale follows lossscale's one state machine
-    (`lossscale.mixed_precision.next_loss_scale`): the defaults are Keras's
-    (2^15, doubled after 2000 finite steps, halved on overflow), with its two
-    guards (no growth to a non-finite scale, no backoff below the smallest
-    normal float32). Apply the updates with `optax.apply_updates` (or
-    `TrainState.apply_gradients`, `nnx.Optimizer.update`,
-    `eqx.apply_updates`).
-
-    `init` is pure: it runs under `jax.jit`, `jax.vmap` and `jax.eval_shape`
-    (an abstract restore target for orbax). On concrete sharded parameters
-    it places the loss-scale scalars, and the inner state's scalars (optax's
-    `count`), replicated over the parameters' mesh; per-parameter state
-    follows its parameter. A jitted step therefore compiles once. Under
-    sharding the finite check reduces over every shard inside the step, so
-    all devices take the same decision.
+    The scale follows `lossscale.mixed_precision.next_loss_scale`, with
+    Keras's defaults. `init` is pure (`jax.jit`, `jax.vmap`,
+    `jax.eval_shape`); on sharded parameters it replicates the scalars over
+    the parameters' mesh, so a jitted step compiles once.
 
     Args:
         inner: The `optax.GradientTransformation` to drive, such as
-            `optax.adam(1e-3)` or an `optax.chain` (clipping goes in it),
-            or an `optax.MultiSteps`. Every transformation of optax and
-            `optax.contrib` runs inside (docs/jax.md lists the one
-            refused); `optax.lookahead` takes its `LookaheadParams` as
-            `params`, and per-example gradients (`optax.contrib.dpsgd`)
-            may carry leading axes. A `dynamic_loss_scale` inside it is
-            refused.
+            `optax.adam(1e-3)`, an `optax.chain` (clipping goes in it) or an
+            `optax.MultiSteps` (docs/jax.md lists the one transformation
+            refused). A `dynamic_loss_scale` inside it is refused.
         initial_scale: Float. The initial loss scale.
         dynamic_growth_steps: Int. After this many consecutive finite
             steps, the scale grows by `growth_factor`.
@@ -101,31 +83,23 @@ def dynamic_loss_scale(
         growth_policy: `"fixed"` (default) or `"headroom"` (grow only while
             the largest scaled gradient leaves room; see
             `LossScalePolicy`).
-        telemetry: Boolean. Record skip counters, the last scales and,
-            for each overflow of the window, its step, which parameters had
-            non-finite gradients and whether the loss was finite (known when
-            `update` is given the loss as `value=`, optax's name for it;
-            read with `summary(state)`). On whenever a fail-fast limit is
-            set.
+        telemetry: Boolean. Record skip counters, the last scales and, per
+            overflow, its step, the non-finite parameters and whether the
+            loss (`update`'s `value=`) was finite; read with
+            `summary(state)`. On whenever a fail-fast limit is set.
         diagnostics_every: Int or `None`. Every this many steps, measure
-            each parameter's scaled gradient against float16's range, in
-            the state (under `jit`: a `lax.cond`, so other steps do not pay
-            for it); `summary(state)["float16_range"]`.
+            each parameter's scaled gradient against float16's range
+            (`summary(state)["float16_range"]`).
         history_length: Int in [1, 30]. Scales and overflows kept.
         axis_name: Inside `shard_map` or `pmap`, where each device holds
-            its own block of the gradients (model parallelism), the mapped
-            axis name (or a tuple of them) whose devices must agree on
-            every skip: the finite flag is combined with `lax.pmin`, the
-            peaks the policy reads with `lax.pmax`, so the loss-scale state
-            stays replicated. `None` (default): global arrays under `jit`,
-            or gradients already averaged over the axis.
+            its own block of the gradients, the mapped axis name (or a
+            tuple of them) whose devices must agree on every skip. `None`
+            (default): global arrays under `jit`.
 
     Returns:
         An `optax.GradientTransformationExtraArgs`; extra keyword arguments
-        of `update` (a line search's `value`, `grad`, `value_fn`: unscaled)
-        go to `inner`. A skipped step leaves the inner state bit for bit;
-        an applied one matches `inner.update` jitted alone to within a few
-        units in the last place (most bit for bit; see docs/jax.md).
+        of `update` go to `inner`. A skipped step leaves the inner state
+        bit for bit.
 
     Examples:
         >>> import jax.numpy as jnp, optax, lossscale.optax as lso
@@ -175,8 +149,7 @@ def dynamic_loss_scale(
         )
 
         def inner_step(decision):
-            # A barrier keeps XLA from fusing the reduction behind the
-            # decision into each consumer.
+            # Keeps XLA from fusing the reduction behind the decision into each consumer.
             applied = jax.lax.optimization_barrier(decision.keep)
             new_updates, new_inner = gate.gated_update(
                 inner.update,
@@ -205,11 +178,7 @@ def dynamic_loss_scale(
 
 
 def _with_loss(current, policy, loss, axis_name):
-    """`current` with this step's loss flag, where telemetry keeps it and the loss is given.
-
-    `update` is given the loss as `value=` (optax's name for it); with
-    `axis_name`, each device's own loss: finite only if all are.
-    """
+    """`current` with this step's loss flag (finite on every device), where telemetry keeps it."""
     if not policy.records_details or loss is None:
         return current
     flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(loss)]
@@ -233,10 +202,7 @@ def _same_index(i):
 def _sanitised(applied, unscaled, treedef):
     """The unscaled gradients as a tree, zeros where the step is skipped.
 
-    The inner update then only ever computes on finite values (its outputs
-    are discarded on a skipped step): an inner transformation with a loop
-    that runs until a value-dependent condition holds (a line search, a
-    `lax.while_loop` on a norm) ends, where inf or NaN could keep it going.
+    Finite inputs keep value-dependent loops in the inner update (a line search) finite.
     """
     return jax.tree_util.tree_unflatten(
         treedef, [jnp.where(applied, g, jnp.zeros((), g.dtype)) for g in unscaled]
@@ -246,9 +212,7 @@ def _sanitised(applied, unscaled, treedef):
 def _unscaler(policy):
     """`unscale(grads, dtypes, scale)`: each gradient divided by `scale`, cast to its dtype.
 
-    The JAX backend's `unscale`, by the exact reciprocal where every scale
-    the policy can reach is a power of two (Keras's defaults: 2^15, doubled,
-    halved, floored at 2^-126; see `LossScalePolicy.scales_are_powers_of_two`).
+    By the exact reciprocal where every reachable scale is a power of two.
     """
     by_reciprocal = policy.scales_are_powers_of_two
 
@@ -260,11 +224,7 @@ def _unscaler(policy):
 
 
 def leaf_paths(tree):
-    """`/`-joined key paths of the array leaves of `tree`, in leaf order.
-
-    A Flax NNX `Variable` holds its array as `.value`: its path is the
-    variable's (`kernel`, not `kernel/value`).
-    """
+    """`/`-joined key paths of the leaves of `tree` (an NNX `Variable`'s, not its `.value`'s)."""
     return tuple(
         jax.tree_util.keystr(_without_value_key(path), simple=True, separator="/")
         for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]

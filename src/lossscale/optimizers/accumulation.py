@@ -1,9 +1,8 @@
 """Gradient accumulation: update every `steps` calls with the mean gradient.
 
 As in Keras 3, an update step resets every accumulator, also that of a
-variable whose gradient is `None` at that step: its window ends with the
-others, and its partial sum is dropped. Skipped steps (a `LossScaleOptimizer`
-overflow) do not count: nothing moves, not even the window.
+variable whose gradient is `None` at that step. Skipped steps (a
+`LossScaleOptimizer` overflow) do not count: not even the window moves.
 """
 
 
@@ -26,21 +25,15 @@ def accumulate(grads, accumulators):
 def reset(ops, accumulators):
     """Zeroes the accumulators."""
     for acc in accumulators:
-        acc.assign(ops.full(acc.shape, 0, acc.dtype, like=acc.value))
+        acc.assign(_zeros(ops, acc))
 
 
 def overwrite_with_max(ops, variable, grad, accumulator, update):
-    """Accumulation rule for overwrite-with-gradient variables.
-
-    Such variables (float8 scaling factors, for instance) keep the running
-    maximum of their "gradients" and take it on update steps.
-    """
+    """Overwrite-with-gradient variables keep the running maximum; they take it on update."""
     running = ops.maximum(grad, accumulator.value)
     variable.assign(ops.where(update, running, variable.value))
-    accumulator.assign(
-        ops.where(
-            update,
-            ops.full(accumulator.shape, 0, accumulator.dtype, like=accumulator.value),
-            running,
-        )
-    )
+    accumulator.assign(ops.where(update, _zeros(ops, accumulator), running))
+
+
+def _zeros(ops, variable):
+    return ops.full(variable.shape, 0, variable.dtype, like=variable.value)

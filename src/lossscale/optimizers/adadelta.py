@@ -14,10 +14,8 @@ from lossscale.variables import Variable
 class Adadelta(Optimizer):
     """Optimizer that implements the Adadelta algorithm.
 
-    Adadelta adapts each parameter's step from a moving window of gradient
-    updates instead of accumulating all past gradients, so learning goes on
-    after many updates. As in Keras, the step is still multiplied by
-    `learning_rate` (the original paper has none: use `learning_rate=1.0`).
+    Steps adapt to a moving window of gradient updates. As in Keras, they are
+    multiplied by `learning_rate` (the paper's rule is `learning_rate=1.0`).
 
     ```
     rms(x) = sqrt(x + epsilon)
@@ -28,11 +26,10 @@ class Adadelta(Optimizer):
     ```
 
     Args:
-        learning_rate: A float, a `LearningRateSchedule` or a callable.
-            Defaults to `0.001`.
+        learning_rate: A float, a schedule or a callable. Defaults to `0.001`.
         rho: Float in [0, 1). The decay rate. Defaults to `0.95`.
-        epsilon: Float > 0. A small constant for numerical stability, which
-            also sizes the very first steps. Defaults to `1e-7`.
+        epsilon: Float > 0. A small constant for numerical stability (it
+            also sizes the first steps). Defaults to `1e-7`.
         name: String. Defaults to `"adadelta"`.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
@@ -46,7 +43,6 @@ class Adadelta(Optimizer):
     """
 
     update_kernel = "adadelta"
-
     kernel_slots = ("_accumulated_grads", "_accumulated_delta_vars")
 
     def __init__(
@@ -72,9 +68,7 @@ class Adadelta(Optimizer):
         )
 
     def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
-        ops = self._ops
-        lr = ops.cast(learning_rate, variable.dtype)
-        gradient = ops.cast(gradient, variable.dtype)
+        ops, lr, gradient = self._cast_step(variable, learning_rate, gradient)
         index = self._get_variable_index(variable)
         grad_acc = self._accumulated_grads[index]
         delta_acc = self._accumulated_delta_vars[index]

@@ -14,21 +14,16 @@ from lossscale.variables import Variable
 class Adagrad(Optimizer):
     """Optimizer that implements the Adagrad algorithm.
 
-    Each parameter's step shrinks with the total of its squared gradients,
-    so frequently updated parameters take smaller steps.
-
     ```
     accumulator = accumulator + g**2      # starts at initial_accumulator_value
     w = w - learning_rate * g / sqrt(accumulator + epsilon)
     ```
 
     Args:
-        learning_rate: A float, a `LearningRateSchedule` or a callable.
-            Defaults to `0.001`.
+        learning_rate: A float, a schedule or a callable. Defaults to `0.001`.
         initial_accumulator_value: Float >= 0. Starting value of the
-            accumulators (per-parameter momentum values). Defaults to `0.1`.
-        epsilon: Float > 0. A small constant for numerical stability.
-            Defaults to `1e-7`.
+            accumulators. Defaults to `0.1`.
+        epsilon: Float > 0. For numerical stability. Defaults to `1e-7`.
         name: String. Defaults to `"adagrad"`.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
@@ -42,7 +37,6 @@ class Adagrad(Optimizer):
     """
 
     update_kernel = "adagrad"
-
     kernel_slots = ("_accumulators",)
 
     def __init__(
@@ -68,9 +62,7 @@ class Adagrad(Optimizer):
         )
 
     def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
-        ops = self._ops
-        lr = ops.cast(learning_rate, variable.dtype)
-        gradient = ops.cast(gradient, variable.dtype)
+        ops, lr, gradient = self._cast_step(variable, learning_rate, gradient)
         accumulator = self._accumulators[self._get_variable_index(variable)]
         self.assign_add(accumulator, ops.square(gradient))
         self.assign_sub(variable, lr * gradient / ops.sqrt(accumulator.value + self.epsilon))

@@ -25,14 +25,11 @@ class Adam(Optimizer):
     ```
 
     Args:
-        learning_rate: A float, a `LearningRateSchedule` or a callable.
-            Defaults to `0.001`.
-        beta_1: Float in [0, 1). Exponential decay rate for the 1st moment
-            estimates. Defaults to `0.9`.
-        beta_2: Float in [0, 1). Exponential decay rate for the 2nd moment
-            estimates. Defaults to `0.999`.
-        epsilon: Float > 0. A small constant for numerical stability (the
-            "epsilon hat" of the paper). Defaults to `1e-7`.
+        learning_rate: A float, a schedule or a callable. Defaults to `0.001`.
+        beta_1: Float in [0, 1). Decay rate of the 1st moment. Defaults to `0.9`.
+        beta_2: Float in [0, 1). Decay rate of the 2nd moment. Defaults to `0.999`.
+        epsilon: Float > 0. For numerical stability (the paper's "epsilon hat").
+            Defaults to `1e-7`.
         amsgrad: Boolean. Whether to apply the AMSGrad variant.
         name: String. Defaults to `"adam"`.
         **kwargs: Base optimizer arguments (see `Optimizer`).
@@ -47,7 +44,6 @@ class Adam(Optimizer):
     """
 
     update_kernel = "adam"
-
     kernel_slots = ("_momentums", "_velocities", "_velocity_hats")
 
     def __init__(
@@ -77,10 +73,8 @@ class Adam(Optimizer):
             self._velocity_hats = self.add_optimizer_variables(var_list, "velocity_hat")
 
     def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
-        ops = self._ops
+        ops, lr, gradient = self._cast_step(variable, learning_rate, gradient)
         dtype = variable.dtype
-        lr = ops.cast(learning_rate, dtype)
-        gradient = ops.cast(gradient, dtype)
         beta_1_power, beta_2_power = moments.powers_at_step(self, dtype, self.beta_1, self.beta_2)
         alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
         index = self._get_variable_index(variable)

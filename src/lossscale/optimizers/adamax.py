@@ -14,9 +14,8 @@ from lossscale.variables import Variable
 class Adamax(Optimizer):
     """Optimizer that implements the Adamax algorithm.
 
-    A variant of Adam based on the infinity norm (Kingma & Ba, 2014,
-    section 7): the second moment becomes an exponentially weighted maximum
-    of gradient magnitudes, which needs no bias correction.
+    Adam with the infinity norm (Kingma & Ba, 2014, section 7) in place of
+    the second moment.
 
     ```
     t = iterations + 1
@@ -26,14 +25,10 @@ class Adamax(Optimizer):
     ```
 
     Args:
-        learning_rate: A float, a `LearningRateSchedule` or a callable.
-            Defaults to `0.001`.
-        beta_1: Float in [0, 1). Exponential decay rate for the 1st moment
-            estimates. Defaults to `0.9`.
-        beta_2: Float in [0, 1). Exponential decay rate for the exponentially
-            weighted infinity norm. Defaults to `0.999`.
-        epsilon: Float > 0. A small constant for numerical stability.
-            Defaults to `1e-7`.
+        learning_rate: A float, a schedule or a callable. Defaults to `0.001`.
+        beta_1: Float in [0, 1). Decay rate of the 1st moment. Defaults to `0.9`.
+        beta_2: Float in [0, 1). Decay rate of the infinity norm. Defaults to `0.999`.
+        epsilon: Float > 0. For numerical stability. Defaults to `1e-7`.
         name: String. Defaults to `"adamax"`.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
@@ -47,7 +42,6 @@ class Adamax(Optimizer):
     """
 
     update_kernel = "adamax"
-
     kernel_slots = ("_m", "_u")
 
     def __init__(
@@ -72,10 +66,8 @@ class Adamax(Optimizer):
         self._m, self._u = self.add_optimizer_variables(var_list, ["momentum", "norm"])
 
     def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
-        ops = self._ops
+        ops, lr, gradient = self._cast_step(variable, learning_rate, gradient)
         dtype = variable.dtype
-        lr = ops.cast(learning_rate, dtype)
-        gradient = ops.cast(gradient, dtype)
         (beta_1_power,) = moments.powers_at_step(self, dtype, self.beta_1)
         index = self._get_variable_index(variable)
         m, u = self._m[index], self._u[index]

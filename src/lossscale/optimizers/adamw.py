@@ -12,10 +12,7 @@ from lossscale.typing import LearningRate
 class AdamW(Adam):
     """Optimizer that implements the AdamW algorithm.
 
-    AdamW is Adam (see `Adam` for the moment updates) with decoupled weight
-    decay (Loshchilov & Hutter, 2019): before each update every
-    non-excluded variable shrinks by `learning_rate * weight_decay` times
-    itself, independently of the gradient's moments.
+    Adam with decoupled weight decay (Loshchilov & Hutter, 2019).
 
     ```
     w = w - w * weight_decay * learning_rate
@@ -23,19 +20,14 @@ class AdamW(Adam):
     ```
 
     Args:
-        learning_rate: A float, a `LearningRateSchedule` or a callable.
-            Defaults to `0.001`.
+        learning_rate: A float, a schedule or a callable. Defaults to `0.001`.
         weight_decay: Float >= 0. The decoupled weight-decay rate; unlike
             the other optimizers, it cannot be `None`. Defaults to `0.004`.
-        beta_1: Float in [0, 1). Exponential decay rate for the 1st moment
-            estimates. Defaults to `0.9`.
-        beta_2: Float in [0, 1). Exponential decay rate for the 2nd moment
-            estimates. Defaults to `0.999`.
-        epsilon: Float > 0. A small constant for numerical stability (the
-            "epsilon hat" of the Adam paper). Defaults to `1e-7`.
+        beta_1: Float in [0, 1). Decay rate of the 1st moment. Defaults to `0.9`.
+        beta_2: Float in [0, 1). Decay rate of the 2nd moment. Defaults to `0.999`.
+        epsilon: Float > 0. For numerical stability. Defaults to `1e-7`.
         amsgrad: Boolean. Whether to apply the AMSGrad variant.
-        name: String. Defaults to `"adam_w"`, the name Keras 3 derives from
-            the class name.
+        name: String. Defaults to `"adam_w"`, as in Keras 3.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
     Examples:

@@ -1,15 +1,7 @@
 """`Optimizer`: the base class every optimizer and the loss-scale wrapper share.
 
-A subclass declares its hyperparameters as `__init__` arguments stored under
-the same attribute names, creates its slots in `build`, and writes its update
-rule once in `update_step`. Everything else is here, in the order a user
-meets it: the constructor and learning rate, `build` and the variables it
-makes, `apply` and the step it runs, `stateless_apply`, config, saving.
-The step's pieces are functions of what they read, in their own modules:
-the fast paths a step may take (`plan.py`), the rule's kernel
-(`pipeline.py`), clipping, weight decay, EMA, accumulation and
-overwrite-with-gradient variables, gradient checks (`gradients.py`),
-config (`config.py`) and the two checkpoint layouts (`checkpoint.py`).
+A subclass stores its hyperparameters under their `__init__` argument names,
+creates its slots in `build` and writes its rule in `update_step`.
 """
 
 from __future__ import annotations
@@ -48,18 +40,13 @@ _BASE_BOUNDS = {
     "loss_scale_factor": dict(low=0, low_open=True, allow_none=True),
     "gradient_accumulation_steps": dict(low=2, integer=True, allow_none=True),
 }
-
-
 # The base keyword arguments (not a rule's hyperparameters).
 _BASE_KEYS = frozenset(_BASE_BOUNDS) | {"learning_rate", "use_ema", "name"}
-
-# `from_config` returns an instance of the class it is called on.
 _OptimizerT = TypeVar("_OptimizerT", bound="Optimizer")
 
 
 def _snake_case(name):
-    # Keras's naming: "LossScaleOptimizer" -> "loss_scale_optimizer",
-    # "RMSprop" -> "rm_sprop", "SGD" -> "sgd".
+    """Keras's naming: "LossScaleOptimizer" -> "loss_scale_optimizer", "RMSprop" -> "rm_sprop"."""
     name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
     return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()
 
@@ -67,45 +54,27 @@ def _snake_case(name):
 class Optimizer:
     """Abstract optimizer base class.
 
-    Subclass it and override `build` (create slot variables with
-    `add_optimizer_variables`), `update_step` (the update rule, written with
-    `self.assign*` and the backend ops) and, only if needed, `get_config`.
-
-    One `apply` runs, in this order: overwrite-with-gradient variables take
-    their gradient; `None` gradients are dropped (with a warning); the static
-    `loss_scale_factor` is divided out; with gradient accumulation, the mean
-    of the accumulated gradients is used every `gradient_accumulation_steps`
-    calls and other calls only accumulate; gradients are clipped; weight
-    decay is applied; `update_step` runs per variable; variable constraints
-    are applied; the EMA is updated (and written to the model every
-    `ema_overwrite_frequency` steps); `iterations` increases by one.
+    Subclasses create slots in `build` (`add_optimizer_variables`) and write
+    the rule in `update_step`. Each `apply`: overwrite-with-gradient variables
+    take their gradient, `None` gradients are dropped, `loss_scale_factor` is
+    divided out, gradients are accumulated, clipped and decayed, `update_step`
+    runs, constraints and the EMA are applied, and `iterations` grows by one.
 
     Args:
-        learning_rate: A float, a `LearningRateSchedule`, or a callable taking
-            no arguments and returning the learning rate.
+        learning_rate: A float, a `LearningRateSchedule`, or a callable returning it.
         weight_decay: Float. If set, weight decay is applied.
-        clipnorm: Float. If set, the gradient of each weight is individually
-            clipped so that its norm is no higher than this value.
-        clipvalue: Float. If set, the gradient of each weight is clipped to be
-            no higher than this value.
-        global_clipnorm: Float. If set, the gradient of all weights is clipped
-            so that their global norm is no higher than this value.
-        use_ema: Boolean, defaults to `False`. If `True`, an exponential
-            moving average (EMA) of the model's weights is kept.
-        ema_momentum: Float, defaults to 0.99. Only used if `use_ema=True`:
-            `new_average = ema_momentum * old_average + (1 - ema_momentum) *
-            current_variable_value`.
-        ema_overwrite_frequency: Int or None. Only used if `use_ema=True`.
-            Every `ema_overwrite_frequency` steps of iterations, the model
-            variables are overwritten by their moving average. If None, call
-            `finalize_variable_values()` at the end of training.
-        loss_scale_factor: Float or `None`. If a float, `scale_loss`
-            multiplies the loss by it and gradients are divided by it before
-            updating variables.
-        gradient_accumulation_steps: Int or `None`. If an int (>= 2), model
-            and optimizer variables are updated every
-            `gradient_accumulation_steps` steps with the average of the
-            gradients since the last update.
+        clipnorm: Float. If set, each gradient is clipped to this norm.
+        clipvalue: Float. If set, each gradient is clipped elementwise to this value.
+        global_clipnorm: Float. If set, all gradients are clipped to this global norm.
+        use_ema: Boolean, defaults to `False`. Whether to keep an EMA of the weights.
+        ema_momentum: Float, defaults to 0.99. The EMA's momentum.
+        ema_overwrite_frequency: Int or None. With `use_ema`, the model
+            variables take their average every this many steps; if None,
+            call `finalize_variable_values()` at the end of training.
+        loss_scale_factor: Float or `None`. `scale_loss` multiplies the loss
+            by it and gradients are divided by it.
+        gradient_accumulation_steps: Int (>= 2) or `None`. Update every this
+            many steps with the mean of the gradients since the last update.
         name: String. The name used for the optimizer's variables.
 
     Examples:
@@ -117,22 +86,14 @@ class Optimizer:
         array([0.5, 1.5], dtype=float32)
     """
 
-    # The loss-scale wrapper keeps no step counter or learning rate of its
-    # own: both read through to the inner optimizer.
+    # False for the loss-scale wrapper: step count and learning rate are its inner optimizer's.
     _owns_step_state = True
-
-    # The name of a backend kernel that reproduces this class's `update_step`
-    # for all of its variables at once (multi-tensor or fused), or None. Only
-    # the class that declares it gets the kernel: a subclass that changes the
-    # rule takes the per-variable `update_step` unless it declares a name too.
+    # The backend kernel equal to this class's `update_step`; not inherited, as a
+    # subclass may change the rule.
     update_kernel: str | None = None
-    # Attribute names of the slot lists `update_kernel` reads, e.g.
-    # `("_momentums", "_velocities")`. A kernel gets them as `slots`, keyed by
-    # the name without its leading underscore; an empty or missing list is
-    # left out (a setting the optimizer was built without).
+    # Slot-list attributes the kernel gets as `slots`, keyed without the leading "_".
     kernel_slots: tuple = ()
-    # Attributes besides the constructor arguments that the kernel reads
-    # as hyperparameters (fixed numbers of the rule).
+    # Attributes besides the constructor arguments the kernel reads as hyperparameters.
     kernel_hyperparameters: tuple = ()
 
     def __init__(
@@ -150,6 +111,7 @@ class Optimizer:
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
+        arguments = locals()  # first: holds exactly the arguments
         kwargs.pop("decay", None)  # Keras 2 argument, accepted and ignored like Keras 3.
         if kwargs:
             raise ValueError(
@@ -158,16 +120,7 @@ class Optimizer:
             )
         if name is not None and not isinstance(name, str):
             raise ValueError(f"`name` must be a string or None. Received: name={name!r}")
-        settings = dict(
-            weight_decay=weight_decay,
-            clipnorm=clipnorm,
-            clipvalue=clipvalue,
-            global_clipnorm=global_clipnorm,
-            ema_momentum=ema_momentum,
-            ema_overwrite_frequency=ema_overwrite_frequency,
-            loss_scale_factor=loss_scale_factor,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-        )
+        settings = {key: arguments[key] for key in _BASE_BOUNDS}
         for key, bounds in _BASE_BOUNDS.items():
             validation.check_number(key, settings[key], **bounds)
         validation.check_bool("use_ema", use_ema)
@@ -182,22 +135,15 @@ class Optimizer:
         for key, value in settings.items():
             setattr(self, key, value)
         self.built = False
-        # The class's own `update_kernel` (not an inherited one), read once:
-        # a compiled step reads a plain attribute, not the class namespace.
+        # Read once: a compiled step reads a plain attribute, not the class namespace.
         self._kernel_name = type(self).__dict__.get("update_kernel")
-        # What the kernel reads besides the step's arrays: the class's own
-        # hyperparameters, as a frozen named tuple made each step, and a
-        # dict the backend's kernels keep derived data in between steps
-        # (tensor lists, scratch buffers, traced functions), which lives and
-        # dies with this optimizer.
         self._hyper_type = pipeline.hyper_type(type(self), _BASE_KEYS)
-        self._kernel_cache = {}
+        self._kernel_cache = {}  # the kernels' data between steps (tensor lists, buffers)
         self._variables = []
         self._trainable_variables = []
         self._indices = {}
         self._wrappers = {}
-        # `(arrays, variables)` of the last `apply` given arrays of its own:
-        # the same arrays again resolve to the same variables.
+        # `(arrays, variables)` of the last `apply`: the same arrays resolve at once.
         self._last_resolved = None
         self._exclusions = WeightDecayExclusions()
         if self._owns_step_state:
@@ -253,13 +199,8 @@ class Optimizer:
 
     @property
     def iterations(self) -> Variable | Array:
-        """Optimizer steps taken (`raw steps // gradient_accumulation_steps`).
-
-        The `Variable` itself without gradient accumulation, else an array.
-        """
-        if self.gradient_accumulation_steps:
-            return self._steps_taken()
-        return self._iterations
+        """Steps taken: the `Variable`, or `raw steps // gradient_accumulation_steps`."""
+        return self._steps_taken() if self.gradient_accumulation_steps else self._iterations
 
     @iterations.setter
     def iterations(self, value: int) -> None:
@@ -268,10 +209,8 @@ class Optimizer:
 
     def _steps_taken(self):
         """`iterations` as a backend array."""
-        steps = self._iterations.value
-        return (
-            steps // self.gradient_accumulation_steps if self.gradient_accumulation_steps else steps
-        )
+        steps, every = self._iterations.value, self.gradient_accumulation_steps
+        return steps // every if every else steps
 
     @property
     def variables(self) -> list[Variable]:
@@ -318,20 +257,16 @@ class Optimizer:
 
         Args:
             shape: Shape tuple for the variable.
-            initializer: Initializer (`"zeros"`, `"ones"`, a number or a
-                callable `(shape, dtype)`). Defaults to `"zeros"`.
+            initializer: `"zeros"` (default), `"ones"`, a number or a callable.
             dtype: Dtype of the variable. Defaults to `"float32"`.
-            aggregation: One of `None`, `"none"`, `"mean"`, `"sum"` or
-                `"only_first_replica"`. Defaults to `"none"`.
+            aggregation: How replicas combine it (see `Variable`). Defaults to `"none"`.
             layout: Optional tensor layout; stored for sharding-aware users.
             name: String name of the variable.
 
         Returns:
-            The new `Variable`, on the backend and device of the variables
-            the optimizer is built with (NumPy before that).
+            The new `Variable`, on the model's backend and device (NumPy before `build`).
         """
-        # The storage itself (not a read of it): a TensorFlow slot follows a
-        # mirrored model variable into its strategy.
+        # The storage itself: a TensorFlow slot follows a mirrored variable into its strategy.
         like = self._trainable_variables[0].storage if self._trainable_variables else None
         variable = Variable(
             initializer,
@@ -353,10 +288,7 @@ class Optimizer:
         name: str | None = None,
         initializer: Initializer = "zeros",
     ) -> Variable:
-        """Adds a variable shaped like `reference_variable`.
-
-        Its name is `{reference path with "/" as "_"}_{name}`; `name`
-        defaults to `"var"`.
+        """Adds a variable named `{reference path with "/" as "_"}_{name or "var"}`.
 
         Returns:
             The new `Variable`, with the reference's shape, dtype and device.
@@ -473,8 +405,7 @@ class Optimizer:
 
     def _as_variables(self, xs, argname="trainable_variables"):
         variables = [self._as_variable(x) for x in xs]
-        # One backend module per backend: comparing them is the cheap check;
-        # `common_backend` names the two found.
+        # One module per backend: the cheap check; `common_backend` names the two found.
         ops = variables[0]._ops if variables else None
         if any(v._ops is not ops for v in variables):
             common_backend(variables, what=f"`{argname}`")
@@ -498,10 +429,8 @@ class Optimizer:
 
         Args:
             grads: Gradients, one per variable (`None` for no gradient).
-            trainable_variables: The variables (or native arrays, which are
-                wrapped once without copying). Required on the first call,
-                which builds the optimizer; afterwards defaults to the
-                variables it was built with.
+            trainable_variables: The variables (or native arrays). Required on
+                the first call, which builds the optimizer.
         """
         grads = list(grads)
         if not grads:
@@ -520,17 +449,12 @@ class Optimizer:
         grads: Sequence[Array | None],
         trainable_variables: Sequence[Array],
     ) -> tuple[list[Array], list[Array]]:
-        """Stateless version of `apply` that returns modified values.
-
-        Runs the same update as `apply` against the given values and leaves
-        every variable of the optimizer and the model as it was. On NumPy and
-        torch the inputs are copied first; on JAX it traces under `jax.jit`.
+        """Runs `apply` on the given values and returns the new ones, changing no variable.
 
         Args:
             optimizer_variables: Values for `optimizer.variables`, in order.
             grads: Gradients to apply.
-            trainable_variables: Values for the model variables the optimizer
-                was built with, in order.
+            trainable_variables: Values for the model variables, in order.
 
         Returns:
             A tuple `(new_trainable_values, new_optimizer_values)`.
@@ -551,9 +475,7 @@ class Optimizer:
         self._resolve_variables(grads, None)
         grads = gradients.validate_gradients(grads, model)
         ops = self._ops
-        # Each variable is bound to a value of its own for the step (a copy
-        # where writes happen in place): the ordinary step runs, and nothing
-        # the caller passed is written.
+        # Bound to copies where writes happen in place: nothing the caller passed is written.
         values = [
             ops.copy(x) if ops.MUTABLE else x for x in trainable_variables + optimizer_variables
         ]
@@ -568,12 +490,13 @@ class Optimizer:
             "learning_rate)`."
         )
 
-    def _prepare(self, grads, trainable_variables):
-        """`apply`'s checks, before any write: `(grads, variables)`, built and checked.
+    def _cast_step(self, variable, learning_rate, gradient):
+        """`(ops, learning_rate, gradient)` for `update_step`, cast to `variable`'s dtype."""
+        ops, dtype = self._ops, variable.dtype
+        return ops, ops.cast(learning_rate, dtype), ops.cast(gradient, dtype)
 
-        The gradients are `grads` itself, or a copy with sparse ones made
-        dense (see `gradients.validate_gradients`).
-        """
+    def _prepare(self, grads, trainable_variables):
+        """`apply`'s checks, before any write: `(grads, variables)`, built and checked."""
         variables, known = self._resolve_variables(grads, trainable_variables)
         grads = gradients.validate_gradients(grads, variables)
         if not self.built:
@@ -591,10 +514,8 @@ class Optimizer:
     def _resolve_variables(self, grads, trainable_variables):
         """`(variables, known)`: `known` when all are ones the optimizer was built with.
 
-        Those share the backend `build` checked, so only other variables are
-        checked here (under `torch.compile` every `_ops` read of that check
-        would be a Python-level aliasing guard on each call); `apply` raises
-        for variables it was not built with, once the gradients are checked.
+        Only unknown variables get the backend check: under `torch.compile` each
+        `_ops` read would be a guard on every call.
         """
         if trainable_variables is None:
             if not self.built:
@@ -609,10 +530,8 @@ class Optimizer:
         else:
             if not isinstance(trainable_variables, (list, tuple)):
                 trainable_variables = list(trainable_variables)  # a generator, say
-            # The last call's arrays are remembered where Python runs every
-            # step (not while a step is traced: there every read would be a
-            # guard), and never a keras.Variable, whose value `_as_variable`
-            # takes at every call.
+            # Remembered only where Python runs every step (a traced read is a
+            # guard), and never for a keras.Variable, which `_as_variable` syncs.
             eager = self.built and self._ops.host_control()
             last = self._last_resolved if eager else None
             if last is not None and _same_objects(trainable_variables, last[0]):
@@ -632,34 +551,17 @@ class Optimizer:
         return variables, known
 
     def _apply_prepared(self, grads, variables, *, owns_grads):
-        """Runs one step on checked gradients and built variables.
-
-        What a wrapper changes (the loss-scale wrapper gates the step here).
-        `owns_grads`: whether the gradients are the caller's to hand over
-        (`apply`), so a fast path may write into them; not under
-        `stateless_apply`.
-        """
+        """One step on checked input; wrappers override it (`owns_grads`: may write grads)."""
         del owns_grads  # the rules never write the gradients
         self._step(grads, variables)
 
     def _step(self, grads, variables, keep=None, grad_scale=None, found_inf=None):
         """One step on validated input: the contract wrappers call.
 
-        Args:
-            grads: The gradients, one per variable (`None` for none).
-            variables: The `Variable`s they update, all of this optimizer's.
-            keep: None (the step is taken), or a boolean scalar of the
-                backend: the step takes effect only where it holds, and
-                nothing reads it on the host. A step whose plan folds it
-                (`StepPlan.folds_keep`) passes it to the kernels; any other
-                runs under the backend's `cond(keep, ...)`.
-            grad_scale: None, or a scale still multiplied into `grads`, for
-                a step whose plan `takes_grad_scale` (its kernel divides it
-                out as it reads each gradient).
-            found_inf: None, or `keep` in torch's AMP form (float32, 1.0
-                where the step is skipped), where the caller's check made
-                it: a kernel that takes one (`takes_found_inf`) uses it
-                instead of making it again. Ignored without `keep`.
+        `keep`: None, or a backend boolean the step takes effect under (passed to
+        the kernels where the plan folds it, else `ops.cond`). `grad_scale`: a
+        scale still in `grads`, where the plan `takes_grad_scale`. `found_inf`:
+        `keep` in torch's AMP form (1.0 where skipped), for kernels that take it.
         """
         plan = self._step_plan(variables)
         if keep is not None and not plan.folds_keep:
@@ -695,11 +597,7 @@ class Optimizer:
         return self._ops.fused_update(self._kernel_name)
 
     def _run_step(self, grads, variables, plan, grad_scale=None, keep=None, found_inf=None):
-        """The step, in the order of `pipeline`'s docstring.
-
-        `grad_scale` only where `plan.takes_grad_scale`, `keep` and
-        `found_inf` only where `plan.folds_keep`.
-        """
+        """The step, in the order of `pipeline`'s docstring."""
         ops = self._ops
         grads, variables = overwrite.take_gradients(
             ops, grads, variables, self._overwrite_accumulation()
@@ -717,17 +615,11 @@ class Optimizer:
                     v.assign(v.constraint(v.value))
             if self.use_ema:
                 self._update_ema(ops)
-        # + 1 where the step is taken, + 0 where it is not (a boolean adds as
-        # an integer: on torch one kernel).
+        # A boolean adds as 0 or 1 (on torch one kernel).
         self._iterations.assign_add(1 if keep is None else keep)
 
     def _overwrite_accumulation(self):
-        """`(accumulator_of, is_update)` for overwrite-with-gradient variables, or None.
-
-        With gradient accumulation such a variable keeps the running maximum
-        in its accumulator (`accumulator_of(variable)`) and takes it where
-        `is_update()` (a backend boolean) holds.
-        """
+        """`(accumulator_of, is_update)` for overwrite-with-gradient variables, or None."""
         steps = self.gradient_accumulation_steps
         if not steps:
             return None
@@ -747,8 +639,7 @@ class Optimizer:
             self._update_variables(grads, variables, *rest)
             return
         if plan.folds_weight_decay:
-            # The kernel decays the variables it is given as it updates
-            # them: the decayed ones in one call, the excluded ones in another.
+            # The kernel decays as it updates: decayed and excluded ones in separate calls.
             for positions, rate in pipeline.decayed_groups(
                 variables, self.weight_decay, self._exclusions
             ):
@@ -800,18 +691,12 @@ class Optimizer:
 
     def _kernel_slot_lists(self):
         """`{slot name: list aligned with the trainable variables}` for the kernel."""
-        lists = {}
-        for attr in self.kernel_slots:
-            slots = getattr(self, attr, None)
-            if slots:
-                lists[attr.lstrip("_")] = slots
-        return lists
+        return {k.lstrip("_"): getattr(self, k) for k in self.kernel_slots if getattr(self, k, 0)}
 
     def _kernel_slots(self, variables):
         """The slot lists, aligned with `variables` (all of them, or some in any order)."""
         lists = self._kernel_slot_lists()
-        every = self._trainable_variables
-        if len(variables) == len(every) and all(map(operator.is_, variables, every)):
+        if _same_objects(variables, self._trainable_variables):
             return lists
         positions = [self._get_variable_index(v) for v in variables]
         return {name: [slots[i] for i in positions] for name, slots in lists.items()}
@@ -824,9 +709,7 @@ class Optimizer:
             self._update(
                 ops, accumulation.mean_with_accumulated(grads, accumulators, steps), variables, plan
             )
-            # The window is over for every variable, as in Keras: the partial
-            # sum of one without a gradient at this step is dropped, not
-            # carried into the next window.
+            # Every window ends, as in Keras: a partial sum without a gradient now is dropped.
             accumulation.reset(ops, self._accumulated_gradients)
 
         ops.cond(
@@ -857,9 +740,7 @@ class Optimizer:
 
     @property
     def _ops(self):
-        if self._trainable_variables:
-            return self._trainable_variables[0]._ops
-        return get_ops("numpy")
+        return self._trainable_variables[0]._ops if self._trainable_variables else get_ops("numpy")
 
     def _state_variables(self):
         """Everything an update may write: model variables, then optimizer state."""
@@ -901,9 +782,7 @@ class Optimizer:
 
     def scale_loss(self, loss: Array) -> Array:
         """Multiplies `loss` by `loss_scale_factor` when it is set."""
-        if self.loss_scale_factor is not None:
-            return loss * self.loss_scale_factor
-        return loss
+        return loss if self.loss_scale_factor is None else loss * self.loss_scale_factor
 
     # --- configuration ---------------------------------------------------------
     @classmethod
@@ -923,8 +802,7 @@ class Optimizer:
 
         Args:
             config: A Python dictionary, typically the output of `get_config`.
-            custom_objects: A dictionary mapping names to user-defined
-                classes or functions needed to recreate this optimizer.
+            custom_objects: Names of user-defined classes or functions it needs.
 
         Returns:
             An optimizer instance.
@@ -935,20 +813,14 @@ class Optimizer:
 
     # --- saving and loading ------------------------------------------------------
     def save_own_variables(self, store: MutableMapping[str, Array]) -> None:
-        """Writes every variable, as a NumPy array, to `store["0"]`, `store["1"]`, ...
-
-        The arrays are copies: a store is a snapshot that later steps do not
-        change.
-        """
+        """Writes a NumPy copy of every variable to `store["0"]`, `store["1"]`, ..."""
         checkpoint.save(self.variables, store)
 
     def load_own_variables(self, store: Mapping[str, Array]) -> None:
-        """Restores the variables from a store written by `save_own_variables`.
+        """Copies the values of a store written by `save_own_variables` into the variables.
 
-        A store holding a different number of variables is not loaded: a
-        warning says so and nothing changes. A shape mismatch raises before
-        anything is written. Values are copied into the variables' own
-        buffers, so training afterwards never writes into `store`.
+        A store with another number of variables only warns; a shape mismatch
+        raises before anything is written.
         """
         checkpoint.load(
             self.name, self.built, self.variables, store, self._restored_fields(), self._policy()
@@ -974,15 +846,10 @@ class Optimizer:
         }
         ```
 
-        `state[i]` holds the slots of the `i`-th variable the optimizer was
-        built with, named as they were created (`"momentum"`, `"velocity"`,
-        `"average"` for the EMA, `"gradient_accumulator"`, ...); variables
-        without slots have no entry. `optimizer_variables` holds every other
-        variable (step counter, learning rate, loss-scale state) by `path`.
-        `param_groups` has one group listing every parameter index, with the
-        optimizer's hyperparameters for reference. Values are copies, as
-        arrays of the optimizer's backend (tensors on their device on
-        torch), so the dict is a snapshot that later steps do not change.
+        `state[i]` holds the slots of the `i`-th variable, by slot name;
+        `optimizer_variables` every other variable by `path`; `param_groups`
+        lists the parameters and hyperparameters. Values are copies on the
+        optimizer's backend and device.
 
         Returns:
             A dict that `load_state_dict` accepts.
@@ -991,15 +858,10 @@ class Optimizer:
         return checkpoint.state_dict(self, self._trainable_variables)
 
     def state_variables(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
-        """The variables as `state_dict()` lays them out, live: the optimizer's own `Variable`s.
-
-        What a later step writes, they hold: for a view of the state that
-        tools read live, as `torch.optim.Optimizer.state` is.
+        """The optimizer's own `Variable`s, laid out as `state_dict()` lays out copies.
 
         Returns:
-            `({parameter index: {slot name: Variable}}, {path: Variable})`:
-            the layout of `state_dict()["state"]` (variables without slots
-            have no entry) and of `state_dict()["optimizer_variables"]`.
+            `({parameter index: {slot name: Variable}}, {path: Variable})`.
         """
         self._check_built("state_variables()")
         return checkpoint.layout(self.name, self.variables, self._trainable_variables)
@@ -1007,13 +869,10 @@ class Optimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores the state written by `state_dict()`, continuing its trajectory.
 
-        The optimizer must be built, on variables of the same number and
-        shapes as the saved one. Everything is checked before anything is
-        written: a mismatch raises `ValueError` and changes nothing. Arrays
-        may come from another backend or device (they are converted and
-        copied into the existing variables). Hyperparameters are those of
-        this optimizer; the saved `param_groups` only have to list the same
-        parameters.
+        The optimizer must be built on variables of the saved number and
+        shapes; a mismatch raises `ValueError` before anything is written.
+        Arrays may come from another backend or device. Hyperparameters stay
+        this optimizer's.
 
         Args:
             state_dict: A dict returned by `state_dict()`.
@@ -1039,11 +898,7 @@ class Optimizer:
         )
 
     def _restored_fields(self):
-        """`{id(variable): field}` of the variables whose restored values have a rule.
-
-        The step count (`mixed_precision.restored`): a load refuses what no
-        step could have left there.
-        """
+        """`{id(variable): field}` of the variables whose restored values are checked."""
         return {id(self._iterations): "iteration"} if self._owns_step_state else {}
 
     def _policy(self):
@@ -1060,15 +915,7 @@ class Optimizer:
 
     # --- copies: `copy.deepcopy` and `pickle` ---------------------------
     def __getstate__(self) -> dict[str, Any]:
-        """The attributes a copy takes (`copy.deepcopy`, `pickle`).
-
-        The copy holds copies of every variable (of the model's too, unless
-        they are copied along, as torch's optimizers do). Made again by the
-        copy instead: the lookups keyed by object identity (its objects are
-        new), the kernels' derived data (it refers to this optimizer's
-        arrays), the remembered arrays of the last `apply` and the named
-        tuple type of the hyperparameters (made at run time).
-        """
+        """The attributes a copy takes, less the identity lookups and caches it remakes."""
         state = dict(self.__dict__)
         for name in ("_hyper_type", "_kernel_cache", "_indices", "_last_resolved"):
             del state[name]

@@ -1,16 +1,7 @@
-"""Saving, loading and setting an optimizer's variables.
+"""Saving, loading and setting an optimizer's variables, every check before any write.
 
-Kept apart from the update logic: these functions only read and write an
-optimizer's `variables` list, in order, and check everything before
-writing anything (`Optimizer`'s methods of the same names call them).
-
-Two forms of the same state:
-- Keras's: `save_own_variables(store)` / `load_own_variables(store)`, a flat
-  store keyed `"0"`, `"1"`, ... in `variables` order.
-- torch's: `state_dict()` / `load_state_dict(state_dict)`, a nested dict
-  keyed by parameter index, which `torch.save` and `torch.load` (also with
-  `weights_only=True`) handle as they handle any `torch.optim` state. See
-  docs/torch_optim.md.
+Two layouts: Keras's flat store keyed `"0"`, `"1"`, ... in `variables` order, and
+torch's `state_dict` keyed by parameter index (docs/torch_optim.md).
 """
 
 from __future__ import annotations
@@ -41,18 +32,10 @@ def check_values(
     policy: Any = None,
     after: str = "Nothing was loaded.",
 ) -> None:
-    """Refuses a value no step could have left in its variable, before anything is written.
+    """Refuses a value no step could have left in its variable (`mixed_precision.restored`).
 
-    Args:
-        writes: `(variable, value, where)` triples: what a load writes, and
-            where the value came from (for the message).
-        fields: `{id(variable): field}` of the variables with a rule
-            (`mixed_precision.restored`: the loss-scale fields, `iteration`).
-        policy: The `LossScalePolicy` whose bounds the scale keeps, or None.
-        after: The message's last sentence.
-
-    Raises:
-        ValueError: Naming where the value came from, the value and the rule.
+    `writes`: `(variable, value, where)` triples; `fields`: `{id(variable): field}`
+    of the variables with a rule; `after`: the message's last sentence.
     """
     from lossscale.mixed_precision import restored
 
@@ -82,13 +65,7 @@ def load(
     fields: Mapping[int, str] = {},  # noqa: B006 - read only
     policy: Any = None,
 ) -> None:
-    """Restores `variables` from a store written by `save`.
-
-    A store holding a different number of variables is not loaded: a
-    warning (naming optimizer `name`) says so and nothing changes. A shape
-    mismatch, or a value no step could have left (`check_values`, by
-    `fields` and `policy`), raises before anything is written.
-    """
+    """Restores `variables` from a store written by `save` (another count only warns)."""
     if len(store.keys()) != len(variables):
         msg = (
             f"Skipping variable loading for optimizer '{name}', because it has "
@@ -100,14 +77,7 @@ def load(
         warnings.warn(msg, stacklevel=3)
         return
     values = [store[str(i)] for i in range(len(variables))]
-    _check_shapes("store", variables, values)
-    check_values(
-        [(v, x, f"store[{str(i)!r}]") for i, (v, x) in enumerate(zip(variables, values))],
-        fields,
-        policy,
-    )
-    for variable, value in zip(variables, values):
-        variable.assign(value)
+    _write_checked("store", variables, values, lambda i: f"store[{str(i)!r}]", fields, policy)
 
 
 def set_values(
@@ -123,21 +93,27 @@ def set_values(
             f"`weights` must hold one array per optimizer variable ({len(variables)}). "
             f"Received: {len(weights)} arrays"
         )
-    _check_shapes("weights", variables, weights)
-    check_values(
-        [(v, x, f"weights[{i}]") for i, (v, x) in enumerate(zip(variables, weights))],
-        fields,
-        policy,
-    )
-    for variable, weight in zip(variables, weights):
-        variable.assign(weight)
+    _write_checked("weights", variables, weights, lambda i: f"weights[{i}]", fields, policy)
+
+
+def _write_checked(argname, variables, values, where, fields, policy):
+    """Checks the shapes and values, then assigns each of `values` to its variable."""
+    for i, (variable, value) in enumerate(zip(variables, values)):
+        shape = tuple(getattr(value, "shape", ()))
+        if shape != variable.shape:
+            raise ValueError(
+                f"Optimizer variable {variable.path!r} has shape {variable.shape}, not "
+                f"compatible with the provided value's shape. Received: {argname}[{i}].shape="
+                f"{shape}"
+            )
+    writes = [(v, x, where(i)) for i, (v, x) in enumerate(zip(variables, values))]
+    check_values(writes, fields, policy)
+    for variable, value in zip(variables, values):
+        variable.assign(value)
 
 
 def state_dict(optimizer: Any, params: Sequence[Any]) -> dict[str, Any]:
-    """`optimizer`'s state in torch's layout (see `Optimizer.state_dict`), as copies.
-
-    `params`: the model variables it was built with, in order.
-    """
+    """`optimizer`'s state in torch's layout (see `Optimizer.state_dict`), as copies."""
     per_parameter, shared = layout(optimizer.name, optimizer.variables, params)
     return {
         "state": {
@@ -157,15 +133,7 @@ def state_dict_writes(
     fields: Mapping[int, str] = {},  # noqa: B006 - read only
     policy: Any = None,
 ) -> list:
-    """Checks `state_dict` whole against the layout; returns the `(variable, value)` writes.
-
-    Args:
-        name: The optimizer's name (for messages).
-        variables: Its `variables`.
-        params: The model variables it was built with, in order.
-        state_dict: What `state_dict` returned.
-        fields, policy: The rules its values are checked by (`check_values`).
-    """
+    """Checks `state_dict` whole against the layout; returns the `(variable, value)` writes."""
     per_parameter, shared = layout(name, variables, params)
     writes = _match_state_dict(len(params), state_dict, per_parameter, shared)
     check_values(writes, fields, policy)
@@ -173,17 +141,10 @@ def state_dict_writes(
 
 
 def layout(name: str, variables: Sequence[Any], params: Sequence[Any]) -> tuple[dict, dict]:
-    """Splits an optimizer's `variables` into per-parameter slots and the rest.
+    """`({parameter index: {slot name: Variable}}, {path: Variable})` of `variables`.
 
-    A slot made by `add_variable_from_reference(reference, name)` is named
-    `{reference path with "/" as "_"}_{name}` and shaped like its
-    reference: it is matched to the parameter with the longest such prefix
-    and the same shape. Parameters sharing a path are told apart by
-    creation order (the k-th `x_momentum` belongs to the k-th parameter
-    named `x`). Everything else is keyed by its `path`.
-
-    Returns:
-        `({parameter index: {slot name: Variable}}, {path: Variable})`.
+    A slot `{reference path with "/" as "_"}_{name}` belongs to the parameter of the
+    longest such prefix and its shape; the k-th of a shared path to the k-th parameter.
     """
     by_prefix = {}
     for i, p in enumerate(params):
@@ -227,8 +188,7 @@ def _hyperparameters(optimizer):
     from lossscale.optimizers.config import config_keys
 
     keys = config_keys(type(optimizer))
-    # A wrapper accepts the base arguments only at their defaults (they are
-    # set on its inner optimizer, listed below), so they would only mislead.
+    # A wrapper's base arguments are its inner optimizer's: at their defaults, they mislead.
     wraps = any(isinstance(getattr(optimizer, key, None), Optimizer) for key in keys)
     base = inspect.signature(Optimizer.__init__).parameters
     values = {}
@@ -309,14 +269,3 @@ def _value(where, value, variable):
     if backend not in ("numpy", variable.backend):
         value = get_ops(backend).to_numpy(value)
     return value
-
-
-def _check_shapes(argname, variables, values):
-    for i, (variable, value) in enumerate(zip(variables, values)):
-        shape = tuple(getattr(value, "shape", ()))
-        if shape != variable.shape:
-            raise ValueError(
-                f"Optimizer variable {variable.path!r} has shape {variable.shape}, not "
-                f"compatible with the provided value's shape. Received: {argname}[{i}].shape="
-                f"{shape}"
-            )

@@ -1,8 +1,4 @@
-"""Gradient clipping: pure functions of a gradient list.
-
-At most one of `clipnorm` (per gradient), `global_clipnorm` (across all) and
-`clipvalue` (elementwise) is set on an optimizer; the constructor checks that.
-"""
+"""Gradient clipping: pure functions of a gradient list."""
 
 # The smallest normal float32.
 _TINY = 2.0**-126
@@ -11,8 +7,7 @@ _TINY = 2.0**-126
 def clip_by_norm(ops, grad, clipnorm):
     """Rescales `grad` so its L2 norm is at most `clipnorm`."""
     l2sum = ops.sum(ops.square(grad))
-    # A zero gradient has norm 0; keep sqrt's argument positive so the
-    # result (and its derivative under JAX) stays finite.
+    # sqrt of a positive argument only: the derivative under JAX stays finite.
     positive = l2sum > 0
     norm = ops.where(positive, ops.sqrt(ops.where(positive, l2sum, 1.0)), l2sum)
     return grad * clipnorm / ops.maximum(norm, clipnorm)
@@ -21,12 +16,9 @@ def clip_by_norm(ops, grad, clipnorm):
 def clip_by_global_norm(ops, grads, clipnorm):
     """Rescales all `grads` together so their global L2 norm is at most `clipnorm`."""
     norm = ops.global_norm(grads)
-    # Below the smallest normal float32, 1 / norm only ever loses the
-    # minimum; the floor keeps an all-zero gradient from dividing by zero
-    # (a NumPy warning) without changing any result.
+    # The floor keeps an all-zero gradient from dividing by zero, changing no result.
     factor = clipnorm * ops.minimum(1.0 / ops.maximum(norm, _TINY), 1.0 / clipnorm)
-    # A non-finite gradient poisons the result instead of being silently
-    # scaled to zero (selected, not computed as `norm - norm`, which warns).
+    # A non-finite gradient poisons the result, not scaled to zero (selected: no warning).
     factor = factor + ops.where(ops.isfinite(norm), 0.0, float("nan"))
     return [g * ops.cast(factor, ops.dtype_name(g)) for g in grads]
 

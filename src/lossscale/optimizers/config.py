@@ -1,9 +1,4 @@
-"""An optimizer's config, derived from its constructor.
-
-Hyperparameters are `__init__` arguments stored under the same attribute
-names, so the config is read off the signatures of the class hierarchy and
-never written by hand.
-"""
+"""An optimizer's config, read off the `__init__` signatures of its class hierarchy."""
 
 from __future__ import annotations
 
@@ -27,13 +22,7 @@ def config_keys(cls: type) -> list[str]:
 
 
 def config_of(optimizer: Any, learning_rate: Any) -> Config:
-    """Every constructor argument of `optimizer`, by name; `learning_rate` as stored.
-
-    Args:
-        optimizer: The optimizer, whose attributes hold its arguments.
-        learning_rate: Its learning rate as it keeps it: a `Variable` (read
-            as a float) or a schedule (serialized).
-    """
+    """Every constructor argument of `optimizer`; `learning_rate` read from a `Variable`."""
     from lossscale import serialization
 
     config = {

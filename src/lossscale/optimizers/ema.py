@@ -2,11 +2,7 @@
 
 
 def update_moving_averages(ops, averages, variables, momentum, is_first_step):
-    """`average = m * average + (1 - m) * variable`, with `m = 0` on the first step.
-
-    Entries of `averages` that are `None` (overwrite-with-gradient variables)
-    are skipped.
-    """
+    """`average = m * average + (1 - m) * variable`, `m = 0` on the first step; skips `None`."""
     for variable, average in zip(variables, averages):
         if average is None:
             continue

@@ -14,10 +14,8 @@ from lossscale.variables import Variable
 class Ftrl(Optimizer):
     """Optimizer that implements the FTRL algorithm.
 
-    "Follow The Regularized Leader" as described by McMahan et al. (2013),
-    suited to shallow models with large, sparse feature spaces. It supports
-    online L2 regularization (the L2 penalty of the paper) and shrinkage L2
-    regularization (a penalty added to the loss function).
+    "Follow The Regularized Leader" (McMahan et al., 2013), for shallow
+    models with large, sparse feature spaces.
 
     ```
     n_new = n + g**2                                   # n starts at initial_accumulator_value
@@ -30,13 +28,10 @@ class Ftrl(Optimizer):
     n = n_new
     ```
 
-    Here `n` is the variable's `accumulator` slot and `z` its `linear`
-    slot. With `learning_rate_power=-0.5`, `sigma` is the paper's
-    per-coordinate learning-rate increment.
+    `n` is the variable's `accumulator` slot, `z` its `linear` slot.
 
     Args:
-        learning_rate: A float, a `LearningRateSchedule` or a callable.
-            Defaults to `0.001`.
+        learning_rate: A float, a schedule or a callable. Defaults to `0.001`.
         learning_rate_power: Float <= 0. Controls how the learning rate
             decreases during training; use zero for a fixed learning rate.
             Defaults to `-0.5`.
@@ -64,7 +59,6 @@ class Ftrl(Optimizer):
     """
 
     update_kernel = "ftrl"
-
     kernel_slots = ("_accumulators", "_linears")
 
     def __init__(
@@ -105,9 +99,7 @@ class Ftrl(Optimizer):
         )
 
     def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
-        ops = self._ops
-        lr = ops.cast(learning_rate, variable.dtype)
-        gradient = ops.cast(gradient, variable.dtype)
+        ops, lr, gradient = self._cast_step(variable, learning_rate, gradient)
         index = self._get_variable_index(variable)
         accumulator, linear = self._accumulators[index], self._linears[index]
         power = -self.learning_rate_power

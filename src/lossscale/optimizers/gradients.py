@@ -1,8 +1,4 @@
-"""Checks and filtering of the gradients and values handed to an optimizer.
-
-All checks run before anything is written, so a bad call leaves every
-variable as it was.
-"""
+"""Checks and filtering of the gradients and values handed to an optimizer, before any write."""
 
 import warnings
 
@@ -23,21 +19,10 @@ def drop_missing(grads, variables):
 
 
 def validate_gradients(grads, variables):
-    """Checks gradients against variables before anything is written; returns them.
+    """Checks gradients against variables; returns them, sparse ones made dense in a copy.
 
-    Runs on every step, so the common case (native floating-point arrays of
-    the variables' shapes) is checked in a few passes over the lists, a
-    dtype's kind once per call (a step's gradients share one or two dtypes);
-    anything else goes through the loop that names what is wrong.
-
-    A sparse gradient the backend makes dense (`dense_gradient`:
-    TensorFlow's `tf.IndexedSlices`) is replaced by its dense form in a new
-    list; otherwise `grads` itself is returned.
-
-    A float variable takes only a floating-point gradient, on every backend:
-    an integer or boolean one is refused rather than cast (NumPy and
-    TensorFlow would cast it, torch's kernels would fail half-way through a
-    step), since it almost always means the wrong array was passed.
+    Integer and boolean gradients are refused, not cast: they almost always
+    mean the wrong array was passed.
     """
     if all(g is None for g in grads):
         raise ValueError(
@@ -45,8 +30,7 @@ def validate_gradients(grads, variables):
         )
     ops = variables[0]._ops
     is_native, dtype_name = ops.is_native, ops.dtype_name
-    # The common case in a few passes over the lists: native floating-point
-    # gradients of the variables' shapes (the loop below names what is wrong).
+    # The common case in a few passes; the loop below names what is wrong.
     if (
         all(map(is_native, grads))
         and [g.shape for g in grads] == [v.shape for v in variables]
@@ -88,7 +72,7 @@ def validate_gradients(grads, variables):
 
 
 def _all_float(ops, arrays):
-    """Whether every one of the native `arrays` has a floating-point dtype (one test per dtype)."""
+    """Whether every native array has a floating-point dtype (one test per dtype)."""
     return all(
         dtype_kind(ops.dtype_name(x)) == "float" for x in {x.dtype: x for x in arrays}.values()
     )

@@ -14,9 +14,7 @@ from lossscale.variables import Variable
 class Lamb(Optimizer):
     """Optimizer that implements the Lamb algorithm.
 
-    Lamb (You et al., 2019) computes the bias-corrected Adam direction and
-    then rescales it, per variable, by the ratio of the variable's norm to
-    the direction's norm, which keeps large-batch training stable.
+    Adam directions rescaled per variable by a trust ratio (You et al., 2019).
 
     ```
     t = iterations + 1
@@ -28,14 +26,10 @@ class Lamb(Optimizer):
     ```
 
     Args:
-        learning_rate: A float, a `LearningRateSchedule` or a callable.
-            Defaults to `0.001`.
-        beta_1: Float in [0, 1). Exponential decay rate for the 1st moment
-            estimates. Defaults to `0.9`.
-        beta_2: Float in [0, 1). Exponential decay rate for the 2nd moment
-            estimates. Defaults to `0.999`.
-        epsilon: Float > 0. A small constant for numerical stability.
-            Defaults to `1e-7`.
+        learning_rate: A float, a schedule or a callable. Defaults to `0.001`.
+        beta_1: Float in [0, 1). Decay rate of the 1st moment. Defaults to `0.9`.
+        beta_2: Float in [0, 1). Decay rate of the 2nd moment. Defaults to `0.999`.
+        epsilon: Float > 0. For numerical stability. Defaults to `1e-7`.
         name: String. Defaults to `"lamb"`.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
@@ -49,7 +43,6 @@ class Lamb(Optimizer):
     """
 
     update_kernel = "lamb"
-
     kernel_slots = ("_momentums", "_velocities")
 
     def __init__(
@@ -74,10 +67,8 @@ class Lamb(Optimizer):
         self._momentums, self._velocities = moments.add_moments(self, var_list)
 
     def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
-        ops = self._ops
+        ops, lr, gradient = self._cast_step(variable, learning_rate, gradient)
         dtype = variable.dtype
-        lr = ops.cast(learning_rate, dtype)
-        gradient = ops.cast(gradient, dtype)
         beta_1_power, beta_2_power = moments.powers_at_step(self, dtype, self.beta_1, self.beta_2)
         index = self._get_variable_index(variable)
         m, v = self._momentums[index], self._velocities[index]
@@ -87,8 +78,7 @@ class Lamb(Optimizer):
         )
         w_norm = ops.sqrt(ops.sum(ops.square(variable.value)))
         u_norm = ops.sqrt(ops.sum(ops.square(update)))
-        # Both norms positive: the trust ratio; otherwise 1. The divisor is
-        # kept nonzero so the unselected branch is never inf or NaN.
+        # The divisor stays nonzero so that the unselected branch is never inf or NaN.
         both_positive = ops.logical_and(w_norm > 0, u_norm > 0)
         ratio = ops.where(both_positive, w_norm / ops.where(u_norm > 0, u_norm, 1.0), 1.0)
         self.assign_sub(variable, ratio * lr * update)

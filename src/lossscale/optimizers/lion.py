@@ -14,10 +14,8 @@ from lossscale.variables import Variable
 class Lion(Optimizer):
     """Optimizer that implements the Lion algorithm.
 
-    Lion (Chen et al., 2023) steps by the sign of an interpolation between
-    the momentum and the gradient, so every update has the same magnitude
-    `learning_rate` per element; it usually wants a learning rate 3-10x
-    smaller than AdamW's and a correspondingly larger weight decay.
+    Steps by a sign (Chen et al., 2023): use a learning rate 3-10x smaller
+    than AdamW's, and a larger weight decay.
 
     ```
     w = w - learning_rate * sign(beta_1 * m + (1 - beta_1) * g)
@@ -25,8 +23,7 @@ class Lion(Optimizer):
     ```
 
     Args:
-        learning_rate: A float, a `LearningRateSchedule` or a callable.
-            Defaults to `0.001`.
+        learning_rate: A float, a schedule or a callable. Defaults to `0.001`.
         beta_1: Float in (0, 1]. The rate to combine the current gradient and
             the momentum for the update (with 0 it degenerates to SignSGD).
             Defaults to `0.9`.
@@ -45,7 +42,6 @@ class Lion(Optimizer):
     """
 
     update_kernel = "lion"
-
     kernel_slots = ("_momentums",)
 
     def __init__(
@@ -69,10 +65,8 @@ class Lion(Optimizer):
         self._momentums = self.add_optimizer_variables(var_list, "momentum")
 
     def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
-        ops = self._ops
+        ops, lr, gradient = self._cast_step(variable, learning_rate, gradient)
         dtype = variable.dtype
-        lr = ops.cast(learning_rate, dtype)
-        gradient = ops.cast(gradient, dtype)
         beta_1 = ops.cast(self.beta_1, dtype)
         beta_2 = ops.cast(self.beta_2, dtype)
         m = self._momentums[self._get_variable_index(variable)]

@@ -1,11 +1,8 @@
 """`LossScaleOptimizer`: dynamic loss scaling around any optimizer.
 
-The wrapper holds the loss-scale state in its own variables and runs the
-one loss-scale step (`mixed_precision.step.run`) around its inner
-optimizer: the inner step takes the decision as its `keep` argument
-(`Optimizer._step`), folded into its kernels or gated by `ops.cond`. The
-learning rate, the step count, EMA values and weight-decay exclusions are
-the inner optimizer's, read and written through.
+The wrapper keeps the loss-scale state in its own variables and runs
+`mixed_precision.step.run` around the inner optimizer, whose step takes the
+decision as `keep`; learning rate, step count and EMA are the inner one's.
 """
 
 from __future__ import annotations
@@ -72,43 +69,28 @@ class LossScaleOptimizer(Optimizer):
         # more than max_consecutive_skips in a row: LossScaleError
     ```
 
-    A skipped step changes no model variable and no inner optimizer
-    variable (not even `iterations`).
+    A skipped step changes no model or inner optimizer variable (not even
+    `iterations`). Where the inner optimizer has a fused kernel that takes
+    the scale (Adam and AdamW on torch), the division happens inside it,
+    leaving the unscaled values in the gradients passed to `apply`, as
+    `torch.amp.GradScaler` does (never under `stateless_apply`).
 
-    Where the inner optimizer has a fused kernel that takes the scale (Adam
-    and AdamW on torch), the division happens inside that kernel, which
-    saves a full pass over the gradients; like `torch.amp.GradScaler`, it
-    leaves the unscaled values in the gradient tensors passed to `apply`
-    (never under `stateless_apply`, and never in a tensor of an autograd
-    graph).
-
-    Beyond Keras (all off by default): `growth_factor`, `backoff_factor`,
-    `hysteresis`, `max_scale`, `growth_policy="headroom"`; fail-fast limits
-    `min_scale` and `max_consecutive_skips`, which raise `LossScaleError`
-    (naming the step, the last scales and the variables with non-finite
-    gradients) instead of skipping steps forever; and `telemetry`
-    (skipped-step counters, last overflow, per-variable non-finite flags),
-    read with `summary()`. All of it is optimizer state, so it survives
-    `stateless_apply`, `jax.jit` and checkpoints.
-
-    With `min_scale` or `max_consecutive_skips` set, each `apply` reads one
-    scalar (the error flag) back to the host: on an accelerator that is one
-    device synchronisation per step. `stateless_apply` never raises (it may
-    run under `jax.jit`): once a limit is crossed the state freezes and every
-    later step is skipped; call `check(optimizer_variables)` on the host to
-    raise the error.
+    The settings beyond Keras are all off by default and kept as optimizer
+    state, so they survive `stateless_apply`, `jax.jit` and checkpoints.
+    With a fail-fast limit (`min_scale`, `max_consecutive_skips`) each
+    `apply` reads one scalar back to the host (one device synchronisation
+    per step). `stateless_apply` never raises (it may run under
+    `jax.jit`): past a limit the state freezes and every later step is
+    skipped; call `check(optimizer_variables)` on the host to raise.
 
     Args:
         inner_optimizer: The `lossscale.optimizers.Optimizer` instance to wrap,
             or a `torch.optim.Optimizer` / `optax.GradientTransformation`
             (wrapped in `TorchAdapter` / `OptaxAdapter`).
-        initial_scale: Float. The initial loss scale. It is recommended for
-            this to be a very high number, because a loss scale that is too
-            high gets lowered far more quickly than a loss scale that is too
-            low gets raised.
-        dynamic_growth_steps: Int. How often to update the scale upwards.
-            After every `dynamic_growth_steps` steps with finite gradients,
-            the loss scale is multiplied by `growth_factor`.
+        initial_scale: Float. The initial loss scale; best high, since a
+            scale too high falls far faster than one too low rises.
+        dynamic_growth_steps: Int. After this many steps in a row with
+            finite gradients, the scale is multiplied by `growth_factor`.
         name: String. The name to use for the wrapper's variables.
         growth_factor: Float > 1. Defaults to 2.
         backoff_factor: Float in (0, 1). Defaults to 0.5.
@@ -120,52 +102,36 @@ class LossScaleOptimizer(Optimizer):
         max_consecutive_skips: Int or `None`. More skipped steps in a row
             raise `LossScaleError`.
         growth_policy: `"fixed"` (default), `"headroom"` or
-            `"statistics"` (decide from the measured float16 range; needs
-            `diagnostics_every`; see `LossScalePolicy`).
-        telemetry: Boolean. Record skip counters, the last scales and, for
-            each overflow of the window, its step, whether the loss itself
-            was finite (recorded by `scale_loss`) and which variables had
-            non-finite gradients (one extra reduction per gradient each
-            step). On whenever a fail-fast limit is set.
+            `"statistics"` (needs `diagnostics_every`; see `LossScalePolicy`).
+        telemetry: Boolean. Record skip counters, the last scales and, per
+            overflow of the window, its step, whether the loss was finite
+            and which variables had non-finite gradients (one extra
+            reduction per gradient). On whenever a fail-fast limit is set.
         diagnostics_every: Int or `None`. Every this many steps, measure
-            each variable's scaled gradient against float16's range
-            (`summary()["float16_range"]`). The decision costs no device
-            read: NumPy and eager torch count steps on the host; JAX,
-            TensorFlow and `torch.compile` branch on the device (a compiled
-            torch step then measures every step and keeps the due ones).
+            each scaled gradient against float16's range
+            (`summary()["float16_range"]`), decided without a device read.
         history_length: Int in [1, 30]. Scales and overflows kept.
         on_persistent: `"warn"` (default), `"raise"` or a callable: what to
             do the first time a step is skipped for a cause no back-off can
-            clear (the same variables non-finite while the scale fell by
-            `2**8`, or to 1 or below: `summary()["overflows"][i]["cause"] ==
-            "persistent"`). `"warn"` warns once (`PersistentSkipWarning`) at
-            the next host read (every step with a fail-fast limit, else
-            `summary()` or `check()`); `"raise"` raises `LossScaleError` and a
-            callable is called with the `summary()` dict (save the batch and
-            a checkpoint, say), both right after that step (one scalar read
-            per step). Needs the overflow window: `"raise"` or a callable
-            turns `telemetry` on. A callable is not part of the config.
+            clear (cause `"persistent"` in `summary()["overflows"]`).
+            `"warn"` warns once (`PersistentSkipWarning`) at the next host
+            read; `"raise"` raises `LossScaleError` and a callable is called
+            with the `summary()` dict, right after that step (one scalar
+            read per step; turns `telemetry` on). A callable is not part of
+            the config.
         agreement_every: Int or `None`. torch.distributed only: every this
             many steps, one small all-reduce checks that every rank of
-            `process_group` holds the same loss-scale state (scale, counters,
-            skip count, the inner step count); where they drifted apart,
-            `LossScaleError` is raised on every rank at the same step,
-            naming the field, the values and the ranks. Within one JAX
-            program the state is one global array and cannot drift.
+            `process_group` holds the same loss-scale state, and raises
+            `LossScaleError` on every rank where they drifted apart.
         process_group: torch only. The `torch.distributed` group whose ranks
-            must agree on every skip (their gradients may be sharded); None
-            uses the default group when torch.distributed is initialised
-            with more than one rank, and does nothing otherwise. Not part of
-            the config.
-        axis_name: JAX only. Inside `shard_map` or `pmap`, where each
-            device holds its own block of the gradients (model
-            parallelism), the mapped axis name (or a tuple of them) whose
-            devices must agree on every skip: the finite flag is combined
-            with `lax.pmin` and the policy's peaks with `lax.pmax` over it,
-            so the loss-scale state stays replicated. `None` (default):
-            global arrays under `jax.jit` (one decision by construction),
-            or gradients already averaged over the axis. Not part of the
+            must agree on every skip; None: the default group where
+            torch.distributed runs with several ranks. Not part of the
             config.
+        axis_name: JAX only. Inside `shard_map` or `pmap`, the mapped axis
+            name (or names) whose devices, each holding a block of the
+            gradients, must agree on every skip, so the state stays
+            replicated. `None` (default): global arrays under `jax.jit`.
+            Not part of the config.
         **kwargs: Base optimizer arguments are accepted only at their
             defaults; set them on the `inner_optimizer` instead.
 
@@ -252,20 +218,16 @@ class LossScaleOptimizer(Optimizer):
                 f"axis_name={axis_name!r}"
             )
         self.policy = LossScalePolicy(**settings)
-        # A live process group is no setting: it stays out of the config
-        # (nor does the axis name, which belongs to the step's mapping).
-        self.process_group = process_group
+        self.process_group = process_group  # neither this nor axis_name is in the config
         self.axis_name = axis_name
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         self.inner_optimizer.loss_scale_factor = None
-        # What the host diagnoses between steps (`mixed_precision.diagnosis`).
         self._persistent = diagnosis.PersistentWatch(on_persistent)
         self._scale_use = diagnosis.ScaleUse(self.name, self.policy.initial_scale)
         self._agreement = diagnosis.Agreement(agreement_every)
-        # Made now on NumPy and moved to the model's backend by `build`, so
-        # they can be read (and checkpoints matched) before the first step.
-        # Keras's order first: step_counter, then dynamic_scale.
+        # Made now on NumPy (readable before the first step), moved by
+        # `build`; Keras's order first: step_counter, then dynamic_scale.
         specs = sorted(
             state_layout.variable_specs(self.policy, kinds=("step", "history")),
             key=lambda spec: spec[0] != "counter",
@@ -273,15 +235,11 @@ class LossScaleOptimizer(Optimizer):
         self._state = state_layout.holders_of(specs, self._add_state_variable)
         self.step_counter = self._state["counter"]
         self.dynamic_scale = self._state["scale"]
-        # Steps taken by `apply`, counted on the host: where the backend
-        # re-runs Python at every step, the diagnostics cadence is decided
-        # on it, with no device read; and the calls of `apply` (the cadence
-        # of `agreement_every`).
+        # Counted on the host, no device read: the diagnostics cadence where
+        # Python runs every step, and the `agreement_every` cadence.
         self._host_steps = 0
         self._steps_applied = 0
-        # Step observers (`lossscale.torch.watch`), and the last step's
-        # decision (`last_step_applied`).
-        self._observers = []
+        self._observers = []  # `lossscale.torch.watch`
         self._observer_names = {}  # id(observer) -> {id(array): name}
         self._last_applied = None
 
@@ -319,7 +277,7 @@ class LossScaleOptimizer(Optimizer):
         """The wrapper's own variables, then the inner optimizer's."""
         return self._variables + self.inner_optimizer.variables
 
-    # --- what belongs to the inner optimizer ------------------------------
+    # --- the inner optimizer's -------------------------------------------
     @property
     def learning_rate(self) -> Array:
         return self.inner_optimizer.learning_rate
@@ -338,11 +296,7 @@ class LossScaleOptimizer(Optimizer):
 
     @property
     def param_groups(self) -> NoReturn:
-        """Not a `torch.optim.Optimizer`: raises an `AttributeError` that says what to use.
-
-        torch's LR schedulers read `optimizer.param_groups`; a lossscale
-        optimizer keeps its learning rate as a variable instead.
-        """
+        """Not a `torch.optim.Optimizer`: raises an `AttributeError` that says what to use."""
         raise AttributeError(
             "'LossScaleOptimizer' object has no attribute 'param_groups': it is not a "
             "torch.optim.Optimizer, so torch's LR schedulers cannot drive it. To use a torch "
@@ -366,14 +320,11 @@ class LossScaleOptimizer(Optimizer):
 
     # --- one step -----------------------------------------------------------
     def scale_loss(self, loss: Array) -> Array:
-        """Multiplies `loss` by the current loss scale.
-
-        That is `initial_scale` until a step (or a loaded checkpoint) changes
-        it. Before `build` the scale is read as a Python float: the
-        optimizer's scalars live on NumPy until it knows the model's backend.
-        """
+        """Multiplies `loss` by the current loss scale (a Python float before `build`)."""
         if isinstance(loss, (str, bytes)) or not (
-            isinstance(loss, numbers.Real) or self._ops.is_native(loss) or _array_like(loss)
+            isinstance(loss, numbers.Real)
+            or self._ops.is_native(loss)
+            or (hasattr(loss, "shape") and hasattr(loss, "dtype"))  # else refused later
         ):
             raise TypeError(
                 "`loss` must be a number or an array of the optimizer's backend. Received: "
@@ -393,40 +344,30 @@ class LossScaleOptimizer(Optimizer):
         """Applies the unscaled gradients unless they overflow; adapts the scale.
 
         Warns once (`ScaleMismatchWarning`) where the gradients' loss was not
-        scaled by this scale: `scale_loss` never called
-        (`UnscaledLossWarning`), a loss scaled twice, or the scale set in
-        between (a load). With `min_scale` or `max_consecutive_skips` set,
-        raises `LossScaleError` when the state records a failure (see
-        `check`); with `on_persistent`, acts on a persistent skip; with
-        `agreement_every`, checks the ranks agree.
+        scaled by this scale (`scale_loss` never called, a loss scaled
+        twice, a load in between). Then runs the host checks the settings
+        ask for: fail-fast limits (see `check`), `on_persistent`,
+        `agreement_every`.
         """
         super().apply(grads, trainable_variables)
         self._scale_use.unscaling()
-        if self._ops.records_calls():  # a traced call: the host reads nothing
-            self._after_step()
-
-    def _after_step(self):
-        """The host's reads after a step: the ranks' agreement, a persistent skip, the limits."""
+        if not self._ops.records_calls():  # a traced call: the host reads nothing
+            return
         self._steps_applied += 1
         if self._agreement.due(self._steps_applied - 1):
-            self._agreement.check(
-                self._ops, self.process_group, self._agreed_fields(), self._steps_applied - 1
-            )
+            # What every rank must hold alike: the scalar fields, the inner step count.
+            fields = {
+                name: held.value
+                for name, held in self._state.items()
+                if not isinstance(held, tuple) and held.shape == ()
+            }
+            fields["iterations"] = self.inner_optimizer.iterations
+            self._agreement.check(self._ops, self.process_group, fields, self._steps_applied - 1)
         self.check()
-
-    def _agreed_fields(self):
-        """What every rank must hold alike: the scalar state fields and the inner step count."""
-        fields = {
-            name: held.value
-            for name, held in self._state.items()
-            if not isinstance(held, tuple) and held.shape == ()
-        }
-        fields["iterations"] = self.inner_optimizer.iterations
-        return fields
 
     def _apply_prepared(self, grads, variables, *, owns_grads):
         ops, policy, inner = self._ops, self.policy, self.inner_optimizer
-        state = state_layout.read(self._state, _value)
+        state = state_layout.read(self._state, state_layout.value_of)
         in_kernel = self._unscales_in_kernel(variables, owns_grads)
         due, host = self._due(state, owns_grads)
         gradients = step.Gradients(
@@ -434,9 +375,7 @@ class LossScaleOptimizer(Optimizer):
             divided=() if in_kernel else [not v.overwrite_with_gradient for v in variables],
             index_of=lambda i: self._indices[id(variables[i])],
             variable_count=len(self._trainable_variables),
-            # Outside `stateless_apply` the gradients are the caller's to
-            # hand over: torch divides them in place, as GradScaler does,
-            # instead of allocating unscaled copies.
+            # Outside `stateless_apply` the gradients are handed over: divided in place.
             unscale="in_kernel" if in_kernel else ("in_place" if owns_grads else "copy"),
         )
 
@@ -462,20 +401,16 @@ class LossScaleOptimizer(Optimizer):
             due=due,
             in_place=ops.MUTABLE,
         )
-        state_layout.write_back(ops, self._state, state, new, _storage)
+        state_layout.write_back(ops, self._state, state, new, lambda v: v.storage)
 
     def _unscales_in_kernel(self, variables, owns_grads):
         """Whether the inner kernel divides the scale out as it reads each gradient.
 
-        One pass fewer where it can (NumPy's, JAX's, a compiled torch step's
-        Adam and SGD): division is monotone, so the largest scaled
-        magnitude over the scale is the largest unscaled one, and the check
-        still catches a gradient that overflows when unscaled. Not where the
-        backend divides and checks in one pass anyway (eager torch), not
-        under `stateless_apply` on a backend that writes in place (such a
-        kernel may leave the unscaled values in the gradient buffers, which
-        belong to the caller there), and not where the policy reads each
-        gradient's peak.
+        One pass fewer; division is monotone, so checking the scaled peak
+        against the scale still catches a gradient that overflows unscaled.
+        Not where the backend divides and checks in one pass anyway (eager
+        torch), not under `stateless_apply` on a mutable backend (the
+        buffers are the caller's), not where the policy reads each peak.
         """
         ops, policy = self._ops, self.policy
         return (
@@ -487,12 +422,7 @@ class LossScaleOptimizer(Optimizer):
         )
 
     def _due(self, state, owns_grads):
-        """`(due, host)`: whether this step measures the float16 range, and who decided.
-
-        Where Python runs every step (eager NumPy and torch, not under
-        `stateless_apply`) the host counts the steps; elsewhere the step's
-        count on the device decides.
-        """
+        """`(due, host)`: whether this step measures, and whether the host's count decided."""
         policy = self.policy
         if not policy.diagnoses:
             return None, False
@@ -507,19 +437,12 @@ class LossScaleOptimizer(Optimizer):
         if self.axis_name is not None:
             return step.Participants(self.axis_name, per_variable=True, measurements="axes")
         group = self.process_group
-        # Each rank measured its own gradients: the near-maximum share and the
-        # peak are agreed (the statistics policy decides on them), over
-        # `process_group`, or the default group where torch.distributed runs.
+        # Each rank measured its own gradients: the statistics policy's inputs are agreed.
         measurements = "peaks" if host or group is not None else None
         return step.Participants(group, measurements=measurements)
 
     def _record_loss(self, loss):
-        """Stores whether `loss` is finite in the `loss_finite` state variable (no host read).
-
-        A traced loss (inside `jax.grad` or `jax.jit`) cannot be kept in a
-        variable: it is not recorded, and the step reports the loss as
-        unknown.
-        """
+        """Stores whether `loss` is finite in `loss_finite` (no host read; not a traced loss)."""
         ops = self._ops
         is_traced = getattr(ops, "is_traced", None)
         if is_traced is not None and is_traced(loss):
@@ -536,9 +459,8 @@ class LossScaleOptimizer(Optimizer):
     def last_step_applied(self) -> Array | None:
         """Whether the last `apply` was applied (a backend boolean scalar), or None before one.
 
-        False for a skipped (overflowing) step. A device value on torch:
-        reading it on the host (`bool(...)`) waits for the step.
-        `stateless_apply` does not set it.
+        False for a skipped step; on torch a device value (`bool(...)` waits
+        for the step). `stateless_apply` does not set it.
         """
         return self._last_applied
 
@@ -557,19 +479,17 @@ class LossScaleOptimizer(Optimizer):
     ) -> ObserverHandle:
         """Calls `observer.on_step(finite, step)` in every `apply`, with device values.
 
-        `finite` is the step's agreed skip decision (True: applied), `step`
-        the step's index (`None` unless telemetry or diagnostics count
-        steps). `summary()` asks `observer.modules_at(steps)` for the
-        module where each overflow of the window started. Used by
-        `lossscale.torch.watch`. Not called under `stateless_apply`.
+        `finite` is the agreed decision, `step` the step's index (`None`
+        unless steps are counted); `summary()` asks
+        `observer.modules_at(steps)` where each overflow started. Used by
+        `lossscale.torch.watch`; not called under `stateless_apply`.
 
         Args:
             observer: An object with `on_step(finite, step)` and
                 `modules_at(steps)`.
-            parameter_names: Optional `(array, name)` pairs (a module's
-                `named_parameters()`): while the observer is registered,
-                a variable holding one of these arrays is named so in
-                `summary()` and `LossScaleError` (else by its path).
+            parameter_names: Optional `(array, name)` pairs: while the
+                observer is registered, a variable holding one of these
+                arrays goes by that name in `summary()` and `LossScaleError`.
 
         Returns:
             A handle whose `remove()` unregisters the observer.
@@ -589,8 +509,7 @@ class LossScaleOptimizer(Optimizer):
         if not self._observers:
             return
         if step_index is not None and self._ops.MUTABLE:
-            # The state's own buffer is written in place next.
-            step_index = self._ops.copy(step_index)
+            step_index = self._ops.copy(step_index)  # the state's buffer, written in place next
         for observer in list(self._observers):
             observer.on_step(finite, step_index)
 
@@ -607,31 +526,30 @@ class LossScaleOptimizer(Optimizer):
     def summary(self, optimizer_variables: Sequence[Array] | None = None) -> dict[str, Any]:
         """Returns the loss-scale state as a dict of Python values, for loggers.
 
-        Reads the values back to the host (a device synchronisation on an
-        accelerator): call it when logging, not inside the step.
+        Reads the device (a synchronisation): call it when logging, not
+        inside the step.
 
         Args:
             optimizer_variables: Optional values for `optimizer.variables`
-                (as passed to and returned by `stateless_apply`). Defaults to
+                (as `stateless_apply` takes and returns them). Defaults to
                 the optimizer's own variables.
 
         Returns:
-            A dict with `dynamic_scale` and `step_counter`;
-            `last_step_skipped` (False before the first step since the
-            optimizer was made or loaded; from `optimizer_variables`, only
-            with telemetry); and, as the settings track them,
-            `consecutive_skips`, `steps`, `skipped_steps`,
-            `last_overflow_step`, `scale_history`, `nonfinite_variables`
-            (paths), `error`, `error_step`, `persistent_step`, `overflows`
-            (the overflow window, oldest first: `{"step", "cause",
-            "variables", "module", "loss_finite"}` each) and, with
-            `diagnostics_every`, `float16_range` and `float16_range_step`.
+            A dict with `dynamic_scale`, `step_counter`, `last_step_skipped`
+            (with `optimizer_variables`, only with telemetry) and, as the
+            settings track them, `consecutive_skips`, `steps`,
+            `skipped_steps`, `last_overflow_step`, `scale_history`,
+            `nonfinite_variables`, `error`, `error_step`, `persistent_step`,
+            `overflows` (oldest first: `{"step", "cause", "variables",
+            "module", "loss_finite"}` each), `float16_range` and
+            `float16_range_step`.
         """
-        state = state_layout.read(self._state, self._reader(optimizer_variables))
+        state = state_layout.read(
+            self._state, state_layout.reader(self.variables, optimizer_variables)
+        )
         paths = self._variable_names()
         skipped = None
         if optimizer_variables is None and not self.policy.records_details:
-            # Kept by `apply` (telemetry, where kept, tells it from the state).
             applied = self._last_applied
             skipped = False if applied is None else self._ops.logical_not(applied)
         found = telemetry.state_summary(
@@ -642,37 +560,28 @@ class LossScaleOptimizer(Optimizer):
         return found
 
     def snapshot(self) -> dict[str, Any]:
-        """The loss-scale state as host values: `summary()`, a copy that later steps leave alone.
-
-        `optimizer.dynamic_scale` is a live variable (a list of it logs the
-        final value at every entry); keep snapshots instead.
-        """
+        """The loss-scale state as host values (`summary()`), unlike the live `dynamic_scale`."""
         return self.summary()
 
     def check(self, optimizer_variables: Sequence[Array] | None = None) -> None:
         """Raises `LossScaleError` if the state records a crossed limit.
 
-        `apply` calls it after every step when `min_scale` or
-        `max_consecutive_skips` is set (reading one scalar); call it
-        yourself after `stateless_apply` (for example every few steps of a
-        `jax.jit` loop), with the values it returned. Without those limits
-        (and without `optimizer_variables`) nothing is read.
+        `apply` calls it after every step when a fail-fast limit is set;
+        call it after `stateless_apply` with the values it returned. Without
+        those limits (and without `optimizer_variables`) nothing is read.
 
         Args:
             optimizer_variables: Optional values for `optimizer.variables`
-                (from a jitted loop, or restored by a checkpointer): each
-                is checked to be one a step can leave (a normal positive
-                scale, whole counters) first. Defaults to the optimizer's
-                own variables.
+                (from a jitted loop, or a checkpointer), each checked first
+                to be one a step can leave. Defaults to the optimizer's own.
 
         Raises:
             ValueError: A value of `optimizer_variables` no step could
                 have left (naming it, its value and the rule).
             LossScaleError: The state records a crossed limit.
         """
-        read = self._reader(optimizer_variables)  # the count checked first
+        read = state_layout.reader(self.variables, optimizer_variables)  # the count checked first
         if optimizer_variables is not None:
-            # Values from outside (a jitted loop, a restored pytree): each one a step can leave.
             optimizer_variables = list(optimizer_variables)
             checkpoint.check_values(
                 [
@@ -683,67 +592,26 @@ class LossScaleOptimizer(Optimizer):
                 self.policy,
                 after="Restore a valid state.",
             )
-        policy, watch = self.policy, self._persistent
-        watching = (
-            policy.records_details
-            and not watch.seen
-            and (policy.fails_fast or watch.reads_every_step)
+        diagnosis.check_state(
+            self._ops,
+            self.policy,
+            self._persistent,
+            lambda name: read(self._state[name]),
+            lambda: self.summary(optimizer_variables),
+            len(self._trainable_variables),
         )
-        if not watching and not policy.fails_fast:
-            return  # nothing to check, nothing read
-        count = len(self._trainable_variables)
-        if watching:
-            watch.notice(
-                self._ops.to_numpy(read(self._state["persistent_step"])),
-                lambda: self.summary(optimizer_variables),
-                count,
-            )
-        if policy.fails_fast:
-            telemetry.raise_if_failed(
-                self._ops,
-                read(self._state["error"]),
-                policy,
-                lambda: self.summary(optimizer_variables),
-                count,
-            )
 
-    def _reader(self, optimizer_variables):
-        """`variable -> value`: its own, or its entry of `optimizer_variables`."""
-        if optimizer_variables is None:
-            return _value
-        optimizer_variables = list(optimizer_variables)
-        own = self.variables
-        if len(optimizer_variables) != len(own):
-            raise ValueError(
-                "`optimizer_variables` must hold one value per optimizer variable "
-                f"({len(own)}). Received: {len(optimizer_variables)} values"
-            )
-        values = {id(v): x for v, x in zip(own, optimizer_variables)}
-        return lambda v: values[id(v)]
-
-    # --- saving and loading: a native inner optimizer's state, the host count ----
+    # --- saving and loading -------------------------------------------------
     def _native_inner(self):
-        """The inner optimizer, where it keeps its state outside lossscale variables.
-
-        A `TorchAdapter` keeps its state in the torch optimizer (it says so
-        with `keeps_native_state = True`): `state_dict()` and
-        `load_state_dict()` go through its own, with the wrapper's variables
-        carried in `optimizer_variables`.
-        """
+        """The inner optimizer where it keeps native state (`TorchAdapter`), else None."""
         inner = self.inner_optimizer
         return inner if getattr(inner, "keeps_native_state", False) else None
 
     def _build_over_native(self, inner) -> None:
-        """Builds the wrapper over `inner.parameters()` if its state needs them.
+        """Builds over `inner.parameters()` where the state has per-variable fields.
 
-        Telemetry and diagnostics keep variables per model variable (named
-        after it) or per model (sized by it), made by `build`. A torch
-        optimizer knows its parameters from the start, so a state dict
-        saved or loaded before the first step holds those too, as after
-        it: the wrapper builds itself, as its first step would with the
-        parameters in param-group order (their Variables are named
-        `param_0`, `param_1`, ...). A wrapper without such state stays
-        unbuilt.
+        So a state dict saved or loaded before the first step holds them
+        too, as the first step would build them.
         """
         if self.built or not any(state_layout.per_variable(f) for f in state_fields(self.policy)):
             return
@@ -760,14 +628,7 @@ class LossScaleOptimizer(Optimizer):
         return inner.state_dict(extra_variables=self._variables)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores the state written by `state_dict()` (checked before writing).
-
-        With a native inner optimizer, a wrapper never stepped whose
-        telemetry or diagnostics keep per-variable state builds itself
-        first (as `state_dict()` does), so it loads a dict saved before or
-        after any step; a dict that does not fit then leaves every
-        variable's value as it was.
-        """
+        """Restores the state written by `state_dict()` (checked before writing)."""
         inner = self._native_inner()
         if inner is None:
             super().load_state_dict(state_dict)
@@ -820,13 +681,7 @@ class LossScaleOptimizer(Optimizer):
         return self.policy
 
     def _after_load(self):
-        """What the host keeps follows a load: the scale it set, its count of steps.
-
-        A loss scaled before the load is off by a factor (`ScaleUse`); the
-        count of steps (the cadence of `diagnostics_every`) is the restored
-        `steps`, one host read: a resumed run measures on the steps the
-        uninterrupted one does. No step of this run is the last one any more.
-        """
+        """The host's copies follow a load: the scale changed, the restored step count."""
         self._scale_use.changed()
         self._last_applied = None
         steps = self._state.get("steps")
@@ -835,10 +690,7 @@ class LossScaleOptimizer(Optimizer):
 
     # --- configuration ----------------------------------------------------------
     def get_config(self) -> Config:
-        """Keras's keys, plus each beyond-Keras setting that differs from its default.
-
-        With the defaults the config equals Keras's, so Keras can read it.
-        """
+        """Keras's keys (so Keras reads it), plus each other setting not at its default."""
         from lossscale import serialization
 
         config = {
@@ -865,16 +717,9 @@ class LossScaleOptimizer(Optimizer):
         )
         return cls(inner, **config)
 
-    # --- copies: the process group is shared, observers are not --------------
+    # --- copies -------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        """What a copy takes (see `Optimizer.__getstate__`).
-
-        `copy.deepcopy` keeps the same process group; `pickle` refuses it
-        with an error that says what to save instead (`shared_handles`). An
-        observer is bound to a model (`lossscale.torch.watch` hooks its
-        modules): a copy starts with none, as a copy of a torch optimizer
-        starts without its hooks.
-        """
+        """What a copy takes: the same process group (`shared_handles`), no observers."""
         state = super().__getstate__()
         state["process_group"] = SharedHandle.wrap(
             self.process_group, "process_group", type(self).__name__
@@ -888,7 +733,7 @@ class LossScaleOptimizer(Optimizer):
 
 
 class ObserverHandle:
-    """What `register_step_observer` returns: `remove()` unregisters the observer."""
+    """What `register_step_observer` returns."""
 
     def __init__(self, observers: list, observer: Any) -> None:
         self._observers, self._observer = observers, observer
@@ -897,19 +742,6 @@ class ObserverHandle:
         """Unregisters the observer (nothing if it already was)."""
         if self._observer in self._observers:
             self._observers.remove(self._observer)
-
-
-def _value(variable):
-    return variable.value
-
-
-def _array_like(x):
-    """Whether `x` is an array of some framework (refused later if of another backend)."""
-    return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
-def _storage(variable):
-    return variable.storage
 
 
 def _policy_property(field):

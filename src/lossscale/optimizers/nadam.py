@@ -14,11 +14,8 @@ from lossscale.variables import Variable
 class Nadam(Optimizer):
     """Optimizer that implements the Nadam algorithm.
 
-    Adam with Nesterov momentum (Dozat, 2015): the momentum coefficient
-    follows a warming schedule `u_t`, and the update looks one step ahead.
-    The running product of the `u_t` is optimizer state; unlike Keras 3,
-    which keeps it outside its variables, it lives in the variable
-    `u_product`, so `stateless_apply`, saving and loading carry it.
+    Adam with Nesterov momentum (Dozat, 2015). Unlike Keras 3, the running
+    product of the `u_t` is a variable, `u_product`, so saving carries it.
 
     ```
     t = iterations + 1
@@ -32,14 +29,10 @@ class Nadam(Optimizer):
     ```
 
     Args:
-        learning_rate: A float, a `LearningRateSchedule` or a callable.
-            Defaults to `0.001`.
-        beta_1: Float in [0, 1). Exponential decay rate for the 1st moment
-            estimates. Defaults to `0.9`.
-        beta_2: Float in [0, 1). Exponential decay rate for the 2nd moment
-            estimates. Defaults to `0.999`.
-        epsilon: Float > 0. A small constant for numerical stability.
-            Defaults to `1e-7`.
+        learning_rate: A float, a schedule or a callable. Defaults to `0.001`.
+        beta_1: Float in [0, 1). Decay rate of the 1st moment. Defaults to `0.9`.
+        beta_2: Float in [0, 1). Decay rate of the 2nd moment. Defaults to `0.999`.
+        epsilon: Float > 0. For numerical stability. Defaults to `1e-7`.
         name: String. Defaults to `"nadam"`.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
@@ -53,11 +46,9 @@ class Nadam(Optimizer):
     """
 
     update_kernel = "nadam"
-
     kernel_slots = ("_momentums", "_velocities")
     kernel_hyperparameters = ("schedule_decay",)
-    # Dozat's momentum schedule, u_t = beta_1 * (1 - 0.5 * schedule_decay**t),
-    # with Keras's fixed decay (a kernel reads it here).
+    # Keras's fixed decay of Dozat's momentum schedule (a kernel reads it here).
     schedule_decay = 0.96
 
     def __init__(
@@ -91,9 +82,7 @@ class Nadam(Optimizer):
         return lists
 
     def _update(self, ops, grads, variables, plan, grad_scale=None, keep=None, found_inf=None):
-        # The product advances once per optimizer step, before any variable
-        # is updated, and only on steps that update (not on accumulation-only
-        # or skipped steps), which keeps it in step with `iterations`.
+        # Once per step that updates, before any variable: in step with `iterations`.
         u_product = self._u_product
         step = ops.cast(self.iterations + 1, u_product.dtype)
         u_t = self.beta_1 * (1.0 - 0.5 * ops.power(self.schedule_decay, step))
@@ -102,10 +91,8 @@ class Nadam(Optimizer):
         super()._update(ops, grads, variables, plan, grad_scale, keep, found_inf)
 
     def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
-        ops = self._ops
+        ops, lr, gradient = self._cast_step(variable, learning_rate, gradient)
         dtype = variable.dtype
-        lr = ops.cast(learning_rate, dtype)
-        gradient = ops.cast(gradient, dtype)
         step = ops.cast(self.iterations + 1, dtype)
         decay = ops.cast(self.schedule_decay, dtype)
         beta_1 = ops.cast(self.beta_1, dtype)

@@ -1,8 +1,4 @@
-"""Native optimizers in lossscale wrappers: `wrap_native`.
-
-It gives a torch or optax optimizer its adapter (from `lossscale.adapters`,
-where the adapter packages register themselves).
-"""
+"""`wrap_native`: a torch or optax optimizer in its lossscale adapter."""
 
 from __future__ import annotations
 
@@ -15,10 +11,8 @@ def wrap_native(optimizer: Any) -> Any:
     """Returns `optimizer` wrapped in its adapter, or unchanged if it needs none.
 
     A `torch.optim.Optimizer` becomes a `TorchAdapter` and an
-    `optax.GradientTransformation` an `OptaxAdapter` (the adapters their
-    packages register in `lossscale.adapters`); anything else (a lossscale
-    optimizer, or a value the caller will reject) is returned as it is.
-    Only the adapter packages of libraries already loaded are imported.
+    `optax.GradientTransformation` an `OptaxAdapter`. Only the adapter
+    packages of libraries already loaded are imported.
 
     Args:
         optimizer: Any object.

@@ -1,25 +1,12 @@
-"""Overwrite-with-gradient variables: they take their gradient as their value.
-
-Such variables (float8 scaling factors, for instance) are not trained: the
-"gradient" is their next value. With gradient accumulation they keep the
-running maximum and take it on update steps.
-"""
+"""Overwrite-with-gradient variables (float8 scaling factors, say): the gradient is the value."""
 
 from lossscale.optimizers import accumulation as accumulation_rules
 
 
 def take_gradients(ops, grads, variables, accumulation=None):
-    """Assigns each overwrite-with-gradient variable; returns the other pairs.
+    """Assigns each overwrite-with-gradient variable; returns the other `(grads, variables)`.
 
-    Args:
-        ops: The backend module.
-        grads, variables: The step's gradients and variables.
-        accumulation: None, or `(accumulator_of, is_update)` under gradient
-            accumulation: `accumulator_of(variable)` is the variable's
-            accumulator, `is_update()` whether this call updates.
-
-    Returns:
-        `(grads, variables)` without the overwritten ones.
+    `accumulation`: None, or `(accumulator_of, is_update)` under gradient accumulation.
     """
     if not any(v.overwrite_with_gradient for v in variables):
         return grads, variables

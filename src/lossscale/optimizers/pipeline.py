@@ -14,10 +14,8 @@ EMA (+ overwrite every ema_overwrite_frequency steps, ops.cond)   ema.py
 iterations += 1 (+= keep where the step is gated)
 ```
 
-The rule is the backend's kernel for the optimizer class (`run_rule`), with
-the step's state as arguments (`backends/kernel.py`), or the class's
-`update_step` per variable; `decayed_groups` says which variables a kernel
-that decays them itself gets at which rate.
+The rule is the backend's kernel for the class (`backends/kernel.py`), or its
+`update_step` per variable.
 """
 
 import collections
@@ -29,11 +27,7 @@ _HYPER_TYPES = {}
 
 
 def hyper_type(cls, base_keys):
-    """The frozen named tuple of `cls`'s hyperparameters.
-
-    Its own constructor arguments (not the base ones), then the attributes
-    it names in `kernel_hyperparameters`.
-    """
+    """The named tuple of `cls`'s own constructor arguments and `kernel_hyperparameters`."""
     made = _HYPER_TYPES.get(cls)
     if made is None:
         names = [k for k in cls._config_keys() if k not in base_keys]
@@ -60,11 +54,8 @@ def run_rule(
 ):
     """Runs the update rule on every variable: the kernel, or `update_step` one by one.
 
-    A kernel must equal the per-variable `update_step`, which its tests
-    check; it gets the step's state as arguments (`backends/kernel.py`).
-    `grad_scale`, `keep` and `found_inf` reach it only where the step's plan
-    lets them (`plan.StepPlan`); `weight_decay`: None, or a rate for a kernel
-    that decays every one of `variables` itself.
+    `grad_scale`, `keep` and `found_inf` come only where the plan lets them;
+    `weight_decay` only for a kernel that decays every one of `variables`.
     """
     if kernel is None:  # then `grad_scale` and `keep` are None (see the plan)
         for grad, variable in zip(grads, variables):
@@ -93,10 +84,9 @@ def run_rule(
 
 
 def decayed_groups(variables, weight_decay, exclusions):
-    """`[(positions, rate)]`: the variables a decaying kernel takes at each rate, in two calls.
+    """`[(positions, rate)]` for a decaying kernel: decayed, then excluded (rate None).
 
-    The decayed ones at `weight_decay`, the excluded ones at None; a group
-    that holds every variable is `None` positions (no list to gather).
+    A group holding every variable has `None` positions (no list to gather).
     """
     decayed, excluded = partition_by_decay(variables, exclusions)
     groups = []

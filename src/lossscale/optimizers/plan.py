@@ -1,18 +1,7 @@
 """What a step may ask of its kernel: the one place that decides the fast paths.
 
-```
-kernel             = ops.fused_update(update_kernel)       # the backend's entry, or None
-folds_keep         = kernel honours `keep`, weight decay has a kernel, and nothing
-                     else in the step writes (accumulation, EMA, constraints,
-                     overwrite-with-gradient variables)
-takes_grad_scale   = kernel divides a scale out as it reads the gradients, and
-                     nothing reads them before it (clipping, accumulation, a
-                     static loss-scale factor, overwrite-with-gradient variables)
-folds_weight_decay = kernel decays the variables itself
-```
-
-`Optimizer._step` reads the plan to pass `keep` down or gate the step
-under `ops.cond`; `LossScaleOptimizer` and `lossscale.torch.Optimizer` read
+`Optimizer._step` reads the plan to pass `keep` down or gate the step under
+`ops.cond`; `LossScaleOptimizer` and `lossscale.torch.Optimizer` read
 `takes_grad_scale` to leave the loss scale in the gradients for the kernel.
 """
 
@@ -56,24 +45,15 @@ def step_plan(
     clips: bool,
     use_ema: bool,
 ) -> StepPlan:
-    """The `StepPlan` of one step (see the module docstring).
+    """The `StepPlan` of one step over `variables`, from the optimizer's settings.
 
-    Args:
-        kernel: The backend's kernel for the optimizer's rule, or None.
-        variables: The `Variable`s this step updates.
-        weight_decay: The optimizer's `weight_decay` (None: no decay).
-        weight_decay_kernel: The backend's `fused_weight_decay()`, or None.
-        loss_scale_factor: The optimizer's static `loss_scale_factor`.
-        gradient_accumulation_steps: The optimizer's setting.
-        clips: Whether `clipnorm`, `clipvalue` or `global_clipnorm` is set.
-        use_ema: The optimizer's setting.
+    `keep` folds only where nothing else in the step writes, and the grad
+    scale only where nothing reads the gradients before the kernel.
     """
     if kernel is None:
         return StepPlan(None, False, False, False)
-    overwrites = constrained = False
-    for v in variables:
-        overwrites = overwrites or v.overwrite_with_gradient
-        constrained = constrained or v.constraint is not None
+    overwrites = any(v.overwrite_with_gradient for v in variables)
+    constrained = any(v.constraint is not None for v in variables)
     return StepPlan(
         kernel=kernel,
         folds_keep=(

@@ -14,11 +14,6 @@ from lossscale.variables import Variable
 class RMSprop(Optimizer):
     """Optimizer that implements the RMSprop algorithm.
 
-    Keeps a discounted average of squared gradients and divides each
-    gradient by its root. The centered variant also tracks the average
-    gradient and divides by an estimate of the variance instead; momentum,
-    when set, is plain (not Nesterov) momentum on the scaled step.
-
     ```
     v = rho * v + (1 - rho) * g**2
     a = rho * a + (1 - rho) * g                # centered only
@@ -30,19 +25,16 @@ class RMSprop(Optimizer):
     ```
 
     Args:
-        learning_rate: A float, a `LearningRateSchedule` or a callable.
-            Defaults to `0.001`.
+        learning_rate: A float, a schedule or a callable. Defaults to `0.001`.
         rho: Float in [0, 1). Discounting factor for the old gradients.
             Defaults to `0.9`.
         momentum: Float in [0, 1]. If not 0, the optimizer keeps a momentum
             of the scaled steps, decaying by this factor. Defaults to `0.0`.
-        epsilon: Float > 0. A small constant for numerical stability.
-            Defaults to `1e-7`.
+        epsilon: Float > 0. For numerical stability. Defaults to `1e-7`.
         centered: Boolean. If `True`, gradients are normalized by the
             estimated variance of the gradient; if `False`, by the
             uncentered second moment. Defaults to `False`.
-        name: String. Defaults to `"rm_sprop"`, the name Keras 3 derives
-            from the class name.
+        name: String. Defaults to `"rm_sprop"`, as in Keras 3.
         **kwargs: Base optimizer arguments (see `Optimizer`).
 
     Examples:
@@ -55,7 +47,6 @@ class RMSprop(Optimizer):
     """
 
     update_kernel = "rmsprop"
-
     kernel_slots = ("_velocities", "_momentums", "_average_gradients")
 
     def __init__(
@@ -91,9 +82,7 @@ class RMSprop(Optimizer):
         )
 
     def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
-        ops = self._ops
-        lr = ops.cast(learning_rate, variable.dtype)
-        gradient = ops.cast(gradient, variable.dtype)
+        ops, lr, gradient = self._cast_step(variable, learning_rate, gradient)
         index = self._get_variable_index(variable)
         velocity = self._velocities[index]
         self.assign(velocity, velocity.value * self.rho + ops.square(gradient) * (1 - self.rho))

@@ -22,8 +22,7 @@ class SGD(Optimizer):
     ```
 
     Args:
-        learning_rate: A float, a `LearningRateSchedule` or a callable.
-            Defaults to `0.01`.
+        learning_rate: A float, a schedule or a callable. Defaults to `0.01`.
         momentum: Float >= 0 that accelerates gradient descent in the
             relevant direction and dampens oscillations. Defaults to `0.0`.
         nesterov: Boolean. Whether to apply Nesterov momentum.
@@ -40,7 +39,6 @@ class SGD(Optimizer):
     """
 
     update_kernel = "sgd"
-
     kernel_slots = ("momentums",)
 
     def __init__(
@@ -66,9 +64,7 @@ class SGD(Optimizer):
         )
 
     def update_step(self, gradient: Array, variable: Variable, learning_rate: Array) -> None:
-        ops = self._ops
-        lr = ops.cast(learning_rate, variable.dtype)
-        gradient = ops.cast(gradient, variable.dtype)
+        ops, lr, gradient = self._cast_step(variable, learning_rate, gradient)
         if self.momentum == 0:
             self.assign_sub(variable, gradient * lr)
             return

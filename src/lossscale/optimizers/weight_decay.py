@@ -13,8 +13,7 @@ class WeightDecayExclusions:
     """
 
     def __init__(self, var_list=(), var_names=()):
-        # The variables themselves are kept beside their ids: a copy of the
-        # optimizer (`copy.deepcopy`, `pickle`) holds new ones.
+        # The variables are kept beside their ids: a copy of the optimizer holds new ones.
         self._excluded = list(var_list or ())
         self._ids = {id(v) for v in self._excluded}
         names = list(var_names or ())
@@ -29,8 +28,6 @@ class WeightDecayExclusions:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        # A copy's variables are new objects: their ids, and what was decided
-        # for them, are made again.
         self._ids = {id(v) for v in self._excluded}
         self.decide(self._variables)
 
@@ -60,26 +57,18 @@ def partition_by_decay(variables, exclusions):
 
 
 def apply_weight_decay(ops, variables, weight_decay, learning_rate, exclusions, cache, keep=None):
-    """Decays each non-excluded variable in place (or rebinds on JAX).
+    """Decays each non-excluded variable, by the backend's fused kernel where it has one.
 
-    A backend may decay them all in a few multi-tensor kernels
-    (`ops.fused_weight_decay()`, which may keep its tensor lists in the
-    optimizer's kernel `cache`), rounded as Keras 3 rounds the decay on that
-    backend: the loop below is Keras's generic rule; torch's kernel is
-    Keras-on-torch's `v * (1 - weight_decay * learning_rate)`
-    (`backends/torch/adamw.py`). `keep`: None, or a boolean scalar; the
-    decay takes effect only where it holds (only the kernels are given one:
-    see `Optimizer._folds_keep`).
+    Each rounds as Keras 3 does on that backend. `keep`: None, or a boolean
+    scalar the decay takes effect under (given to kernels only).
     """
     decayed = [v for v in variables if exclusions.uses_weight_decay(v)]
     if not decayed:
         return
     kernel = ops.fused_weight_decay()
     if kernel is not None:
-        if keep is None:
-            kernel(decayed, weight_decay, learning_rate, cache=cache)
-        else:
-            kernel(decayed, weight_decay, learning_rate, cache=cache, keep=keep)
+        options = {} if keep is None else {"keep": keep}
+        kernel(decayed, weight_decay, learning_rate, cache=cache, **options)
         return
     for variable in decayed:
         lr = ops.cast(learning_rate, variable.dtype)

@@ -1,24 +1,9 @@
 """Checkpoints of pytree states: what `lossscale.saving` does for pure optimizers.
 
-A `lossscale.pytree` transform and an optax transformation (such as
-`lossscale.optax.dynamic_loss_scale`) keep no state of their own: it is
-the pytree `init` made and each step returned. `lossscale.saving.save(tx,
-path, state=state)` writes that pytree, and `restore(tx, path,
-state=target)` returns a new one shaped like `target`:
-
-- for a transform, the arrays are named by the state's names
-  (`"adam/dense_kernel_momentum"`) and the file records the optimizer
-  classes (`LossScaleOptimizer(Adam)`), checked on restore;
-- for an optax transformation, by the state's key paths
-  (`".inner_state[0].mu['w']"`, `".scale"`).
-
-The file is a safetensors file like an optimizer checkpoint, with its own
-format name (`lossscale.state`), so neither kind restores as the other.
-Restoring checks every name, shape and kind of value first, then makes
-each array like the target's leaf: its backend, dtype, device or
-sharding. A target from `jax.eval_shape(tx.init, params)` (abstract
-`jax.ShapeDtypeStruct`s) works like a real state; nothing of the target's
-values is read.
+Arrays are named by a transform's state names (the file records the optimizer
+classes) or by an optax state's key paths. Restoring checks every name, shape
+and kind first, then makes each array like the target's leaf (which may be a
+`jax.ShapeDtypeStruct`).
 """
 
 import sys
@@ -50,12 +35,7 @@ def describe(tx):
 
 
 def payload(tx, state):
-    """`(config, names, arrays)` to write for `state`, read to NumPy.
-
-    Raises:
-        ValueError: `state` is missing, traced, or holds donated arrays.
-        TypeError: `state` is not a state of `tx`'s kind.
-    """
+    """`(config, names, arrays)` to write for `state`, read to NumPy."""
     kind, structure = describe(tx)
     if state is None:
         raise ValueError(
@@ -74,12 +54,7 @@ def payload(tx, state):
 def restore(tx, checkpoint, target, fail, kind_of):
     """A state shaped like `target` holding `checkpoint`'s arrays.
 
-    Args:
-        tx: The transform or optax transformation.
-        checkpoint: What `lossscale.saving` read (every check of the file done).
-        target: A state of `tx` (concrete or from `jax.eval_shape`).
-        fail: `fail(path, problem)` raises the `CheckpointError`.
-        kind_of: `kind_of(dtype name)`, the kind within which values cast.
+    `fail(path, problem)` raises; `kind_of(dtype name)` is the kind values cast within.
     """
     kind, structure = describe(tx)
     if target is None:
@@ -216,8 +191,7 @@ def _like(array, leaf):
         jax = sys.modules["jax"]
         value = np.asarray(array, dtype=leaf.dtype)
         if leaf.weak_type and value.ndim == 0:
-            # A weakly typed scalar (a learning rate optax made from a Python
-            # float) must come back weak, or a jitted step would retrace.
+            # A weakly typed scalar must come back weak, or a jitted step would retrace.
             return jax.numpy.asarray(value.item())
         sharding = getattr(leaf, "sharding", None)
         return jax.device_put(value, sharding) if sharding is not None else jax.numpy.asarray(value)

@@ -1,9 +1,7 @@
-"""Flattening parameter trees into leaves, paths and a structure.
+"""Flattening parameter trees: `jax.tree_util` once JAX is imported, else the same here.
 
-With JAX imported, `jax.tree_util` does it (custom pytree nodes such as Flax
-structures work). Without JAX, nested dicts, lists and tuples are handled
-here with the same leaf order (dict keys sorted, `None` an empty subtree) and
-the same way of printing a structure.
+Without JAX, nested dicts, lists and tuples give the same leaf order (dict
+keys sorted, `None` an empty subtree) and print the same way.
 """
 
 import sys
@@ -15,11 +13,7 @@ def jax_in_use():
 
 
 def flatten(tree, argname, use_jax):
-    """Returns `(leaves, treedef, paths)`; paths are `/`-joined key strings.
-
-    Both ways give the same leaves and paths, so a state made before JAX was
-    imported still fits the tree once it is (`use_jax` is `jax_in_use()`).
-    """
+    """Returns `(leaves, treedef, paths)`; paths are `/`-joined key strings."""
     if use_jax:
         jax = sys.modules["jax"]
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)

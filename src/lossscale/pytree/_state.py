@@ -1,8 +1,4 @@
-"""`OptimizerState`: an optimizer's variable values as a named, read-only pytree.
-
-Registered with `jax.tree_util` lazily, the first time a state is created
-after JAX was imported, so that importing lossscale never imports JAX.
-"""
+"""`OptimizerState`: an optimizer's variable values as a named, read-only pytree."""
 
 from __future__ import annotations
 
@@ -16,11 +12,9 @@ from lossscale.typing import Array
 class OptimizerState(collections.abc.Mapping):
     """The values of an optimizer's `variables`, keyed by readable names.
 
-    A read-only mapping (`state["adam/iteration"]`, `dict(state)`) and a JAX
-    pytree whose leaves are the arrays, in sorted-name order, with the names
-    as static structure. Two states with the same names therefore have the
-    same tree structure, so a state rebuilt from a checkpoint
-    (`OptimizerState(saved_dict)`) does not retrace a jitted step.
+    A read-only mapping and a JAX pytree whose leaves are the arrays in
+    sorted-name order, with the names as static structure: a state rebuilt
+    from a checkpoint does not retrace a jitted step.
 
     Args:
         values: A mapping from names to arrays.
@@ -62,11 +56,7 @@ class OptimizerState(collections.abc.Mapping):
         return len(self._values)
 
     def replace(self, **updates: Array) -> OptimizerState:
-        """Returns a copy with some values replaced (names must exist).
-
-        Names holding `/` are passed through a dict: `state.replace(**{
-        "adam/learning_rate": lr})`.
-        """
+        """Returns a copy with some values replaced (names must exist): `replace(**{name: x})`."""
         for name in updates:
             self[name]  # raises a KeyError naming the known variables
         return OptimizerState({**self._values, **updates})
@@ -75,7 +65,7 @@ class OptimizerState(collections.abc.Mapping):
         def describe(x):
             shape = tuple(getattr(x, "shape", ()))
             dtype = getattr(x, "dtype", None)
-            # NumPy, JAX and TensorFlow dtypes carry a name; torch's print as "torch.float32".
+            # torch's dtypes have no name and print as "torch.float32".
             dtype = getattr(dtype, "name", None) or str(dtype or type(x).__name__)
             dtype = dtype.removeprefix("torch.")
             return f"{dtype}{list(shape)}"
@@ -88,12 +78,7 @@ _registered = False
 
 
 def _register_with_jax():
-    """Registers `OptimizerState` as a pytree node once JAX is in use.
-
-    Deferred so that importing lossscale never imports JAX: a state can only
-    meet a JAX transformation after JAX has been imported, and every state
-    passes through `OptimizerState.__init__`, which calls this.
-    """
+    """Registers `OptimizerState` with JAX once imported (importing lossscale imports no JAX)."""
     global _registered
     jax = sys.modules.get("jax")
     if _registered or jax is None:

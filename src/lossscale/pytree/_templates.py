@@ -1,21 +1,4 @@
-"""Built copies of a transform's optimizer, one per parameter-tree signature.
-
-A transform never builds the optimizer it is given (the blueprint): an
-optimizer is built for one list of variables, and a transform serves any
-tree. It builds copies instead:
-
-- `build(blueprint, leaves, paths)`: a copy built on the given leaves,
-  concrete or traced. `init` reads its initial values; under `jax.jit`,
-  `jax.vmap` or `jax.eval_shape` they are traced like any other value, so
-  `init` is pure.
-- `abstract(blueprint, leaves, paths)`: a copy built on the shapes and
-  dtypes of JAX leaves only (under `jax.eval_shape`), whose variables then
-  hold `jax.ShapeDtypeStruct`s: no memory, no tracer. `apply` runs its
-  `stateless_apply`, which binds every variable to the values passed in,
-  so a template's own values are never read.
-
-Importing this module imports no backend.
-"""
+"""Built copies of a transform's optimizer (the blueprint), one per parameter-tree signature."""
 
 import copy
 import sys
@@ -25,11 +8,7 @@ from lossscale.variables import Variable
 
 
 def clone(optimizer):
-    """A deep copy of an unbuilt optimizer that shares only modules.
-
-    A `Variable` refers to its backend's module, which `copy.deepcopy`
-    cannot copy and which holds no state of the optimizer.
-    """
+    """A deep copy of an unbuilt optimizer sharing the modules (`Variable`s refer to them)."""
     shared = {id(m): m for m in list(sys.modules.values()) if m is not None}
     return copy.deepcopy(optimizer, shared)
 
@@ -52,12 +31,7 @@ def build(blueprint, leaves, paths):
 
 
 def abstract(blueprint, leaves, paths):
-    """A copy of `blueprint` built on the shapes and dtypes of the JAX arrays `leaves`.
-
-    Returns:
-        The built copy; each of its variables (and of the model variables it
-        was built with) holds a `jax.ShapeDtypeStruct`.
-    """
+    """A copy of `blueprint` built on the shapes and dtypes of `leaves`: it holds no memory."""
     import jax
 
     optimizer = clone(blueprint)
@@ -73,7 +47,6 @@ def abstract(blueprint, leaves, paths):
         build_values, *[jax.ShapeDtypeStruct(ops.shape(x), ops.dtype_name(x)) for x in leaves]
     )
     # The build ran on tracers of a finished trace; keep what they describe.
-    # (`backends._common.bound` rebinds storages the same way, temporarily.)
     for variable, description in zip(variables + optimizer.variables, described):
         variable.rebind(description)
     return optimizer

@@ -15,9 +15,7 @@ from lossscale.pytree._flatten import flatten, jax_in_use, unflatten
 from lossscale.pytree._state import OptimizerState
 from lossscale.typing import Array, PyTree
 
-# The optimizers given to `transform`: blueprints, never built by it, whose
-# state is in the pytrees `init` and `apply` return (`lossscale.saving` says
-# so when one of them is saved).
+# The optimizers given to `transform`, which hold no state (`lossscale.saving` says so).
 _BLUEPRINTS = weakref.WeakSet()
 
 
@@ -31,19 +29,13 @@ class Transform:
 
     Create it with `transform(optimizer)`. `init(params)` returns the
     initial `OptimizerState` for any parameter tree; `apply` runs one step
-    of the optimizer's `stateless_apply` and returns new parameters (same
-    tree structure, dtypes and, on JAX, sharding) and a new state. Both are
-    pure: `init` runs under `jax.jit`, `jax.vmap` and `jax.eval_shape` (an
-    abstract restore target for a checkpointer), and `jax.jit(tx.apply)`
-    compiles once; `tx.jit()` compiles it with `params` and `state` donated,
-    in the order that lets XLA update every buffer in place.
+    and returns new parameters and a new state. Both are pure (`jax.jit`,
+    `jax.vmap`, `jax.eval_shape`); `tx.jit()` compiles `apply` with `params`
+    and `state` donated.
 
-    The optimizer given is a blueprint: the transform never builds it and
-    never writes it. Each parameter tree (structure, shapes, dtypes) gets a
-    private copy built once, on JAX from shapes and dtypes alone, so a
-    transform serves several models and keeps no array of theirs alive. All
-    of the training state is in the `state` pytrees: save it with
-    `lossscale.saving.save(tx, path, state=state)`.
+    The optimizer given is a blueprint, never built or written: each
+    parameter tree gets a private copy built once, so all of the training
+    state is in the `state` pytrees.
 
     Args:
         optimizer: An unbuilt `lossscale.optimizers.Optimizer`, typically a
@@ -73,12 +65,8 @@ class Transform:
                 "and make the state from them: OptimizerState(dict(zip(tx.names(params), "
                 f"[v.value for v in optimizer.variables]))). Received: optimizer={optimizer!r}"
             )
-        native = [
-            o
-            for o in (optimizer, getattr(optimizer, "inner_optimizer", None))
-            if getattr(o, "keeps_native_state", False)
-        ]
-        if native:
+        inner = getattr(optimizer, "inner_optimizer", None)
+        if any(getattr(o, "keeps_native_state", False) for o in (optimizer, inner)):
             raise ValueError(
                 "`optimizer` keeps its state in a native optimizer, which updates tensors in "
                 "place and cannot run as pure functions. Use a lossscale optimizer (or an "
@@ -108,12 +96,10 @@ class Transform:
         return list(self._template(leaves, treedef, paths)[1])
 
     def init(self, params: PyTree) -> OptimizerState:
-        """Returns the initial optimizer state for `params`.
+        """Returns the initial optimizer state for `params` (pure).
 
-        Pure: it may run under `jax.jit`, `jax.vmap` (an ensemble's states)
-        or `jax.eval_shape` (the abstract target a checkpointer restores
-        into). On sharded parameters, each slot takes its parameter's
-        sharding and scalars are replicated over the same devices.
+        On sharded parameters, each slot takes its parameter's sharding and
+        scalars are replicated over the same devices.
 
         Args:
             params: A pytree of arrays (the trainable parameters).
@@ -129,14 +115,10 @@ class Transform:
     def apply(
         self, grads: PyTree, state: OptimizerState, params: PyTree
     ) -> tuple[PyTree, OptimizerState]:
-        """Applies one optimizer step to a parameter pytree.
+        """Applies one optimizer step to a parameter pytree (pure).
 
-        Pure: nothing is mutated, so it may be wrapped in `jax.jit` or
-        `jax.vmap`. To donate buffers, use `tx.jit()`, or a training step of
-        your own that takes `(params, state, ...)` and returns
-        `(params, state)` in that order with `donate_argnums=(0, 1)`:
-        `jax.jit(tx.apply, donate_argnums=(1, 2))` pairs the buffers badly
-        (see `jit`).
+        To donate buffers, use `tx.jit()` (see there why not
+        `jax.jit(tx.apply, donate_argnums=(1, 2))`).
 
         Args:
             grads: A pytree of gradients with the structure of `params`.
@@ -173,10 +155,7 @@ class Transform:
     def _template(self, leaves, treedef, paths):
         """`(built copy, names, fresh)` for this tree; `fresh`: built on `leaves` just now.
 
-        JAX trees get an abstract copy (shapes and dtypes only, so it works on
-        traced leaves and holds no memory); NumPy and torch trees, which are
-        never traced, a copy built on their first leaves, whose values `init`
-        then returns.
+        JAX trees get an abstract copy (it works on traced leaves, holds no memory).
         """
         key = _templates.signature(treedef, leaves)
         known = self._templates.get(key)
@@ -197,10 +176,8 @@ class Transform:
         """Returns `apply` compiled with `jax.jit`, donating `state` and `params`.
 
         Same signature and results as `apply`. JAX pairs donated inputs with
-        outputs of the same shape in order, so donating `apply`'s own
-        `(state, params)` would pair each optimizer slot with a parameter and
-        force XLA to copy buffers; this compiles a version whose inputs come in
-        output order `(params, state)`, which updates every buffer in place.
+        outputs in order, so the compiled version takes `(params, state)`, in
+        output order, and updates every buffer in place.
 
         Args:
             donate: Boolean. Whether to donate `params` and `state` (they are
@@ -223,11 +200,7 @@ class Transform:
         return step
 
     def scale_loss(self, loss: Array, state: OptimizerState) -> Array:
-        """Multiplies `loss` by the loss scale held in `state`.
-
-        With a `LossScaleOptimizer` this is the current dynamic scale; with
-        another optimizer, its static `loss_scale_factor` (if any).
-        """
+        """Multiplies `loss` by the dynamic scale in `state` (else any `loss_scale_factor`)."""
         if isinstance(self._blueprint, LossScaleOptimizer):
             return loss * self.loss_scale(state)
         return self._blueprint.scale_loss(loss)
@@ -239,22 +212,15 @@ class Transform:
         return state[optimizer.dynamic_scale.path]
 
     def summary(self, state: OptimizerState) -> dict[str, Any]:
-        """The loss-scale state in `state` as Python values, for logging.
-
-        Delegates to `LossScaleOptimizer.summary` (a host read: call it when
-        logging, not inside the jitted step).
-        """
+        """The loss-scale state in `state` as Python values (`LossScaleOptimizer.summary`)."""
         template, names = self._known(state, "summary")
         return template.summary([state[n] for n in names])
 
     def check(self, state: OptimizerState) -> None:
         """Raises if `state` holds values no step could have left, or records a crossed limit.
 
-        Call it after restoring `state` with any checkpointer (a NaN or
-        negative scale, a fractional counter: `ValueError`), and, as the
-        jitted step cannot raise, between steps where `min_scale` or
-        `max_consecutive_skips` is set (`LossScaleError`). Delegates to
-        `LossScaleOptimizer.check`.
+        Call it after restoring `state`, and between steps where `min_scale`
+        or `max_consecutive_skips` is set (`LossScaleOptimizer.check`).
         """
         template, names = self._known(state, "check")
         template.check([state[n] for n in names])
@@ -288,8 +254,7 @@ def transform(optimizer: Optimizer) -> Transform:
     """Wraps `optimizer` for pure, pytree-in/pytree-out use (see `Transform`).
 
     Args:
-        optimizer: An unbuilt `lossscale.optimizers.Optimizer` (a blueprint:
-            the transform builds copies of it and never changes it).
+        optimizer: An unbuilt `lossscale.optimizers.Optimizer`, never changed.
 
     Returns:
         A `Transform` with `init`, `apply`, `jit`, `names`, `scale_loss`,

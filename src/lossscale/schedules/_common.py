@@ -1,9 +1,12 @@
 """Helpers shared by the built-in schedules (not part of the public API)."""
 
+from __future__ import annotations
+
 import inspect
 
 from lossscale import validation
 from lossscale.backends import ops_for
+from lossscale.typing import Config
 
 # Keras computes schedules in the dtype of `initial_learning_rate`, float32
 # for a Python float; so do we, on the backend (and device) of the step.
@@ -11,16 +14,12 @@ DTYPE = "float32"
 
 
 def float_step(step):
-    """Returns `(ops, step)`: the step's backend module and the step as float32.
-
-    `step` may be a Python number, a NumPy array, a torch tensor, a JAX
-    array (also a tracer under `jax.jit`) or a `lossscale.Variable`.
-    """
+    """`(ops, step)`: the step's backend module and the step (any backend's) as float32."""
     ops = ops_for(step)
     return ops, ops.cast(step, DTYPE)
 
 
-def signature_config(schedule):
+def signature_config(schedule) -> Config:
     """Every `__init__` argument of `schedule`, read from the attribute of that name."""
     parameters = inspect.signature(type(schedule).__init__).parameters
     return {name: getattr(schedule, name) for name in parameters if name != "self"}

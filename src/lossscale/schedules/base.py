@@ -6,8 +6,6 @@ from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:  # `lossscale.typing` imports this module (the alias of a schedule)
     from lossscale.typing import Array, Config
-
-# `from_config` returns an instance of the class it is called on.
 _ScheduleT = TypeVar("_ScheduleT", bound="LearningRateSchedule")
 
 

@@ -9,7 +9,7 @@ import numpy as np
 from lossscale import validation
 from lossscale.schedules import _common
 from lossscale.schedules.base import LearningRateSchedule
-from lossscale.typing import Array, Config
+from lossscale.typing import Array
 
 
 def _cosine(ops, fraction, alpha):
@@ -21,9 +21,7 @@ class CosineDecay(LearningRateSchedule):
     """A `LearningRateSchedule` that uses a cosine decay with optional warmup.
 
     See Loshchilov & Hutter, ICLR 2016, "SGDR: Stochastic Gradient Descent
-    with Warm Restarts". With `warmup_target` set, the rate first rises
-    linearly from `initial_learning_rate` to `warmup_target` over
-    `warmup_steps` steps, and then decays from `warmup_target`.
+    with Warm Restarts". With `warmup_target`, a linear warmup comes first.
 
     ```
     cosine(x) = (1 - alpha) * 0.5 * (1 + cos(pi * x)) + alpha
@@ -89,26 +87,22 @@ class CosineDecay(LearningRateSchedule):
         decayed = self.warmup_target * _cosine(
             ops, (step - self.warmup_steps) / self.decay_steps, self.alpha
         )
-        # Both branches are computed and one is selected, so the schedule
-        # traces under jit. Without warmup steps the warmup branch is never
-        # selected; dividing by 1 there keeps it finite.
+        # Both branches are computed (the schedule traces under jit); an unselected
+        # warmup branch divides by 1 to stay finite.
         warmup_steps = self.warmup_steps if self.warmup_steps > 0 else 1.0
         warming = (self.warmup_target - self.initial_learning_rate) * (
             step / warmup_steps
         ) + self.initial_learning_rate
         return ops.where(step < self.warmup_steps, warming, decayed)
 
-    def get_config(self) -> Config:
-        return _common.signature_config(self)
+    get_config = _common.signature_config
 
 
 class CosineDecayRestarts(LearningRateSchedule):
     """A `LearningRateSchedule` that uses a cosine decay schedule with restarts.
 
     See Loshchilov & Hutter, ICLR 2016, "SGDR: Stochastic Gradient Descent
-    with Warm Restarts". Each period decays like `CosineDecay` and then
-    restarts; the i-th period lasts `first_decay_steps * t_mul**i` steps and
-    starts from `initial_learning_rate * m_mul**i`.
+    with Warm Restarts". Each period decays like `CosineDecay`, then restarts.
 
     ```
     x = step / first_decay_steps
@@ -170,8 +164,7 @@ class CosineDecayRestarts(LearningRateSchedule):
             restarts = ops.floor(fraction)
             fraction = fraction - restarts
         else:
-            # The period index solves sum(t_mul**k, k < i) <= x in closed
-            # form. log(t_mul) is taken in float32, as the rest is.
+            # The period index in closed form; log(t_mul) in float32, as the rest.
             log_t_mul = float(np.log(np.float32(t_mul)))
             restarts = ops.floor(ops.log(1.0 - fraction * (1.0 - t_mul)) / log_t_mul)
             growth = ops.power(t_mul, restarts)
@@ -181,5 +174,4 @@ class CosineDecayRestarts(LearningRateSchedule):
         )
         return self.initial_learning_rate * (decayed + self.alpha)
 
-    def get_config(self) -> Config:
-        return _common.signature_config(self)
+    get_config = _common.signature_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 from lossscale import validation
 from lossscale.schedules import _common
 from lossscale.schedules.base import LearningRateSchedule
-from lossscale.typing import Array, Config
+from lossscale.typing import Array
 
 
 class ExponentialDecay(LearningRateSchedule):
@@ -58,5 +58,4 @@ class ExponentialDecay(LearningRateSchedule):
             p = ops.floor(p)
         return self.initial_learning_rate * ops.power(self.decay_rate, p)
 
-    def get_config(self) -> Config:
-        return _common.signature_config(self)
+    get_config = _common.signature_config

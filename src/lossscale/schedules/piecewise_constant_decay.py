@@ -10,7 +10,7 @@ import numpy as np
 
 from lossscale.schedules import _common
 from lossscale.schedules.base import LearningRateSchedule
-from lossscale.typing import Array, Config
+from lossscale.typing import Array
 
 
 class PiecewiseConstantDecay(LearningRateSchedule):
@@ -21,9 +21,6 @@ class PiecewiseConstantDecay(LearningRateSchedule):
     values[i]      if boundaries[i - 1] < step <= boundaries[i]
     values[-1]     if step > boundaries[-1]
     ```
-
-    The result is a float32 scalar on the step's backend; the choice is a
-    sum of masked constants, so it traces under `jax.jit`.
 
     Args:
         boundaries: A non-empty list of strictly increasing numbers, the
@@ -64,13 +61,11 @@ class PiecewiseConstantDecay(LearningRateSchedule):
 
     def __call__(self, step: Array) -> Array:
         ops, _ = _common.float_step(step)
-        # Compare in the step's own dtype: an integer step against a float
-        # boundary b behaves as against floor(b), like Keras's cast.
+        # Compared in the step's own dtype, like Keras's cast.
         step = ops.asarray(step)
         bounds, values = self.boundaries, self.values
         if ops.dtype_name(step).startswith(("int", "uint")):
-            # The same comparisons in integers (TensorFlow compares an
-            # integer tensor with integers only).
+            # TensorFlow compares an integer tensor with integers only.
             bounds = [math.floor(b) for b in bounds]
 
         def mask(condition):
@@ -81,8 +76,7 @@ class PiecewiseConstantDecay(LearningRateSchedule):
             result = result + mask(ops.logical_and(step > low, step <= high)) * value
         return result
 
-    def get_config(self) -> Config:
-        return _common.signature_config(self)
+    get_config = _common.signature_config
 
 
 def _number_list(name, received):

@@ -5,16 +5,11 @@ from __future__ import annotations
 from lossscale import validation
 from lossscale.schedules import _common
 from lossscale.schedules.base import LearningRateSchedule
-from lossscale.typing import Array, Config
+from lossscale.typing import Array
 
 
 class PolynomialDecay(LearningRateSchedule):
     """A `LearningRateSchedule` that uses a polynomial decay schedule.
-
-    Without `cycle`, the rate goes from `initial_learning_rate` to
-    `end_learning_rate` over `decay_steps` steps and then stays there. With
-    `cycle`, the horizon grows to the first multiple of `decay_steps` not
-    below the step, so the rate jumps back up after each period.
 
     ```
     if cycle:
@@ -79,5 +74,4 @@ class PolynomialDecay(LearningRateSchedule):
             1.0 - p, self.power
         ) + self.end_learning_rate
 
-    def get_config(self) -> Config:
-        return _common.signature_config(self)
+    get_config = _common.signature_config

@@ -1,24 +1,13 @@
 """`TorchAdapter`: a `torch.optim.Optimizer` used as a lossscale optimizer.
 
-The adapter hands each step to the native optimizer: it sets every
-parameter's `.grad` to the gradient it received (already unscaled when a
-`LossScaleOptimizer` wraps it), calls the native `step()`, and puts the
-parameters' own `.grad` back. The native optimizer keeps its state (moments,
-per-parameter step counts) in its `state`, outside lossscale variables.
-
-A `LossScaleOptimizer` skips an overflowing step on torch without reading
-anything on the host: it calls the inner `_step(grads, variables,
-keep=flag)` with the step's device flag, which the adapter takes itself
-(`_folds_keep`). A native `step()` writes on its own, so:
+Under a `LossScaleOptimizer` the adapter takes the step's device flag `keep`
+itself, since a native `step()` writes on its own:
 - an optimizer that takes PyTorch's AMP `found_inf` protocol (fused Adam,
-  AdamW, SGD and Adagrad: `_step_supports_amp_scaling`) gets
-  `found_inf = ~keep` as a device tensor, exactly as `torch.amp.GradScaler`
-  passes it, and skips the update in its kernel: no synchronisation (but
-  for a fused SGD with momentum before its first applied step, whose kernel
-  cannot skip: `lossscale.torch.fused_sgd`);
+  AdamW, SGD and Adagrad) gets `found_inf = ~keep` as `torch.amp.GradScaler`
+  passes it and skips in its kernel, with no synchronisation (except a fused
+  SGD with momentum before its first applied step: `lossscale.torch.fused_sgd`);
 - any other optimizer is stepped only if the flag, read on the host, is
-  true: one device synchronisation per step, which is what `GradScaler`
-  does for such optimizers too.
+  true: one synchronisation per step, as `GradScaler` does too.
 
 torch is imported when an adapter is made, never by importing lossscale.
 """
@@ -49,9 +38,6 @@ if TYPE_CHECKING:
 STATE_DICT_KEYS = ("state", "param_groups", "optimizer_variables")
 
 
-STATE_DICT_KEYS = ("state", "param_groups", "optimizer_variables")
-
-
 def _torch():
     import torch
 
@@ -62,47 +48,29 @@ class TorchAdapter(Optimizer):
     """Wraps a `torch.optim.Optimizer` so lossscale (and `LossScaleOptimizer`) can drive it.
 
     Build it with exactly the parameters the native optimizer holds (the
-    tensors themselves, matched by identity, in any order). Each `apply`
-    then does:
-
-    ```
-    grads = clip(grads)                  # if clipnorm/clipvalue/global_clipnorm
-    for p, g in zip(params, grads):
-        p.grad = g                       # None: the native optimizer skips p
-    optimizer.step()                     # under a LossScaleOptimizer: skipped
-                                         # on overflow (see the module doc)
-    restore every p.grad; iterations += 1
-    ```
+    tensors themselves, in any order). Each `apply` clips the gradients, sets
+    them as the parameters' `.grad` (None: skipped), calls the native
+    `step()` (skipped on overflow under a `LossScaleOptimizer`) and restores
+    every `.grad`.
 
     What lives where:
-    - `variables` holds the adapter's own state only: `[iteration]`. The
-      native state is in `optimizer.state`, created by the native
-      optimizer on its first step.
-    - `state_dict()` / `load_state_dict()` carry everything: the native
-      optimizer's `state` and `param_groups` (as its own `state_dict()`
-      returns them, copied) plus `optimizer_variables`, the step counter.
-      `torch.save` / `torch.load` handle the dict.
+    - `variables` holds the adapter's step counter only; the native state
+      is in `optimizer.state`.
+    - `state_dict()` / `load_state_dict()` carry both (for `torch.save`).
     - `save_own_variables`, `load_own_variables`, `stateless_apply`,
-      `get_config` and `exclude_from_weight_decay` raise: the native state
-      is neither in lossscale variables nor describable by a config.
+      `get_config` and `exclude_from_weight_decay` raise.
     - `learning_rate` reads and writes `param_groups[*]["lr"]`, so
-      `torch.optim.lr_scheduler` schedulers stepping the native optimizer
-      keep working. Note that a scheduler stepped by your training loop
-      also advances on steps a `LossScaleOptimizer` skips.
-    - `iterations` counts the steps taken through the adapter (skipped
-      steps excluded). Setting it leaves the native per-parameter step
-      counts alone.
+      `torch.optim.lr_scheduler` keeps working; a scheduler stepped by your
+      loop also advances on steps a `LossScaleOptimizer` skips.
+    - `iterations` counts the steps applied through the adapter; setting it
+      leaves the native per-parameter step counts alone.
 
     Args:
         optimizer: The `torch.optim.Optimizer` to drive.
-        name: String. The name used for the adapter's variables; defaults
-            to `"torch_optimizer"`, its name before the class was renamed, so
-            checkpoints keep their keys.
+        name: String. The name used for the adapter's variables.
             Defaults to `"torch_optimizer"`.
         clipnorm: Float. If set, each gradient is clipped so that its norm
-            is no higher than this value, after unscaling and before the
-            native step (where `GradScaler` users call
-            `clip_grad_norm_` after `unscale_`).
+            is no higher than this value, after unscaling.
         clipvalue: Float. If set, gradients are clipped elementwise to
             `[-clipvalue, clipvalue]`.
         global_clipnorm: Float. If set, all gradients are clipped together
@@ -124,8 +92,7 @@ class TorchAdapter(Optimizer):
         (tensor([0.5000, 1.5000]), 2.0)
     """
 
-    # Tells a wrapper that `variables` do not hold the whole state: checkpoint
-    # through `state_dict(extra_variables=...)` instead.
+    # `variables` do not hold the whole state: checkpoint through `state_dict`.
     keeps_native_state = True
 
     def __init__(
@@ -158,8 +125,7 @@ class TorchAdapter(Optimizer):
             name=name or "torch_optimizer",
         )
         self.optimizer = optimizer
-        # A torch tensor from the start, so `state_dict()` is all torch even
-        # before `build` moves it next to the parameters.
+        # A tensor from the start, so `state_dict()` is all torch before `build`.
         self._iterations.move_to(torch.zeros(()))
         self._params = {}  # id(Variable) -> the native parameter it wraps
         self._uses_found_inf = bool(
@@ -167,7 +133,6 @@ class TorchAdapter(Optimizer):
             and "grad_scaler" not in inspect.signature(optimizer.step).parameters
         )
 
-    # --- learning rate ------------------------------------------------------
     def _native_learning_rate(self):
         rates = [float(group["lr"]) for group in self.optimizer.param_groups]
         if any(rate != rates[0] for rate in rates):
@@ -182,9 +147,7 @@ class TorchAdapter(Optimizer):
     def learning_rate(self) -> float:
         """The native optimizer's learning rate, `param_groups[*]["lr"]`, as a float.
 
-        Raises `AttributeError` if the param groups hold different rates
-        (there is no single one). A tensor learning rate is read on the host
-        here (only when you ask).
+        Raises `AttributeError` if the param groups hold different rates.
         Setting it writes every param group (a tensor rate in place).
         """
         return self._native_learning_rate()
@@ -205,13 +168,8 @@ class TorchAdapter(Optimizer):
             else:
                 group["lr"] = float(learning_rate)
 
-    # --- building -----------------------------------------------------------
     def parameters(self) -> list[torch.Tensor]:
-        """The native optimizer's parameters, group after group, in order.
-
-        What `build` must be given (as tensors or as Variables wrapping
-        them), and what a wrapper builds itself over when it must before
-        its first step.
+        """The native optimizer's parameters, group after group: what `build` must be given.
 
         Returns:
             A new list of the tensors in `optimizer.param_groups`.
@@ -265,11 +223,8 @@ class TorchAdapter(Optimizer):
             )
         return matched
 
-    # --- one step -----------------------------------------------------------
     def _step_plan(self, variables):
-        # The native step takes `keep` itself (`_native_step`): torch's
-        # `found_inf`, or one host read; its state is not in `variables`,
-        # so no `ops.cond` over them could skip it.
+        # `_native_step` takes `keep`: no `ops.cond` over `variables` could skip it.
         return StepPlan(None, folds_keep=True, takes_grad_scale=False, folds_weight_decay=False)
 
     def _update(self, ops, grads, variables, plan, grad_scale=None, keep=None, found_inf=None):
@@ -297,11 +252,7 @@ class TorchAdapter(Optimizer):
         return p
 
     def _native_step(self, keep, found_inf=None):
-        """Steps the native optimizer; only where `keep` holds, if it is given.
-
-        `found_inf`: `keep` in torch's AMP form where the caller's check made
-        it (else it is made here from `keep`).
-        """
+        """Steps the native optimizer, only where `keep` holds if given (`found_inf`: `~keep`)."""
         if keep is None:
             self.optimizer.step()
         elif self._uses_found_inf and not fused_sgd.makes_momentum_buffers(self.optimizer):
@@ -312,9 +263,7 @@ class TorchAdapter(Optimizer):
             self.optimizer.step()
 
     def _step_with_found_inf(self, found_inf):
-        # GradScaler's protocol: the fused kernels read `found_inf` off the
-        # optimizer, skip the update where it is 1 and undo their step-count
-        # increment. `grad_scale` stays unset: the gradients are unscaled.
+        # GradScaler's protocol; `grad_scale` stays unset: the gradients are unscaled.
         optimizer = self.optimizer
         previous = optimizer.__dict__.get("found_inf", _ABSENT)
         optimizer.found_inf = found_inf
@@ -326,26 +275,16 @@ class TorchAdapter(Optimizer):
             else:
                 optimizer.found_inf = previous
 
-    # --- state ------------------------------------------------------------------
     def state_dict(self, *, extra_variables: Sequence[Variable] = ()) -> dict[str, Any]:
         """Returns the native optimizer's state dict plus the adapter's step counter.
 
-        ```
-        {
-            "state": ...,                # the native state_dict()'s, copied
-            "param_groups": [...],       # likewise
-            "optimizer_variables": {"torch_optimizer/iteration": tensor(n)},
-        }
-        ```
-
-        Everything is copied, so later steps do not change the dict. A plain
-        torch optimizer loads it too (it ignores `optimizer_variables`).
+        `{"state": ..., "param_groups": [...], "optimizer_variables": {path: tensor}}`,
+        everything copied; a plain torch optimizer loads it too.
 
         Args:
             extra_variables: Variables of an enclosing wrapper (a
                 `LossScaleOptimizer` passes its own) to carry in
-                `optimizer_variables` too, keyed by path, before the step
-                counter.
+                `optimizer_variables` too, keyed by path, before the step counter.
 
         Returns:
             A dict that `load_state_dict` accepts.
@@ -361,13 +300,8 @@ class TorchAdapter(Optimizer):
     ) -> None:
         """Restores the state written by `state_dict()`.
 
-        Everything is checked before anything is written: the keys, shapes
-        and kinds of `optimizer_variables` here, the native part (number and
-        sizes of param groups) by the native optimizer. A fresh optimizer
-        (built or not, never stepped) loads it as torch optimizers do; a
-        wrapper's variables then move next to the parameters. What is loaded
-        is copied: later steps never write into `state_dict`. A plain `torch.optim`
-        state dict (no step counter) loads with
+        Everything is checked before anything is written, and what is loaded
+        is copied. A plain `torch.optim` state dict loads with
         `adapter.optimizer.load_state_dict(...)`.
 
         Args:
@@ -401,9 +335,7 @@ class TorchAdapter(Optimizer):
                 saved[variable.path],
                 variable,
             )
-        # torch keeps the tensors it loads when their dtype and device already
-        # fit, so later steps would write into the caller's dict: load a copy.
-        # The native optimizer checks its part before it writes any of it.
+        # torch keeps loaded tensors that fit, so steps would write into the caller's dict.
         native = copy.deepcopy({key: state_dict[key] for key in STATE_DICT_KEYS[:2]})
         self.optimizer.load_state_dict(native)
         anchor = next(p for group in self.optimizer.param_groups for p in group["params"])
@@ -412,7 +344,6 @@ class TorchAdapter(Optimizer):
                 variable.move_to(anchor)
             variable.assign(saved[variable.path])
 
-    # --- what is not supported ------------------------------------------------
     def stateless_apply(
         self,
         optimizer_variables: Sequence[Array],
@@ -423,12 +354,7 @@ class TorchAdapter(Optimizer):
         raise NotImplementedError(STATELESS_MESSAGE)
 
     def get_config(self) -> Config:
-        """Not supported: raises `NotImplementedError`.
-
-        A live `torch.optim.Optimizer` holds its parameters, which no config
-        can describe. Recreate the adapter in code and restore its state
-        with `load_state_dict`.
-        """
+        """Not supported: raises `NotImplementedError`; recreate it and use `load_state_dict`."""
         raise NotImplementedError(
             f"TorchAdapter cannot be serialized: it wraps a live "
             f"{type(self.optimizer).__name__} holding the model's parameters, which no config "
@@ -449,11 +375,7 @@ class TorchAdapter(Optimizer):
         var_list: Sequence[Variable | Array] | None = None,
         var_names: Sequence[str] | None = None,
     ) -> None:
-        """Not supported: raises `NotImplementedError`.
-
-        Weight decay is the native optimizer's: put the excluded parameters
-        in a param group with `weight_decay=0`.
-        """
+        """Not supported: raises `NotImplementedError`; use a param group with `weight_decay=0`."""
         raise NotImplementedError(
             "TorchAdapter applies no weight decay of its own: the native "
             f"{type(self.optimizer).__name__} does. Put the parameters to exclude in a param "
@@ -472,12 +394,6 @@ adapters.register(_is_torch_optimizer, TorchAdapter)
 
 
 def _tensor(value):
-    """`value` as a torch tensor: a wrapper never stepped holds its scalars on NumPy.
-
-    A state dict of tensors and plain values is what `torch.load(...,
-    weights_only=True)` reads; a NumPy array is not. `value` is a copy
-    already, so the tensor may share its memory.
-    """
-    import torch
-
+    """`value` (a copy) as a tensor, for `torch.load(..., weights_only=True)`."""
+    torch = _torch()
     return value if torch.is_tensor(value) else torch.from_numpy(np.asarray(value))

@@ -1,13 +1,8 @@
 """Gradient clipping that sees the unscaled gradients, whoever steps the scaler.
 
-`torch.nn.utils.clip_grad_norm_` must run on unscaled gradients: under a
-GradScaler that means `scaler.unscale_(optimizer)` first. Training loops
-that call the scaler for the user do not always do it: Accelerate's
-`accelerator.clip_grad_norm_` unscales only while its own float16 path is
-on (`mixed_precision="fp16"` on an accelerator), so with a scaler assigned
-otherwise (on CPU, say) it clips the scaled gradients, whose norm is the
-true one times the loss scale. `clip_grad_norm_` here does the unscaling
-itself, through the scaler that will step the optimizer, and then clips.
+Training loops that call the scaler for the user do not always unscale
+before clipping (Accelerate's `clip_grad_norm_` only on its own float16
+path); `clip_grad_norm_` here unscales through the scaler itself.
 """
 
 from __future__ import annotations
@@ -35,9 +30,8 @@ def clip_grad_norm_(
         scaler: The `torch.amp.GradScaler` (or `lossscale.torch.GradScaler`)
             that steps `optimizer`; `None` or a disabled scaler: nothing to
             unscale.
-        optimizer: The optimizer the scaler steps. An Accelerate prepared
-            optimizer is taken as the optimizer it wraps, which is the one
-            its `step()` hands to the scaler.
+        optimizer: The optimizer the scaler steps (an Accelerate prepared
+            optimizer is taken as the one it wraps).
         norm_type: The norm's order, as in torch.
 
     Returns:
@@ -49,8 +43,8 @@ def clip_grad_norm_(
 
 
 def _stepped_by_scaler(optimizer):
-    # Accelerate's `AcceleratedOptimizer.step` calls `scaler.step(self.optimizer)`:
-    # the scaler keeps its unscale stage per optimizer object, so unscale that one.
+    # `AcceleratedOptimizer.step` calls `scaler.step(self.optimizer)`, and the
+    # scaler keeps its unscale stage per optimizer object.
     module = sys.modules.get("accelerate.optimizer")
     if module is not None and isinstance(optimizer, module.AcceleratedOptimizer):
         return optimizer.optimizer

@@ -19,7 +19,6 @@ the last float16 ranges are kept in `scaler_ranges`.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +63,7 @@ class GradScaler(torch.amp.GradScaler):
     `MixedPrecision(scaler=...)`, Accelerate's `accelerator.scaler`). With
     the keyword-only extras at their defaults a training loop is bit for bit
     the one torch's scaler runs: the same unscaled gradients, skipped steps,
-    scales and weights. docs/torch.md lists where the guards differ. Each
+    scales and weights. docs/torch_switching.md lists where the guards differ. Each
     step:
 
     ```
@@ -393,7 +392,7 @@ class GradScaler(torch.amp.GradScaler):
                 groups.setdefault((grad.device, grad.dtype), []).append((name, grad))
         names, peaks, dtypes = [], [], []
         for (_, dtype), members in groups.items():
-            norms = torch._foreach_norm([g for _, g in members], math.inf)
+            norms = _OPS.peaks([g for _, g in members])
             names.extend(name for name, _ in members)
             peaks.extend(n.float().to(self._scale.device, non_blocking=True) for n in norms)
             dtypes.extend([str(dtype).removeprefix("torch.")] * len(members))

@@ -15,12 +15,7 @@ def merge_flags(found, more):
 
 
 def mesh_groups(optimizer):
-    """The process groups the optimizer's gradients' shards span.
-
-    A DTensor gradient (FSDP2) spans the process group of each mesh
-    dimension it is not replicated over: a reduction over those groups
-    covers the whole gradient. Plain tensors span none.
-    """
+    """The process groups of the mesh dimensions a DTensor gradient (FSDP2) is sharded over."""
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     if dtensor is None:  # not imported: no gradient is a DTensor
         return []
@@ -39,9 +34,8 @@ def mesh_groups(optimizer):
 def stored_values(grad):
     """The values `grad` stores: itself, or a sparse gradient's values, coalesced.
 
-    Coalesced (an `nn.Embedding(sparse=True)`'s gradient lists a row once
-    per lookup), so that two entries for one index that sum past the
-    dtype's range count as the overflow they make when applied.
+    Coalesced so that entries for one index that sum past the dtype's range
+    count as the overflow they make when applied.
     """
     if grad.layout == torch.strided:
         return grad

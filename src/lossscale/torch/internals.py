@@ -1,12 +1,8 @@
 """The private parts of torch that `lossscale.torch.GradScaler` relies on, checked at import.
 
-`GradScaler` subclasses `torch.amp.GradScaler` and overrides five of its
-private methods (torch's public methods call them), and reads torch's
-private `OptState` stages. torch may change any of them in a release
-without notice, so `lossscale.torch` checks them when it is imported, and
-refuses to load on a torch whose internals differ, naming the difference,
-the torch release and the range lossscale supports, rather than failing (or
-silently misbehaving) in the middle of a training step.
+`GradScaler` overrides private methods of `torch.amp.GradScaler` and reads
+its `OptState` stages; on a torch whose internals differ `lossscale.torch`
+refuses to load, naming the difference, rather than misbehave mid-training.
 """
 
 import inspect
@@ -27,22 +23,13 @@ METHODS = {
 OPT_STATES = ("READY", "UNSCALED", "STEPPED")
 
 
-def problems(scaler_class=None, grad_scaler_module=None):
-    """What differs from the torch internals lossscale expects: a list of strings (empty: none).
+def problems():
+    """What differs from the torch internals lossscale expects: a list of strings (empty: none)."""
+    import torch.amp.grad_scaler as module
 
-    Args:
-        scaler_class: The class to check; defaults to `torch.amp.GradScaler`.
-        grad_scaler_module: The module holding `OptState`; defaults to
-            `torch.amp.grad_scaler`.
-    """
-    if scaler_class is None or grad_scaler_module is None:
-        import torch.amp.grad_scaler as module
-
-        scaler_class = scaler_class or module.GradScaler
-        grad_scaler_module = grad_scaler_module or module
     found = []
     for name, expected in METHODS.items():
-        method = getattr(scaler_class, name, None)
+        method = getattr(module.GradScaler, name, None)
         if not callable(method):
             found.append(f"`GradScaler.{name}` is missing")
             continue
@@ -53,7 +40,7 @@ def problems(scaler_class=None, grad_scaler_module=None):
             continue
         if params != expected:
             found.append(f"`GradScaler.{name}` takes {params}, where lossscale expects {expected}")
-    stages = getattr(grad_scaler_module, "OptState", None)
+    stages = getattr(module, "OptState", None)
     members = tuple(getattr(stages, "__members__", ()))
     if stages is None:
         found.append("`torch.amp.grad_scaler.OptState` is missing")

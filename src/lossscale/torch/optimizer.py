@@ -1,12 +1,7 @@
 """`Optimizer`: a `torch.optim.Optimizer` that runs a lossscale optimizer.
 
-Everything torch's training tools take (LR schedulers, `torch.amp.GradScaler`
-or ours, Lightning's `configure_optimizers`, Accelerate's `prepare`) takes a
-`torch.optim.Optimizer`. This class is one: each param group runs its own
-copy of a lossscale optimizer (the Keras-exact rule, with its fused torch
-kernels), whose learning rate, weight decay and, where the rule has them,
-momentum or betas follow the group's `"lr"`, `"weight_decay"`, `"momentum"`
-and `"betas"`, so schedulers work as they do on torch's optimizers.
+Each param group runs its own copy of the rule, following the group's keys,
+so torch's schedulers, scalers, Lightning and Accelerate take it.
 """
 
 from __future__ import annotations
@@ -24,8 +19,7 @@ from lossscale.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from lossscale.variables import Variable
 
 _OPS = get_ops("torch")
-# The key of each param group that holds its rule's variables other than
-# the slots (live in `param_groups`, copies in a state dict).
+# The param-group key of its rule's variables other than the slots.
 RULE_VARIABLES = "optimizer_variables"
 _STRIDED = torch.strided
 
@@ -42,25 +36,18 @@ class Optimizer(torch.optim.Optimizer):
 
     Parameters without a gradient are left alone, as torch's optimizers do.
     Weight decay is the rule's own (Keras's decoupled `v -= v * wd * lr`),
-    so a group with `"weight_decay": 0.0` (biases, norms) is not decayed.
+    so a group with `"weight_decay": 0.0` is not decayed.
 
-    Under `torch.amp.GradScaler` (or `lossscale.torch.GradScaler`): the
-    class says `_step_supports_amp_scaling`, so the scaler does not read the
-    overflow flag on the host; it hands over `grad_scale` (gradients still
-    scaled: they are unscaled in place, as torch's fused optimizers do; Adam,
-    AdamW and SGD on torch's fused kernels divide them there as they read
-    them, in no pass of their own) and `found_inf`, and every rule skips a
-    step where `found_inf` is 1 on the device: every parameter and every
-    piece of state stays bit for bit as it was, and the step counter does
-    not move.
+    Under a `GradScaler` (torch's or ours) the class says
+    `_step_supports_amp_scaling`: the scaler reads no flag on the host, it
+    hands over `grad_scale` (the gradients are unscaled in place, or inside
+    a fused kernel) and `found_inf`, and a step where `found_inf` is 1
+    leaves every parameter and state bit for bit as it was.
 
     A learning-rate schedule belongs to a torch scheduler on this optimizer
-    (the rule's `learning_rate` must be a float). The state lives in the
-    rules' variables: `state_dict()` holds copies of it in torch's layout
-    (see `state_dict`). `self.state[p]` names parameter `p`'s
-    slots (`{"momentum": tensor, ...}`, empty for a rule without any) and
-    each group's `"optimizer_variables"` its rule's other variables (step
-    counter, learning rate): the live tensors the rule writes in place.
+    (the rule's `learning_rate` must be a float). `self.state[p]` holds
+    parameter `p`'s slots and each group's `"optimizer_variables"` its
+    rule's other variables: the live tensors the rule writes in place.
 
     Args:
         params: The parameters (leaf tensors, each once) or param-group
@@ -73,10 +60,7 @@ class Optimizer(torch.optim.Optimizer):
         agreement_every: Int >= 1 or `None` (default). Every this many
             steps, check that every rank of `process_group` holds the same
             step count and learning rate in each param group (one small
-            all-reduce), and raise `LossScaleError` on every rank, naming
-            the group, the values and the ranks, where they differ (a
-            scheduler or a step taken on some ranks only, a state dict
-            loaded on one rank).
+            all-reduce), and raise `LossScaleError` on every rank where not.
         process_group: The `torch.distributed` group `agreement_every`
             checks; `None`: the default group.
 
@@ -128,8 +112,7 @@ class Optimizer(torch.optim.Optimizer):
         self._rule_class = type(optimizer)
         self._tunable = [key for key in ("momentum", "betas") if _read(optimizer, key) is not None]
         defaults = {
-            # The shortest decimal that is this float32 (0.01, not 0.0099999998).
-            "lr": float(str(optimizer._learning_rate.numpy())),
+            "lr": float(str(optimizer._learning_rate.numpy())),  # 0.01, not 0.0099999998
             "weight_decay": optimizer.weight_decay or 0.0,
         }
         defaults.update({key: _read(optimizer, key) for key in self._tunable})
@@ -148,9 +131,7 @@ class Optimizer(torch.optim.Optimizer):
         if isinstance(params, torch.Tensor):
             params = [params]
         elif not isinstance(params, set):  # a set: torch's own error (its order changes)
-            # Read once (a generator, `model.parameters()`): torch is given the
-            # list, as it would make one itself.
-            params = list(params)
+            params = list(params)  # read once (a generator): torch is given the list
             if isinstance(param_group, dict):
                 param_group["params"] = params
         seen = set()
@@ -177,14 +158,8 @@ class Optimizer(torch.optim.Optimizer):
         rule.weight_decay = config["weight_decay"] or None  # 0: not decayed at all
         self._rules.append(rule)
         self._rule_lrs.append(group["lr"])
-        # `state` names each parameter's slots, and the group its rule's
-        # other variables, as the rule holds them (live tensors: the rule
-        # writes them in place). An entry per parameter, slots or none: a
-        # tool that sees an empty `state` takes the optimizer for unstarted
-        # and steps it to make one (torch's distributed checkpoint does,
-        # with zero gradients and lr 0, which would decay the moments and
-        # count a step at every save). Its flattened state dicts keep only
-        # the keys that `state` and `param_groups` show.
+        # An entry per parameter, slots or none: torch's distributed checkpoint
+        # steps an optimizer whose `state` is empty, which would count a step.
         slots, shared = rule.state_variables() if rule.built else ({}, {})
         for j, p in enumerate(group["params"]):
             self.state[p] = {name: v.value for name, v in slots.get(j, {}).items()}
@@ -207,7 +182,7 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)  # set by a GradScaler's `step`
         found_inf = getattr(self, "found_inf", None)
-        # Every group's gradients and settings are checked before anything is written.
+        # Everything is checked before anything is written.
         steps = []
         for index, (group, rule) in enumerate(zip(self.param_groups, self._rules)):
             grads, variables = _gradients(index, group, rule)
@@ -216,9 +191,7 @@ class Optimizer(torch.optim.Optimizer):
         moved = [self._moved(index, group, rule) for index, group, rule, _, _ in steps]
         keep = flag = None
         if found_inf is not None and steps:
-            first_grad = steps[0][3][0]
-            # A gradient lives on its parameter's device (no read of the variable).
-            keep = _keep(found_inf, first_grad.device)
+            keep = _keep(found_inf, steps[0][3][0].device)  # the first gradient's
             flag = found_inf.reshape(()) if found_inf.ndim else found_inf
         for (index, _, rule, _, _), settings in zip(steps, moved):
             self._take(index, rule, settings)
@@ -229,9 +202,7 @@ class Optimizer(torch.optim.Optimizer):
                     folded = grad_scale
                 else:  # unscaled in place, as fused kernels do
                     grads = _OPS.unscale(grads, grad_scale, in_place=True)
-            # The rule's own variables, and gradients torch checked against
-            # them when it set each `p.grad` (shape, dtype, device): what its
-            # `apply` would check first is known, so the step runs as it is.
+            # torch checked each `p.grad` against its parameter: no `apply` checks.
             with rule._ops.quiet():
                 rule._step(grads, variables, keep=keep, grad_scale=folded, found_inf=flag)
         self.last_step_applied = True if found_inf is None else keep
@@ -251,10 +222,7 @@ class Optimizer(torch.optim.Optimizer):
         self._agreement.check(_OPS, self._process_group, fields, step, "optimizer states")
 
     def _moved(self, index, group, rule):
-        """`{setting: value}` the group moved since the rule last took it (a scheduler, say).
-
-        Checked here; nothing is set (see `_take`).
-        """
+        """`{setting: value}` the group moved since the rule took it, checked, not set."""
         moved = {}
         for key, value in _rule_settings(group, self._tunable).items():
             taken = (value or None) if key == "weight_decay" else value  # 0: no decay
@@ -287,13 +255,12 @@ class Optimizer(torch.optim.Optimizer):
                 self._rule_lrs[index] = value
 
     # --- state dicts, in torch's layout --------------------------------------
-
     def state_dict(self) -> dict[str, Any]:
         """The state of every param group's rule, in torch's layout (copies).
 
         Returns:
-            A dict that `load_state_dict` accepts; `torch.save` and
-            `torch.load(..., weights_only=True)` handle it.
+            A dict for `load_state_dict`, `torch.save` and
+            `torch.load(..., weights_only=True)`.
         """
         state, groups, offset = {}, [], 0
         for group, rule in zip(self.param_groups, self._rules):
@@ -334,9 +301,7 @@ class Optimizer(torch.optim.Optimizer):
                 f"`state_dict['param_groups']` must hold {len(self.param_groups)} groups, one per "
                 f"param group of this optimizer. Received: {saved_groups!r}"[:400]
             )
-        # Saved parameter ids map to this optimizer's parameters by position,
-        # as torch's `load_state_dict` maps them: ints from `state_dict()`,
-        # or the names torch's distributed checkpoint puts in their place.
+        # Saved ids (ints, or torch's distributed checkpoint's names) map by position.
         listed, writes = set(), []
         for index, (group, rule, saved) in enumerate(
             zip(self.param_groups, self._rules, saved_groups)
@@ -363,8 +328,7 @@ class Optimizer(torch.optim.Optimizer):
                 listed.add(key)
             saved_state = state_dict["state"]
             own = {
-                # An empty entry is a parameter without slots (torch's
-                # flattened checkpoints give every parameter one).
+                # An empty entry is a parameter without slots.
                 "state": {
                     j: saved_state[key]
                     for j, key in enumerate(ids)
@@ -391,19 +355,13 @@ class Optimizer(torch.optim.Optimizer):
             variable.assign(value)
         for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             group.update({k: v for k, v in saved.items() if k not in ("params", RULE_VARIABLES)})
-            # The group's lr is the one torch's tools read and set: the rule
-            # takes it at the next step, whatever lr its variables were
-            # saved with.
-            self._rule_lrs[index] = None
+            self._rule_lrs[index] = None  # the rule takes the group's lr at the next step
 
     def __getstate__(self) -> dict[str, Any]:
         """What a copy is rebuilt from: the rule's class and settings, the groups, the state.
 
-        For `copy.deepcopy`, `pickle` and `torch.save` of the optimizer
-        itself. The rules hold backend modules and caches keyed by object
-        identity, which a copy cannot carry over: the copy is a new
-        optimizer over the copied parameters that loads this one's state
-        dict. As torch's optimizers, it carries no hooks over.
+        The rules hold caches keyed by identity: a copy is a new optimizer
+        over the copied parameters that loads this one's state dict.
         """
         groups = [
             {k: v for k, v in group.items() if k != RULE_VARIABLES} for group in self.param_groups
@@ -444,13 +402,7 @@ def _read(optimizer, key):
 
 
 def _gradients(index, group, rule):
-    """`(gradients, variables)` of the group's parameters that have a gradient.
-
-    Every parameter's, and the rule's own variable list, on the common step
-    (the rule then resolves nothing). Raises for a gradient that is not a
-    dense (strided) tensor: no rule's kernel takes a sparse one, as torch's
-    Adam, AdamW and SGD(fused) take none.
-    """
+    """`(gradients, variables)` of the group's parameters that have a (dense) gradient."""
     grads = [p.grad for p in group["params"]]
     variables = rule._trainable_variables
     if all(g is not None and g.layout is _STRIDED for g in grads):

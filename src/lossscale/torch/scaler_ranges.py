@@ -1,13 +1,9 @@
 """The last float16-range measurement of each parameter a `GradScaler` measured.
 
-A measuring update hands over `diagnostics.measure_all`'s four vectors
-(entry i: the i-th measured parameter) as they are: they stay vectors,
-one per field, on the scale's device. Split into a scalar per parameter
-and field (as the telemetry's flags are) they cost an indexing operation
-each, four hundred-odd on a model of a hundred parameters, which was most
-of a measuring update's time. Only when a measurement names other
-parameters than the last (a parameter without a gradient that step, a
-second optimizer) are the vectors merged: one gather per field.
+`diagnostics.measure_all`'s four vectors are kept as they are, on the
+scale's device: a scalar per parameter and field would cost an indexing
+operation each. Only a measurement of other parameters than the last is
+merged in, with one gather per field.
 """
 
 from __future__ import annotations
@@ -32,9 +28,7 @@ class ParameterRanges:
         self.columns: dict[str, torch.Tensor] = {}
 
     def record(self, names: list[str], columns: tuple, device: torch.device) -> None:
-        """Takes a measurement: `columns[k][i]` is field k of `names[i]`.
-
-        Parameters not in `names` keep their last measurement.
+        """Takes a measurement: `columns[k][i]` is field k of `names[i]`; others keep theirs.
 
         Args:
             names: The measured parameters' names.
@@ -71,10 +65,9 @@ class ParameterRanges:
 
 
 def _on(device, indices):
-    """`indices` as an int64 tensor on `device`, copied without waiting for it.
+    """`indices` as an int64 tensor on `device`, copied without a host synchronisation.
 
-    (`torch.tensor(..., device="cuda")` from a list waits for the stream:
-    a host synchronisation inside the step.)
+    (`torch.tensor(..., device="cuda")` from a list waits for the stream.)
     """
     index = torch.tensor(indices, dtype=torch.int64)
     if device.type == "cuda":

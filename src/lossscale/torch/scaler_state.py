@@ -1,43 +1,31 @@
 """`GradScaler`'s extra state: made, read back, saved and checked when it comes back in.
 
-torch's `GradScaler` keeps two tensors, the scale and the growth tracker
-(`LossScaleState.scale` and `.counter`). The fields a `LossScalePolicy` adds
-(the overflow streak for `hysteresis`, the telemetry counters and scale
-history, the fail-fast error) live next to them as 0-d tensors, created
-with the scale on its device. Here they are made, read back to Python
-values, and checked when a state dict brings them in. The telemetry's
-per-variable fields a scaler keeps by parameter name (`telemetry_fields`).
-
-In a state dict the extra fields sit under one key, `STATE_KEY`, beside torch's five
-entries, so torch's `GradScaler` loads our dicts (it reads only its own
-keys) and we load torch's (the extra fields then start from their initial
-values).
+Beside torch's scale and growth tracker (`scale`, `counter`), the fields a
+`LossScalePolicy` adds live as 0-d tensors on the scale's device. In a state
+dict they sit under one key, `STATE_KEY`, beside torch's five entries, so
+torch's `GradScaler` loads our dicts and we load torch's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import torch
 
 from lossscale.mixed_precision import diagnostics, loss_scale, restored
 from lossscale.mixed_precision.state import per_variable
+from lossscale.torch.scaler_arguments import is_real as _is_real
 
 # torch's keys, which its `GradScaler.load_state_dict` reads.
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 STATE_KEY = "lossscale"
-# `LossScaleState` fields kept elsewhere: torch's two tensors. Per-variable
-# fields are not kept either: a scaler has no variables.
+# `LossScaleState` fields kept as torch's two tensors.
 _NOT_EXTRA = ("scale", "counter")
 _DTYPES = {"int32": torch.int32, "float32": torch.float32, "bool": torch.bool}
 
 
 def telemetry_fields(policy):
-    """The per-variable `LossScaleState` fields of the telemetry, kept by parameter name.
-
-    (The `range_*` ones are kept as vectors: `scaler_ranges`.)
-    """
+    """The telemetry's per-variable fields, kept by parameter name (`range_*`: `scaler_ranges`)."""
     return [
         f
         for f in loss_scale.state_fields(policy)
@@ -62,21 +50,17 @@ def extra_fields(policy):
 
 
 def _key(field):
-    # The name a field has everywhere the user sees it (`summary()`, the
-    # wrapper's variables): `skipped_steps`, not `skipped`.
+    """The name users see (`summary()`): `skipped_steps`, not `skipped`."""
     return field.metadata["variable"] or field.name
 
 
 def initial_values(policy):
     """`{field name: Python value}` for a scaler that has taken no step."""
-    values = {}
-    for f in extra_fields(policy):
-        start = f.metadata["initial"]
-        if f.metadata["per"] == "history":
-            values[f.name] = [start] * policy.history_length
-        else:
-            values[f.name] = start
-    return values
+    return {
+        f.name: [start] * policy.history_length if f.metadata["per"] == "history" else start
+        for f in extra_fields(policy)
+        for start in [f.metadata["initial"]]
+    }
 
 
 def make_tensors(values, policy, device):
@@ -101,7 +85,7 @@ def read_tensors(tensors, policy):
     for f in fields:
         value = tensors[f.name]
         flat.extend(value if isinstance(value, tuple) else (value,))
-    # One copy to the host. float64 holds every int32 and float32 exactly.
+    # One copy to the host; float64 holds every int32 and float32 exactly.
     numbers_ = torch.stack([t.to(torch.float64) for t in flat]).tolist()
     values, at = {}, 0
     for f in fields:
@@ -128,10 +112,9 @@ def _fail(name, accepted, value):
 def check_state_dict(state_dict, policy):
     """Validates a state dict; returns the extra fields it sets, as Python values.
 
-    Fields `policy` tracks but the dict lacks (a dict from torch's
-    `GradScaler`, or from a scaler with other settings) start from their
-    initial values; fields it holds that `policy` does not track are
-    ignored. Anything else that does not fit raises `ValueError`.
+    Tracked fields the dict lacks start from their initial values; fields it
+    holds that `policy` does not track are ignored. Anything else that does
+    not fit raises `ValueError`.
     """
     if not hasattr(state_dict, "keys"):
         _fail("state_dict", "a dict returned by GradScaler.state_dict()", state_dict)
@@ -192,7 +175,3 @@ def _refuse(field, where, value, policy):
     found = restored.refusal(field, where, value, policy)
     if found:
         raise ValueError(found)
-
-
-def _is_real(x):
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)

@@ -1,13 +1,8 @@
 """`AppliedStepScheduler`: a torch LR scheduler that does not count skipped steps.
 
-A torch scheduler stepped after every `optimizer.step()` advances on every
-call, also when a loss scaler skipped the step (overflowing gradients): the
-schedule runs ahead of the optimizer. lossscale's own schedules
-(`lossscale.schedules`) read the optimizer's `iterations`, which a skipped
-step leaves as it was, so they never run ahead and need no host read. For a
-torch scheduler, this wrapper steps it only after a step that was applied,
-which it learns by reading one boolean on the host: on a GPU, one
-synchronisation per `step()` call.
+A torch scheduler also advances on steps a loss scaler skipped (lossscale's
+own schedules read `iterations` and do not). This wrapper steps it only after
+an applied step, at the cost of one host read per `step()` call.
 """
 
 from __future__ import annotations
@@ -27,10 +22,9 @@ class AppliedStepScheduler:
     Args:
         scheduler: A `torch.optim.lr_scheduler.LRScheduler` (LambdaLR,
             OneCycleLR, ...) of `optimizer`'s param groups.
-        optimizer: What reports whether its last step was applied: a
-            `lossscale.torch.Optimizer` (under any GradScaler) or a
-            `lossscale.LossScaleOptimizer`; its `last_step_applied` is read
-            on the host at each `step()`.
+        optimizer: A `lossscale.torch.Optimizer` or a
+            `lossscale.LossScaleOptimizer`, whose `last_step_applied` is read
+            at each `step()`.
 
     Examples:
 

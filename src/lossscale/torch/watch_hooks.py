@@ -1,58 +1,36 @@
 """`watch(model, target)`: which module an overflow started in, recorded on the device.
 
-Hooks on every module of a `torch.nn.Module` (names from
-`model.named_modules()`) keep, for the step in progress, two device flags:
+Hooks on every module keep two device flags for the step in progress:
 
-- the **backward origin**: the first module, in the order backward reaches
-  them, that received a finite gradient of its outputs and produced a
-  non-finite gradient of one of its inputs or of one of its own
-  parameters: the module where float16 overflowed in backward (a
-  module whose forward did not run, such as the `out_proj` of a
-  `MultiheadAttention`, which reads its weight directly, is not
-  reported: its caller is);
-- the **forward origin**: the first module, in the order modules finish
-  their forward, whose floating-point inputs were finite and one of whose
-  floating-point outputs was not: where the activations overflowed (or
-  became NaN) in forward.
+- the **forward origin**: the first module to finish its forward with
+  finite floating-point inputs and a non-finite floating-point output;
+- the **backward origin**: the first module, in backward order, that got a
+  finite gradient of its outputs and made a non-finite gradient of an input
+  or of its own parameters (a module whose forward did not run is not
+  reported: its caller is).
 
-The module reported for a step is the forward origin if there is one, else
-the backward origin, else `None`: nothing started inside the model, the
-gradient reaching its outputs was already non-finite. That is the case of a
-NaN or inf loss computed after the model (in the loss function, or a loss
-multiplied by inf), which has no backward origin (every gradient is
-non-finite from the first one on), and of a scale so high that the loss's
-own gradient overflows. A loss that is NaN because an activation went
-non-finite is reported as its forward origin: the module whose output
-first did.
+A step reports the forward origin, else the backward origin, else `None`
+(the gradient reaching the model's outputs was already non-finite: a NaN or
+inf loss computed after the model, or a scale so high the loss's own
+gradient overflows). After each step the target calls `on_step(finite,
+step)`, which pushes an overflowing step's module into a ring, with device
+operations only; `modules_at(steps)` reads the ring in one transfer.
 
-After each step the target (a `lossscale.torch.GradScaler`, or a
-`LossScaleOptimizer` on torch) calls `on_step(finite, step)`: on an
-overflowing step the module is pushed into a ring of the last
-`history_length` overflowing steps, and the flags are reset, all with device
-operations (no host read). `modules_at(steps)` reads the ring on the host in
-one transfer, when `summary()` asks or a `LossScaleError` is raised.
-
-The hooks work where `register_full_backward_hook` does not: they are
-tensor hooks (`Tensor.register_hook`) on the outputs and inputs of each call,
-registered in a forward hook, so in-place operations on a module's output
-(`ReLU(inplace=True)` after a `Linear`, which makes a full backward hook
-raise) are fine, and a module called several times in one forward pass gets
-hooks for each call. The gradient of an input is its total over all its
-uses; hooks are registered when a call finishes, so an inner module's hook
-on a shared input runs before its parent's. Forwards under `torch.no_grad()`
-or `torch.inference_mode()` record nothing; forwards with gradients enabled
-between two steps (an evaluation that does not disable them) count toward the
-next step.
+The hooks are tensor hooks registered in a forward hook, so in-place
+operations on outputs (`ReLU(inplace=True)`) work, and each call of a
+module gets its own. Forwards without gradients record nothing.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
+from lossscale.backends import get_ops
 from lossscale.torch.gradients import stored_values
+
+_OPS = get_ops("torch")
 
 HISTORY_LENGTH = 8
 
@@ -88,14 +66,11 @@ class Watch:
         first = next(iter(model.parameters()), None)
         device = first.device if first is not None else torch.device("cpu")
         self._device = device
-        # Per step: module indices (-1: none), and whether every output
-        # gradient of each module seen so far in this backward was finite.
+        # Per step: module indices (-1: none), whether each module's output
+        # gradients were all finite, and whether any came (its forward ran).
         self._forward_origin = torch.full((), -1, dtype=torch.int32, device=device)
         self._backward_origin = torch.full((), -1, dtype=torch.int32, device=device)
         self._outputs_finite = torch.ones(len(modules), dtype=torch.bool, device=device)
-        # Whether each module's output gradient came at all: a module whose
-        # forward did not run (`MultiheadAttention` reads its `out_proj`'s
-        # weight without calling it) is not where its parameter overflowed.
         self._outputs_seen = torch.zeros(len(modules), dtype=torch.bool, device=device)
         # The ring of overflowing steps, oldest first: step, module index.
         self._ring_steps = torch.full((history_length,), -1, dtype=torch.int32, device=device)
@@ -127,7 +102,6 @@ class Watch:
         return list(self._parameter_names)
 
     # -- the hooks (inside the step: device operations only) ------------------
-
     def _forward_hook(self, index):
         def hook(module, args, kwargs, output):
             if not self._active or not torch.is_grad_enabled():
@@ -144,9 +118,7 @@ class Watch:
             for t in outputs:
                 if t.requires_grad:
                     t.register_hook(self._output_hook(index))
-            for t in inputs:
-                # Leaves (a parameter passed as input) would keep the hook
-                # past this step; their gradient is not this module's output.
+            for t in inputs:  # not leaves: they would keep the hook past this step
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(self._input_hook(index))
             return None
@@ -172,11 +144,10 @@ class Watch:
 
     def _all_finite(self, tensors):
         """Whether every value of `tensors` is finite, a boolean on the flags' device."""
-        # The largest magnitude of each (NaN where one is NaN): one pass over
-        # each tensor, where `isfinite(t).all()` makes four and a temporary.
+        # One pass per tensor (its peak), where `isfinite(t).all()` makes four.
         peaks = [
             n.to(self._device, non_blocking=True)
-            for n in torch._foreach_norm([stored_values(t.detach()) for t in tensors], math.inf)
+            for n in _OPS.peaks([stored_values(t.detach()) for t in tensors])
         ]
         peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).amax()
         return torch.isfinite(peak)
@@ -196,11 +167,8 @@ class Watch:
         origin.copy_(torch.where(hit & (origin < 0), index, origin))
 
     # -- the observer protocol -------------------------------------------------
-
     def on_step(self, finite: torch.Tensor, step: torch.Tensor | int) -> None:
-        """Records this step's module if it overflowed, then resets the flags.
-
-        Device operations only. Called by the target after its skip decision.
+        """Records this step's module if it overflowed, then resets the flags (on the device).
 
         Args:
             finite: Boolean tensor. Whether the step's gradients were finite.
@@ -221,11 +189,7 @@ class Watch:
         self._outputs_seen.fill_(False)
 
     def modules_at(self, steps: list[int]) -> dict[int, str | None]:
-        """`{step: name of the module the overflow started in, or None}`; one host read.
-
-        Steps not in the ring (older than `history_length` overflows, or
-        finite) map to `None`.
-        """
+        """`{step: name of the module the overflow started in, or None}`; one host read."""
         ring = torch.stack([self._ring_steps, self._ring_modules]).tolist()
         known = {s: m for s, m in zip(*ring) if s >= 0}
         return {
@@ -249,17 +213,16 @@ class Watch:
 def watch(model: torch.nn.Module, scaler_or_optimizer: Any) -> Watch:
     """Records, on the device, the module each overflow started in.
 
-    See the module docstring for which module is reported. The names show
-    in `summary()["overflows"]` of the target and in its `LossScaleError`,
-    which also takes its parameter names from `model` (`named_parameters()`)
-    while the watch is on.
+    The forward origin (the first module whose output went non-finite from
+    finite inputs), else the backward origin (the first whose gradients
+    did), else `None`. The names show in the target's
+    `summary()["overflows"]` and `LossScaleError`, which also name
+    parameters after `model.named_parameters()` while the watch is on.
 
     Args:
         model: The `torch.nn.Module` trained.
-        scaler_or_optimizer: A `lossscale.torch.GradScaler`, or a
-            `lossscale.LossScaleOptimizer` with telemetry on (its
-            `register_step_observer`). The ring keeps its
-            `policy.history_length` overflowing steps.
+        scaler_or_optimizer: A `lossscale.torch.GradScaler` or a
+            `lossscale.LossScaleOptimizer`, with telemetry on.
 
     Returns:
         A `Watch`; `remove()` takes every hook off again.

@@ -377,3 +377,33 @@ def test_overlapping_views_are_divided_in_copies_disjoint_ones_in_place():
         ls.LossScaleOptimizer(ls.optimizers.SGD(1.0)).apply(views(base), params)
         assert all(torch.equal(p, -torch.ones_like(p)) for p in params)
         assert torch.equal(base, torch.full((6,), 1.0 if in_place else 32768.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [None, "nan", "inf", "-inf"])
+def test_peaks_are_each_tensor_s_largest_magnitude_bit_for_bit(dtype, bad):
+    # The reference: torch's multi-tensor inf-norm (what the CPU path replaces), and
+    # float64 NumPy; sizes from one element to a 1M-element weight, mixed dtypes.
+    rng = np.random.default_rng(3)
+    shapes = [(1,), (7,), (4097,), (256, 1024), (1024, 1024)]
+    tensors = [
+        torch.from_numpy(rng.standard_normal(s) * 10.0 ** rng.uniform(-3, 3, s)).to(dtype)
+        for s in shapes
+    ]
+    tensors.append(torch.from_numpy(rng.standard_normal(300)).to(torch.float32))  # another group
+    if bad is not None:
+        value = float(bad)
+        for t, where in zip(tensors, ["first", "last", "random", "random", "last", "first"]):
+            flat = t.view(-1)
+            position = {"first": 0, "last": flat.numel() - 1}.get(where)
+            flat[int(rng.integers(flat.numel())) if position is None else position] = value
+    got = torch_multi.peaks(tensors)
+    reference = [torch._foreach_norm([t], float("inf"))[0] for t in tensors]
+    for t, g, r in zip(tensors, got, reference):
+        assert g.dtype == t.dtype and g.shape == ()
+        assert torch.equal(g, r) or (g.isnan() and r.isnan()), (g, r)
+        expected = np.abs(t.double().numpy()).max()
+        if bad == "nan":
+            assert np.isnan(float(g))
+        else:
+            assert float(g) == expected

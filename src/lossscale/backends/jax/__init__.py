@@ -1,19 +1,9 @@
 """JAX backend: immutable arrays, `lax.cond` branches, sharding-aware creation.
 
-The seam's primitives (`lossscale.backends.protocol.BackendOps`), gathered
-from the modules that implement them:
-
-- `ops`: arrays (placed like their neighbours), writes that return the new
-  array, elementwise math, reductions, `cond` as `lax.cond`;
-- `multi`: unscale, the finite check and norms over lists of arrays;
-- `float16_range`: many gradients' float16 range, one fused pass over each
-  (the diagnostics' measurement);
-- `fused`: Adam, AdamW and SGD with the loss-scale skip folded into their
-  arithmetic;
-- `kernels`: the registry of fused update rules, by the name an optimizer
-  declares.
-
-Each module imports only those above it in this list.
+The seam's primitives (`protocol.BackendOps`), from modules that import only
+those before them: `ops` (arrays, writes, math, `cond`), `multi` (unscale,
+finite check, norms), `float16_range`, `fused` (Adam, AdamW, SGD with the
+skip folded in) and `kernels` (the registry by name).
 """
 
 from lossscale.backends.jax.kernels import (

@@ -1,60 +1,35 @@
 """Adam, AdamW and SGD with the loss-scale skip folded into their arithmetic.
 
-Under `LossScaleOptimizer` the inner step gets the step's finite flag as
-its `keep` argument. A select of every new value against the old one (or a
-`lax.cond`) would honour it; these kernels instead fold the flag into the
-rule's own coefficients, so the compiled step holds neither a `lax.cond`
-nor a select of any parameter or slot. With no flag (an optimizer on its
-own), or a concrete one (an eager step: a plain `if`), they run
+Under a traced `keep` flag these kernels fold it into the rule's own
+coefficients, so the compiled step holds neither a `lax.cond` nor a select
+of any parameter or slot. With no flag or a concrete one they run
 `update_step` itself.
 
-Exactness. An applied step computes each rule with `update_step`'s own
-operations in `update_step`'s order: the folded coefficients equal the
-rule's where the flag holds, and `x * 1.0` and `x + (-0.0)` are identities
-in IEEE arithmetic. The expressions keep `update_step`'s shape, because XLA
-contracts a multiply feeding an add into one fused multiply-add (on CPU
-too), and only alike shapes contract alike. A skipped step leaves every
-buffer bitwise as it was, signed zeros included, by these identities:
+An applied step computes each rule with `update_step`'s operations in its
+order and shape (XLA contracts a multiply feeding an add into an FMA, and
+only alike shapes contract alike); `x * 1.0` and `x + (-0.0)` are
+identities. A skipped step leaves every buffer bitwise as it was, signed
+zeros included:
 
-- The gradient it reads is sanitised: `where(g <= bound, g, 0.0)`, with
-  `bound = +inf` where the step is applied (every gradient is finite then,
-  so none is zeroed) and NaN where it is skipped (every comparison with NaN
-  is false, so every gradient, inf and NaN included, becomes +0.0). That
-  select is of the gradient, fused into the update loop, not of any state;
-  the rest of the step sees finite numbers.
-- A moving average `s + (a - s) * c` takes `c = -0.0`: with `a = +0.0`, the
-  product is a zero signed like `s` (-0.0 when `s` is a zero), and adding it
-  returns `s`, -0.0 included. Weight decay `w - (w * wd) * lr` takes
-  `lr = -0.0` for the same reason, and SGD's `m * momentum - g * lr` takes
-  `momentum = 1.0, lr = +0.0`.
-- Any other write `s - x` becomes `s - (x * keep + pad)`, with `keep = 1.0,
-  pad = -0.0` where the step is applied and `keep = 0.0, pad = +0.0` where
-  it is skipped: a finite `x` then contributes exactly `+0.0` (any zero plus
-  `+0.0` is `+0.0`), and `s - 0.0` is `s` for every `s`. `s + x` is written
-  `s - (-x)` the same way (`a - b` is `a + (-b)` in IEEE arithmetic).
-  AMSGrad's `max(v_hat, v)` takes `v + (-inf)` where skipped.
+- The gradient is sanitised: `where(g <= bound, g, 0.0)`, with `bound =
+  +inf` where applied and NaN where skipped (every gradient becomes +0.0).
+- A moving average `s + (a - s) * c` takes `c = -0.0`: the product is a
+  zero signed like `s`, and adding it returns `s`. Weight decay
+  `w - (w * wd) * lr` takes `lr = -0.0`, SGD's `m * momentum - g * lr`
+  takes `momentum = 1.0, lr = +0.0`.
+- Any other write `s - x` becomes `s - (x * keep + pad)`, with `keep, pad =
+  1.0, -0.0` where applied and `0.0, +0.0` where skipped; `s + x` is
+  written `s - (-x)`. AMSGrad's `max(v_hat, v)` takes `v + (-inf)`.
 
-The flag reaches the update loops only through those scalars, each divided
-by an opaque 1.0 (`_opaque_one`): XLA computes a division once and passes
-it to the loops, where it would copy a select of two constants into every
-loop, and LLVM would then split a loop in two on the flag and move parts of
-an expression apart, where they no longer contract as `update_step`'s do.
+Each scalar is divided by an opaque 1.0 (`_opaque_one`) so XLA computes it
+once outside the loops; a select of two constants copied into a loop would
+let LLVM split it on the flag and contract differently from `update_step`.
+With `grad_scale`, each gradient is divided inside the loop that reads it
+(`_divided`), so no unscaled copy is written.
 
-With `grad_scale` (the loss-scale wrapper's scale: `takes_grad_scale`) the
-kernels divide each gradient by it inside the loops that read it, as
-`multi.unscale` divides (`_divided`), so the step writes no unscaled copy of
-the gradients.
-
-Two limits of arithmetic folding, neither reachable from finite training:
-
-- A skipped step multiplies state by zero, so a slot or a parameter that
-  already holds an infinity (or a parameter under weight decay) turns to
-  NaN there, where `lax.cond` would have kept it. Adam's next applied step
-  turns such a slot to NaN anyway (`inf + -inf`).
-- XLA's CPU backend flushes subnormal numbers to zero (of their sign) in
-  arithmetic, so a subnormal that came into a buffer from outside XLA
-  becomes a zero at the first step, skipped or applied; state that XLA
-  computed never holds one.
+Limits, neither reachable from finite training: a skipped step turns a
+state that already holds an infinity into NaN, and XLA on CPU flushes
+subnormals that came from outside XLA to zero.
 """
 
 import jax
@@ -66,13 +41,8 @@ from lossscale.backends.jax import multi, ops
 class _Gate:
     """One step's flag as the scalars a folded rule is built from, in one dtype.
 
-    Args:
-        keep: Boolean scalar, True where the step is applied.
-        dtype: The dtype of the variables it updates.
-        values: `{name: (where applied, where skipped)}`: the rule's own
-            folded scalars (Python numbers or scalars of `dtype`). Each
-            becomes an attribute, as do `keep`, `pad` and `bound`.
-        scale: The loss scale to divide gradients by, or None.
+    `values`: `{name: (where applied, where skipped)}`, each made an attribute,
+    as are `keep`, `pad` and `bound`; `scale`: the loss scale, or None.
     """
 
     def __init__(self, keep, dtype, values, scale=None):
@@ -86,11 +56,8 @@ class _Gate:
     def gradient(self, grad, dtype, loop=0):
         """The gradient as loop `loop` (0 or 1) of a variable reads it: sanitised, unscaled, cast.
 
-        One comparison feeds both selects, the gradient's and the divisor's
-        (see `_divided`), so a read costs a compare, two selects and the
-        division on top of the rule's own arithmetic. Not `abs(grad) <=
-        bound`: XLA would share that `abs` with the finite check's and write
-        it out for both.
+        Not `abs(grad) <= bound`: XLA would share that `abs` with the finite
+        check's and write it out.
         """
         bound = self.bound.astype(grad.dtype)
         kept = grad <= bound
@@ -123,15 +90,9 @@ def _constant(value, dtype):
 def _divided(grad, scale, kept, loop):
     """`multi.unscale([grad], scale)[0]` of a sanitised gradient, inside the loop that reads it.
 
-    The same float32 cast and the same division. The divisor is
-    `where(kept, scale, 1 + loop)`: `scale` for every gradient the step
-    keeps, and a positive number for the zeros it put in place of the rest
-    (their quotient is +0.0 either way). XLA fuses a division into a loop
-    only when that loop alone reads it (two equal expressions would be
-    merged into one, written out), hence a different filler per loop; and it
-    rewrites a division by a plain broadcast scalar, once fused, as a
-    multiplication by the reciprocal, which rounds differently, hence a
-    divisor that is a select per element.
+    The divisor is a select per element (XLA would turn a broadcast scalar
+    into a reciprocal, which rounds differently), with a filler per loop
+    (equal expressions would be merged and written out).
     """
     if grad.dtype.itemsize < 4:
         grad = grad.astype(jnp.float32)
@@ -146,12 +107,18 @@ def _traced(keep):
     return None if bool(keep) else False
 
 
-def _unscaled(grad, grad_scale):
-    return grad if grad_scale is None else multi.unscale([grad], grad_scale)[0]
+def _run_eagerly(keep, grads, params, update_step, lr, grad_scale):
+    """The traced flag, or None once the step ran (or was skipped) on the host."""
+    keep = _traced(keep)
+    if keep is None:
+        for grad, variable in zip(grads, params):
+            if grad_scale is not None:
+                grad = multi.unscale([grad], grad_scale)[0]
+            update_step(grad, variable, lr)
+    return None if keep is False else keep
 
 
 def _write(variable, value):
-    # The value has the skip folded in already.
     variable.rebind(ops.assign(variable.storage, value))
 
 
@@ -167,18 +134,10 @@ def _per_dtype(variables, make):
 def adam(
     params, grads, slots, hyper, *, iterations, lr, update_step, cache, keep=None, grad_scale=None
 ):
-    """`Adam.update_step` (and `AdamW`'s, the same) on every variable, amsgrad included.
-
-    Under a traced `keep`, the folded rule (see the module doc); else
-    `update_step` itself.
-    """
+    """`Adam.update_step` (and `AdamW`'s, the same) on every variable, amsgrad included."""
     del cache  # nothing kept between steps
-    keep = _traced(keep)
-    if keep is False:
-        return
+    keep = _run_eagerly(keep, grads, params, update_step, lr, grad_scale)
     if keep is None:
-        for grad, variable in zip(grads, params):
-            update_step(_unscaled(grad, grad_scale), variable, lr)
         return
     gates = _per_dtype(
         params, lambda dtype: _adam_gate(hyper, iterations, lr, keep, dtype, grad_scale)
@@ -200,13 +159,7 @@ def adam(
 
 
 def _adam_gate(hyper, iterations, learning_rate, keep, dtype, grad_scale):
-    """`(gate, alpha)`: Adam's folded scalars for one dtype, and its step size.
-
-    `alpha` is `Adam.update_step`'s, computed as it computes it. The rates
-    `1 - beta` are -0.0 where the step is skipped; `floor`, added to the
-    second moment before AMSGrad's maximum, is -0.0 where it is applied (an
-    identity) and -inf where skipped (the maximum keeps `v_hat`).
-    """
+    """`(gate, alpha)`: Adam's folded scalars for one dtype, and `update_step`'s step size."""
     lr = ops.cast(learning_rate, dtype)
     step = ops.cast(iterations + 1, dtype)
     beta_1_power = ops.power(ops.cast(hyper.beta_1, dtype), step)
@@ -225,18 +178,12 @@ def sgd(
 ):
     """`SGD.update_step` (plain, momentum, Nesterov) on every variable.
 
-    Under a traced `keep`, the folded rule (see the module doc); plain SGD
-    is then `update_step` itself, run on the sanitised gradient with the
-    learning rate folded (`+0.0` where skipped: `w - 0.0 * 0.0` is `w`).
-    Else `update_step`.
+    Plain SGD under a traced `keep` is `update_step` on the sanitised
+    gradient with the learning rate folded (`w - 0.0 * 0.0` is `w`).
     """
     del iterations, cache  # SGD's rule does not read the step; nothing kept
-    keep = _traced(keep)
-    if keep is False:
-        return
+    keep = _run_eagerly(keep, grads, params, update_step, lr, grad_scale)
     if keep is None:
-        for grad, variable in zip(grads, params):
-            update_step(_unscaled(grad, grad_scale), variable, lr)
         return
 
     def gate(dtype):
@@ -265,12 +212,7 @@ def sgd(
 
 
 def weight_decay(params, weight_decay, lr, *, cache, keep=None):
-    """`v -= v * weight_decay * lr` for every variable.
-
-    Under a traced `keep` the learning rate is -0.0 where the step is
-    skipped: `(v * wd) * -0.0` is a zero of the opposite sign to `v`, and `v`
-    minus it is `v`, bit for bit (-0.0 included).
-    """
+    """`v -= v * weight_decay * lr` for every variable (under a traced `keep`, lr -0.0 skips)."""
     del cache  # nothing kept between steps
     keep = _traced(keep)
     if keep is False:

@@ -1,13 +1,4 @@
-"""The JAX backend's kernel registry: fused update rules by name.
-
-An optimizer class names the kernel that reproduces its `update_step`
-(`Optimizer.update_kernel`); `fused_update(name)` returns that kernel, or
-None, in which case the per-variable `update_step` runs (XLA fuses it).
-Adam, AdamW and SGD fold a loss-scale skip into their arithmetic (`fused`);
-each kernel has a test proving it equals `update_step`
-(tests/backends/jax/test_fused.py). Nothing here knows an optimizer class: a kernel
-gets its state as arguments (`lossscale.backends.kernel`).
-"""
+"""The JAX backend's kernel registry: fused update rules by name (see `backends.kernel`)."""
 
 from lossscale.backends.jax import float16_range, fused
 from lossscale.backends.kernel import Kernel

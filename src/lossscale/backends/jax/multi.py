@@ -1,11 +1,4 @@
-"""JAX's multi-array helpers: unscale, the finite check and norms (part of the backend).
-
-Every function takes a list of arrays and returns arrays (under `jax.jit`,
-traced values); none reads a value on the host. The finite check reduces
-small arrays together, in chunks, exactly (sums of `x - x`, which propagate
-NaN where XLA's CPU max drops it), and on the CPU settles large ones with a
-plain sum first (`finite_unscaled`).
-"""
+"""JAX's multi-array helpers: unscale, the finite check and norms; none reads the host."""
 
 import jax
 import jax.numpy as jnp
@@ -15,15 +8,11 @@ from lossscale.backends._common import unscale_then_check, unwrap
 
 
 def unscale(grads, scale, in_place=False, reciprocal=False):
-    """`grads` divided by `scale` (half-precision gradients in float32).
+    """`grads` divided by `scale` (half-precision gradients in float32); `in_place` is moot.
 
-    Arrays are immutable: `in_place` has nothing to permit. `reciprocal`
-    (the caller guarantees every scale is a power of two) multiplies by the
-    reciprocal instead, which rounds exactly as division does and which XLA
-    fuses into each reader of a gradient, where it writes a quotient out to
-    a scratch buffer first. The reciprocal is kept a normal number, so that
-    a flush-to-zero CPU mode does not zero it: above 2^126 the gradient is
-    halved first (exact) and multiplied by `2 / scale`.
+    `reciprocal` (every scale a power of two) multiplies by the reciprocal,
+    which is exact and which XLA fuses into each reader. It is kept normal
+    against flush-to-zero: above 2^126 the gradient is halved first.
     """
     scale = unwrap(scale)
     factors, out = {}, []
@@ -47,15 +36,11 @@ def unscale(grads, scale, in_place=False, reciprocal=False):
 
 
 def _divisor(s, g):
-    """The scalar `s` as `g` is divided by it: eagerly, for the correctly rounded quotient.
+    """The scalar `s` as `g` is divided by it, broadcast when eager.
 
-    Run eagerly, `g / s` is a computation of its own, which XLA's CPU
-    simplifier turns into `g * (1 / s)`: not the quotient where `s` is not
-    a power of two (1 ulp off for about 40 % of the elements at `s = 3`).
-    Divided by `s` already broadcast to `g`'s shape, it is the quotient
-    (NumPy's, TensorFlow's), which the jitted steps tested (ours and
-    Keras's `stateless_apply`, where the division is part of the step)
-    give too. Traced, `s` is left a scalar: the step is XLA's to compile.
+    An eager `g / s` by a scalar becomes `g * (1 / s)` in XLA's CPU
+    simplifier, which rounds differently; by a broadcast `s` it is the
+    correctly rounded quotient.
     """
     if isinstance(s, jax.core.Tracer) or isinstance(g, jax.core.Tracer):
         return s
@@ -73,28 +58,17 @@ def all_finite(arrays):
 
 
 def finite_unscaled(arrays, scale, reciprocal=False):
-    """Whether every element of `arrays`, divided by `scale`, is finite.
+    """Whether every element of `arrays`, divided by `scale` (None: not divided), is finite.
 
-    Exact for every size, position, dtype and sharding. XLA's vectorised
-    CPU max reduction drops NaN (`max([1, nan, 2])` is 2 past a few
-    thousand elements), so non-finite elements are found by a sum of
-    `x - x`: zero where `x` is finite, NaN where not, and addition
-    propagates NaN in any order. Given every element finite, the largest
-    magnitude is exact, and over the scale (division is monotone) it says
-    whether a quotient overflows. On the CPU large arrays take a cheaper
-    plain sum first (`_finite_large`). `scale=None`: not divided.
+    Exact for every size, position, dtype and sharding. XLA's CPU max
+    reduction drops NaN, so non-finite elements are found by a sum of
+    `x - x` (NaN propagates in any order); then the largest magnitude over
+    the scale says whether a quotient overflows. On the CPU large arrays
+    take a cheaper plain sum first (`_finite_large`).
 
-    `reciprocal`: the caller guarantees the scale is a power of two of at
-    least 2^-126 (`LossScalePolicy.scales_are_powers_of_two`). Then
-    `y = x * (1 / scale)` is the float32 quotient itself, and one sum of
-    `y - y` finds both a non-finite element and an overflow once unscaled:
-    no peak, and on the CPU no `lax.cond` for it. Above 2^126 the
-    reciprocal is subnormal and may be flushed to zero, which still gives
-    NaN for inf and NaN alone, and no quotient by such a scale overflows.
-    It trades the `cond` for a multiply per element: on the CPU the check
-    of `tiny` (28 arrays) took 0.084 ms against 0.113, that of `many_small`
-    (1M elements) 0.797 against 0.672, so no step passes it yet (see
-    docs/performance.md, JAX).
+    `reciprocal`: the scale is a power of two of at least 2^-126. Then one
+    sum of `y - y`, `y = x * (1 / scale)`, finds both a non-finite element
+    and an overflow: no peak and no `lax.cond`.
     """
     summed = _SUMMED if jax.default_backend() in _SUMS_FIRST_ON else None
     small, large = [], []
@@ -112,11 +86,9 @@ def finite_unscaled(arrays, scale, reciprocal=False):
     return flags[0] if len(flags) == 1 else jnp.logical_and(*flags)
 
 
-# Arrays of at least this many elements are checked by their sums first, and
-# the peak of any array is taken under a scalar `lax.cond`, where the default
-# backend is one of these. Not on GPUs: there XLA reads a `conditional`'s
-# predicate back to the host, a wait inside every step, and fuses the
-# reductions that read one array into one pass.
+# On these backends arrays of at least `_SUMMED` elements are checked by their
+# sums first, and peaks are taken under a `lax.cond`. Not on GPUs: XLA reads a
+# `conditional`'s predicate back to the host there.
 _SUMMED = 1 << 18
 _SUMS_FIRST_ON = frozenset({"cpu"})
 
@@ -124,32 +96,20 @@ _SUMS_FIRST_ON = frozenset({"cpu"})
 def _finite_large(arrays, scale, reciprocal):
     """`finite_unscaled` for large arrays, from their plain sums where it can.
 
-    A sum is finite only when every element is (inf and NaN propagate
-    through additions in any order), and dividing by a scale of at least 1
-    cannot overflow: finite sums and such a scale settle the flag. A plain
-    sum is the cheapest reduction XLA's CPU backend has (about half the
-    time of the largest magnitude, 0.63 against 1.35 ms over eight float32
-    arrays of 1M). Only where a sum is not finite (an overflow of the sum
-    itself included) or the scale is below 1 does `lax.cond` take the
-    exact branch; it returns a scalar, so it copies no array. (Under
-    `jax.vmap` with a flag per member the `cond` becomes a select, and both
-    branches run.)
+    Finite sums and a scale of at least 1 settle the flag (a plain sum is
+    XLA's cheapest CPU reduction); else `lax.cond` takes the exact branch.
     """
     sums = [jnp.sum(a, dtype=jnp.float32) for a in arrays]
     quick = jnp.all(jnp.stack([jnp.isfinite(s) for s in sums]))
     if scale is not None:
         quick = jnp.logical_and(quick, scale >= 1)
-    # The taken-quick branch returns `quick` itself (True there), not a
-    # constant: inside `shard_map` both branches then vary over the same
-    # mesh axes as the gradients, as its `check_vma` requires.
+    # `quick` itself, not a constant: `shard_map`'s `check_vma` wants both
+    # branches to vary over the same mesh axes.
     return lax.cond(quick, lambda: quick, lambda: _exact_finite(arrays, scale, reciprocal))
 
 
 def _exact_finite(arrays, scale, reciprocal):
-    """`finite_unscaled`, exactly: sums of `x - x`, then (with a scale) the largest magnitude.
-
-    By the `reciprocal` (see `finite_unscaled`): sums of `y - y` alone.
-    """
+    """`finite_unscaled`, exactly: sums of `x - x`, then (with a scale) the largest magnitude."""
     groups = _groups(arrays)
     if scale is None:
         return _groups_finite(groups)
@@ -163,9 +123,8 @@ def _exact_finite(arrays, scale, reciprocal):
 
     if jax.default_backend() not in _SUMS_FIRST_ON:
         return jnp.logical_and(finite, quotient_finite())
-    # A scale of at least 1 cannot make a finite quotient overflow: on the
-    # CPU the peak (a second read of every gradient) is taken only below 1.
-    # `finite | True`, not a constant: the branches vary alike (see `_finite_large`).
+    # On the CPU the peak (a second read) is taken only for a scale below 1;
+    # `finite | True`, not a constant: see `_finite_large`.
     return jnp.logical_and(
         finite, lax.cond(scale >= 1, lambda: jnp.logical_or(finite, True), quotient_finite)
     )
@@ -173,18 +132,14 @@ def _exact_finite(arrays, scale, reciprocal):
 
 def _groups_finite(groups, factor=None):
     """Whether every element of `groups` (times `factor`) is finite, by float32 sums of `x - x`."""
-    # In float32, the dtype the peaks are compared in: a float64 element
-    # beyond float32's range counts as an overflow.
+    # In float32: a float64 element beyond float32's range counts as an overflow.
     zeros = []
     for g in groups:
         if factor is None:
             g = g.astype(jnp.float32)
         else:
-            # XLA would broadcast the factor once per shape and share it
-            # among the same-shaped gradients, and its CPU reduction
-            # fusions then read that broadcast from a gradient-sized
-            # buffer. Passing each gradient and the factor through one
-            # barrier makes each broadcast its own, fused into its reader.
+            # A barrier per gradient keeps XLA from sharing one broadcast of
+            # the factor among same-shaped gradients as a gradient-sized buffer.
             g, f = lax.optimization_barrier((g, factor))
             g = g.astype(jnp.float32) * f
         zeros.append(jnp.sum(_zero_or_nan(g)))
@@ -192,9 +147,7 @@ def _groups_finite(groups, factor=None):
 
 
 def _zero_or_nan(x):
-    # `x - x`, not `x * 0`: XLA's CPU backend writes the broadcast zero out
-    # as an array the size of `x` for the reduction to read.
-    return x - x
+    return x - x  # not `x * 0`: XLA's CPU backend would write the broadcast zero out
 
 
 def _groups_peak(groups):
@@ -203,11 +156,8 @@ def _groups_peak(groups):
     return peaks[0] if len(peaks) == 1 else jnp.max(jnp.stack(peaks))
 
 
-# Arrays up to this size are reduced together, concatenated per dtype into
-# chunks of at most `PACK_CAPACITY` elements: on CPU each reduction is several XLA
-# thunks, so a 400-tensor model's check took 645 us one tensor at a time and
-# 263 us concatenated. Larger arrays are reduced in place (a concatenation
-# would copy them).
+# Arrays up to this size are concatenated per dtype into chunks of at most
+# `PACK_CAPACITY` elements and reduced together: each XLA reduction has a cost.
 PACK_UP_TO, PACK_CAPACITY = 4096, 1 << 16
 
 
@@ -247,16 +197,10 @@ def global_norm(arrays):
 
 
 def max_abs(arrays):
-    """Largest |x| over all arrays, float32: inf if any element is, else NaN if any is NaN.
-
-    The largest magnitude alone can be finite where an element is NaN (see
-    `finite_unscaled`), so the exact finite check decides: where it fails
-    and the peak is not inf, the result is NaN.
-    """
+    """Largest |x| over all arrays, float32: inf if any element is, else NaN if any is NaN."""
     groups = _groups(arrays)
     if not groups:
         return jnp.asarray(0.0, jnp.float32)
     peak = _groups_peak(groups)
-    # `peak == inf`, not `isinf`: with every element NaN the max reduction
-    # drops them all and returns its start, -inf.
+    # Not `isinf`: with every element NaN the max reduction returns -inf.
     return jnp.where(_groups_finite(groups) | (peak == jnp.inf), peak, jnp.float32(jnp.nan))

@@ -1,15 +1,10 @@
 """JAX backend.
 
-JAX arrays are immutable: `assign*` return the new array and the `Variable`
-rebinds to it. Branches on traced values become `lax.cond` over the values
-of the variables they may write, so the same optimizer code traces under
-`jax.jit`.
-
-Two invariants keep `jax.jit(opt.stateless_apply)` from retracing:
-every write returns exactly the dtype *and weak type* of the value it
-replaces, and `cond` returns what it was given, branch for branch. Arrays
-created next to a sharded array (`like=`) are placed with its sharding, so
-optimizer slots follow the parameters they belong to.
+Arrays are immutable: `assign*` return the new array and the `Variable`
+rebinds to it; branches on traced values become `lax.cond`. Every write
+keeps the dtype *and weak type* it replaces, and `cond` returns what it was
+given, so `jax.jit(opt.stateless_apply)` does not retrace. Arrays created
+`like=` a sharded array take its sharding.
 """
 
 import contextlib
@@ -18,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lossscale.backends._common import bound, unwrap
+from lossscale.backends._common import binary, bound, unary, unwrap
 
 NAME = "jax"
 MUTABLE = False
@@ -45,12 +40,7 @@ def is_traced(x):
 
 
 def _sharding_like(like, shape):
-    """The sharding a new array of `shape` should take next to `like`, or None.
-
-    Same shape: `like`'s own sharding. Another shape (a scalar next to a
-    matrix, say): replicated over `like`'s devices. Traced values carry no
-    placement, and uncommitted arrays (placed by default) need none.
-    """
+    """The sharding of a new array of `shape` next to `like` (else replicated), or None."""
     like = unwrap(like)
     if not isinstance(like, jax.Array) or isinstance(like, jax.core.Tracer):
         return None
@@ -59,9 +49,7 @@ def _sharding_like(like, shape):
     sharding = like.sharding
     if tuple(like.shape) == tuple(shape):
         return sharding
-    # A mesh first, even of one device: a jitted step returns the scalars
-    # replicated over it, and a placement of another kind would compile the
-    # step again at its second call.
+    # A mesh first, even of one device: another kind would recompile a jitted step.
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
     if len(sharding.device_set) == 1:
@@ -93,8 +81,7 @@ def to_numpy(x):
 
 
 def dtype_name(x):
-    # Read the attribute when there is one: a donated (deleted) array still
-    # knows its dtype, but `jnp.asarray` of it raises.
+    # The attribute first: `jnp.asarray` of a donated (deleted) array raises.
     x = unwrap(x)
     return (x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype).name
 
@@ -113,17 +100,10 @@ def read(storage):
 
 
 def _same_dtype(storage, value):
-    """`value` with exactly `storage`'s dtype and weak type.
-
-    A weakly typed scalar (`jnp.asarray(0.1)`) passed to a jitted
-    `stateless_apply` must come back weakly typed: a strong result would
-    change the input signature of the next step and retrace it.
-    """
+    """`value` with exactly `storage`'s dtype and weak type (else a jitted step retraces)."""
     value = jnp.asarray(value, dtype=storage.dtype)
     if getattr(storage, "weak_type", False) and not getattr(value, "weak_type", False):
-        # `.at[...].set` is jax.numpy's public way to write into an array
-        # while keeping the target's weak type.
-        return storage.at[...].set(value)
+        return storage.at[...].set(value)  # keeps the target's weak type
     return value
 
 
@@ -143,28 +123,20 @@ def cast(x, dtype):
     return jnp.asarray(unwrap(x), dtype=dtype)
 
 
-def _unary(fn):
-    return lambda x: fn(unwrap(x))
-
-
-def _binary(fn):
-    return lambda x, y: fn(unwrap(x), unwrap(y))
-
-
-sqrt = _unary(jnp.sqrt)
-square = _unary(jnp.square)
-abs = _unary(jnp.abs)  # noqa: A001 - the seam's name for |x|
-sign = _unary(jnp.sign)
-exp = _unary(jnp.exp)
-log = _unary(jnp.log)
-cos = _unary(jnp.cos)
-floor = _unary(jnp.floor)
-isfinite = _unary(jnp.isfinite)
-logical_not = _unary(jnp.logical_not)
-power = _binary(jnp.power)
-maximum = _binary(jnp.maximum)
-minimum = _binary(jnp.minimum)
-logical_and = _binary(jnp.logical_and)
+sqrt = unary(jnp.sqrt)
+square = unary(jnp.square)
+abs = unary(jnp.abs)  # noqa: A001 - the seam's name for |x|
+sign = unary(jnp.sign)
+exp = unary(jnp.exp)
+log = unary(jnp.log)
+cos = unary(jnp.cos)
+floor = unary(jnp.floor)
+isfinite = unary(jnp.isfinite)
+logical_not = unary(jnp.logical_not)
+power = binary(jnp.power)
+maximum = binary(jnp.maximum)
+minimum = binary(jnp.minimum)
+logical_and = binary(jnp.logical_and)
 
 
 def where(cond, x, y):
@@ -185,13 +157,9 @@ def sum(x):  # noqa: A001 - the seam's name for a full reduction
 
 
 def all_max(x, group=None):
-    """The maximum of scalar `x` over all participants.
+    """The maximum of scalar `x` over `group`'s mapped axes (`shard_map` / `pmap`), if any.
 
-    A JAX reduction over a sharded global array is already global (XLA
-    inserts the cross-device collective), so there is nothing to add.
-    Inside `shard_map` or `pmap`, where each device holds its own block,
-    `group` names the mapped axes (a string or a tuple of them, an
-    `axis_name`) whose devices take the maximum together (`lax.pmax`).
+    A reduction over a sharded global array is global already.
     """
     axes = _axes(group)
     x = unwrap(x)
@@ -199,8 +167,7 @@ def all_max(x, group=None):
         return x
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return lax.pmax(x, axes)
-    # XLA's cross-device maximum drops a NaN where another device holds a
-    # number: whether any device held one travels beside it (one collective).
+    # XLA's cross-device maximum drops NaN: whether any device held one travels beside it.
     both = lax.pmax(jnp.stack([x, jnp.isnan(x).astype(x.dtype)]), axes)
     return jnp.where(both[1] > 0, jnp.asarray(jnp.nan, x.dtype), both[0])
 
@@ -211,7 +178,6 @@ def all_true(flag, group=None):
     flag = unwrap(flag)
     if axes is None:
         return flag
-    # (`pmin` takes numbers: the flag as 0 or 1.)
     return lax.pmin(flag.astype(jnp.int32), axes) > 0
 
 

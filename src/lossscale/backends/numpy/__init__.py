@@ -1,14 +1,9 @@
 """NumPy backend: the embedded default and the reference path.
 
-The seam's primitives (`lossscale.backends.protocol.BackendOps`), gathered
-from the modules that implement them:
-
-- `parallel`: a thread pool over blocks, and the blocked max-|x| reduction;
-- `ops`: arrays, in-place writes, elementwise math, reductions, `cond`;
-- `fused`: in-place blocked Adam and SGD kernels;
-- `kernels`: the registry of those kernels, by the name an optimizer declares.
-
-Each module imports only those above it in this list.
+The seam's primitives (`protocol.BackendOps`), from modules that import only
+those before them: `parallel` (a thread pool over blocks), `ops` (arrays,
+writes, math, `cond`), `fused` (blocked Adam and SGD) and `kernels` (the
+registry by name).
 """
 
 from lossscale.backends.numpy.kernels import (

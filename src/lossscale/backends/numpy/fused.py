@@ -1,22 +1,12 @@
 """Fused, in-place NumPy kernels for `Adam` and `SGD`.
 
-An optimizer step is memory-bound. The generic path runs `update_step` once
-per variable, and every NumPy expression in it allocates a full-size
-temporary and makes one more pass over main memory (about a dozen for Adam).
-These kernels walk each variable in blocks small enough to stay in a core's
-L2 cache instead: a block of gradient, parameter and slots comes from memory
-once, the whole update rule runs on it with `out=` into two block-sized
-scratch buffers, and the results go back once. Blocks are shared among a few
-threads (`parallel`), because on many machines one core cannot
-saturate the memory bus.
-
-Each kernel performs the same float operations in the same order and dtype
-as the optimizer's `update_step`, so the results are identical bit for bit
-(`tests/backends/numpy/test_fused.py` checks it). A variable whose arrays are not
-C-contiguous floats takes `update_step` instead.
-
-Scratch buffers belong to one optimizer (kept in its kernel `cache`), so
-they are allocated on its first step and reused afterwards.
+An optimizer step is memory-bound, and every NumPy expression of
+`update_step` makes a pass over main memory. These kernels walk each variable
+in cache-sized blocks, run the whole rule on a block with `out=` into scratch
+buffers (kept in the optimizer's kernel `cache`), and share the blocks among
+a few threads (`parallel`). They perform `update_step`'s float operations in
+its order and dtype, so the results are identical bit for bit; a variable
+whose arrays are not C-contiguous floats takes `update_step` instead.
 """
 
 import numpy as np
@@ -24,58 +14,47 @@ import numpy as np
 from lossscale.backends._common import unwrap
 from lossscale.backends.numpy import ops, parallel
 
-# Elements per block. An Adam block touches seven arrays of BLOCK values (g,
-# p, m, v and three scratch buffers), 7 MiB in float32: beyond L2, but it
-# stays in L3 cache through the dozen NumPy calls of the update rule. Each
-# call that first reads an array from memory streams it at one core's rate
-# (the hardware prefetcher ramps up on each call), and each call costs
-# ~0.2 us of Python, so larger blocks win until L3 runs out. Measured on
-# 2 vCPUs of an EPYC (16M parameters, 1 MiB L2 and 32 MiB L3; CPU time per
-# step against 2**17, block sizes alternating step by step): 2**15 +16%,
-# 2**16 +5%, 2**18 -4% to -9%, 2**19 and 2**20 no better than 2**17
-# (-2% to +14% from run to run).
+# Elements per block: an Adam block's seven arrays (7 MiB in float32) stay in
+# L3 cache through the dozen NumPy calls of the rule, each costing Python time.
 BLOCK = 1 << 18
-# Variables smaller than this are packed together: their arrays are gathered
-# into one block of at most PACK_CAPACITY elements, updated there, and copied
-# back, which costs three or four copies per variable instead of a dozen
-# NumPy calls.
+# Variables smaller than this are gathered into one block of at most
+# PACK_CAPACITY elements, updated there and copied back.
 PACK_BELOW = 1 << 14
 PACK_CAPACITY = 1 << 16
-# The most arrays an update rule touches besides the gradient (Adam with
-# amsgrad: parameter, two moments, maximum second moment).
+# The most arrays a rule touches besides the gradient (Adam with amsgrad).
 MAX_ARRAYS = 4
-
-# --- kernels -------------------------------------------------------------
 
 
 def adam(params, grads, slots, hyper, *, iterations, lr, update_step, cache, grad_scale=None):
-    """Fused `Adam.update_step` over every variable (amsgrad included).
-
-    `grad_scale`: see `_job`.
-    """
+    """Fused `Adam.update_step` over every variable (amsgrad included; `grad_scale`: `_job`)."""
     lists = [slots["momentums"], slots["velocities"]]
     if "velocity_hats" in slots:
         lists.append(slots["velocity_hats"])
-    constants, unscalers = {}, {}
-    jobs = []
+
+    def constants(dtype):
+        return _adam_constants(hyper, iterations, lr, dtype.name)
+
+    _fuse(params, grads, lists, constants, _adam_block, lr, update_step, cache, grad_scale)
+
+
+def _fuse(params, grads, slot_lists, make_constants, block_fn, lr, update_step, cache, grad_scale):
+    """Runs `block_fn` over every fusable variable and its slots, `update_step` on the others."""
+    constants, unscalers, jobs = {}, {}, []
     for i, (grad, variable) in enumerate(zip(grads, params)):
-        arrays = _fusable([variable.value] + [s[i].value for s in lists])
+        arrays = _fusable([variable.value] + [s[i].value for s in slot_lists])
         if arrays is None:
             update_step(_unscaled(grad, grad_scale), variable, lr)
             continue
         dtype = arrays[0].dtype
         if dtype not in constants:
-            constants[dtype] = _adam_constants(hyper, iterations, lr, dtype.name)
+            constants[dtype] = make_constants(dtype)
         jobs.append(_job(grad, arrays, constants[dtype], grad_scale, unscalers))
-    _run(cache, jobs, _adam_block)
+    _run(cache, jobs, block_fn)
 
 
 def _adam_constants(hyper, iterations, learning_rate, dtype):
-    # The same scalar expressions as `Adam.update_step`, evaluated once per
-    # dtype instead of once per variable. The Python numbers `update_step`
-    # mixes in (1 - beta, epsilon) become 0-d arrays of the variable's dtype:
-    # the same values (NumPy casts a Python float to the array's dtype), and
-    # a ufunc call with one takes a third of the time it takes with a float.
+    # `Adam.update_step`'s scalars, once per dtype; its Python numbers as 0-d
+    # arrays of the dtype: the same values, and faster ufunc calls.
     lr = ops.cast(learning_rate, dtype)
     step = ops.cast(iterations + 1, dtype)
     beta_1_power = ops.power(ops.cast(hyper.beta_1, dtype), step)
@@ -91,11 +70,9 @@ def _adam_constants(hyper, iterations, learning_rate, dtype):
 
 # A block function `fn(g, arrays, constants, t, u)` updates `arrays` (flat
 # blocks of the variable and its slots) from the gradient block `g`, with
-# `t` and `u` as scratch. When `g` is the unscaled copy in scratch, `u` is
-# that same buffer (one buffer fewer in cache: 2-6% less CPU per step), so
-# a block function reads `g` for the last time before it first writes `u`.
-# They pass `out` positionally: with a keyword a ufunc call costs about 20%
-# more, and calls on ~10^5 elements are short enough for that to show.
+# scratch `t` and `u`. `u` may be `g`'s own buffer (the unscaled copy), so
+# `g` is read for the last time before `u` is first written. `out` is
+# positional: a keyword costs more per ufunc call.
 _sub, _mul, _add, _div = np.subtract, np.multiply, np.add, np.divide
 
 
@@ -120,31 +97,14 @@ def _adam_block(g, arrays, constants, t, u):
 
 
 def sgd(params, grads, slots, hyper, *, iterations, lr, update_step, cache, grad_scale=None):
-    """Fused `SGD.update_step` over every variable (plain, momentum, Nesterov).
-
-    `grad_scale`: see `_job`.
-    """
+    """Fused `SGD.update_step` over every variable (plain, momentum, Nesterov; see `_job`)."""
     del iterations  # SGD's rule does not read it
-    momentums = slots.get("momentums")
-    constants, unscalers = {}, {}
-    jobs = []
-    for i, (grad, variable) in enumerate(zip(grads, params)):
-        arrays = [variable.value]
-        if hyper.momentum != 0:
-            arrays.append(momentums[i].value)
-        arrays = _fusable(arrays)
-        if arrays is None:
-            update_step(_unscaled(grad, grad_scale), variable, lr)
-            continue
-        dtype = arrays[0].dtype
-        if dtype not in constants:
-            constants[dtype] = (
-                ops.cast(lr, dtype.name),
-                ops.cast(hyper.momentum, dtype.name),
-                hyper.nesterov,
-            )
-        jobs.append(_job(grad, arrays, constants[dtype], grad_scale, unscalers))
-    _run(cache, jobs, _sgd_block)
+    lists = [slots["momentums"]] if hyper.momentum != 0 else []
+
+    def constants(dtype):
+        return ops.cast(lr, dtype.name), ops.cast(hyper.momentum, dtype.name), hyper.nesterov
+
+    _fuse(params, grads, lists, constants, _sgd_block, lr, update_step, cache, grad_scale)
 
 
 def _sgd_block(g, arrays, constants, t, u):
@@ -164,9 +124,6 @@ def _sgd_block(g, arrays, constants, t, u):
         _add(p, m, p)
 
 
-# --- arrays --------------------------------------------------------------
-
-
 def _fusable(arrays):
     """Flat views of `arrays`, or None unless all are writeable C-contiguous floats of one dtype."""
     dtype = arrays[0].dtype
@@ -184,15 +141,9 @@ def _fusable(arrays):
 def _job(grad, arrays, constants, grad_scale, unscalers):
     """One variable's work: `(flat gradient, flat arrays, constants, unscaler)`.
 
-    With `grad_scale` (the loss-scale wrapper's scale, still multiplied into
-    the gradients), each gradient block is unscaled in cache by `unscaler`,
-    exactly as `ops.unscale` would divide the whole gradient, which saves
-    that pass over memory and its full-size result. The gradients
-    themselves are never written. Gradients whose dtype is not the
-    variable's, or narrower than float32, are unscaled up front instead,
-    since `unscale` then divides in another dtype. `unscalers` holds one
-    per dtype, shared by the step's jobs (so that small ones can be packed
-    together).
+    With `grad_scale`, blocks are unscaled in cache by the dtype's shared
+    `unscalers` entry, exactly as `ops.unscale` would; a gradient of another
+    dtype, or narrower than float32, is unscaled up front.
     """
     dtype = arrays[0].dtype
     g = np.asarray(unwrap(grad))
@@ -204,22 +155,14 @@ def _job(grad, arrays, constants, grad_scale, unscalers):
                 unscaler = unscalers[dtype] = _unscaler(grad_scale, dtype)
         else:
             g = _unscaled(g, grad_scale)
-    # `update_step` casts the gradient to the variable's dtype; so does this
-    # (a copy only when the dtypes differ or the gradient is strided).
+    # Cast to the variable's dtype, as `update_step` does.
     if g.dtype != dtype:
         g = g.astype(dtype)
     return np.ascontiguousarray(g).reshape(-1), arrays, constants, unscaler
 
 
 def _unscaler(grad_scale, dtype):
-    """`(ufunc, operand)` such that `ufunc(g, operand)` equals `g / scale` bit for bit.
-
-    A power-of-two scale (what the dynamic loss scale is with the default
-    factors) has an exact reciprocal, and multiplying by it gives the
-    correctly rounded `g / scale` too (subnormal results included: both
-    round the same real number), at a fraction of a division's cost. Any
-    other scale is divided by.
-    """
+    """`(ufunc, operand)`: `ufunc(g, operand)` is `g / scale`, by an exact reciprocal if any."""
     scale = np.asarray(unwrap(grad_scale)).astype(dtype)
     if np.frexp(scale)[0] == 0.5:  # a power of two (not 0, inf or NaN)
         with np.errstate(over="ignore"):
@@ -235,11 +178,8 @@ def _unscaled(grad, grad_scale):
     return ops.unscale([grad], grad_scale)[0]
 
 
-# --- scheduling ----------------------------------------------------------
-
-# Block-sized scratch buffers per (worker, dtype), in the optimizer's kernel
-# cache under this key: two for the update rule, one for an unscaled
-# gradient block, and a packed block's gradient and arrays.
+# Scratch buffers per (worker, dtype), in the optimizer's kernel cache: two for
+# the rule, one for an unscaled gradient block, and a pack's gradient and arrays.
 SCRATCH_KEY = "numpy scratch"
 
 
@@ -261,12 +201,7 @@ def _pack_capacity():
 
 
 def _blocks(jobs):
-    """Splits the jobs into blocks of <= BLOCK elements: `(job, start, stop)`.
-
-    A large job is cut into several blocks. Consecutive small jobs that
-    share their dtype, constants and unscaler form one pack instead,
-    `(tuple of jobs, 0, total size)` with at most PACK_CAPACITY elements.
-    """
+    """Blocks of <= BLOCK elements, `(job, start, stop)`; small jobs alike packed `(jobs, 0, n)`."""
     blocks, pack, packed = [], [], 0
 
     def close():
@@ -303,8 +238,7 @@ def _run(cache, jobs, block_fn):
     blocks = _blocks(jobs)
     count = parallel.workers(blocks)
     scratch = _scratch(cache, count, {job[0].dtype for job in jobs})
-    # errstate is per thread: carry the caller's (quiet during a skipped
-    # step's arithmetic) into the workers.
+    # errstate is per thread: carry the caller's into the workers.
     errors = np.geterr()
 
     def work(worker, take):
@@ -327,9 +261,7 @@ def _run(cache, jobs, block_fn):
                 if members:
                     _scatter(arrays, [jobs[i][1] for i in members])
 
-    # Last block first: the loss-scale wrapper's finite check
-    # (`parallel.peak_magnitude`) has just read the gradients first to last,
-    # so the last ones are still in cache.
+    # Last block first: the finite check just read the gradients first to last.
     parallel.share(work, blocks[::-1], count)
 
 

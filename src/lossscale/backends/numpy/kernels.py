@@ -1,18 +1,9 @@
-"""The NumPy backend's kernel registry: fused update rules by name.
-
-An optimizer class names the kernel that reproduces its `update_step`
-(`Optimizer.update_kernel`); `fused_update(name)` returns that kernel, or
-None when this backend has none and the per-variable `update_step` runs.
-Each entry has a test proving it equals `update_step` (tests/backends/numpy/test_fused.py).
-Nothing here knows an optimizer class: a kernel gets its state as arguments
-(`lossscale.backends.kernel`).
-"""
+"""The NumPy backend's kernel registry: fused update rules by name (see `backends.kernel`)."""
 
 from lossscale.backends.kernel import Kernel
 from lossscale.backends.numpy import fused
 
-# They divide a loss scale out as they read each gradient (`grad_scale`);
-# a skipped step never reaches them (`cond` on a NumPy flag is an `if`).
+# A skipped step never reaches them: `cond` on a NumPy flag is an `if`.
 KERNELS = {
     "adam": Kernel(fused.adam, takes_grad_scale=True),
     "sgd": Kernel(fused.sgd, takes_grad_scale=True),

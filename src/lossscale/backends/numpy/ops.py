@@ -1,12 +1,8 @@
-"""NumPy backend: the embedded default and the reference path.
-
-Variables are `np.ndarray`s updated in place (`out=`), so `assign*` never
-allocate and outside references to the array see every update.
-"""
+"""NumPy backend: the embedded default and the reference path; writes are in place."""
 
 import numpy as np
 
-from lossscale.backends._common import unscale_then_check, unwrap
+from lossscale.backends._common import binary, unary, unscale_then_check, unwrap
 from lossscale.backends.numpy import parallel
 
 NAME = "numpy"
@@ -44,8 +40,7 @@ def to_numpy(x):
     return np.asarray(unwrap(x))
 
 
-# `dtype.name` is computed in Python on every access; optimizer code asks
-# for it per variable per step, so names are remembered per dtype.
+# `dtype.name` is computed in Python on every access: remembered per dtype.
 _DTYPE_NAMES = {}
 
 
@@ -93,28 +88,20 @@ def cast(x, dtype):
     return np.asarray(x, dtype=dtype)
 
 
-def _unary(fn):
-    return lambda x: fn(unwrap(x))
-
-
-def _binary(fn):
-    return lambda x, y: fn(unwrap(x), unwrap(y))
-
-
-sqrt = _unary(np.sqrt)
-square = _unary(np.square)
-abs = _unary(np.abs)  # noqa: A001 - the seam's name for |x|
-sign = _unary(np.sign)
-exp = _unary(np.exp)
-log = _unary(np.log)
-cos = _unary(np.cos)
-floor = _unary(np.floor)
-isfinite = _unary(np.isfinite)
-logical_not = _unary(np.logical_not)
-power = _binary(np.power)
-maximum = _binary(np.maximum)
-minimum = _binary(np.minimum)
-logical_and = _binary(np.logical_and)
+sqrt = unary(np.sqrt)
+square = unary(np.square)
+abs = unary(np.abs)  # noqa: A001 - the seam's name for |x|
+sign = unary(np.sign)
+exp = unary(np.exp)
+log = unary(np.log)
+cos = unary(np.cos)
+floor = unary(np.floor)
+isfinite = unary(np.isfinite)
+logical_not = unary(np.logical_not)
+power = binary(np.power)
+maximum = binary(np.maximum)
+minimum = binary(np.minimum)
+logical_and = binary(np.logical_and)
 
 
 def where(cond, x, y):
@@ -135,8 +122,7 @@ def stack(values):
 
 
 def unscale(grads, scale, in_place=False):
-    # `in_place` permits writing into `grads`; NumPy leaves the caller's
-    # arrays alone (its fused kernels divide as they read instead).
+    # NumPy leaves the caller's arrays alone despite `in_place`.
     scale = unwrap(scale)
     divisors = {}  # the scale cast once per gradient dtype
     out = []
@@ -157,9 +143,8 @@ def unscale_checked(grads, scale, in_place=False):
 
 
 def all_finite(arrays):
-    # One pass and no boolean copy: a sum of squares is finite exactly when
-    # every element is, except that it can overflow for large finite
-    # values, which the exact (two-pass) check below then settles.
+    # One pass and no boolean copy: a sum of squares is finite when every
+    # element is; where it overflows, the exact two-pass check settles it.
     with np.errstate(over="ignore", invalid="ignore"):
         for a in arrays:
             a = unwrap(a)
@@ -197,11 +182,7 @@ def max_abs(arrays):
 
 
 def finite_unscaled(arrays, scale):
-    """Whether every element of `arrays`, divided by `scale`, is finite.
-
-    Division is monotone: the largest magnitude over the scale decides
-    (an overflow there is what it detects, so NumPy does not warn of it).
-    """
+    """Whether every element of `arrays`, divided by `scale`, is finite (by the peak)."""
     with np.errstate(over="ignore", invalid="ignore"):
         return np.isfinite(max_abs(arrays) / unwrap(scale))
 
@@ -238,8 +219,7 @@ def cond(pred, true_fn, false_fn, variables):
 
 
 def quiet():
-    # A skipped overflow step computes inf/NaN on purpose; NumPy must not
-    # warn about it.
+    # A skipped overflow step computes inf/NaN on purpose.
     return np.errstate(over="ignore", invalid="ignore", divide="ignore")
 
 

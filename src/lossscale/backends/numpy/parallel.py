@@ -1,15 +1,8 @@
 """NumPy work in blocks shared among threads, and the blocked max-|x| reduction.
 
-NumPy releases the GIL inside its loops, so a few threads working on
-disjoint blocks of the same arrays reach more of the memory bandwidth than
-one core can. `fused` cuts its update kernels into blocks and runs
-them here; `peak_magnitude` (the backend's `max_abs`) reduces in blocks the
-same way.
-
-The threads share one queue of blocks: each takes the next block as soon as
-it is free. On a machine whose cores other processes also use, a thread that
-the OS preempts then holds up nobody (with a fixed share per thread, the
-others would wait for it at the end of every step).
+NumPy releases the GIL inside its loops, so a few threads on disjoint blocks
+reach more memory bandwidth than one core. They share one queue of blocks,
+so a thread the OS preempts holds up nobody.
 """
 
 import os
@@ -22,14 +15,10 @@ from lossscale.backends._common import unwrap
 
 # A worker is worth its dispatch cost only with a few blocks to itself.
 MIN_ELEMENTS_PER_WORKER = 1 << 19
-# Below this mean block size, Python overhead per block dominates and extra
-# threads only contend for the GIL (400 small tensors run no faster on two).
+# Below this mean block size, extra threads only contend for the GIL.
 MIN_MEAN_BLOCK_FOR_THREADS = 1 << 14
-# Memory bandwidth saturates long before this many cores on any machine.
 MAX_WORKERS = 16
-# Elements per block of a reduction: 512 KiB of float32, so the block is
-# still in L2 cache for the second reduction over it (the minimum after the
-# maximum). Blocks of 4 MiB, read back from L3, made the check 25% slower.
+# 512 KiB of float32: still in L2 cache for the second reduction over it.
 REDUCE_BLOCK = 1 << 17
 # Arrays smaller than this are reduced whole, on the calling thread.
 REDUCE_WHOLE_BELOW = 1 << 17
@@ -46,13 +35,8 @@ def workers(blocks):
 def share(work, items, count):
     """Runs `work(worker, take)` on `count` threads that share `items`, the first on this thread.
 
-    `take()` returns the next item not yet taken, in the order of `items`,
-    or None once all are taken; each `work` loops until then.
-
-    Returns:
-        The `count` results of `work`, by worker. Every call has finished
-        when it returns, even if one raised (the first exception then
-        propagates).
+    `take()` returns the next item, or None once all are taken. Returns the
+    results by worker, once every call has finished (even if one raised).
     """
     lock = threading.Lock()
     queue = iter(items)
@@ -73,12 +57,8 @@ def share(work, items, count):
 def peak_magnitude(arrays):
     """Largest |x| over `arrays` (float32 0-d array; NaN if any NaN), in one pass.
 
-    `max()` then `min()` of a whole large array read it from memory twice;
-    here it is cut into blocks that are still in cache for the second
-    reduction, shared among threads. Small arrays are reduced whole,
-    combined once at the end. The blocks are read first to last: `fused`
-    then updates last to first, starting where the gradients are still in
-    cache.
+    Large arrays are cut into blocks still in cache for the second reduction,
+    read first to last (`fused` then updates last to first).
     """
     highs, lows, flats = [], [], []
     for a in arrays:
@@ -127,8 +107,7 @@ _pool = {"executor": None, "pid": None}
 
 def executor():
     """The process's shared thread pool, created on first use."""
-    # A forked child inherits the executor object but not its threads, so a
-    # pool is only reused in the process that created it.
+    # A forked child inherits the executor but not its threads.
     with _pool_lock:
         if _pool["executor"] is None or _pool["pid"] != os.getpid():
             _pool["executor"] = ThreadPoolExecutor(

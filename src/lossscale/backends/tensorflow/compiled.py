@@ -1,34 +1,16 @@
 """Eager steps traced once: many small ops as one `tf.function` call.
 
-In eager mode every TensorFlow op is a Python dispatch of tens of
-microseconds. Adam's `update_step` is about thirty ops per variable, twelve
-thousand for a 400-tensor model; the same ops traced into a graph run in
-one call. So, when an optimizer steps eagerly on `tf.Variable`s, the
-kernels of `kernels` trace their rule once (per optimizer, kept in its
-kernel cache, for its variables and hyperparameters) and call the traced
-function at every step after that. The rule is the same Python code either
-way: the per-variable `update_step`, or a `fused` kernel.
+Every eager TensorFlow op is a Python dispatch, so an eager step on
+`tf.Variable`s traces its rule once (kept in the optimizer's kernel cache)
+and calls the traced function after that, under `tf.cond` on `keep`.
+Variables bound to plain tensors (`stateless_apply`) pass in and out, so
+both run the same graph; inside the caller's `tf.function` the rule is
+traced into it as it is.
 
-A skipped loss-scale step hands its `keep` flag over as an argument, and
-the traced rule runs under `tf.cond` on it: a skipped step writes nothing.
-
-Variables bound to plain tensors (`stateless_apply`) pass their values
-into the traced function and take the results back, so a stateless step
-runs the same graph as a stateful one. Inside a `tf.function` (the
-caller's own) the rule is traced into that graph as it is.
-
-The traced graph runs TensorFlow's ordinary kernels, and equals the eager
-ops bit for bit (the tests check every rule): these calls are made with
-the graph optimizer's arithmetic rewrites turned off. Grappler would
-otherwise rewrite `x / sqrt(y)` as `x * rsqrt(y)` and regroup chains of
-additions and of constants, which moves results by a rounding, and
-differently for a variable read than for a tensor passed in (so
-`stateless_apply` would no longer equal `apply`). A `tf.function` of the
-caller's own is optimized as the caller's settings say.
-
-The multi-tensor helpers (`unscale`, `finite_flags`) are pure functions of
-their tensors; eagerly, lists of `MIN_TENSORS` or more run as one traced
-call (shorter ones cost less op by op).
+The calls turn off Grappler's arithmetic rewrites (`x / sqrt(y)` as
+`x * rsqrt(y)`, regrouped sums and constants), so the graph equals the
+eager ops bit for bit. Eager multi-tensor helpers on lists of `MIN_TENSORS`
+or more run as one traced call too.
 """
 
 import contextlib
@@ -40,8 +22,7 @@ from tensorflow.python.eager import context
 from lossscale.backends._common import bound, unscale_then_check
 from lossscale.backends.tensorflow import control, multi, ops
 
-# Below this many tensors an eager helper runs op by op: a traced call
-# costs about as much as ten eager ops.
+# Below this many tensors an eager helper runs op by op (a traced call costs ~10 ops).
 MIN_TENSORS = 8
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -50,15 +31,9 @@ _PLAIN = (bool, int, float, str, type(None))
 def run(rule, static, targets, inputs, cache, extra=(), keep=None):
     """Runs `rule(*static, *inputs)`, traced once when eager; only where `keep` holds.
 
-    Args:
-        rule: A module-level function writing only `targets`.
-        static: Python objects the rule takes (variables, the reference
-            `update_step`, hyperparameters), fixed for one trace.
-        targets: Every `Variable` the rule may read or write.
-        inputs: Tensors (or lists of tensors) that change between steps.
-        cache: The optimizer's kernel cache, where the traced functions live.
-        extra: Python values the rule depends on (part of the cache key).
-        keep: None, or the step's boolean flag.
+    `static` (Python objects, fixed for one trace) and `extra` (Python values,
+    part of the cache key) join `targets`, every `Variable` the rule may write,
+    and `inputs`, the tensors that change between steps.
     """
     if not tf.executing_eagerly():
         if keep is None:
@@ -66,8 +41,6 @@ def run(rule, static, targets, inputs, cache, extra=(), keep=None):
         else:
             control.cond(keep, lambda: rule(*static, *inputs), None, targets)
         return
-    # tf.Variables are captured by the traced function and written there;
-    # variables bound to tensors (`stateless_apply`) pass in and out.
     held = [ops.is_variable(v.storage) for v in targets]
     carried = [v for v, is_held in zip(targets, held) if not is_held]
     key = (
@@ -89,15 +62,9 @@ def run(rule, static, targets, inputs, cache, extra=(), keep=None):
 
 @contextlib.contextmanager
 def _exact_arithmetic():
-    """Calls made in here optimize their graphs without rewriting arithmetic.
+    """Calls made in here optimize their graphs without arithmetic rewrites or constant folding.
 
-    Off: the arithmetic optimizer, and constant folding, which also
-    regroups constants (`(x * a) * b` as `x * (a * b)`).
-
-    TensorFlow reads the graph optimizer's settings for an eager call of a
-    `tf.function` from the context's per-thread function-call options (an
-    internal of TensorFlow's eager runtime, stable since 2.0), and applies
-    them the first time each traced function runs.
+    Set through the eager context's function-call options (internal, stable since TF 2.0).
     """
     eager = context.context()
     saved = eager.function_call_options

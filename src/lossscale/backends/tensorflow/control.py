@@ -1,16 +1,9 @@
 """Branches on device values: undone writes in eager mode, `tf.cond` in a graph.
 
-Eager: `cond(pred, true_fn, false_fn, variables)` runs both branches; after
-each, every variable it may write takes `where(keep, value written, value
-before)`. The predicate is never read on the host, so a step does not wait
-for the device (eager `tf.cond` would read it), and a value computed in the
-branch not taken (a NaN from an overflowing gradient) is never kept.
-
-Inside a `tf.function` (with or without `jit_compile=True`): `tf.cond`, so
-only the branch taken runs. Writes to `tf.Variable`s are the branches' side
-effects; variables bound to plain tensors (`stateless_apply`) pass their
-values in and out of the branches, as JAX's `lax.cond` does. A skipped
-loss-scale step does not come here: the kernels take its flag (`compiled`).
+Eagerly both branches run, each followed by `where(keep, written, before)`
+over the variables, so the predicate is never read on the host. In a
+`tf.function`, `tf.cond`: variables bound to plain tensors pass their values
+in and out of the branches, as with JAX's `lax.cond`.
 """
 
 import tensorflow as tf
@@ -30,11 +23,8 @@ def _plain(pred):
 def cond(pred, true_fn, false_fn, variables):
     """Runs `true_fn` where `pred` holds and `false_fn` (None: nothing) where it does not.
 
-    Args:
-        pred: A boolean scalar tensor, or a Python / NumPy bool (a plain `if`).
-        true_fn: Function of no arguments.
-        false_fn: Function of no arguments, or None.
-        variables: Every `Variable` either branch may write.
+    A Python or NumPy `pred` takes a plain `if`; `variables`: every `Variable`
+    either branch may write.
     """
     host = _plain(pred)
     if host is not None:
@@ -53,11 +43,7 @@ def cond(pred, true_fn, false_fn, variables):
 
 
 def cond_values(pred, true_fn, false_fn):
-    """`true_fn()` where `pred` holds, else `false_fn()`: tuples of tensors alike.
-
-    `tf.cond` in a graph; eagerly both run and each tensor is selected
-    (`tf.where`), so the predicate is not read on the host.
-    """
+    """`true_fn()` where `pred` holds, else `false_fn()`: tuples of tensors alike (no host read)."""
     host = _plain(pred)
     if host is not None:
         return true_fn() if host else false_fn()
@@ -76,8 +62,7 @@ def _where(keep, fn, variables):
 
 
 def _graph_cond(pred, true_fn, false_fn, variables):
-    # Variables held in tf.Variables are written by the branches themselves;
-    # those bound to tensors carry their values through the branches.
+    # tf.Variables are written by the branches; tensors pass through them.
     carried = [v for v in variables if not ops.is_variable(v.storage)]
     values = [v.storage for v in carried]
 

@@ -1,58 +1,21 @@
 """The float16 range of gradients on TensorFlow, in working memory that does not grow with them.
 
-`mixed_precision.diagnostics.measure` reduces a whole gradient at once.
-Compiled by XLA (`tf.function(jit_compile=True)`, Keras's default on
-TensorFlow), XLA's CPU backend does not fuse a whole-tensor integer sum
-with the comparison feeding it: each of the measurement's four
-comparisons was written out as an int32 array the size of the gradient,
-and XLA reserves a branch's working memory on every step, taken or not.
-`measure` here gives the same four numbers per gradient, bit for bit,
+Under XLA, `diagnostics.measure` writes each comparison out as an int32
+array the size of the gradient, reserved on every step. This gives the
+same four numbers, bit for bit (counts and peaks do not depend on order),
 reading a gradient of more than `CHUNK` elements one chunk at a time in a
-`tf.while_loop`:
-
-```
-x = float32(grad), flattened          # a view: no copy
-for each chunk of CHUNK elements (and the elements after the last whole one):
-    a = |chunk|
-    counts += sum(a == 0), sum(a < 2^-14), sum(a >= near), sum(a <= inf)
-    peak = max(peak, max(a))
-zero, subnormal, near_max = counts / size   # exact counts, one division
-max_abs = peak, NaN unless every element is a number (NaN compares False)
-```
-
-Counts are exact whatever order they are summed in, and a largest value
-is the same whatever order it is taken in, so the result is `measure`'s.
-A gradient of at most `CHUNK` elements is measured whole, as `measure`
-does: the measurement's working memory stays under about `20 * CHUNK`
-bytes (the four comparisons as int32 and a float32 magnitude) whatever
-the model.
+`tf.while_loop`: the working memory stays under about `20 * CHUNK` bytes.
 """
 
 import tensorflow as tf
 
 from lossscale.backends.tensorflow import ops
 
-# Elements read at a time from a larger gradient: the measurement's working
-# memory is a few arrays of this size (about 20 MiB at most). `gpt`'s
-# gradients are all smaller, so its program has no loop.
 CHUNK = 1 << 20
 
 
 def measure(grads, subnormal_below, near_from):
-    """The float16 range of each of `grads`, as four vectors.
-
-    Args:
-        grads: Floating-point tensors (a sparse `tf.IndexedSlices` is made
-            dense first, as `measure` makes it), each with at least one
-            element.
-        subnormal_below: Magnitudes under it (and above 0) count as subnormal.
-        near_from: Magnitudes from it on (inf included) count as near the
-            maximum.
-
-    Returns:
-        `(zero, subnormal, near_max, max_abs)`, float32 vectors whose entry
-        i is `grads[i]`'s; None for no gradients.
-    """
+    """The backend's `fused_float16_range` kernel (see the protocol); None for no gradients."""
     if not grads:
         return None
     edges = (tf.constant(subnormal_below, tf.float32), tf.constant(near_from, tf.float32))
@@ -61,11 +24,7 @@ def measure(grads, subnormal_below, near_from):
 
 
 def _dense(grad):
-    """`grad` as a tensor of its static shape.
-
-    A sparse gradient made dense inside a traced function loses its
-    static shape (its row count becomes a tensor): it is given back.
-    """
+    """`grad` as a tensor of its static shape (lost by a sparse one made dense when traced)."""
     dense = ops._tensor(grad)
     if not dense.shape.is_fully_defined():
         dense = tf.ensure_shape(dense, grad.shape)

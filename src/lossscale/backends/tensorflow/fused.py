@@ -1,18 +1,10 @@
 """SGD on TensorFlow's own fused training kernels.
 
-`ResourceApplyGradientDescent` (`var -= lr * grad`) and
-`ResourceApplyKerasMomentum` (`accum = accum * momentum - grad * lr`, then
-`var += accum`, or with Nesterov `var += accum * momentum - grad * lr`) are
-Keras's SGD rule in one kernel per variable instead of three to six ops,
-and equal `SGD.update_step` bit for bit in float32 and float64 (the tests
-check it). They write through a `tf.Variable`'s handle, so variables bound
-to plain tensors (`stateless_apply`) and other dtypes take `update_step`.
-
-There is no Adam here: `ResourceApplyAdam` computes `1 - beta_1` and
-`1 - beta_2` in float32, where Keras (and `Adam.update_step`) computes them
-in Python's float64 and rounds once; `1 - float32(0.999)` is 1.3e-5 larger
-than `float32(1 - 0.999)`, a bias in every second-moment update that grows
-over a run. Adam takes `update_step`, traced once (`compiled`).
+`ResourceApplyGradientDescent` and `ResourceApplyKerasMomentum` equal
+`SGD.update_step` bit for bit in float32 and float64. They write through a
+`tf.Variable`'s handle, so tensors (`stateless_apply`) and other dtypes take
+`update_step`. No Adam: `ResourceApplyAdam` computes `1 - beta` in float32,
+where Keras rounds it once from float64.
 """
 
 import tensorflow as tf

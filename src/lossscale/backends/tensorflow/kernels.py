@@ -1,15 +1,8 @@
-"""The TensorFlow backend's kernel registry: update rules by name.
+"""The TensorFlow backend's kernel registry: update rules by name (see `backends.kernel`).
 
-An optimizer class names the kernel that reproduces its `update_step`
-(`Optimizer.update_kernel`). Here SGD runs on TensorFlow's fused training
-kernels (`fused.sgd`) and every other rule, whatever its name (a user's
-subclass too), is the optimizer's own `update_step`, variable by variable;
-either way an eager step traces the rule once and replays it
-(`compiled.run`), and inside a `tf.function` the rule joins the caller's
-graph. Each entry has a test proving it equals
-`update_step` bit for bit (tests/backends/tensorflow/test_kernels.py). Nothing here
-knows an optimizer class: a kernel gets its state as arguments
-(`lossscale.backends.kernel`).
+SGD runs on TensorFlow's fused training kernels (`fused.sgd`), any other
+rule is the optimizer's own `update_step`; an eager step traces either once
+(`compiled.run`).
 """
 
 import tensorflow as tf
@@ -32,8 +25,7 @@ def _decay(params, weight_decay, learning_rate):
 
 
 def _as_tensor(learning_rate):
-    # A Python number becomes a float64 tensor: cast to a variable's dtype
-    # it rounds once, as the number itself would.
+    # A Python number as float64: cast to a variable's dtype it rounds once.
     learning_rate = ops._tensor(learning_rate)
     if isinstance(learning_rate, tf.Tensor):
         return learning_rate
@@ -58,9 +50,8 @@ def _traced(rule):
         if not getattr(iterations, "_is_lossscale_variable", False) and not all(
             ops.is_variable(v.storage) for v in targets
         ):
-            # `update_step` reads a step count derived from a variable bound
-            # to a tensor (gradient accumulation under `stateless_apply`):
-            # no trace could take it as an input, so the rule runs op by op.
+            # A step count derived from a variable bound to a tensor (gradient
+            # accumulation under `stateless_apply`): no trace takes it as input.
             if keep is None:
                 rule(*static, *inputs)
             else:
@@ -71,8 +62,6 @@ def _traced(rule):
     return kernel
 
 
-# Any rule is the optimizer's own `update_step`, traced once under `tf.cond`
-# on the step's `keep` flag; SGD has TensorFlow's fused training kernels.
 _UPDATE = Kernel(_traced(_per_variable), folds_keep=True)
 KERNELS = {"sgd": Kernel(_traced(fused.sgd), folds_keep=True)}
 

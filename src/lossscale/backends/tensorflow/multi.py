@@ -1,10 +1,7 @@
 """Unscale, finite check and norms over lists of tensors.
 
-The finite check reduces `is_finite` (XLA fuses it into one read of each
-gradient). It does not take the largest magnitude, as the JAX backend
-does: XLA's CPU max-reduction drops NaN (`reduce_max([1, nan, 2])` is 2
-under `jit_compile=True`), so `max_abs` adds an explicit NaN test for the
-same reason.
+XLA's CPU max-reduction drops NaN, so the finite check reduces `is_finite`
+and `max_abs` tests for NaN explicitly.
 """
 
 import tensorflow as tf
@@ -22,13 +19,11 @@ def sparse_or_tensors(arrays):
 
 
 def unscale(grads, scale, in_place=False):
-    # Tensors are immutable: `in_place` has nothing to permit.
     scale = ops._tensor(scale)
     divisors = {}  # the scale cast once per gradient dtype
     out = []
     for g in sparse_or_tensors(grads):
-        # An embedding's gradient stays sparse, as Keras's `divide` keeps
-        # it: its values are divided, and the optimizer updates the rows.
+        # A sparse gradient stays sparse, as Keras's `divide` keeps it.
         values = g.values if isinstance(g, tf.IndexedSlices) else g
         if values.dtype.size < 4:
             values = tf.cast(values, tf.float32)
@@ -67,10 +62,7 @@ def global_norm(arrays):
 
 
 def finite_unscaled(arrays, scale):
-    """Whether every element of `arrays`, divided by `scale`, is finite.
-
-    Division is monotone: the largest magnitude over the scale decides.
-    """
+    """Whether every element of `arrays`, divided by `scale`, is finite (by the peak)."""
     return tf.math.is_finite(max_abs(arrays) / tf.cast(scale, tf.float32))
 
 

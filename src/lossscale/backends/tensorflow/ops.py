@@ -1,24 +1,14 @@
 """TensorFlow backend: `tf.Variable` storage, writes in place, elementwise math.
 
-A `Variable` on TensorFlow holds a `tf.Variable`: a user's (wrapped without
-copying, so `apply` updates a model's variables as `assign_sub` would) or
-one made here for optimizer state and for wrapped tensors (`tf.Tensor`s are
-immutable). Being `tf.Variable`s, an optimizer's slots are captured by
-`tf.function`, mirrored under `tf.distribute` and tracked by
-`tf.train.Checkpoint`, like a model's.
-
-`stateless_apply` binds variables to plain tensors instead; writes to a
-tensor return the new tensor (as on JAX), so the same update code runs on
-both kinds of storage. Reads of a `tf.Variable` are snapshots
-(`tf.Variable.value()`): a later write does not change a value read before
-it.
-
-TensorFlow does not promote dtypes in arithmetic, so every write casts the
-value to the storage's dtype (and broadcasts it to the storage's shape),
-as the other backends' in-place writes do.
+A `Variable` holds a `tf.Variable` (a user's, wrapped without copying, or one
+made here), so an optimizer's slots are captured by `tf.function`, mirrored
+under `tf.distribute` and tracked by `tf.train.Checkpoint`. Under
+`stateless_apply` writes to a plain tensor return the new tensor. Reads are
+snapshots; every write casts and broadcasts to the storage (no promotion).
 """
 
 import contextlib
+import operator
 import re
 
 import numpy as np
@@ -27,11 +17,8 @@ from tensorflow.python.autograph.core import config as autograph_config
 
 from lossscale.backends._common import unwrap
 
-# Inside a `tf.function`, autograph rewrites every Python function a step
-# calls, unless its package is on TensorFlow's list of libraries written
-# for graphs (Keras is on it). lossscale branches on tensors itself
-# (`control.cond`), so it joins that list: rewritten, a step of 78
-# variables took 20 s to trace; as written, 2.
+# lossscale branches on tensors itself (`control.cond`): autograph need not
+# rewrite it, which makes tracing a step many times slower.
 if not any(r.matches("lossscale") for r in autograph_config.CONVERSION_RULES):
     autograph_config.CONVERSION_RULES += (autograph_config.DoNotConvert("lossscale"),)
 
@@ -45,11 +32,7 @@ def is_native(x):
 
 
 def dense_gradient(x):
-    """A sparse gradient (`tf.IndexedSlices`, an embedding lookup's) as a dense tensor.
-
-    The rows it repeats are summed, as the update of the dense gradient
-    needs; anything else gives None.
-    """
+    """A sparse gradient (`tf.IndexedSlices`) as a dense tensor (rows summed), else None."""
     return tf.convert_to_tensor(x) if isinstance(x, tf.IndexedSlices) else None
 
 
@@ -69,12 +52,7 @@ def is_variable(x):
 
 
 def _tensor(x):
-    """`x` as a tensor: a `tf.Variable` read, a Variable unwrapped; numbers pass through.
-
-    A sparse gradient (`tf.IndexedSlices`, an embedding's) is made dense,
-    rows it repeats summed: checks and measurements see the gradient the
-    update applies. Only `unscale` keeps it sparse (`multi.unscale`).
-    """
+    """`x` as a tensor: a `tf.Variable` read, a Variable unwrapped, a sparse gradient densified."""
     x = unwrap(x)
     if isinstance(x, tf.Variable):
         return x.value()
@@ -84,8 +62,7 @@ def _tensor(x):
 
 
 def asarray(x, dtype=None, like=None):
-    # TensorFlow copies between devices where an op needs it, so `like`
-    # places nothing.
+    # TensorFlow copies between devices where an op needs it: `like` places nothing.
     x = _tensor(x)
     if isinstance(x, tf.Tensor):
         return x if dtype is None else tf.cast(x, dtype)
@@ -133,22 +110,12 @@ def place(x, like):
     return asarray(x, like=like)
 
 
-# --- variable storage ---------------------------------------------------------
 def variable_storage(value, like=None, name=None, trainable=False):
-    """The `tf.Variable` a `lossscale.Variable` keeps for `value`.
+    """The `tf.Variable` a `lossscale.Variable` keeps for `value` (a `tf.Variable` is kept).
 
-    A `tf.Variable` is kept as it is (no copy); anything else (a NumPy
-    array, a tensor) becomes a new `tf.Variable`, made outside any
-    `tf.function` being traced (`tf.init_scope`, as Keras makes an
-    optimizer's slots on its first traced step). It follows `like`, the
-    model variable it belongs to: mirrored by `like`'s `tf.distribute`
-    strategy if `like` is mirrored, else on `like`'s device; without
-    `like`, in the current strategy's scope, if any.
-
-    Its aggregation is NONE: under a strategy each replica writes its own
-    copy, in replica context and without `merge_call`, and all write the
-    same values, since every replica takes the same skip decision
-    (`replicas.all_true`).
+    A new one is made under `tf.init_scope` and follows `like` (mirrored by
+    its strategy, or on its device). Its aggregation is NONE: every replica
+    writes the same values (`replicas.all_true`).
     """
     if isinstance(value, tf.Variable):
         return value
@@ -188,8 +155,6 @@ def _placement(like):
 
 
 def _valid_name(name):
-    # TensorFlow accepts letters, digits and "._-/" in a variable's name,
-    # starting with a letter, digit or ".".
     name = re.sub(r"[^A-Za-z0-9_.\-/]", "_", name or "variable")
     return name if re.match(r"[A-Za-z0-9.]", name) else f"v{name}"
 
@@ -224,23 +189,22 @@ def assign(storage, value):
     return _write(storage, _value_for(storage, value))
 
 
-def assign_add(storage, value):
+def _update(storage, value, method, op):
     value = _value_for(storage, value)
     if isinstance(storage, tf.Variable):
-        storage.assign_add(value, read_value=False)
+        getattr(storage, method)(value, read_value=False)
         return storage
-    return _write(storage, read(storage) + value)
+    return _write(storage, op(read(storage), value))
+
+
+def assign_add(storage, value):
+    return _update(storage, value, "assign_add", operator.add)
 
 
 def assign_sub(storage, value):
-    value = _value_for(storage, value)
-    if isinstance(storage, tf.Variable):
-        storage.assign_sub(value, read_value=False)
-        return storage
-    return _write(storage, read(storage) - value)
+    return _update(storage, value, "assign_sub", operator.sub)
 
 
-# --- elementwise and reductions -------------------------------------------------
 def cast(x, dtype):
     x = _tensor(x)
     if isinstance(x, tf.Tensor):
@@ -252,17 +216,18 @@ def _unary(fn):
     return lambda x: fn(_tensor(x))
 
 
-def _binary(fn):
-    def op(x, y):
-        x, y = _tensor(x), _tensor(y)
-        # Python numbers take the tensor's dtype (TensorFlow does not promote).
-        if isinstance(x, tf.Tensor) and not isinstance(y, tf.Tensor):
-            y = tf.constant(y, dtype=x.dtype)
-        elif isinstance(y, tf.Tensor) and not isinstance(x, tf.Tensor):
-            x = tf.constant(x, dtype=y.dtype)
-        return fn(x, y)
+def _pair(x, y):
+    """`x` and `y` as tensors: a Python number takes the other's dtype (no promotion)."""
+    x, y = _tensor(x), _tensor(y)
+    if isinstance(x, tf.Tensor) and not isinstance(y, tf.Tensor):
+        y = tf.constant(y, dtype=x.dtype)
+    elif isinstance(y, tf.Tensor) and not isinstance(x, tf.Tensor):
+        x = tf.constant(x, dtype=y.dtype)
+    return x, y
 
-    return op
+
+def _binary(fn):
+    return lambda x, y: fn(*_pair(x, y))
 
 
 sqrt = _unary(tf.sqrt)
@@ -282,11 +247,7 @@ logical_and = _binary(tf.logical_and)
 
 
 def where(cond, x, y):
-    x, y = _tensor(x), _tensor(y)
-    if isinstance(x, tf.Tensor) and not isinstance(y, tf.Tensor):
-        y = tf.constant(y, dtype=x.dtype)
-    elif isinstance(y, tf.Tensor) and not isinstance(x, tf.Tensor):
-        x = tf.constant(x, dtype=y.dtype)
+    x, y = _pair(x, y)
     return tf.where(_tensor(cond), x, y)
 
 

@@ -1,16 +1,9 @@
 """Agreement across the replicas of a `tf.distribute` strategy.
 
-Inside `strategy.run` (a replica context with several replicas in sync),
-every replica checks its own gradients; before anything is written, the
-flags are all-reduced so that every replica takes the same skip decision
-and writes the same values into its copy of each mirrored variable. That is
-one scalar all-reduce per step and no `merge_call`: variable writes stay in
-replica context (the variables' aggregation is NONE, see
-`ops.variable_storage`). Outside any strategy, or with one replica, the
-flags are returned as they are.
-
-`tf.distribute` reduces by sum or mean only: `all_true` sums the replicas'
-"not finite" flags, `all_max` gathers the values and takes their maximum.
+Inside `strategy.run` the replicas' flags are all-reduced (one scalar, no
+`merge_call`), so every replica takes the same skip decision and writes the
+same values. `tf.distribute` reduces by sum or mean only: `all_true` sums
+"not finite" flags, `all_max` gathers the values.
 """
 
 import tensorflow as tf

@@ -1,24 +1,15 @@
 """PyTorch backend: in-place writes, device-resident scalars, branches on device values.
 
-The seam's primitives (`lossscale.backends.protocol.BackendOps`), gathered
-from the modules that implement them:
+The seam's primitives (`protocol.BackendOps`), from modules that import only
+those above them:
 
 - `control`: branches on device values (`cond`), undone where not taken;
 - `layout`: which gradients a kernel may walk as one block or write in place;
-- `ops`: tensors, in-place writes, elementwise math;
-- `scale_update`: the plain loss-scale update on `torch._amp_update_scale_`;
-- `multi`: multi-tensor unscale, finite check and norms, by (device, dtype);
-- `float16_range`: many gradients' float16 range in a fixed number of operations;
-- `plans`: an optimizer's tensor lists per (device, dtype), cached between steps;
-- `host`: a step's scalars computed on the host where their tensors live there
-  (Adam's step size on the CPU);
-- `foreach`: `torch._foreach_*` versions of the update rules;
-- `adamw`: decoupled weight decay as Keras 3's torch backend rounds it;
-- `fused`: Adam, AdamW and SGD on torch's fused kernels (traced on the CPU:
-  one opaque `lossscale::fused_adam_`);
-- `kernels`: the registry of those kernels, by the name an optimizer declares.
-
-Each module imports only those above it in this list.
+- `ops`, `scale_update` (on `torch._amp_update_scale_`), `multi` (unscale,
+  finite check, norms by device and dtype), `float16_range`;
+- `plans`: an optimizer's tensor lists per (device, dtype), cached;
+- `host`: a step's scalars computed on the host where their tensors live;
+- `foreach`, `adamw`, `fused`: the update rules; `kernels`: their registry.
 """
 
 import torch
@@ -37,6 +28,7 @@ from lossscale.backends.torch.multi import (
     finite_unscaled,
     global_norm,
     max_abs,
+    peaks,
     unscale,
     unscale_checked,
 )

@@ -1,20 +1,9 @@
-"""DTensor support: optimizer state sharded like the parameters it follows.
+"""DTensor support (FSDP2): optimizer state sharded like the parameters it follows.
 
-FSDP2 (`torch.distributed.fsdp.fully_shard`) turns a model's parameters and
-gradients into DTensors, each rank holding a shard. Optimizer code needs
-three things for them:
-
-- state made next to a sharded parameter is sharded the same way (`shard_like`),
-  so each rank keeps only its shard of the moments;
-- the step runs with DTensor's implicit replication (`replicating`): a plain
-  tensor met in DTensor arithmetic (the learning rate, the loss scale, a
-  cached constant) counts as replicated on every rank;
-- the CPU packing tricks, which copy tensors into one plain buffer, leave
-  DTensors alone (`is_dtensor`).
-
-Reductions over DTensors (norms, the finite check) are DTensor's own, global
-over the mesh. torch.distributed.tensor is consulted only once it has been
-imported: a DTensor cannot exist before.
+State made next to a sharded parameter is sharded alike (`shard_like`); the
+step runs under implicit replication (`replicating`), so plain scalars count
+as replicated; packing tricks leave DTensors alone (`is_dtensor`).
+torch.distributed.tensor is consulted only once imported.
 """
 
 import contextlib
@@ -42,21 +31,12 @@ def seen(x):
 
 
 def plain(x):
-    """`x` as a plain tensor: a DTensor's global value (its `full_tensor()`), else `x`.
-
-    For a value DTensor's own reductions made (the finite flag over sharded
-    gradients, a norm, a peak) that is the value every rank agrees on; the
-    process-group collectives take only plain tensors.
-    """
+    """`x` as a plain tensor: a DTensor's global value (its `full_tensor()`), else `x`."""
     return x.full_tensor() if is_dtensor(x) else x
 
 
 def shard_like(tensor, like):
-    """`tensor` (a plain tensor of `like`'s global shape) as a DTensor sharded like `like`.
-
-    Each rank keeps its own shard of the same global value (every rank made
-    it alike, so nothing is sent).
-    """
+    """`tensor` (a plain tensor of `like`'s global shape) as a DTensor sharded like `like`."""
     module = _module()
     return seen(
         module.distribute_tensor(

@@ -1,19 +1,9 @@
 """Multi-tensor (`torch._foreach_*`) versions of the optimizers' update rules.
 
-Each rule below is its optimizer's `update_step`, operation for operation in
-the same order and dtype, applied to a whole group of same-device,
-same-dtype tensors at once (see `plans`): a handful of multi-tensor
-kernel launches per step instead of a dozen small ones per variable. Writes
-go through `plans.Writer`, which selects on the device under the step's
-`keep` flag, so a skipped step changes nothing and reads nothing on the
-host.
-
-A rule is `rule(hyper, group, grads, lr, write, iterations)`: the
-optimizer's hyperparameters, one `plans.Group` (its parameters and the
-slots the optimizer class declares, by name), the group's gradients and
-learning rate, the `Writer` and the steps taken so far. Adding an optimizer
-is one rule and one entry in `kernels.KERNELS`. `tests/backends/torch/test_foreach.py`
-checks every entry against the generic path.
+Each rule is its optimizer's `update_step`, operation for operation in the
+same order and dtype, on one `plans.Group` at once; writes go through
+`plans.Writer`, so a skipped step changes nothing and reads nothing on the
+host. A rule is `rule(hyper, group, grads, lr, write, iterations)`.
 """
 
 import torch
@@ -36,14 +26,9 @@ def div(tensors, other):
 def _operand(tensors, other):
     """`other` as the factor or divisor of a multi-tensor product or quotient.
 
-    For a Python number and float32 tensors, a cached 0-d float32 tensor:
-    it multiplies and divides them bit for bit as the number does, and
-    torch's CPU kernels take it in well under half the time, as they wrap
-    a number into a new tensor for every tensor of the list (a product over
-    `many_small`'s 400 tensors: 530 against 1,284 us). Half-precision
-    tensors keep the number, which torch applies in float32 (a 0-d half
-    tensor would round it first); so do DTensors (a plain tensor beside
-    them is refused) and a traced step (the compiler folds numbers itself).
+    A Python number by float32 tensors becomes a cached 0-d float32 tensor:
+    the same result, and torch's CPU kernels take it faster. Half-precision
+    tensors (a 0-d half would round it), DTensors and traced steps keep it.
     """
     if (
         type(other) in (float, int)
@@ -57,12 +42,7 @@ def _operand(tensors, other):
 
 
 def scalar(value, group):
-    """`ops.cast(value, dtype)` as in `update_step`, as a 0-d tensor on the group's device.
-
-    A Python number becomes a cached device constant (made by a fill, not
-    copied from the host); a tensor is cast and, if it lives elsewhere,
-    moved.
-    """
+    """`ops.cast(value, dtype)` as in `update_step`, as a 0-d tensor on the group's device."""
     if not isinstance(value, torch.Tensor):
         return ops.constant(value, group.dtype, group.device)
     if value.dtype != group.dtype:
@@ -71,12 +51,7 @@ def scalar(value, group):
 
 
 def step_count(iterations, group):
-    """`ops.cast(iterations + 1, dtype)`: the step being taken.
-
-    The integer sum is cast as it is stored into the group's step buffer:
-    one kernel, and exact (adding 1.0 to a float32 copy of the count would
-    round twice past 2**24 steps).
-    """
+    """`ops.cast(iterations + 1, dtype)`: the step being taken, cast once (exact) in one kernel."""
     steps = ops.unwrap(iterations)
     if not isinstance(steps, torch.Tensor) or torch.compiler.is_compiling():
         return scalar(steps + 1, group)
@@ -84,11 +59,7 @@ def step_count(iterations, group):
 
 
 def make_kernel(rule):
-    """Wraps a per-group rule into a kernel (see `lossscale.backends.kernel`).
-
-    Args:
-        rule: `rule(hyper, group, grads, lr, write, iterations)`.
-    """
+    """Wraps `rule(hyper, group, grads, lr, write, iterations)` into a kernel."""
 
     def kernel(params, grads, slots, hyper, *, iterations, lr, cache, update_step=None, keep=None):
         del update_step  # every variable takes the rule
@@ -105,9 +76,6 @@ def make_kernel(rule):
 
     kernel.rule = rule
     return kernel
-
-
-# --- rules -------------------------------------------------------------------
 
 
 def sgd(hp, group, grads, lr, write, iterations):
@@ -139,8 +107,7 @@ def adam(hp, group, grads, lr, write, iterations):
 
 def _moment(write, slots, values, rate):
     """`slot += (value - slot) * rate`, the moving averages of Adam and kin."""
-    # Out of place: on CPU, the in-place `_foreach_mul_` by a Python number
-    # rounds differently from `tensor * number` in half precision.
+    # Out of place: on CPU, `_foreach_mul_` by a number rounds differently in half.
     return write.add(slots, mul(_sub(values, slots), rate))
 
 
@@ -234,11 +201,8 @@ def lion(hp, group, grads, lr, write, iterations):
 
 
 def ftrl(hp, group, grads, lr, write, iterations):
-    accumulators, linears, params = (
-        group.slots["accumulators"],
-        group.slots["linears"],
-        group.params,
-    )
+    accumulators, linears = group.slots["accumulators"], group.slots["linears"]
+    params = group.params
     # `ops.power(x, p)` raises to a 0-d tensor of x's dtype; so do these.
     power = [scalar(-hp.learning_rate_power, group)] * len(params)
     l2 = hp.l2_regularization_strength + hp.beta / (2.0 * lr)
@@ -264,8 +228,7 @@ def lamb(hp, group, grads, lr, write, iterations):
     denominator = torch._foreach_sqrt(div(v, 1.0 - beta_2_power))
     torch._foreach_add_(denominator, hp.epsilon)
     update = div(div(m, 1.0 - beta_1_power), denominator)
-    # The trust ratio is 1 unless both norms are positive, with a divisor
-    # kept nonzero, as in `Lamb.update_step`.
+    # The trust ratio as in `Lamb.update_step`.
     w_norm, u_norm = _norms(group.params), _norms(update)
     ratio = torch.where(
         (w_norm > 0) & (u_norm > 0), w_norm / torch.where(u_norm > 0, u_norm, 1.0), 1.0
@@ -274,9 +237,5 @@ def lamb(hp, group, grads, lr, write, iterations):
 
 
 def _norms(tensors):
-    """`sqrt(sum(square(x)))` of each tensor, as one vector.
-
-    The squares are rounded to the tensors' dtype first, as `ops.square`
-    rounds them, so half-precision norms match the generic path.
-    """
+    """`sqrt(sum(square(x)))` of each tensor, as one vector (squares rounded as `ops.square`)."""
     return torch.sqrt(torch.stack(torch._foreach_norm(mul(tensors, tensors), 1)))

@@ -1,27 +1,12 @@
 """Memory layouts: which tensors a kernel may walk as one block, or write in place.
 
-torch's fused optimizer kernels (`torch._fused_adam_`, `_fused_sgd_`) read
-each gradient's memory in the order of its parameter's, element for
-element; `torch._amp_foreach_non_finite_check_and_unscale_` and the other
-in-place divisions write every element of a gradient. Both need gradients
-whose elements each have their own address, laid out as their parameters
-are. A `.grad` that autograd accumulated is (torch's gradient layout
-contract), but `apply(grads, variables)` takes any tensors, and
-`torch.autograd.grad` returns others:
-
-- a channels-last gradient of a contiguous convolution weight, under a
-  channels-last input: read in the weight's order, its elements would be
-  applied to the wrong weights;
-- an expanded gradient (stride 0: the gradient of a weight used only
-  through a sum), whose elements share memory: the kernels would read
-  past it, and an in-place division fails;
-- gradients that are overlapping views of one buffer: divided in place,
-  their shared elements would be divided twice.
-
-Such a gradient is copied into its parameter's layout (`in_layout_of`), and
-divided in a copy rather than in place (`dense`, `disjoint`). A parameter that is not
-dense itself (a strided view made a parameter) takes the `foreach` kernels,
-which follow any strides (`fused._fusable`).
+torch's fused kernels read each gradient in its parameter's memory order,
+and in-place divisions write every element, so both need gradients laid out
+as their parameters, each element at its own address. `apply` takes any
+tensors (a channels-last gradient of a contiguous weight, an expanded one,
+overlapping views): such a gradient is copied into its parameter's layout
+(`in_layout_of`), and divided in a copy (`dense`, `disjoint`). A parameter
+that is not dense takes the `foreach` kernels.
 """
 
 import torch
@@ -33,9 +18,8 @@ _is_view = torch.Tensor._is_view
 def dense(tensor):
     """Whether `tensor`'s elements fill one block of memory, each at its own address.
 
-    A contiguous tensor is; so are channels-last and transposed ones (some
-    order of the dimensions is contiguous). An expanded tensor (stride 0)
-    or a strided slice is not.
+    Contiguous, channels-last and transposed tensors are; expanded and
+    strided ones are not.
     """
     if _is_contiguous(tensor):
         return True
@@ -54,10 +38,7 @@ def dense(tensor):
 def disjoint(tensors):
     """Whether no two of `tensors` share memory (given distinct tensors).
 
-    A tensor that is no view owns its memory (unless made to share it by
-    hand, with `set_`): only where some are views are the spans of memory
-    compared. Two interleaved views (`x[::2]` and `x[1::2]`) count as
-    sharing: the caller then copies, which is safe.
+    Only views' spans are compared; interleaved views count as sharing.
     """
     if not any(map(_is_view, tensors)):
         return True
@@ -83,15 +64,7 @@ def all_contiguous(tensors):
 
 
 def in_layout_of(tensors, params, params_contiguous):
-    """`tensors`, each laid out as its parameter in `params` (the same list if all are).
-
-    Args:
-        tensors: Tensors of the parameters' shapes (gradients).
-        params: The dense parameters, aligned with `tensors`.
-        params_contiguous: Whether every one of `params` is contiguous: then
-            a contiguous tensor needs no stride comparison (the common step
-            pays one C-level check per tensor).
-    """
+    """`tensors`, each laid out as its dense parameter in `params` (the same list if all are)."""
     if params_contiguous and all_contiguous(tensors):
         return tensors
     return [t if t.stride() == p.stride() else laid_out_as(t, p) for t, p in zip(tensors, params)]

@@ -300,6 +300,25 @@ def all_finite(arrays):
     return _combine(_group_flags(arrays)).all()
 
 
+def peaks(tensors):
+    """Each tensor's largest |x| (NaN where it holds a NaN), a 0-d tensor of its dtype.
+
+    One multi-tensor inf-norm per (device, dtype) group on an accelerator.
+    On CPU that norm is a slow generic reduction (about 7x a 2-norm); min
+    and max in one pass (`aminmax`) give the same values, bit for bit.
+    """
+    found = [None] * len(tensors)
+    for device, _, indices in groups(tensors):
+        group = [tensors[i] for i in indices]
+        if device.type == "cpu" and not dtensors.is_dtensor(group[0]):
+            values = [torch.maximum(high, -low) for low, high in map(torch.aminmax, group)]
+        else:
+            values = torch._foreach_norm(group, math.inf)
+        for i, value in zip(indices, values):
+            found[i] = value
+    return found
+
+
 def global_norm(arrays):
     arrays = [unwrap(a) for a in arrays]
     arrays = [a.float() if a.dtype.itemsize < 4 else a for a in arrays]

@@ -1,13 +1,8 @@
 """PyTorch backend.
 
-A `Variable` wraps a user's tensor or `nn.Parameter` without copying; reads
-of a parameter go through `.detach()` so optimizer arithmetic never records
-autograd history, and writes are in place so the user's module sees every
-update.
-
-Scalars an optimizer creates (learning rate, iterations, loss scale) live on
-the device of the first variable it was built with, so a step needs no
-host round trip.
+A `Variable` wraps a user's tensor or `nn.Parameter` without copying: reads
+are detached, writes in place. An optimizer's scalars live on its first
+variable's device, so a step needs no host round trip.
 """
 
 import numbers
@@ -41,11 +36,7 @@ def records_calls():
 
 
 def host_control():
-    """Whether a Python branch in a step is taken anew at each call: eager, not compiling.
-
-    Under `torch.compile` a branch on a host count would be a guard that
-    recompiles the step whenever the count changes.
-    """
+    """Whether a Python branch in a step is taken anew at each call: eager, not compiling."""
     return not torch.compiler.is_compiling()
 
 
@@ -70,13 +61,7 @@ def full(shape, value, dtype, like=None):
 
 
 def _placed_like(tensor, like):
-    """`tensor` as state made next to the parameter `like` (its slots) is kept.
-
-    Sharded as a sharded parameter is; laid out as a dense parameter of
-    another layout is (a channels-last weight's moments are channels-last,
-    as torch's optimizers make them): torch's fused kernels walk a
-    parameter and its slots as one block each, in the same order.
-    """
+    """`tensor` sharded or laid out as the parameter `like` it is state of (fused kernels)."""
     like = dtensors.seen(unwrap(like))
     if not isinstance(like, torch.Tensor) or tuple(tensor.shape) != tuple(like.shape):
         return tensor
@@ -113,18 +98,12 @@ def place(x, like):
 
 
 def read(storage):
-    # A parameter's reads must not record autograd history; optimizer state
-    # needs no detached alias (and each `detach` is one more dispatched op).
+    # A parameter's reads must not record autograd history; state needs no alias.
     return storage.detach() if storage.requires_grad else storage
 
 
 def _records(storage, value):
-    """Whether autograd would record an in-place write of `value` into `storage`.
-
-    Only then does a write need `torch.no_grad()`, a Python context that
-    costs about as much as the write itself (1.9 us of 4.5 for a 0-d
-    `add_`): optimizer state, a step count, a loss scale need none.
-    """
+    """Whether autograd would record an in-place write (only then is `no_grad` worth its cost)."""
     return torch.is_grad_enabled() and (
         storage.requires_grad or (isinstance(value, torch.Tensor) and value.requires_grad)
     )
@@ -143,8 +122,7 @@ def _write(write, storage, value):
 def assign(storage, value):
     value = unwrap(value)
     if dtensors.is_dtensor(value) and not dtensors.is_dtensor(storage):
-        # A replicated result of DTensor reductions (FSDP2's sharded
-        # gradients) stored in plain state: the loss-scale telemetry.
+        # A replicated DTensor result stored in plain state (telemetry).
         value = dtensors.plain(value)
     write = storage.copy_ if isinstance(value, torch.Tensor) else storage.fill_
     return _write(write, storage, value)
@@ -174,6 +152,10 @@ def _unary(fn):
     return lambda x: fn(_t(x))
 
 
+def _binary(fn):
+    return lambda x, y: fn(*_pair(x, y))
+
+
 sqrt = _unary(torch.sqrt)
 square = _unary(torch.square)
 abs = _unary(torch.abs)  # noqa: A001 - the seam's name for |x|
@@ -186,12 +168,9 @@ isfinite = _unary(torch.isfinite)
 logical_not = _unary(torch.logical_not)
 
 
-# Python numbers met in arithmetic become 0-d tensors made on the device by
-# a fill (`torch.full`), never copied from the host: a host-to-device copy of
-# pageable memory waits for the device. Each is made once per (value,
-# dtype, device) and only ever read. At most _CONSTANTS_KEPT are kept, the
-# oldest dropped first: a scheduler that moves a hyperparameter every step
-# (OneCycleLR's betas, say) makes a new one each step.
+# Python numbers met in arithmetic become 0-d tensors filled on the device
+# (a host copy would wait for it), once per (value, dtype, device); the oldest
+# go first past _CONSTANTS_KEPT (a scheduler may move a value every step).
 _CONSTANTS = {}
 _CONSTANTS_KEPT = 1024
 
@@ -234,20 +213,10 @@ def _like(value, tensor):
     return torch.as_tensor(value, dtype=tensor.dtype, device=tensor.device)
 
 
-def power(x, y):
-    return torch.pow(*_pair(x, y))
-
-
-def maximum(x, y):
-    return torch.maximum(*_pair(x, y))
-
-
-def minimum(x, y):
-    return torch.minimum(*_pair(x, y))
-
-
-def logical_and(x, y):
-    return torch.logical_and(*_pair(x, y))
+power = _binary(torch.pow)
+maximum = _binary(torch.maximum)
+minimum = _binary(torch.minimum)
+logical_and = _binary(torch.logical_and)
 
 
 def where(cond, x, y):
@@ -260,11 +229,7 @@ def clip(x, lo, hi):
 
 
 def stack(values):
-    """The scalar tensors `values` as one vector, on the first one's device.
-
-    Values on other devices (a model split over devices) are copied there
-    without a host wait; a DTensor gives its global value.
-    """
+    """The scalar tensors `values` as one vector, on the first one's device (no host wait)."""
     values = [dtensors.plain(_t(v)) for v in values]
     device = values[0].device
     return torch.stack([v.to(device, non_blocking=True) for v in values])
@@ -277,20 +242,15 @@ def sum(x):  # noqa: A001
 def all_max(x, group=None):
     """The maximum of `x` (elementwise; NaN where any rank's is) over the ranks of `group`.
 
-    The default group if `group` is None.
-
-    Does nothing unless torch.distributed is initialised with more than one
-    rank. One small all-reduce; with NCCL it is queued on the device stream
-    like any kernel, so it adds no host synchronisation.
+    One small all-reduce, without host synchronisation on NCCL; nothing
+    unless several ranks run.
     """
     x = unwrap(x)
-    if not _several_ranks(group):
+    if not several_participants(group):
         return x
     x = dtensors.plain(x)  # torch.distributed's collectives refuse DTensors
     values = x.detach().to(torch.float32)
-    # A rank's NaN is dropped by the backends' MAX where another rank holds
-    # a number (gloo keeps or drops it by position): whether any rank held
-    # one travels beside the values, in the same all-reduce.
+    # MAX may drop a rank's NaN: whether any rank held one travels beside.
     both = torch.stack([values, values.isnan().to(torch.float32)])
     torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
     return torch.where(both[1] > 0, float("nan"), both[0]).to(x.dtype)
@@ -299,7 +259,7 @@ def all_max(x, group=None):
 def all_true(flag, group=None):
     """Whether boolean scalar `flag` holds on every rank of `group` (see `all_max`)."""
     flag = unwrap(flag)
-    if not _several_ranks(group):
+    if not several_participants(group):
         return flag
     flag = dtensors.plain(flag)  # torch.distributed's collectives refuse DTensors
     reduced = flag.detach().to(torch.float32).clone()
@@ -310,7 +270,7 @@ def all_true(flag, group=None):
 def all_gather(x, group=None):
     """`x` of every rank of `group`, stacked along a new first axis (one collective)."""
     x = unwrap(x)
-    if not _several_ranks(group):
+    if not several_participants(group):
         return x[None]
     x = dtensors.plain(x).detach().contiguous()
     out = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
@@ -319,11 +279,7 @@ def all_gather(x, group=None):
 
 
 def several_participants(group=None):
-    """Whether torch.distributed runs with more than one rank in `group` (see `all_max`)."""
-    return _several_ranks(group)
-
-
-def _several_ranks(group):
+    """Whether torch.distributed runs with more than one rank in `group`."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:

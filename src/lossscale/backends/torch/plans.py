@@ -1,22 +1,13 @@
 """The tensor lists torch's multi-tensor kernels take, kept between steps.
 
-torch's `_foreach_*` and `_fused_*` kernels take lists of tensors on one
-device and of one dtype. `plan(params, slots, cache)` splits the variables
-of one step into such groups, each holding the parameter storages and the
-matching slot storages (`slots[name][i]` beside `params[i]`).
+`plan(params, slots, cache)` splits a step's variables into groups of one
+device and dtype, each holding the parameter storages and the matching slot
+storages. A plan is kept in the optimizer's kernel `cache` and reused while
+the same variables and slots are bound to the same tensors (an identity
+check sees every rebinding: `stateless_apply`, a load, a device move).
 
-Building the lists costs a Python loop over every variable; a model with
-hundreds of small tensors would pay it on every step. So a plan is kept in
-the optimizer's kernel `cache` and reused while it still describes the
-step: the same variables in the same order, each variable and slot still
-bound to the same tensor. `stateless_apply` binds copies for the length of one call, a load or
-a device move may replace a storage; the identity check (a C-level `is`
-over every storage, tens of microseconds for hundreds of tensors) sees
-every such rebinding and the plan is rebuilt.
-
-`Writer` performs a kernel's writes: in place when the step has no `keep`
-flag, and as `where(keep, new, old)` into the same storage when it has one,
-so a skipped step leaves every tensor bit for bit as it was.
+`Writer` performs a kernel's writes: in place, or as `where(keep, new, old)`
+into the same storage, so a skipped step leaves every tensor as it was.
 """
 
 import operator
@@ -32,16 +23,10 @@ _storage_of = operator.attrgetter("storage")
 class Group:
     """Variables of one device and dtype, with their slots.
 
-    Attributes:
-        device, dtype: Those of the parameters (and slots) in the group.
-        indices: Positions of the group's variables in the `variables` (and
-            `grads`) list the plan was made for.
-        params: The parameters' storages.
-        slots: `{slot name: [storage, ...]}`, aligned with `params`.
-        dense: Whether every parameter is `layout.dense` and each of its
-            slots laid out as it is: what torch's fused kernels, which walk
-            each tensor's memory as one block, need (else the `foreach`
-            kernels, which follow any strides).
+    `indices` are the group's positions in the plan's variables; `params` and
+    `slots` (`{slot name: [storage, ...]}`) hold storages; `dense`: whether
+    every parameter and its slots are laid out alike and `layout.dense`, as
+    torch's fused kernels need.
     """
 
     __slots__ = (
@@ -70,34 +55,20 @@ class Group:
         self._pair = None
 
     def step_buffer(self):
-        """A 0-d tensor of the group's dtype and device, kept with the plan.
-
-        Written by `foreach.step_count` each step: `torch.add(..., out=)`
-        casts an integer sum into it in the same kernel.
-        """
+        """A 0-d tensor of the group's dtype and device, kept (`foreach.step_count`)."""
         if self._step is None:
             self._step = torch.empty((), dtype=self.dtype, device=self.device)
         return self._step
 
     def pair_buffer(self):
-        """`(pair, (first, second))`: a 2-element tensor of the group's dtype, and views of it.
-
-        Kept with the plan, views made once: a kernel writes a pair of
-        scalars into it (`torch.sub(..., out=pair)`) and reads each element
-        without an `unbind` or `select` per step.
-        """
+        """`(pair, (first, second))`: a 2-element tensor of the group's dtype, and views of it."""
         if self._pair is None:
             pair = torch.empty(2, dtype=self.dtype, device=self.device)
             self._pair = (pair, (pair[0], pair[1]))
         return self._pair
 
     def grads(self, grads):
-        """This group's gradients, cast to its dtype as `update_step` does.
-
-        Each is laid out as its parameter (`layout.in_layout_of`: copied
-        where it is not), so a kernel may walk both as one block and write
-        the gradient in place.
-        """
+        """This group's gradients, cast as `update_step` does and laid out as the params."""
         if not self._whole:
             grads = [grads[i] for i in self.indices]
         dtype = self.dtype
@@ -125,18 +96,9 @@ class Plan:
 
 
 def plan(params, slots, cache, purpose="update"):
-    """Returns the (cached) `Plan` of `params` and their `slots`.
-
-    Args:
-        params: The `Variable`s of this step, in order.
-        slots: `{slot name: [Variable, ...]}`, each list aligned with `params`.
-        cache: The optimizer's kernel cache (a dict kept between steps).
-        purpose: Which kernel the plan is for: plans for other lists of
-            variables (weight decay's, say) are kept apart.
-    """
+    """Returns the `Plan` of `params` and their `slots`, kept in `cache` (per `purpose`)."""
     if torch.compiler.is_compiling():
-        # A compiled step builds its lists once, at trace time; the cache
-        # (identity checks) is for eager steps.
+        # A compiled step builds its lists once, at trace time.
         return _make(params, slots)
     key = ("torch plan", purpose, tuple(slots))
     cached = cache.get(key)
@@ -160,9 +122,7 @@ def _make(variables, slots):
     groups = []
     for (device, dtype), entries in members.items():
         indices = [position for position, _, _ in entries]
-        # Detached aliases share memory (and version counter) with the
-        # storages; torch's kernels take them several times faster than
-        # `nn.Parameter`s, whose in-place updates go through autograd checks.
+        # Detached aliases: faster in torch's kernels than `nn.Parameter`s.
         params = [storage.detach() for _, storage, _ in entries]
         group_slots = {
             name: [own[k].storage.detach() for _, _, own in entries]
@@ -175,12 +135,8 @@ def _make(variables, slots):
 def derived(cache, key, source, make):
     """`make(source)`, kept in `cache` under `key` while `source` is the same, unwritten tensor.
 
-    For 0-d values derived from a learning rate, which moves only when a
-    schedule or a user sets it: the tensor itself is kept with its version
-    counter (which every in-place write advances), so a step pays nothing
-    for them. Made at every call for a Python number, under `torch.compile`
-    (the compiler folds the arithmetic into the step) and for an inference
-    tensor (which keeps no version counter).
+    The tensor is kept with its version counter. Made at every call for a
+    Python number, under `torch.compile` and for an inference tensor.
     """
     if (
         not isinstance(source, torch.Tensor)
@@ -193,35 +149,23 @@ def derived(cache, key, source, make):
     if made is not None and made[0] is source and made[1] == version:
         return made[2]
     value = make(source)
-    # The tensor itself is kept: an `is` check on a live object cannot be
-    # fooled by a new tensor at a recycled address.
+    # The tensor itself: an `is` check cannot be fooled by a recycled address.
     cache[key] = (source, version, value)
     return value
 
 
-# Under a `keep` flag, the small tensors of a write are gathered into one flat
-# buffer pair and selected there at once: four kernels whatever their number
-# (a launch per tensor would make a step of many small tensors launch-bound).
-# A tensor too large to pack takes its own `where`, which is then memory-bound.
-# Which tensors are packed is `multi.split_small`'s rule, the finite check's
-# (two float32 buffers of at most `multi.PACK_CAPACITY` elements, kept between
-# steps, per thread, for the last few tensor lists).
+# Under a `keep` flag, the small tensors of a write (`multi.split_small`) are
+# selected at once in a flat buffer pair, kept per thread for the last few
+# tensor lists: four kernels whatever their number. A large one takes its own `where`.
 _SELECT_BUFFERS = threading.local()
 _BUFFERS_KEPT = 4
 
 
 class Writer:
-    """In-place multi-tensor writes that take effect only where `keep` holds.
+    """In-place multi-tensor writes that take effect only where `keep` (None: always) holds.
 
-    Each method writes into `targets` and returns the values written (what a
-    later read of the targets would see if the step is taken), so the rest
-    of a kernel can go on computing from them.
-
-    Args:
-        keep: None (write), or the step's boolean 0-d tensor.
-        device: The device of the tensors written.
-        found_inf: None, or `keep` as torch's AMP flag (float32, 1.0: skip),
-            made by the caller's check: `found_inf()` returns it.
+    Each method returns the values written; `found_inf` is `keep` in torch's
+    AMP form, if the caller made it.
     """
 
     def __init__(self, keep, device, found_inf=None):
@@ -253,12 +197,9 @@ class Writer:
         return self._select(targets, values)
 
     def _select(self, targets, values):
-        # torch has no multi-tensor select: small tensors are selected in a
-        # packed copy, large ones each in its own memory.
         keep = self.keep
         small, large = multi.split_small(targets)
-        # Packing copies into plain buffers: not for DTensors (sharded state),
-        # nor while torch.compile traces (the compiler fuses the selects).
+        # Not for DTensors, nor while torch.compile traces (it fuses the selects).
         packable = not torch.compiler.is_compiling() and not dtensors.is_dtensor(targets[0])
         if len(small) > 1 and packable:
             new, new_views, old, old_views = _buffers([targets[i] for i in small])
@@ -273,17 +214,12 @@ class Writer:
         return values
 
     def found_inf(self):
-        """`1.0` where the step is skipped, for kernels taking a `found_inf` flag.
-
-        What torch's fused optimizer kernels take (they skip the update where
-        it is exactly 1.0), as `torch.amp.GradScaler` passes it.
-        """
+        """`1.0` where the step is skipped, as torch's fused kernels take it (`GradScaler`'s)."""
         if self.keep is None:
             return None
         if self._found_inf is not None:  # the caller's check made it: no select
             found = self._found_inf
             return found if found.device == self.device else found.to(self.device)
-        # One kernel: a select between two cached constants.
         return torch.where(
             self.keep,
             ops.constant(0.0, torch.float32, self.device),

@@ -1,9 +1,4 @@
-"""`update_scale`: the plain loss-scale update in torch's own `_amp_update_scale_` kernel.
-
-The fast path of `next_loss_scale` for a plain policy (`fused_scale_update`
-in the kernel table), and `lossscale.torch.GradScaler`'s whole update; tested
-against `next_loss_scale`'s generic selects.
-"""
+"""`update_scale`: the plain loss-scale update in torch's own `_amp_update_scale_` kernel."""
 
 import torch
 
@@ -22,22 +17,13 @@ def update_scale(
     in_place=False,
     scale_at_least=0.0,
 ):
-    """The plain loss-scale update in torch's `_amp_update_scale_` kernel.
+    """The plain loss-scale update in torch's `_amp_update_scale_` kernel (GradScaler's).
 
-    That kernel (GradScaler's) does what `next_loss_scale` does for a plain
-    policy: on overflow it backs off and resets the counter; otherwise it
-    counts, and on the `growth_steps`-th step grows unless the result is not
-    finite, and resets. It does not stop a backoff at `floor`, so the floor
-    is applied after it, on overflowing steps only (`max(scale, skip *
-    floor)`: the scale is positive). It works in place on an int32 counter
-    and a float32 scale: with `in_place` it updates those given, else copies.
-
-    `scale_at_least` is a lower bound of `scale` known on the host (0.0:
-    none). Where it shows that a backoff cannot take the scale below `floor`
-    the floor is not applied (no operation); where it shows the scale is at
-    least `floor`, a growth or an unchanged scale stays above it, so the
-    floor is applied on every step (one operation, not two). `finite` may
-    be None where `skip` is given.
+    The kernel does not stop a backoff at `floor`, so the floor is applied
+    after it, on overflowing steps only. With `in_place` an int32 counter and
+    a float32 scale are updated where they are. `scale_at_least` (a host
+    lower bound of `scale`) can spare the floor or apply it unconditionally.
+    `finite` may be None where `skip` is given.
     """
     scale, counter = ops.unwrap(scale), ops.unwrap(counter)
     if skip is None:
@@ -52,11 +38,9 @@ def update_scale(
     torch._amp_update_scale_(
         new_scale, new_counter, skip, growth_factor, backoff_factor, growth_steps
     )
-    # Rounding the backed-off scale to float32 keeps it at or above `floor`
-    # (a float32 number) where the exact product is; the host's product is
-    # shrunk past its own double-precision rounding (2**-53 per operation).
+    # The host's product is shrunk past its own double-precision rounding.
     if scale_at_least * backoff_factor * (1 - 2.0**-50) < floor:
         new_scale.clamp_min_(floor if scale_at_least >= floor else skip * floor)
-    if new_scale is scale:  # updated in place: nothing to cast back (a call saved per step)
+    if new_scale is scale:  # updated in place: nothing to cast back
         return new_scale, new_counter
     return new_scale.to(scale.dtype), new_counter.to(counter.dtype)
