@@ -89,16 +89,9 @@ class PersistentWatch:
 def check_state(ops, policy, watch, read, summary, variable_count=None):
     """A front end's `check()`: the persistent watch, then the fail-fast limits.
 
-    Args:
-        ops: The backend module of the state.
-        policy: The `LossScalePolicy`.
-        watch: The front end's `PersistentWatch`.
-        read: `field name -> value` of the state.
-        summary: `() -> summary dict`, called only for a message or a hook.
-        variable_count: How many variables a step has (for the messages).
-
-    Raises:
-        LossScaleError: A crossed limit, or a persistent skip under "raise".
+    `read(field)` gives a state field's value; `summary()` is called only for
+    a message or a hook. Raises `LossScaleError` for a crossed limit, or a
+    persistent skip under "raise"; reads nothing where neither applies.
     """
     if policy.records_details and not watch.seen:
         if policy.fails_fast or watch.reads_every_step:

@@ -475,7 +475,7 @@ class LossScaleOptimizer(Optimizer):
 
     # --- observers: where an overflow started --------------------------------
     def register_step_observer(
-        self, observer: Any, parameter_names: Sequence[tuple[Any, str]] | None = None
+        self, observer: Any, *, parameter_names: Sequence[tuple[Any, str]] | None = None
     ) -> ObserverHandle:
         """Calls `observer.on_step(finite, step)` in every `apply`, with device values.
 
@@ -500,9 +500,7 @@ class LossScaleOptimizer(Optimizer):
 
     def _variable_names(self) -> list[str]:
         """The model variables' names: a registered observer's where it has one, else paths."""
-        names = {}
-        for observer in self._observers:
-            names.update(self._observer_names.get(id(observer), {}))
+        names = {k: n for o in self._observers for k, n in self._observer_names[id(o)].items()}
         return [names.get(id(v.storage), v.path) for v in self._trainable_variables]
 
     def _notify_observers(self, finite: Array, step_index: Array | None) -> None:

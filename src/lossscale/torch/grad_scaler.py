@@ -1,19 +1,14 @@
 """`GradScaler`: `torch.amp.GradScaler`'s API and defaults on lossscale's state machine.
 
-A subclass of torch's class, with torch's methods overridden in torch's
-order (`scale`, `unscale_`, `step`, `update`, then the settings and state
-dicts). It keeps torch's machinery where that machinery is the behaviour
-users rely on: `scale` (tensors and nested outputs), the per-optimizer
-stages of `unscale_` and `step` with their errors, the fused optimizers'
-`grad_scale` / `found_inf` protocol, and torch's check-and-unscale kernel,
-which multiplies each gradient by the float32 reciprocal of the scale and
-so gives the same unscaled gradients and the same skip decisions. Its
-`update` is the loss-scale step's (`mixed_precision.step.advance`: on a
-plain policy that is torch's own `_amp_update_scale_` kernel), and it adds
-what torch's lacks: the extras of `LossScalePolicy`, agreement over a
-process group, and a guard against gradients that overflow only once
-unscaled. Its extra state is made, saved and checked in `scaler_state`;
-the last float16 ranges are kept in `scaler_ranges`.
+A subclass of torch's class, its methods overridden in torch's order. It
+keeps torch's machinery where users rely on it (`scale`, the stages of
+`unscale_` and `step` with their errors, the fused optimizers' `grad_scale`
+/ `found_inf` protocol, torch's check-and-unscale kernel: the same unscaled
+gradients and skips). Its `update` is the loss-scale step's
+(`mixed_precision.step.advance`), with what torch's lacks: the extras of
+`LossScalePolicy`, agreement over a process group, and a guard against
+gradients that overflow only once unscaled. Its extra state lives in
+`scaler_state`, the last float16 ranges in `scaler_ranges`.
 """
 
 from __future__ import annotations
@@ -163,20 +158,10 @@ class GradScaler(torch.amp.GradScaler):
         >>> p.tolist(), scaler.get_scale(), scaler.summary()["skipped_steps"]
         ([0.5, 0.5], 512.0, 1)
 
-    In a training loop:
-
-    ```python
-    scaler = lossscale.torch.GradScaler("cuda", max_consecutive_skips=50)
-    for x, y in data:
-        optimizer.zero_grad()
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = loss_fn(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)               # optional: clip unscaled grads
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(optimizer)                   # skipped if any grad overflowed
-        scaler.update()
-    ```
+    In a training loop, as torch's: `scaler.scale(loss).backward()`,
+    optionally `scaler.unscale_(optimizer)` and clipping, then
+    `scaler.step(optimizer)` (skipped if any gradient overflowed) and
+    `scaler.update()`.
     """
 
     def __init__(
@@ -238,30 +223,21 @@ class GradScaler(torch.amp.GradScaler):
         self._process_group = process_group
         self._allow_fp16_gradients = allow_fp16_gradients
         self._last_skip = None  # the last update's overflow flag, on the device (1.0: skipped)
-        # The extra state fields: Python values until the scale exists, then
-        # 0-d tensors beside it (see `scaler_state`).
+        # The extra fields: Python values until the scale exists, then 0-d tensors.
         self._extra_start = scaler_state.initial_values(policy)
         self._extras = None
-        # A lower bound of the scale known on the host, without reading the
-        # device (see `_unscaling_may_overflow`).
-        self._scale_bound = 0.0
-        # Updates so far, counted on the host (the diagnostics cadence), the
-        # telemetry's per-parameter records by name, the last float16 ranges
-        # (`scaler_ranges`), and the step observers by id.
+        self._scale_bound = 0.0  # a lower bound of the scale (`_unscaling_may_overflow`)
+        # Updates counted on the host (the diagnostics cadence), and the count
+        # the device's `steps` holds (a plain update counts on the host only).
         self._host_steps = self._extra_start.get("steps", 0)
-        # The count the device's `steps` holds: a plain update counts on the
-        # host only, and the device's count is written where it is next
-        # read (`_written_steps`).
         self._device_steps = self._host_steps
-        self._per_variable = {}
+        self._per_variable = {}  # the telemetry's per-parameter records by name
         self._ranges = ParameterRanges()
         self._observers = {}
-        # What the host diagnoses between steps (`mixed_precision.diagnosis`).
         self._persistent = diagnosis.PersistentWatch(on_persistent)
         self._scale_use = diagnosis.ScaleUse("GradScaler", float(init_scale))
         self._agreement = diagnosis.Agreement(agreement_every)
-        # The scale-1 check's constant operands, by device (`_check_only`).
-        self._check_units = {}
+        self._check_units = {}  # the scale-1 check's constant operands, by device
 
     @property
     def policy(self) -> LossScalePolicy:
@@ -592,10 +568,7 @@ class GradScaler(torch.amp.GradScaler):
         policy = self._policy
         measuring = self._measures_now()
         if policy.is_plain:
-            # Torch's kernel alone (`loss_scale.plain_update`): with
-            # diagnostics the count of steps is kept on the host, an
-            # operation fewer per step, and written where it is next read
-            # (`_written_steps`).
+            # Torch's kernel alone; a count of steps stays on the host (`_written_steps`).
             if measuring:
                 self._record_ranges(states)
                 self._extras["range_step"].fill_(self._host_steps)
