@@ -12,6 +12,7 @@ Lightning, Accelerate and torch.distributed in test_grad_scaler_ecosystem.py.
 import contextlib
 import copy
 import doctest
+import math
 import subprocess
 import sys
 import warnings
@@ -1541,3 +1542,78 @@ def test_scale_misuse_is_refused_or_warned():
     other.update(2.0**9)
     with pytest.warns(ScaleMismatchWarning, match="the scale changed between scaling the loss"):
         other.step(optimizer)
+
+
+def _poisoned_run(scaler, kind, poison, steps=8):
+    """`(scales, weights)` of a few steps; `poison(step, named, scale)` edits the scaled gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(
+        {"embed": torch.nn.Embedding(4096, 80), "head": torch.nn.Linear(80, 16)}
+    )  # 327,680 values in the largest gradient
+    fused = kind == "fused"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused, foreach=not fused)
+    scales = []
+    for step in range(steps):
+        tokens = torch.randint(0, 4096, (64,))
+        loss = model["head"](model["embed"](tokens)).square().mean()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        poison(step, dict(model.named_parameters()), scaler.get_scale())
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales, [p.detach().clone() for p in model.parameters()]
+
+
+def _poison(huge, expected):
+    """Puts inf/NaN at the edges and at random positions (and 3e38 at step 6 if `huge`).
+
+    Records in `expected` the non-finite parameters of each step by the
+    float64 reference: inf or NaN scaled, or beyond float32 once unscaled.
+    """
+    rng = np.random.default_rng(7)
+    hits = {1: [("embed.weight", 0)], 3: [("embed.weight", -1), ("head.bias", 5)]}
+    hits[5] = [("head.weight", None), ("embed.weight", None)]  # random positions
+    hits[6] = [("head.weight", None)] if huge else []
+    values = {1: math.inf, 3: math.nan, 5: -math.inf, 6: 3e38}
+
+    def poison(step, named, scale):
+        for name, at in hits.get(step, []):
+            flat = named[name].grad.view(-1)
+            flat[int(rng.integers(flat.numel())) if at is None else at] = values[step]
+        with np.errstate(over="ignore"):
+            bad = [
+                name
+                for name, p in named.items()
+                if not np.isfinite(np.float32(np.abs(p.grad.double().numpy()).max() / scale))
+            ]
+        if bad:
+            expected[step] = sorted(bad)
+
+    return poison
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+@pytest.mark.parametrize("init_scale", [2.0**10, 2.0**-3])
+def test_telemetry_flags_each_gradient_in_torchs_own_check(kind, init_scale):
+    """On CPU each parameter's flag comes from torch's check, one gradient per call.
+
+    torch's weights and scales bit for bit, and the overflow records of the
+    float64 reference; below scale 1 a finite gradient that overflows once
+    unscaled is flagged too (ours skips that step, torch's applies it: it is
+    compared to the reference only).
+    """
+    ours = lt.GradScaler("cpu", init_scale=init_scale, growth_interval=3, telemetry=True)
+    theirs = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=3)
+    expected = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", lossscale.PersistentSkipWarning)
+        b = _poisoned_run(ours, kind, _poison(init_scale < 1, expected))
+        a = _poisoned_run(theirs, kind, _poison(False, {}))
+        records = ours.summary()["overflows"]
+    names = {"group0.param0": "embed.weight", "group0.param1": "head.weight"}
+    names["group0.param2"] = "head.bias"
+    assert {r["step"]: sorted(names[v] for v in r["variables"]) for r in records} == expected
+    assert set(expected) == ({1, 3, 5, 6} if init_scale < 1 else {1, 3, 5})
+    if init_scale >= 1:
+        assert a[0] == b[0] and cases.same_weights(a[1], b[1])

@@ -71,9 +71,8 @@ def inspect(
             values = stacked if dtype is None else ops.cast(stacked / scale, dtype)
             checked.append(values)
             if policy.records_details:
-                each = ops.isfinite(values)
-                for j, i in enumerate(members):
-                    flags[i] = each[j]
+                for i, flag in zip(members, ops.unstack(ops.isfinite(values))):
+                    flags[i] = flag
     finite = ops.isfinite(ops.max_abs(checked)) if checked else ops.isfinite(like)
     peak = None
     if policy.growth_policy == "headroom":

@@ -169,17 +169,14 @@ def next_loss_scale(
 
     step = state.steps
     new.update(_counted(ops, state, policy, measured))
+    vectors = {}  # per-variable fields, one vector each: a few ops for any model
     if policy.records_details:
         new["skipped"] = ops.where(finite, state.skipped, state.skipped + 1)
         new["last_overflow_step"] = ops.where(finite, state.last_overflow_step, step)
         new["scale_history"] = state.scale_history[1:] + (scale,)
-        new["nonfinite"] = tuple(
-            ops.logical_and(old, finite)
-            if ok is None
-            else ops.where(finite, old, ops.logical_not(ok))
-            for old, ok in zip(state.nonfinite, variable_finite)
-        )
-        persistent = _persistent(ops, state, overflow, variable_finite)
+        bad_now = _bad_now(ops, variable_finite, finite)
+        bad_before = ops.stack(state.nonfinite) if bad_now is not None else None
+        persistent = _persistent(ops, state, overflow, bad_now, bad_before)
         new["streak_scale"] = ops.where(
             finite,
             _zero(scale),
@@ -192,7 +189,15 @@ def next_loss_scale(
             _zero(step) + PERSISTENT,
             ops.where(state.loss_finite == 0, _zero(step) + NONFINITE_LOSS, _zero(step) + OVERFLOW),
         )
-        new.update(_overflow_window(ops, state, overflow, step, variable_finite, cause, policy))
+        new.update(_overflow_window(ops, state, overflow, step, cause))
+        if bad_now is not None:
+            bits = ops.stack(state.overflow_bits)
+            # The field's own dtype: Keras keeps int fields as int64 on TensorFlow.
+            shifted = (
+                bits * 2 + ops.cast(bad_now, ops.dtype_name(bits))
+            ) % 2**policy.history_length
+            vectors["nonfinite"] = (bad_before, ops.where(finite, bad_before, bad_now))
+            vectors["overflow_bits"] = (bits, ops.where(overflow, shifted, bits))
 
     if policy.fails_fast:
         # Only an overflow's backoff fails: an early one below `min_scale` is not taken.
@@ -214,6 +219,8 @@ def next_loss_scale(
         new = {
             name: _select(ops, frozen, getattr(state, name), value) for name, value in new.items()
         }
+        vectors = {name: (old, ops.where(frozen, old, v)) for name, (old, v) in vectors.items()}
+    new.update({name: ops.unstack(v) for name, (_, v) in vectors.items()})
     return replaced(state, **new)
 
 
@@ -328,7 +335,18 @@ def _largest(ops, values, like):
     return out
 
 
-def _persistent(ops, state, overflow, variable_finite):
+def _bad_now(ops, variable_finite, finite):
+    """Whether each variable's gradient is non-finite now, one vector; None for no variable.
+
+    A variable without a gradient (None) counts as finite.
+    """
+    if not variable_finite:
+        return None
+    true = finite == finite  # a device True: a Python one would be a host-to-device copy
+    return ops.logical_not(ops.stack([true if ok is None else ok for ok in variable_finite]))
+
+
+def _persistent(ops, state, overflow, bad_now, bad_before):
     """Whether this skip is persistent: no back-off can clear it.
 
     The step before was skipped too, the streak's back-offs lowered the
@@ -340,41 +358,29 @@ def _persistent(ops, state, overflow, variable_finite):
         ops.logical_and(state.streak_scale < scale * PERSISTENT_DROP, scale > 1)
     )
     condition = ops.logical_and(ops.logical_and(overflow, state.consecutive_skips > 0), dropped)
-    flags = [(ok, old) for ok, old in zip(variable_finite, state.nonfinite) if ok is not None]
-    if not flags:
+    if bad_now is None:
         return ops.logical_and(condition, scale < 0)  # no variable known: never
-    bad_now = ops.logical_not(ops.stack([ok for ok, _ in flags]))
-    bad_before = ops.stack([old for _, old in flags])
     new_ones = ops.logical_and(bad_now, ops.logical_not(bad_before))
     same = ops.logical_and(
-        ops.logical_not(ops.max_abs([ops.cast(new_ones, "float32")]) > 0),
-        ops.max_abs([ops.cast(bad_now, "float32")]) > 0,
+        ops.logical_not(ops.sum(ops.cast(new_ones, "float32")) > 0),
+        ops.sum(ops.cast(bad_now, "float32")) > 0,
     )
     return ops.logical_and(condition, same)
 
 
-def _overflow_window(ops, state, overflow, step, variable_finite, cause, policy):
-    """The overflow window's fields after this step: shifted by one entry on an overflow."""
-    new = {
+def _overflow_window(ops, state, overflow, step, cause):
+    """The overflow window's scalar fields after this step: shifted by one entry on an overflow."""
+    return {
         "overflow_steps": _shifted(ops, overflow, state.overflow_steps, step),
         "overflow_loss": _shifted(ops, overflow, state.overflow_loss, state.loss_finite),
         "overflow_cause": _shifted(ops, overflow, state.overflow_cause, cause),
         "loss_finite": _zero(state.loss_finite) - 1,
     }
-    wrap = 2**policy.history_length
-    bits = []
-    for old, ok in zip(state.overflow_bits, variable_finite):
-        # The field's own dtype: Keras keeps int fields as int64 on TensorFlow.
-        bad = 0 if ok is None else ops.cast(ops.logical_not(ok), ops.dtype_name(old))
-        bits.append(ops.where(overflow, (old * 2 + bad) % wrap, old))
-    new["overflow_bits"] = tuple(bits)
-    return new
 
 
 def _shifted(ops, pred, history, value):
     """`history` with `value` appended (oldest dropped) where `pred` holds."""
-    moved = history[1:] + (value,)
-    return tuple(ops.where(pred, m, h) for m, h in zip(moved, history))
+    return ops.unstack(ops.where(pred, ops.stack(history[1:] + (value,)), ops.stack(history)))
 
 
 def _select(ops, pred, old, new):

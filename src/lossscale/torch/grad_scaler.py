@@ -296,27 +296,68 @@ class GradScaler(torch.amp.GradScaler):
 
     def _unscale_and_check(self, optimizer, inv_scale, found_inf, allow_fp16, recheck):
         self._check_process_group()
-        # Both measured on the scaled gradients, before they are unscaled in place.
-        peak = self._inspect(optimizer)
         measured = self._measure(optimizer)  # the scaled gradients' float16 range
-        found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        if recheck:
-            # The same kernel at scale 1 writes every value back unchanged
-            # and flags the unscaled gradients that are not finite.
-            found = gradients.merge_flags(found, self._check_only(optimizer))
+        found, peak = self._unscale(optimizer, inv_scale, found_inf, allow_fp16, recheck)
         self._per_optimizer_states[id(optimizer)]["measured"] = measured
         return self._agreed(optimizer, found, peak)
 
-    def _check_only(self, optimizer):
-        # torch's `_unscale_grads_` only reads `one` and copies `zero` per
-        # device: both are made once per device (two allocations a step less).
-        device = self._scale.device
+    def _unscale(self, optimizer, inv_scale, found_inf, allow_fp16, recheck):
+        """torch's `_unscale_grads_` with the policy's statistics (`_inspect`): `(found, peak)`.
+
+        With `recheck`, the same kernel at scale 1 then writes every value
+        back unchanged and flags the unscaled gradients that are not finite.
+
+        Telemetry on CPU without a peak to measure calls torch's kernel once
+        per dense gradient (it runs one gradient at a time there anyway),
+        each with its own flag: the parameters' flags come from the pass
+        that checks them, where a reduction over every gradient more would
+        cost more than the rest of the telemetry. The values and flags are
+        the kernel's, as in the one call.
+        """
+        policy = self._policy
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not (
+            policy.records_details
+            and policy.growth_policy != "headroom"
+            and inv_scale.device.type == "cpu"
+            and all(type(g) is torch.Tensor and g.device.type == "cpu" for g in grads)
+            and not any(g.is_sparse for g in grads)
+        ):
+            peak = self._inspect(optimizer)  # on the scaled gradients, before the unscaling
+            found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            if recheck:
+                found = gradients.merge_flags(found, self._check_only(optimizer))
+            return found, peak
+        if not allow_fp16 and any(g.dtype == torch.float16 for g in grads):
+            raise ValueError("Attempting to unscale FP16 gradients.")  # torch's, before any write
+        named = [(name, g) for name, g in self._named_gradients(optimizer) if g.numel()]
+        flags = torch.zeros(len(named))  # 1.0 where the gradient is not finite
+        with torch.no_grad():
+            factors = (inv_scale, self._units(inv_scale.device)[0]) if recheck else (inv_scale,)
+            for factor in factors:
+                for (_, grad), flag in zip(named, flags.unbind()):
+                    torch._amp_foreach_non_finite_check_and_unscale_([grad], flag, factor)
+        finite = dict(zip([name for name, _ in named], _OPS.unstack(flags == 0)))
+        self._per_optimizer_states[id(optimizer)]["finite_per_parameter"] = finite
+        # torch's flag: a copy of `found_inf` (shape and dtype), 1.0 if a gradient was not finite.
+        found = found_inf.to(inv_scale.device, copy=True)
+        if named:
+            found.masked_fill_(flags.amax() > 0, 1.0)
+        return ({inv_scale.device: found} if grads else {}), None
+
+    def _units(self, device):
+        """`(one, zero)` on `device`, made once: the scale-1 check's operands."""
         units = self._check_units.get(device)
         if units is None:
             with torch.inference_mode(False):  # usable in and out of inference mode
                 units = (torch.ones((), device=device), torch.zeros((), device=device))
             self._check_units[device] = units
-        one, zero = units
+        return units
+
+    def _check_only(self, optimizer):
+        # torch's `_unscale_grads_` only reads `one` and copies `zero` per
+        # device: both are made once per device (two allocations a step less).
+        one, zero = self._units(self._scale.device)
         return super()._unscale_grads_(optimizer, one, zero, True)
 
     def _check_process_group(self):
@@ -379,7 +420,7 @@ class GradScaler(torch.amp.GradScaler):
             for group in mesh_groups:
                 bad = _OPS.all_max(bad, group)
             finite = bad == 0
-            state["finite_per_parameter"] = {name: finite[i] for i, name in enumerate(names)}
+            state["finite_per_parameter"] = dict(zip(names, _OPS.unstack(finite)))
         peak = found.peak
         if peak is not None:
             for group in mesh_groups:
@@ -533,9 +574,9 @@ class GradScaler(torch.amp.GradScaler):
             )
             state["stage"] = OptState.UNSCALED
         else:
-            peak = self._inspect(optimizer)
             state["measured"] = self._measure(optimizer)
-            found = self._check_only(optimizer)
+            one, zero = self._units(self._scale.device)
+            found, peak = self._unscale(optimizer, one, zero, True, recheck=False)
             state["found_inf_per_device"] = self._agreed(optimizer, found, peak)
         return state["found_inf_per_device"]
 

@@ -23,6 +23,7 @@ module gets its own. Forwards without gradients record nothing.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -144,13 +145,14 @@ class Watch:
 
     def _all_finite(self, tensors):
         """Whether every value of `tensors` is finite, a boolean on the flags' device."""
-        # One pass per tensor (its peak), where `isfinite(t).all()` makes four.
+        # One pass per tensor (its peak), where `isfinite(t).all()` makes four;
+        # `peak < inf` is False for inf and NaN, in one operation.
         peaks = [
             n.to(self._device, non_blocking=True)
             for n in _OPS.peaks([stored_values(t.detach()) for t in tensors])
         ]
         peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).amax()
-        return torch.isfinite(peak)
+        return peak < math.inf
 
     def _parameter_hook(self, index):
         def hook(grad):
@@ -164,7 +166,7 @@ class Watch:
     @staticmethod
     def _first(origin, hit, index):
         """Sets `origin` to `index` where `hit` and no module was recorded yet."""
-        origin.copy_(torch.where(hit & (origin < 0), index, origin))
+        origin.masked_fill_(hit & (origin < 0), index)
 
     # -- the observer protocol -------------------------------------------------
     def on_step(self, finite: torch.Tensor, step: torch.Tensor | int) -> None:

@@ -66,5 +66,6 @@ from lossscale.backends.jax.ops import (
     stack,
     sum,
     to_numpy,
+    unstack,
     where,
 )

@@ -152,6 +152,11 @@ def stack(values):
     return jnp.stack([unwrap(v) for v in values])
 
 
+def unstack(x):
+    """The entries of the vector `x`, as scalars."""
+    return tuple(x[i] for i in range(x.shape[0]))
+
+
 def sum(x):  # noqa: A001 - the seam's name for a full reduction
     return jnp.sum(unwrap(x))
 

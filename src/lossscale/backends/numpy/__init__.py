@@ -62,5 +62,6 @@ from lossscale.backends.numpy.ops import (
     to_numpy,
     unscale,
     unscale_checked,
+    unstack,
     where,
 )

@@ -121,6 +121,11 @@ def stack(values):
     return np.stack([np.asarray(unwrap(v)) for v in values])
 
 
+def unstack(x):
+    """The entries of the vector `x`, as 0-d arrays."""
+    return tuple(x[i, ...] for i in range(len(x)))
+
+
 def unscale(grads, scale, in_place=False):
     # NumPy leaves the caller's arrays alone despite `in_place`.
     scale = unwrap(scale)

@@ -61,6 +61,7 @@ from lossscale.backends.tensorflow.ops import (
     stack,
     sum,
     to_numpy,
+    unstack,
     variable_storage,
     where,
 )

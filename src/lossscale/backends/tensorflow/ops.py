@@ -256,6 +256,11 @@ def stack(values):
     return tf.stack([_tensor(v) for v in values])
 
 
+def unstack(x):
+    """The entries of the vector `x`, as scalars."""
+    return tuple(tf.unstack(x))
+
+
 def clip(x, lo, hi):
     x = _tensor(x)
     return tf.clip_by_value(x, tf.cast(lo, x.dtype), tf.cast(hi, x.dtype))

@@ -73,6 +73,7 @@ from lossscale.backends.torch.ops import (
     stack,
     sum,
     to_numpy,
+    unstack,
     where,
 )
 

@@ -311,7 +311,11 @@ def peaks(tensors):
     for device, _, indices in groups(tensors):
         group = [tensors[i] for i in indices]
         if device.type == "cpu" and not dtensors.is_dtensor(group[0]):
-            values = [torch.maximum(high, -low) for low, high in map(torch.aminmax, group)]
+            lows, highs = zip(*map(torch.aminmax, group))
+            if len(group) == 1:
+                values = [torch.maximum(highs[0], -lows[0])]
+            else:  # one dispatch per operation, not per tensor
+                values = torch.maximum(torch.stack(highs), -torch.stack(lows)).unbind()
         else:
             values = torch._foreach_norm(group, math.inf)
         for i, value in zip(indices, values):

@@ -230,9 +230,19 @@ def clip(x, lo, hi):
 
 def stack(values):
     """The scalar tensors `values` as one vector, on the first one's device (no host wait)."""
+    if type(values[0]) is torch.Tensor:
+        try:  # plain tensors on one device (the state's fields): one dispatch
+            return torch.stack(values)
+        except (TypeError, RuntimeError):
+            pass
     values = [dtensors.plain(_t(v)) for v in values]
     device = values[0].device
     return torch.stack([v.to(device, non_blocking=True) for v in values])
+
+
+def unstack(x):
+    """The entries of the vector `x`, as 0-d views (one dispatch)."""
+    return x.unbind()
 
 
 def sum(x):  # noqa: A001
