@@ -112,9 +112,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         arguments = dict(locals())  # first: holds exactly the named arguments
         settings = {f.name: arguments[f.name] for f in dataclasses.fields(LossScalePolicy)}
         # What a persistent skip triggers reads the overflow window.
-        settings["telemetry"] = telemetry or (
-            diagnosis.check_on_persistent(on_persistent) != "warn"
-        )
+        settings["telemetry"] = telemetry or diagnosis.check_on_persistent(on_persistent) != "warn"
         backend = keras.backend.backend()
         if backend not in BACKENDS:
             raise ValueError(

@@ -25,9 +25,8 @@ OVERFLOW = 0
 NONFINITE_LOSS = 1
 PERSISTENT = 2
 CAUSES = {OVERFLOW: "overflow", NONFINITE_LOSS: "nonfinite_loss", PERSISTENT: "persistent"}
-# A skip is persistent once back-offs have lowered the scale by this factor
-# since its streak began (or the scale is at most 1) and the same
-# variables are still non-finite.
+# A skip is persistent once back-offs lowered the scale by this factor since its streak
+# began (or the scale is at most 1) and the same variables are still non-finite.
 PERSISTENT_DROP = 2.0**8
 
 

@@ -337,10 +337,7 @@ def advance(
 
 
 def _finite_unscaled_as(ops, group, scale, dtype):
-    """Whether every one of `group`, divided by `scale` and cast to `dtype`, is finite.
-
-    A narrower dtype than float32 is checked on the divided peak, cast to it.
-    """
+    """Whether `group / scale`, cast to `dtype`, is finite (narrower dtypes: on the peak)."""
     if dtype in ("float32", "float64"):
         return ops.finite_unscaled(group, scale)
     return ops.isfinite(ops.cast(ops.max_abs(group) / scale, dtype))
@@ -353,10 +350,6 @@ def _agreed_columns(ops, columns, participants):
     if participants.measurements == "peaks":
         # The statistics policy decides on these two: each takes the largest, alike.
         zero, subnormal, near, peak = columns
-        return (
-            zero,
-            subnormal,
-            ops.all_max(near, participants.group),
-            ops.all_max(peak, participants.group),
-        )
+        group = participants.group
+        return zero, subnormal, ops.all_max(near, group), ops.all_max(peak, group)
     return columns

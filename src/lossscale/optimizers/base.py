@@ -88,8 +88,7 @@ class Optimizer:
 
     # False for the loss-scale wrapper: step count and learning rate are its inner optimizer's.
     _owns_step_state = True
-    # The backend kernel equal to this class's `update_step`; not inherited, as a
-    # subclass may change the rule.
+    # The backend kernel equal to `update_step`; not inherited (a subclass may change the rule).
     update_kernel: str | None = None
     # Slot-list attributes the kernel gets as `slots`, keyed without the leading "_".
     kernel_slots: tuple = ()
@@ -143,8 +142,7 @@ class Optimizer:
         self._trainable_variables = []
         self._indices = {}
         self._wrappers = {}
-        # `(arrays, variables)` of the last `apply`: the same arrays resolve at once.
-        self._last_resolved = None
+        self._last_resolved = None  # `(arrays, variables)` of the last `apply`
         self._exclusions = WeightDecayExclusions()
         if self._owns_step_state:
             self._iterations = self.add_variable(
@@ -465,10 +463,8 @@ class Optimizer:
                 "variables must have been created). Call `optimizer.build(trainable_variables)`."
             )
         own, model = self.variables, self._trainable_variables
-        optimizer_variables, trainable_variables = (
-            list(optimizer_variables),
-            list(trainable_variables),
-        )
+        optimizer_variables = list(optimizer_variables)
+        trainable_variables = list(trainable_variables)
         gradients.check_values("optimizer_variables", optimizer_variables, own)
         gradients.check_values("trainable_variables", trainable_variables, model)
         grads = list(grads)

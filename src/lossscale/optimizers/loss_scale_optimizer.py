@@ -27,8 +27,7 @@ from lossscale.variables import Variable
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-# Base-optimizer arguments and their defaults: the wrapper accepts only the
-# defaults, since these settings belong to the inner optimizer.
+# Base-optimizer arguments the wrapper accepts only at these defaults: they are the inner one's.
 _INNER_ONLY = {
     "weight_decay": None,
     "clipnorm": None,
@@ -176,9 +175,7 @@ class LossScaleOptimizer(Optimizer):
         arguments = dict(locals())  # first: holds exactly the named arguments
         settings = {f.name: arguments[f.name] for f in dataclasses.fields(LossScalePolicy)}
         # What a persistent skip triggers reads the overflow window.
-        settings["telemetry"] = telemetry or (
-            diagnosis.check_on_persistent(on_persistent) != "warn"
-        )
+        settings["telemetry"] = telemetry or diagnosis.check_on_persistent(on_persistent) != "warn"
         if not kwargs.pop("dynamic", True):
             raise ValueError(
                 "LossScaleOptimizer no longer supports `dynamic=False`. Instead, set "
@@ -524,8 +521,7 @@ class LossScaleOptimizer(Optimizer):
     def summary(self, optimizer_variables: Sequence[Array] | None = None) -> dict[str, Any]:
         """Returns the loss-scale state as a dict of Python values, for loggers.
 
-        Reads the device (a synchronisation): call it when logging, not
-        inside the step.
+        Reads the device (a synchronisation): call it when logging, not inside the step.
 
         Args:
             optimizer_variables: Optional values for `optimizer.variables`
@@ -608,8 +604,7 @@ class LossScaleOptimizer(Optimizer):
     def _build_over_native(self, inner) -> None:
         """Builds over `inner.parameters()` where the state has per-variable fields.
 
-        So a state dict saved or loaded before the first step holds them
-        too, as the first step would build them.
+        So a state dict saved or loaded before the first step holds them too.
         """
         if self.built or not any(state_layout.per_variable(f) for f in state_fields(self.policy)):
             return

@@ -1,14 +1,8 @@
 """`GradScaler`: `torch.amp.GradScaler`'s API and defaults on lossscale's state machine.
 
-A subclass of torch's class, its methods overridden in torch's order. It
-keeps torch's machinery where users rely on it (`scale`, the stages of
-`unscale_` and `step` with their errors, the fused optimizers' `grad_scale`
-/ `found_inf` protocol, torch's check-and-unscale kernel: the same unscaled
-gradients and skips). Its `update` is the loss-scale step's
-(`mixed_precision.step.advance`), with what torch's lacks: the extras of
-`LossScalePolicy`, agreement over a process group, and a guard against
-gradients that overflow only once unscaled. Its extra state lives in
-`scaler_state`, the last float16 ranges in `scaler_ranges`.
+A subclass keeping torch's stages, errors, fused-optimizer protocol and
+check-and-unscale kernel; its `update` is `mixed_precision.step.advance`.
+Its extra state lives in `scaler_state`, the last float16 ranges in `scaler_ranges`.
 """
 
 from __future__ import annotations
@@ -103,7 +97,8 @@ class GradScaler(torch.amp.GradScaler):
             keep the last scales and the overflow window, read by
             `summary()`: for each of the last `history_length` overflows
             its step, whether the scaled loss was finite (checked by
-            `scale`), the parameters whose gradients were not (one
+            `scale`), the parameters whose gradients were not (on the CPU
+            from torch's own check, one call per gradient; elsewhere one
             multi-tensor norm per step) and, with `watch(model, scaler)`,
             the module where it started.
         diagnostics_every: Int >= 1 or `None`. Every this many `update()`s
@@ -227,8 +222,7 @@ class GradScaler(torch.amp.GradScaler):
         self._extra_start = scaler_state.initial_values(policy)
         self._extras = None
         self._scale_bound = 0.0  # a lower bound of the scale (`_unscaling_may_overflow`)
-        # Updates counted on the host (the diagnostics cadence), and the count
-        # the device's `steps` holds (a plain update counts on the host only).
+        # Updates counted on the host, and the count the device's `steps` holds.
         self._host_steps = self._extra_start.get("steps", 0)
         self._device_steps = self._host_steps
         self._per_variable = {}  # the telemetry's per-parameter records by name
@@ -282,13 +276,11 @@ class GradScaler(torch.amp.GradScaler):
         self._extras = {**self._extras, "loss_finite": torch.where(current == 0, current, ok)}
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        # `unscale_` (inherited: its stage checks and errors are torch's)
-        # calls this with the float32 reciprocal of the scale.
+        # Called by the inherited `unscale_` (torch's stage checks and errors).
         allow_fp16 = allow_fp16 or self._allow_fp16_gradients
         if self._scale is None:
-            # Called directly before any `scale()`, as torch's own tests, apex
-            # and some trainers do: torch's unscale of the given factor, with
-            # nothing of ours to add (no scale to check against, no state yet).
+            # Called directly before any `scale()` (torch's tests, apex, some
+            # trainers): no scale to check against, no state yet.
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         return self._unscale_and_check(
             optimizer, inv_scale, found_inf, allow_fp16, self._unscaling_may_overflow()
@@ -304,15 +296,10 @@ class GradScaler(torch.amp.GradScaler):
     def _unscale(self, optimizer, inv_scale, found_inf, allow_fp16, recheck):
         """torch's `_unscale_grads_` with the policy's statistics (`_inspect`): `(found, peak)`.
 
-        With `recheck`, the same kernel at scale 1 then writes every value
-        back unchanged and flags the unscaled gradients that are not finite.
-
-        Telemetry on CPU without a peak to measure calls torch's kernel once
-        per dense gradient (it runs one gradient at a time there anyway),
-        each with its own flag: the parameters' flags come from the pass
-        that checks them, where a reduction over every gradient more would
-        cost more than the rest of the telemetry. The values and flags are
-        the kernel's, as in the one call.
+        With `recheck`, the same kernel at scale 1 then flags the unscaled
+        gradients that are not finite. Telemetry on CPU without a peak calls
+        the kernel once per dense gradient, each with its own flag: one more
+        reduction per gradient would cost more than the rest of the telemetry.
         """
         policy = self._policy
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -371,15 +358,11 @@ class GradScaler(torch.amp.GradScaler):
             )
 
     def _unscaling_may_overflow(self):
-        """Whether a finite scaled gradient may overflow once unscaled.
+        """Whether a finite scaled gradient may overflow once unscaled: only with a scale below 1.
 
-        Only if the scale is below 1: a reciprocal <= 1 (or a division by a
-        scale >= 1) cannot take a finite value out of range. The host keeps
-        a lower bound of the scale (exact when the scale was set or read,
-        times `backoff_factor` per update since) and reads the scale, once,
-        only when that bound falls below 1: with optimizers that torch's
-        scaler reads anyway (every step) never while the scale is >= 2, and
-        with fused optimizers once per about log2(scale) steps. Every rank
+        The host keeps a lower bound of the scale (exact when set or read, times
+        `backoff_factor` per update since) and reads the scale, once, only when that bound
+        falls below 1: for fused optimizers once per about log2(scale) steps. Every rank
         holds the same bound, so all take the same path.
         """
         if self._scale_bound >= 1.0:
@@ -388,14 +371,10 @@ class GradScaler(torch.amp.GradScaler):
         return not self._scale_bound >= 1.0
 
     def _inspect(self, optimizer):
-        """The policy's statistics of the scaled gradients: `inspection.inspect`.
+        """Keeps each parameter's finite flag in the optimizer's state; returns the peak or None.
 
-        Keeps each parameter's finite flag (telemetry) by name in the
-        optimizer's state, and returns the largest scaled magnitude
-        (`growth_policy="headroom"`), or None. Each gradient's peak is one
-        multi-tensor norm per device and dtype; a DTensor's (FSDP2) is its
-        shard's, and a parameter is non-finite, and the peak the largest,
-        over every rank's shard: every rank reports the same.
+        A DTensor's (FSDP2) flag and peak are taken over every rank's shard,
+        so every rank reports the same.
         """
         policy = self._policy
         state = self._per_optimizer_states[id(optimizer)]
@@ -433,11 +412,7 @@ class GradScaler(torch.amp.GradScaler):
         return policy.diagnoses and self._host_steps % policy.diagnostics_every == 0
 
     def _measure(self, optimizer):
-        """`(names, columns)`: the float16 range of the optimizer's scaled gradients, or None.
-
-        None off a due step. `columns` are `diagnostics.measure_all`'s four
-        vectors, entry i the gradient of `names[i]`.
-        """
+        """`(names, `diagnostics.measure_all` columns)` of the scaled gradients, or None."""
         if not self._measures_now():
             return None
         named = self._named_gradients(optimizer)
@@ -459,10 +434,7 @@ class GradScaler(torch.amp.GradScaler):
         return [name for name, _ in named], tuple(columns)
 
     def _named_gradients(self, optimizer, sparse_values=False):
-        """`(name, gradient)` of the optimizer's dense local gradients.
-
-        With `sparse_values`, a sparse gradient's stored values too.
-        """
+        """`(name, gradient)` of the dense local gradients (`sparse_values`: sparse ones' too)."""
         known = {k: v for _, names in self._observers.values() for k, v in names.items()}
         out = []
         for g, group in enumerate(optimizer.param_groups):
@@ -540,27 +512,21 @@ class GradScaler(torch.amp.GradScaler):
         return super().step(optimizer, *args, **kwargs)
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
-        # torch reads the overflow flag on the host here (an optimizer without
-        # a fused kernel).
+        # torch reads the overflow flag on the host here (no fused kernel).
         if self._found_inf_on_host(optimizer_state):
             return None
         return optimizer.step(*args, **kwargs)
 
     def _found_inf_on_host(self, optimizer_state):
-        """Whether the optimizer's gradients overflowed: its flags, read on the host.
-
-        The scale comes back in the same copy, which keeps `_scale_bound`
-        exact.
-        """
+        """Whether the gradients overflowed, read with the scale (keeps `_scale_bound` exact)."""
         device = self._scale.device
         flags = [f.to(device).reshape(()) for f in optimizer_state["found_inf_per_device"].values()]
         found, self._scale_bound = torch.stack([torch.stack(flags).sum(), self._scale]).tolist()
         return bool(found)
 
     def _check_inf_per_device(self, optimizer):
-        # `step` calls this for an optimizer that unscales inside its own
-        # kernel (`_step_supports_amp_scaling`): it divides by the scale as
-        # it reads each gradient, so only the scaled values are checked here.
+        # For an optimizer that unscales inside its own kernel
+        # (`_step_supports_amp_scaling`): only the scaled values are checked here.
         self._check_scale_growth_tracker("step")
         self._check_process_group()
         state = self._per_optimizer_states[id(optimizer)]
@@ -671,9 +637,7 @@ class GradScaler(torch.amp.GradScaler):
     def _after_update(self):
         """The host's reads after an update: a persistent skip, the ranks' agreement, the limits.
 
-        With a fail-fast limit, one read per update (as in LossScaleOptimizer)
-        brings the error, the persistent step and the scale (which keeps
-        `_scale_bound` exact).
+        One read brings the error, the persistent step and the scale (keeps `_scale_bound` exact).
         """
         policy, watch = self._policy, self._persistent
         reads = [self._extras["error"]] if policy.fails_fast else []
@@ -717,12 +681,9 @@ class GradScaler(torch.amp.GradScaler):
         return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
 
     def _telemetry_state(self, states):
-        """The telemetry's per-parameter fields for `next_loss_scale`.
+        """`(names, {field: tuple}, variable_finite)` of every parameter checked so far.
 
-        Returns:
-            `(names, fields, variable_finite)`: the parameter names (every
-            one checked so far), `{field: tuple}` in that order, and
-            `variable_finite` (None where a parameter had no gradient).
+        `variable_finite` is None where a parameter had no gradient.
         """
         fields = scaler_state.telemetry_fields(self._policy)
         finite = {}
@@ -782,8 +743,7 @@ class GradScaler(torch.amp.GradScaler):
         """The `LossScaleState` the scaler holds, with `per_variable`'s fields lent to it."""
         scale = self._scale
         if self._policy.records_details:
-            # The history keeps this step's scale, which `update` then
-            # overwrites in place: it gets a copy.
+            # The history keeps this step's scale, which `update` overwrites in place.
             scale = scale.clone()
         return LossScaleState(
             scale=scale,
@@ -1037,9 +997,7 @@ class GradScaler(torch.amp.GradScaler):
     def _per_variable_values(self):
         """`(names, {field: list of Python values})`, read in one transfer.
 
-        The names are the telemetry's (every parameter checked), then any
-        only measured; a field a parameter has no value of reads as its
-        initial value.
+        Checked parameters first, then measured ones; a missing value reads as its initial one.
         """
         policy = self._policy
         fields = scaler_state.telemetry_fields(policy)

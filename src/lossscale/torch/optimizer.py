@@ -117,8 +117,7 @@ class Optimizer(torch.optim.Optimizer):
         }
         defaults.update({key: _read(optimizer, key) for key in self._tunable})
         self._rules = []
-        # Each group's float "lr" as its rule last received it (a change is assigned).
-        self._rule_lrs = []
+        self._rule_lrs = []  # each group's float "lr" as its rule last received it
         self.last_step_applied = None
         self._agreement = diagnosis.Agreement(agreement_every)
         self._process_group = process_group

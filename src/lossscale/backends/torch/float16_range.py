@@ -21,15 +21,10 @@ about fifteen operations for any number of gradients:
   four vectors;
 - on a device whose memory the host reads without waiting (the CPU:
   `multi.HOST_READABLE`), NumPy builds the same table instead, in the
-  buffers' own memory (`_host_counts`): the smallest magnitude and each
-  gradient's largest (its peak) say which classes are present at all;
-  only those are compared over the buffer, and their members counted per
-  gradient, by bisection where they are few and by sums where they are
-  many. Most gradients hold few or no zeros, subnormals or values near
-  the maximum: the whole `measure` of `tiny`'s 28 gradients takes 0.10
-  ms and of `gpt`'s 29 (1.0M elements) 0.41 ms, where counting every
-  class by sums took 0.29 and 1.2, and the histogram on the CPU 0.38 and
-  4.1.
+  buffers' own memory, counting only the classes present (`_host_counts`):
+  `measure` of `tiny`'s 28 gradients takes 0.10 ms and of `gpt`'s 29 (1.0M
+  elements) 0.41 ms, where counting every class by sums took 0.29 and 1.2,
+  and the histogram on the CPU 0.38 and 4.1.
 
 Gradients of `multi.PACK_BELOW` elements or more (or past
 `multi.PACK_CAPACITY` packed: the finite check's packing rule) are measured
@@ -50,8 +45,7 @@ import torch
 
 from lossscale.backends.torch import dtensors, multi
 
-# Buffers by (device, inference mode, shapes), one set per thread; the last
-# few kept.
+# Buffers by (device, inference mode, shapes), one set per thread; the last few kept.
 _BUFFERS = threading.local()
 _BUFFERS_KEPT = 4
 # Classes per gradient in the histogram: zero, subnormal, normal, near, NaN.
@@ -91,9 +85,7 @@ def measure(grads, subnormal_below, near_from):
         or len({g.device for g in grads}) > 1
     ):
         return None
-    # Magnitudes compared as bit patterns: zero is 0, a subnormal lies
-    # under `subnormal`, near the maximum from `near` up to inf, NaN above
-    # inf. The thresholds compare as float32, as in `measure`.
+    # Magnitudes compared as bit patterns (`_Edges`); thresholds as float32, as in `measure`.
     edges = _Edges(_bits(subnormal_below), _bits(near_from), _INF_BITS)
     packed, alone = _chunks(grads)
     with torch.no_grad():
@@ -130,10 +122,8 @@ def _magnitudes(grads, packed):
 def _magnitude_chunks(grad):
     """The float32 magnitudes of one gradient, `multi.PACK_CAPACITY` elements at a time.
 
-    Each chunk is written into the one scratch buffer kept for gradients
-    measured alone, over the last (its consumers run before the next is
-    written: on the host at once, on a GPU in stream order), so measuring
-    a gradient of any size takes at most that buffer.
+    Each chunk overwrites the last in the one scratch buffer (its consumers run before
+    the next is written: on the host at once, on a GPU in stream order).
     """
     flat = _flat(grad)
     size = flat.numel()
@@ -151,9 +141,8 @@ def _magnitude_chunks(grad):
 def _flat(grad):
     """`grad`'s elements as one dimension: a view in memory order where its layout is dense.
 
-    The measurement counts and takes a largest value: the elements' order
-    does not matter, so a channels-last or transposed gradient is not
-    copied; one whose elements do not fill a block of memory is.
+    The elements' order does not matter to the measurement, so a channels-last or
+    transposed gradient is not copied; one whose elements do not fill a block is.
     """
     if not grad.is_contiguous():
         order = sorted(range(grad.dim()), key=grad.stride, reverse=True)
@@ -193,8 +182,7 @@ def _measured_on_the_device(grads, packed, alone, edges):
         table = torch.cat([counts.float() / buffers.sizes, peaks[:, None]], dim=1)
         if not alone:
             return table
-    # In the gradients' order: a run of packed gradients (their indices
-    # ascend) is a slice of the packed table.
+    # In the gradients' order: a run of packed ones (indices ascend) is a slice of `table`.
     ordered, row, i, alone = [], 0, 0, set(alone)
     while i < len(grads):
         if i in alone:
@@ -272,8 +260,7 @@ def _per_tensor(mask, starts):
     if hits * _SPARSE_BELOW < mask.size:  # a few: each one's tensor found by bisection
         owners = np.searchsorted(starts, np.flatnonzero(mask), side="right") - 1
         return np.bincount(owners, minlength=len(starts))
-    # Many: the booleans summed per tensor, in 32 bits where they fit (half
-    # the time of 64-bit sums).
+    # Many: the booleans summed per tensor, in 32 bits where they fit (half the time of 64).
     dtype = np.int32 if mask.size < 2**31 else np.int64
     return np.add.reduceat(mask.view(np.uint8), starts, dtype=dtype).astype(np.int64)
 
@@ -308,8 +295,7 @@ class _Buffers:
         rows = torch.arange(0, len(sizes) * _CLASSES, _CLASSES, dtype=torch.int32)
         self.offsets = torch.repeat_interleave(rows, torch.tensor(sizes)).to(device)
         self.sizes = torch.tensor(sizes, dtype=torch.float32).to(device)[:, None]
-        # Where each tensor's elements start, and the sizes (NumPy's counts
-        # on the CPU).
+        # Where each tensor's elements start, and the sizes (NumPy's counts on the CPU).
         self.starts = np.cumsum([0, *sizes[:-1]])
         self.host_sizes = np.array(sizes, np.float32)[:, None]
 

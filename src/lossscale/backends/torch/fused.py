@@ -20,11 +20,8 @@ host it goes into `torch._fused_adamw_` where that rounds as Keras-on-torch
 (`adamw.folded_rate`), else it is `adamw`'s own multi-tensor product
 before the update.
 
-Gradients still multiplied by a loss scale (`grad_scale`, what
-`torch.amp.GradScaler` hands a fused optimizer) are divided by it inside
-the kernel as it reads them, and written back unscaled, as torch's fused
-optimizers do: the same division as `torch._foreach_div_`, bit for bit
-(tests/backends/torch/test_fused.py), and no pass of its own over the gradients.
+Gradients still multiplied by a loss scale (`grad_scale`) are divided inside the
+kernel, bit for bit as `torch._foreach_div_`, with no pass of its own over them.
 
 SGD. Keras keeps `m = momentum * m - lr * g` and adds `m` to the weights;
 torch keeps `buf = momentum * buf + (1 - dampening) * g` and subtracts
@@ -58,11 +55,9 @@ _INFINITE_STEPS = {}
 def _fusable(group):
     """Whether `group` takes torch's fused kernel (else the `foreach` rule).
 
-    Not in half precision (see the module doc), not under `torch.compile`:
-    torch has no fake implementation of the fused optimizer kernels to
-    trace them with (but see `_opaque`), and not for parameters that are
-    not laid out as one block each (`Group.dense`): the kernels walk
-    memory as if they were.
+    Not in half precision (see the module doc), not under `torch.compile` (no
+    fake implementation; see `_opaque`), not for parameters that are not one
+    block each (`Group.dense`): the kernels walk memory as if they were.
     """
     return group.dtype in _FUSED_DTYPES and group.dense and not torch.compiler.is_compiling()
 
@@ -112,14 +107,10 @@ def adam(
 ):
     """`Adam.update_step` (and `AdamW`'s, which is the same) on every variable.
 
-    Under `keep` the kernel itself skips the update where it is False
-    (`found_inf`): no select afterwards, no host read. `grad_scale`: None,
-    or a scale still multiplied into `grads`, divided out in the kernel.
-    `found_inf`: None, or `keep` in torch's AMP form, made by the caller's
-    check (used as it is: not made again from `keep`). `weight_decay`: None,
-    or the rate by which every parameter given decays first, as
-    Keras-on-torch decays it (`adamw`): inside `torch._fused_adamw_` where
-    that is exact (`adamw.folded_rate`), else as a kernel of its own.
+    Under `keep` the kernel itself skips the update where it is False. `grad_scale`:
+    None, or a scale still in `grads`. `found_inf`: None, or `keep` in torch's AMP
+    form, used as it is. `weight_decay`: None, or the rate every parameter decays
+    by first (see the module doc).
     """
     del update_step  # every variable takes a kernel
     purpose = "update" if weight_decay is None else "decayed update"
@@ -177,9 +168,7 @@ def adam(
 def _fused_adam(group, tensors, alpha, hyper, fold=None, grad_scale=None, found_inf=None):
     """`torch._fused_adam_` (`_fused_adamw_` given a `fold`) on `group`, at step size `alpha`.
 
-    `tensors`: the group's gradients, momentums, velocities and (amsgrad)
-    velocity maxima. `hyper`: anything with `beta_1`, `beta_2`, `epsilon`
-    and `amsgrad`.
+    `tensors`: the gradients, momentums, velocities and (amsgrad) velocity maxima.
     """
     kernel = torch._fused_adam_ if fold is None else torch._fused_adamw_
     kernel(
@@ -198,11 +187,9 @@ def _fused_adam(group, tensors, alpha, hyper, fold=None, grad_scale=None, found_
     )
 
 
-# `lossscale::fused_adam_`: a traced Adam step on the CPU as one call the
-# compiler leaves alone. It runs as the eager step runs (the step size on
-# the host, torch's fused kernel), so a compiled step equals the eager one
-# bit for bit. Its schema names what it writes; Inductor calls it on the
-# tensors themselves (no copies).
+# `lossscale::fused_adam_`: a traced Adam step on the CPU as one call the compiler leaves
+# alone, run as the eager step, so a compiled step equals the eager one bit for bit. Its
+# schema names what it writes; Inductor calls it on the tensors themselves (no copies).
 _LIBRARY = torch.library.Library("lossscale", "FRAGMENT")
 _LIBRARY.define(
     "fused_adam_(Tensor(a!)[] params, Tensor(e!)[] grads, Tensor(b!)[] momentums, "
@@ -237,9 +224,7 @@ _traced_adam = torch.ops.lossscale.fused_adam_.default
 def _unscaled(group, grads, grad_scale):
     """The group's gradients as `update_step` gets them: divided by `grad_scale` (if any).
 
-    For the rules that do not take the scale into a kernel: divided in
-    place as `ops.unscale` divides them (half gradients into float32
-    copies), then cast to the group's dtype.
+    Divided in place as `ops.unscale` divides them, then cast to the group's dtype.
     """
     if grad_scale is None:
         return group.grads(grads)
@@ -261,11 +246,9 @@ def _kernel_scale(grad_scale, group):
 def _adam_step_size(hyper, group, lr, iterations):
     """Keras's `alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)`, in few kernels.
 
-    Both powers in one `pow` of the pair `(beta_1, beta_2)`: on a two-element
-    tensor torch computes each element as it computes a 0-d one (bit for
-    bit, which tests/backends/torch/test_fused.py checks against `update_step`).
-    Eager, `1 - powers` is written into the group's pair buffer, whose two
-    elements are views made once: no `unbind` per step.
+    Both powers in one `pow` of the pair `(beta_1, beta_2)`, each bit for bit as a 0-d
+    one. Eager, `1 - powers` goes into the group's pair buffer, whose two elements
+    are views made once: no `unbind` per step.
     """
     betas = ops.constant((hyper.beta_1, hyper.beta_2), group.dtype, group.device)
     powers = torch.pow(betas, foreach.step_count(iterations, group))
@@ -326,8 +309,6 @@ def sgd(
                     found_inf=write.found_inf(),
                 )
                 continue
-            # Momentum: one kernel call, its gradients, dampening and scale
-            # chosen first.
             dampening = _lr_as_dampening(hyper, group, group_lr, cache)
             if dampening is not None:
                 step_grads, kernel_scale = group.grads(grads), _kernel_scale(grad_scale, group)
@@ -357,14 +338,10 @@ def sgd(
 def _lr_as_dampening(hyper, group, lr, cache):
     """`1 + lr`, read on the host, where torch's `1 - dampening` is then exactly `-lr`; else None.
 
-    torch's buffer update is `momentum * buf + (1 - dampening) * g`: given
-    that dampening it is Keras-on-torch's `_foreach_mul_(m, momentum)` then
-    `_foreach_add_(m, g, alpha=-lr)`, in the kernel's one pass, with no
-    `-lr * g` tensors (a write and a read of every gradient fewer). Only
-    without Nesterov (torch's Nesterov term adds the raw gradient), for a
-    learning rate on a `HOST_READABLE` device (reading it waits for
-    nothing; kept while the tensor is unwritten), and where `1 + lr` is
-    exact in double precision: a float32 rate from 2**-29 up.
+    Keras-on-torch's momentum update in the kernel's one pass, with no `-lr * g`
+    tensors. Only without Nesterov (torch's Nesterov term adds the raw gradient),
+    for a rate on a `HOST_READABLE` device (no wait), and where `1 + lr` is exact
+    in double precision: a float32 rate from 2**-29 up.
     """
     if hyper.nesterov or group.device.type not in multi.HOST_READABLE:
         return None

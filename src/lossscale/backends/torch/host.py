@@ -25,8 +25,7 @@ are taken from torch itself:
   pair of betas, `_powf_agrees` compares the two on a table of steps.
 - `sqrt`: torch's CPU float32 `sqrt` is not correctly rounded (torch
   2.13's CPU build: one unit in the last place off for about one value in
-  seven). Its
-  argument `1 - beta_2**t` depends on the step alone, so torch computes it
+  seven). Its argument `1 - beta_2**t` depends on the step alone, so torch computes it
   for `ROOT_BLOCK` steps at once, kept in the kernel cache: three
   operations every `ROOT_BLOCK` steps, none once `1 - beta_2**t` has
   reached 1. `_sqrt_agrees` checks once that torch's root of each value
@@ -59,10 +58,7 @@ ROOT_BLOCK = 256
 
 
 def float32(value):
-    """`value` (a Python float) rounded to the nearest float32, as a Python float.
-
-    As IEEE rounding does, a value beyond float32's range becomes an infinity.
-    """
+    """`value` rounded to the nearest float32 (beyond its range: an infinity), as a Python float."""
     return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
 
 
@@ -116,23 +112,13 @@ def adam_step_size(beta_1, beta_2, iterations, lr, group, cache):
     return alpha if math.isfinite(alpha) else None  # an infinite rate: left to the device
 
 
-def _step_count(step):
-    """`t = iterations + 1`, cast to float32 as the device stores it."""
-    return float32(float(step + 1))
-
-
 def _bias(beta, step):
-    """`1 - beta**t` in float32, as the device rounds it."""
-    return float32(1.0 - _powf(beta, _step_count(step)))
+    """`1 - beta**t` in float32 (`t = float32(step + 1)`), as the device rounds it."""
+    return float32(1.0 - _powf(beta, float32(float(step + 1))))
 
 
 def _biases(beta_1, beta_2, step, cache):
-    """`(1 - beta_1**t, torch's float32 sqrt(1 - beta_2**t))` at `step`.
-
-    Both depend on the step alone: they are computed for `ROOT_BLOCK` steps
-    at once and kept in the kernel cache, so a step reads two numbers (the
-    roots by one torch `sqrt` per block, none once `1 - beta_2**t` is 1).
-    """
+    """`(1 - beta_1**t, torch's float32 sqrt(1 - beta_2**t))` at `step` (see the module doc)."""
     key = ("torch host biases", beta_1, beta_2)
     block = cache.get(key)
     if block is None or not 0 <= step - block[0] < len(block[1]):
@@ -170,11 +156,7 @@ def _powf(base, exponent):
 
 @functools.cache
 def _powf_agrees(beta_1, beta_2):
-    """Whether `powf` equals torch's CPU `pow` of the pair `(beta_1, beta_2)` at `CHECKED_STEPS`.
-
-    Checked once per pair of betas, with the same two-element tensor the
-    device path raises to the power.
-    """
+    """Whether `powf` equals torch's CPU `pow` of the pair `(beta_1, beta_2)` at `CHECKED_STEPS`."""
     if _POWF is None:
         return False
     betas = torch.tensor((beta_1, beta_2), dtype=torch.float32)

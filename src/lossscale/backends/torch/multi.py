@@ -31,11 +31,10 @@ def groups(tensors):
     return [(device, dtype, indices) for (device, dtype), indices in found.items()]
 
 
-# The last CPU `unscale` copies, kept alive until the next call: freed at
-# once, hundreds of MiB of gradients go back to the OS and the next step
-# faults every page in again (about 9x the cost of the division itself with
-# glibc); held one step longer, the allocator reuses them. CUDA's caching
-# allocator needs no such help.
+# The last CPU `unscale` copies, kept alive until the next call: freed at once, hundreds
+# of MiB go back to the OS and the next step faults every page in again (about 9x the
+# division's cost with glibc); held a step longer, the allocator reuses them (CUDA's
+# caching allocator needs no such help).
 _RECENT_CPU_COPIES = []
 
 
@@ -61,8 +60,7 @@ def unscale(grads, scale, in_place=False):
     for device, dtype, indices in parts:
         group = [grads[i] for i in indices]
         if dtype.itemsize < 4:
-            # Half gradients are unscaled in float32: the copy is ours, so
-            # the division can run in place on it.
+            # Half gradients are unscaled in float32 copies: ours to divide in place.
             group = [g.float() for g in group]
             torch._foreach_div_(group, scale.to(device=device, dtype=torch.float32))
             copies.extend(group)
@@ -87,16 +85,11 @@ _requires_grad = operator.attrgetter("requires_grad")
 def _writable(tensors):
     """Whether each of `tensors` may be divided in place.
 
-    Not part of an autograd graph, none given twice, and each one's
-    elements at addresses of their own, shared with no other
-    (`layout.own_memory`: an expanded gradient, which `torch.autograd.grad`
-    returns for a weight used only through a sum, cannot be written in
-    place, and overlapping views would be divided twice where they
-    overlap).
-
-    Not while `torch.compile` traces: the compiler fuses the division into
-    the step without a copy anyway, and the identity check would make it
-    guard on every step's fresh gradient objects.
+    Not part of an autograd graph, none given twice, none sharing memory
+    (`layout.own_memory`: an expanded gradient cannot be written in place,
+    and overlapping views would be divided twice). Not while `torch.compile`
+    traces: it fuses the division anyway, and the identity check would guard
+    on every step's fresh gradient objects.
     """
     if torch.compiler.is_compiling():
         return False
@@ -110,26 +103,19 @@ def _writable(tensors):
 def finite_flags(arrays):
     """Whether every element of `arrays` is finite, as `(finite, skip)`.
 
-    `finite` is a boolean 0-d tensor, `skip` the same flag in torch's AMP
-    form (float32, 1.0 where some element is inf or NaN): what the fused
-    optimizer kernels take as `found_inf` and `_amp_update_scale_` reads.
-    One `_amp_foreach_non_finite_check_and_unscale_` per (device, dtype)
-    group, at scale 1: that kernel stores every value it reads, unchanged,
-    so `arrays` must be the caller's own (unscaled copies, or gradients it
-    may write).
+    `finite` is a boolean 0-d tensor, `skip` the same flag in torch's AMP form
+    (float32, 1.0 where not finite: the fused kernels' `found_inf`). One AMP check
+    per (device, dtype) group at scale 1, which stores every value it reads back
+    unchanged: `arrays` must be the caller's own to write.
     """
     arrays = _floats(arrays)
     if not arrays:
         return torch.tensor(True), torch.zeros(())
     if torch.compiler.is_compiling():
-        # The compiler fuses these reductions into the loops that wrote
-        # `arrays`; the AMP kernel would be an opaque call on functional
-        # copies of every array. Small arrays are concatenated first, as
-        # `_cpu_peak` packs them: Inductor's CPU code opens a parallel
-        # region per reduction, which for a small array costs more than
-        # its bytes. Chained with `&`, not stacked: Inductor's wrapper then
-        # allocates one 0-d buffer per reduction, where a stack cost two
-        # buffer calls per reduction and one more.
+        # The compiler fuses these reductions into the loops that wrote `arrays` (the AMP
+        # kernel would be opaque). Small arrays are concatenated first: Inductor opens a
+        # parallel region per reduction. Chained with `&`, not stacked: one 0-d buffer per
+        # reduction, where a stack cost two buffer calls per reduction and one more.
         finite = None
         for _, _, indices in groups(arrays):
             group = [arrays[i] for i in indices]
@@ -152,18 +138,12 @@ def finite_flags(arrays):
 def unscale_checked(grads, scale, in_place=False):
     """`(unscaled, finite, skip)`: `unscale(grads, scale, in_place)` and its `finite_flags`.
 
-    In one pass where that is exact: torch's AMP kernel multiplies each
-    gradient by `1 / scale` and flags a non-finite value among those it
-    reads. That is the division, bit for bit, when `1 / scale` is exact (a
-    power-of-two scale up to 2**126), and checks the unscaled values when
-    dividing cannot overflow (a scale of at least 1): a finite gradient then
-    stays finite, and inf or NaN stays what it is. Whether the scale is such
-    a number is read on the host only for a CPU scale, where reading it
-    waits for nothing; under `torch.compile`, for a device scale, for other
-    scales, and where the gradients may not be written in place (float32
-    ones that are not the caller's to hand over), the gradients are divided
-    and then checked, which catches a gradient that overflows only when
-    divided.
+    In one pass where that is exact: torch's AMP kernel multiplies by `1 / scale`
+    and flags non-finite values it reads, which is the division bit for bit for a
+    power-of-two scale up to 2**126, and cannot overflow for a scale of at least 1.
+    The scale is read on the host only on the CPU (no wait). Otherwise (compiled, a
+    device or other scale, gradients not the caller's to write) they are divided
+    and then checked, which catches a gradient that overflows only when divided.
     """
     grads = [unwrap(g) for g in grads]
     parts = groups(grads) if grads else ()
@@ -208,9 +188,8 @@ HOST_READABLE = frozenset({"cpu"})
 def _exact_inverse(scale):
     """`1 / scale` where multiplying by it divides exactly and cannot overflow, else None.
 
-    Only for a 0-d tensor on a `HOST_READABLE` device, outside
-    `torch.compile`: a power of two from 1 to 2**126, whose inverse is a
-    normal float32.
+    Only for a 0-d tensor on a `HOST_READABLE` device, outside `torch.compile`: a
+    power of two from 1 to 2**126, whose inverse is a normal float32.
     """
     if (
         not isinstance(scale, torch.Tensor)
@@ -226,10 +205,7 @@ def _exact_inverse(scale):
 
 
 def _amp_check(tensors, inverse, device):
-    """torch's AMP kernel over one (device, dtype) group: `tensors *= inverse`, in place.
-
-    Returns its float32 flag: 1.0 where some value it read is inf or NaN.
-    """
+    """torch's AMP kernel on one group (`tensors *= inverse`): 1.0 where a value was not finite."""
     found = torch.zeros((), dtype=torch.float32, device=device)
     try:
         torch._amp_foreach_non_finite_check_and_unscale_(
@@ -293,10 +269,8 @@ def all_finite(arrays):
     arrays = _floats(arrays)
     if not arrays:
         return torch.tensor(True)
-    # Multi-tensor reductions per group and a small one on top: the flag
-    # stays on the device. Each group is tested in its own dtype, so a large
-    # finite float64 value is not mistaken for an overflow; NaN propagates
-    # through both reductions.
+    # Per-group reductions on the device, each in its own dtype (a large float64 is
+    # no overflow); NaN propagates through both reductions.
     return _combine(_group_flags(arrays)).all()
 
 
@@ -361,9 +335,8 @@ def finite_unscaled(arrays, scale):
 # tensor costs several times the bytes it reads (on 400 tensors holding 1M
 # floats, 0.8 ms against 0.3 ms packed). Larger ones are reduced in place.
 PACK_BELOW = 1 << 16
-# At most this many elements are packed (16 MiB of float32): the buffer is
-# memory kept between steps, and past a few million elements the calls it
-# saves no longer matter.
+# At most this many elements are packed (16 MiB of float32): the buffer is kept between
+# steps, and past a few million elements the calls it saves no longer matter.
 PACK_CAPACITY = 1 << 22
 # Packing buffers by (dtype, shapes), one set per thread (two threads may
 # check gradients of the same shapes at once); the last few kept.
@@ -391,8 +364,7 @@ def split_small(tensors):
 
 def _cpu_peak(group):
     """Largest |x| over one CPU (dtype) group, as a float32 scalar; NaN if any NaN."""
-    # torch's inf-norm is a slow generic reduction on CPU; min and max in one
-    # pass are not (NaN propagates through both).
+    # Not torch's slow CPU inf-norm: min and max in one pass (NaN propagates through both).
     positions, others = split_small(group)
     small, reduced = [group[i] for i in positions], [group[i] for i in others]
     if len(small) < 2 or dtensors.is_dtensor(small[0]):
@@ -417,10 +389,8 @@ def _packed(tensors):
     entry = packs.pop(key, None)
     if entry is None:
         flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
-        entry = (
-            flat,
-            [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)],
-        )
+        views = [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+        entry = (flat, views)
         while len(packs) >= _PACKS_KEPT:
             packs.pop(next(iter(packs)))
     packs[key] = entry  # most recently used last
